@@ -1,0 +1,36 @@
+# Two commands from a clean clone: `make demo` (the main training job) and `make test` (the suite).
+# Each creates .venv on first use. TORCH picks the torch build: the CPU wheel of 2.13.0 by default
+# (it lies on this machine's disk); a GPU user installs a CUDA build first, or runs e.g.
+#   make TORCH="torch --index-url https://download.pytorch.org/whl/cu126" demo
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test lint format experiments clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) experiments/train_charlm.py
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+experiments: $(VENV)/.installed
+	$(PY) experiments/run_all.py
+
+clean:
+	rm -rf $(VENV) runs lightning_logs .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Lightning callbacks: exact gradient accumulation, all-reduced metrics, crash-safe checkpoints."""

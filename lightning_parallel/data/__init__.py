@@ -1,0 +1,1 @@
+"""Distributed samplers: evaluation without padding, resumable training."""

@@ -1,0 +1,1 @@
+"""Atomic, durable checkpoint files and the background writer."""

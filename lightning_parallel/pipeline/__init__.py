@@ -1,0 +1,1 @@
+"""Pure-torch pipeline mechanics (no Lightning imports): partition, plan, mesh, runner, state."""

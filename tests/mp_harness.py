@@ -1,0 +1,122 @@
+"""Run a Lightning Trainer on N CPU processes (gloo, spawn) and bring every rank's results back.
+
+The tests use Lightning the way users do: ``Trainer(accelerator="cpu", devices=N, strategy=...)``.
+Each rank writes what the test wants to see to ``out_dir/rank{R}.pt`` when fitting ends, so the
+test reads all ranks, not only the rank-0 value that Lightning's spawn launcher returns.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+__all__ = ["RankRecorder", "assert_close_dicts", "fit", "load_rank_results", "reference_loader"]
+
+
+def reference_loader(dataset: Dataset, global_batch_size: int, seed: int = 0) -> DataLoader:
+    """A one-process loader whose step k holds exactly the samples that N ranks see together at step k.
+
+    Lightning injects ``DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED or 0)`` into every training
+    loader of a multi-process run (even one built with ``shuffle=False``). Rank r takes
+    ``perm[r::N]`` of that sampler's permutation, so the N batches of step k together are
+    ``perm[k*B*N:(k+1)*B*N]``: the same sampler with one replica yields them in this order.
+    """
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=global_batch_size, sampler=sampler)
+
+
+class RankRecorder(Callback):
+    """Record the per-step training loss and the final parameters of every rank into ``out_dir``."""
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.out_dir = str(out_dir)
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
+        if loss is not None:
+            self.losses.append(float(loss))
+
+    def _dump(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        record = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "losses": self.losses,
+            "params": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
+            "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "extra": getattr(pl_module, "recorded", None),
+        }
+        os.makedirs(self.out_dir, exist_ok=True)
+        torch.save(record, os.path.join(self.out_dir, f"{stage}-rank{trainer.global_rank}.pt"))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._dump(trainer, pl_module, "fit")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate":
+            self._dump(trainer, pl_module, "validate")
+
+
+def fit(
+    model: L.LightningModule,
+    train_dataloaders: Any,
+    out_dir: str | os.PathLike,
+    devices: int = 1,
+    strategy: Any = "auto",
+    **trainer_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Fit ``model`` on ``devices`` CPU processes and return the records of every rank, by rank."""
+    defaults = dict(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    defaults.update(trainer_kwargs)
+    callbacks = [*defaults.pop("callbacks", []), RankRecorder(out_dir)]
+    trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=callbacks, **defaults)
+    trainer.fit(model, train_dataloaders=train_dataloaders)
+    return load_rank_results(out_dir, "fit")
+
+
+def load_rank_results(out_dir: str | os.PathLike, stage: str = "fit") -> list[dict[str, Any]]:
+    """Read back the ``rank{R}.pt`` records that the ranks wrote, ordered by global rank."""
+    paths = glob.glob(str(Path(out_dir) / f"{stage}-rank*.pt"))
+    records = [torch.load(p, weights_only=False) for p in paths]
+    records.sort(key=lambda r: r["rank"])
+    if not records:
+        raise AssertionError(f"no rank wrote its results to {out_dir}")
+    return records
+
+
+def assert_close_dicts(
+    actual: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> None:
+    """Assert two state dicts have the same keys and numerically close values; name the worst key."""
+    assert set(actual) == set(expected), (
+        f"keys differ: missing {sorted(set(expected) - set(actual))}, "
+        f"unexpected {sorted(set(actual) - set(expected))}"
+    )
+    worst = max(
+        ((k, (actual[k].double() - expected[k].double()).abs().max().item()) for k in expected),
+        key=lambda kv: kv[1],
+        default=("", 0.0),
+    )
+    for k in expected:
+        torch.testing.assert_close(
+            actual[k], expected[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}"
+        )
+    assert worst[1] <= atol + rtol * 10, f"largest difference {worst[1]:.3e} at {worst[0]}"

@@ -1,0 +1,66 @@
+"""The suite's deadlock guard: a multi-process test stuck in a collective fails by timeout, fast."""
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+from tiny_models import SequentialRegressor, loader, regression_data
+
+
+class _OneRankBlocks(SequentialRegressor):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 0:
+            dist.barrier()  # rank 1 never joins: a real deadlock, not a simulated one
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.hang_guard
+@pytest.mark.timeout(20)
+def test_deliberate_deadlock():
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_OneRankBlocks(), loader(regression_data(), 8))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_deadlocked_test_fails_by_timeout_with_a_message():
+    marker = f"LP_HANG_GUARD={uuid.uuid4().hex}"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "hang_guard", "-p", "no:cacheprovider", __file__],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        cwd=os.path.dirname(__file__),
+        env={**os.environ, "LP_HANG_GUARD": marker.split("=")[1]},
+    )
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "Timeout" in out and "1 failed" in out, out[-3000:]
+    assert elapsed < 120, f"the hang took {elapsed:.0f} s to fail"
+    # The guard also reclaims the stuck ranks: no process of that run is left behind.
+    deadline = time.monotonic() + 10  # a killed process may take a moment to be reaped
+    while (left := _processes_with_env(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [], f"processes of the deadlocked run still alive: {left}"
+
+
+def _processes_with_env(entry: str) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry.encode() in f.read().split(b"\0"):
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids

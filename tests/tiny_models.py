@@ -1,0 +1,50 @@
+"""Tiny models and data sets shared by the tests: small enough for N processes on 2 cores."""
+
+from __future__ import annotations
+
+import itertools
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def regression_data(n: int = 64, d_in: int = 8, d_out: int = 4, seed: int = 0) -> TensorDataset:
+    """A fixed random regression data set (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    w = torch.randn(d_in, d_out, generator=g)
+    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, d_out, generator=g))
+
+
+def loader(dataset, batch_size: int, shuffle: bool = False, drop_last: bool = False) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
+
+
+class SequentialRegressor(L.LightningModule):
+    """An MLP held in one top-level ``nn.Sequential``, the shape PipelineStrategy splits."""
+
+    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4, depth: int = 4, lr: float = 0.1):
+        super().__init__()
+        self.lr = lr
+        dims = [d_in] + [hidden] * (depth - 1)
+        blocks = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(dims)]
+        self.layers = nn.Sequential(*blocks, nn.Linear(dims[-1], d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
