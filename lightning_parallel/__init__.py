@@ -4,10 +4,18 @@ Importing the package registers its strategies in Lightning's ``StrategyRegistry
 ``Trainer(strategy="pipeline")`` works after ``import lightning_parallel``.
 """
 
+from lightning_parallel.callbacks.accumulation import GradientAccumulationScheduler
+from lightning_parallel.callbacks.checkpoint import Rank0Checkpoint
+from lightning_parallel.callbacks.metrics import AllReducedMetrics
 from lightning_parallel.strategies import register_strategies
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "AllReducedMetrics",
+    "GradientAccumulationScheduler",
+    "Rank0Checkpoint",
+    "__version__",
+]
 
 register_strategies()
