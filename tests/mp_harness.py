@@ -16,9 +16,35 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-__all__ = ["RankRecorder", "assert_close_dicts", "fit", "load_rank_results", "reference_loader"]
+from lightning_parallel.strategies.launcher import CleanExitMultiProcessingLauncher
+
+__all__ = [
+    "RankRecorder",
+    "SpawnDDPStrategy",
+    "assert_close_dicts",
+    "ddp_spawn",
+    "fit",
+    "load_rank_results",
+    "reference_loader",
+]
+
+
+class SpawnDDPStrategy(DDPStrategy):
+    """Lightning's ``ddp_spawn``, with the launcher that releases the process group at worker exit."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(start_method="spawn", **kwargs)
+
+    def _configure_launcher(self) -> None:
+        self._launcher = CleanExitMultiProcessingLauncher(self, start_method=self._start_method)
+
+
+def ddp_spawn(**kwargs: Any) -> SpawnDDPStrategy:
+    """The DDP strategy the tests use where a user would write ``strategy="ddp_spawn"``."""
+    return SpawnDDPStrategy(**kwargs)
 
 
 def reference_loader(dataset: Dataset, global_batch_size: int, seed: int = 0) -> DataLoader:

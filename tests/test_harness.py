@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from mp_harness import assert_close_dicts, fit, reference_loader
+from mp_harness import assert_close_dicts, ddp_spawn, fit, reference_loader
 from tiny_models import SequentialRegressor, loader, regression_data
 
 
@@ -19,7 +19,7 @@ def test_ddp_spawn_matches_single_process(tmp_path, devices):
     ref = _reference(tmp_path, batch_size=16)
     torch.manual_seed(0)
     model = SequentialRegressor()
-    records = fit(model, loader(regression_data(), 16 // devices), tmp_path / "ddp", devices, "ddp_spawn")
+    records = fit(model, loader(regression_data(), 16 // devices), tmp_path / "ddp", devices, ddp_spawn())
     assert [r["rank"] for r in records] == list(range(devices))
     for record in records:
         assert_close_dicts(record["params"], ref["params"])
