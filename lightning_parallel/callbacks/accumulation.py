@@ -1,10 +1,369 @@
-"""GradientAccumulationScheduler (being written: see its issue)."""
+"""GradientAccumulationScheduler: a fixed (or ramped) global batch, exact at any device count.
 
+Loss-weighting protocol (what other strategies can rely on):
+
+* Lightning divides the value returned by ``training_step`` by ``trainer.accumulate_grad_batches``
+  before backward. This callback sets ``trainer.accumulate_grad_batches`` to the nominal factor of the
+  current accumulation window and, in ``on_train_batch_start``, a multiplier ``m_i = factor x n_i /
+  N_window`` (``n_i`` samples in batch ``i`` on this rank, ``N_window`` samples in this rank's window).
+* It wraps ``pl_module.training_step`` on the instance (so every caller sees it, including a strategy that
+  calls it once per micro-batch) and multiplies the returned loss (the tensor, or ``"loss"`` of a dict) by
+  ``m_i``; the same ``m_i`` for every call within one batch. The backward losses of a window then add up
+  to ``sum n_i*loss_i / N_window``: the mean over the samples the step saw, also for the epoch's last, short
+  window and a short last batch. A strategy that splits a batch into micro-batches weights each by
+  ``n_mb / n_batch`` and divides by ``trainer.accumulate_grad_batches`` read at the step; that composes.
+* DDP averages over replicas, which is the global sample mean because every replica has the same sample
+  count per window (checked once at train start).
+
+Window boundaries follow Lightning (``batch_idx % accumulate_grad_batches``) whenever the factor is fixed
+within an epoch; only a ``global_batch_size`` ramp keyed by optimizer step needs the override in
+:func:`_override_window_boundaries`.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_parallel.data.batching import (
+    AccumulationPlan,
+    Window,
+    check_equal_across_replicas,
+    epoch_batch_sizes,
+    loss_multiplier,
+    next_window,
+    plan_from_factors,
+    plan_from_global_batch,
+    validate_schedule,
+)
+
+__all__ = ["GradientAccumulationScheduler"]
 
 
 class GradientAccumulationScheduler(Callback):
-    """Placeholder until its issue lands; using it raises."""
+    """Accumulate gradients so every optimizer step sees a given global batch, with the exact sample mean.
 
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError("GradientAccumulationScheduler has not landed yet")
+    Give either ``scheduling`` (Lightning's ``{epoch: factor}``, meaning what it means in
+    ``lightning.pytorch.callbacks.GradientAccumulationScheduler``) or ``global_batch_size`` (an int, or
+    ``{optimizer step: size}`` for a warm-up ramp). With ``global_batch_size`` the factor is
+    ``global_batch_size / (per-device batch x data-parallel replicas)``, read from the real train
+    dataloader and the strategy's ``distributed_sampler_kwargs["num_replicas"]`` when training starts.
+    A factor change takes effect at the next window boundary. ``global_batch_size`` and
+    ``accumulate_grad_batches`` are logged (rank 0) whenever they change.
+
+    Args:
+        scheduling: ``{epoch: factor}``; epochs before the first key accumulate 1 batch.
+        global_batch_size: samples per optimizer step over all replicas; an int or ``{step: size}``
+            (the ramp must give step 0).
+
+    Raises:
+        TypeError: non-int keys or values, or both / neither argument given.
+        ValueError: non-positive values, negative or non-increasing keys (here); at ``setup`` or
+            train start: ``Trainer(accumulate_grad_batches>1)``, manual optimization, a strategy that
+            accumulates by itself, a global batch that the loader cannot give exactly (with the nearest
+            valid choices), a loader without a fixed batch size or a length.
+
+    Example::
+
+        from lightning_parallel import GradientAccumulationScheduler
+
+        # 256 samples per optimizer step, whatever the device count and per-device batch
+        trainer = L.Trainer(devices=4, callbacks=[GradientAccumulationScheduler(global_batch_size=256)])
+        # warm-up: 64 samples per step for the first 1000 optimizer steps, then 256
+        GradientAccumulationScheduler(global_batch_size={0: 64, 1000: 256})
+        # Lightning's form
+        GradientAccumulationScheduler(scheduling={0: 8, 4: 4})
+    """
+
+    def __init__(
+        self,
+        scheduling: Mapping[int, int] | None = None,
+        *,
+        global_batch_size: int | Mapping[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        if (scheduling is None) == (global_batch_size is None):
+            raise TypeError(
+                "give exactly one of scheduling={epoch: factor} or global_batch_size=int | {step: size}, "
+                f"got scheduling={scheduling!r}, global_batch_size={global_batch_size!r}"
+            )
+        if scheduling is not None:
+            if not isinstance(scheduling, Mapping):
+                raise TypeError(
+                    f"scheduling must be a dict {{epoch: factor}}, got {type(scheduling).__name__}"
+                )
+            self.scheduling: dict[int, int] | None = validate_schedule(scheduling, "scheduling", "epoch")
+            self.global_batch_size: dict[int, int] | None = None
+        else:
+            self.scheduling = None
+            self.global_batch_size = validate_schedule(
+                global_batch_size, "global_batch_size", "optimizer step"
+            )
+            plan_from_global_batch(self.global_batch_size, 1, 1)  # checks the ramp starts at step 0
+        self.plan: AccumulationPlan | None = None
+        self._batch_sizes: tuple[int, ...] = ()
+        self._window: Window | None = None
+        self._multiplier = 1.0
+        self._logged: tuple[int, int] | None = None
+        self._restore: list[Callable[[], None]] = []
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "GradientAccumulationScheduler needs automatic optimization, and this LightningModule sets "
+                "automatic_optimization = False: remove the callback, or accumulate by hand in "
+                "training_step (scale each loss by its samples / the window's samples, step every k batches)"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
+                "GradientAccumulationScheduler both set the accumulation: remove accumulate_grad_batches "
+                "from the Trainer (the callback sets it)"
+            )
+        if trainer.strategy.handles_gradient_accumulation:
+            raise ValueError(
+                f"{type(trainer.strategy).__name__} accumulates gradients by itself "
+                "(handles_gradient_accumulation=True), so GradientAccumulationScheduler cannot set its "
+                "windows: configure accumulation in the strategy instead"
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        per_device, num_samples, drop_last = _loader_layout(trainer.train_dataloader)
+        dp_size = _data_parallel_size(trainer.strategy)
+        layout = [per_device, num_samples, int(drop_last), _num_batches(trainer)]
+        gathered = trainer.strategy.all_gather(torch.tensor(layout, device=trainer.strategy.root_device))
+        rows = gathered.reshape(-1, len(layout)).tolist()
+        check_equal_across_replicas(rows, ["batch_size", "samples", "drop_last", "batches"])
+        if self.global_batch_size is not None:
+            self.plan = plan_from_global_batch(self.global_batch_size, per_device, dp_size)
+        else:
+            self.plan = plan_from_factors(self.scheduling, per_device, dp_size)
+        rank_zero_info(f"GradientAccumulationScheduler plan:\n{self.plan.format_table()}")
+        self._restore.append(_install_loss_multiplier(pl_module, lambda: self._multiplier))
+        if self.plan.changes_mid_epoch:
+            self._restore.append(
+                _override_window_boundaries(trainer, self._is_window_end, self._is_window_start)
+            )
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        per_device, num_samples, drop_last = _loader_layout(trainer.train_dataloader)
+        self._batch_sizes = epoch_batch_sizes(num_samples, per_device, _num_batches(trainer), drop_last)
+        self._window = None
+        if self.plan is not None and self.plan.unit == "epoch":
+            # Lightning's own callback sets the factor here; keep that for code reading it at epoch start.
+            trainer.accumulate_grad_batches = self.plan.factor_at(trainer.current_epoch)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._window is None or batch_idx not in self._window:
+            self._start_window(trainer, batch_idx)
+        window = self._window
+        expected = self._batch_sizes[batch_idx] if batch_idx < len(self._batch_sizes) else None
+        actual = _batch_samples(batch)
+        if actual is not None and actual != expected:
+            warnings.warn(
+                f"batch {batch_idx} has {actual} samples where the loader's layout says {expected}: "
+                "this step's mean is weighted by the layout, not the batch",
+                stacklevel=2,
+            )
+        n_i = expected if expected is not None else (actual or 0)
+        self._multiplier = loss_multiplier(window, n_i, trainer.accumulate_grad_batches)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._multiplier = 1.0
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        while self._restore:
+            self._restore.pop()()
+        self._window = None
+        self._multiplier = 1.0
+
+    def _start_window(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        index = trainer.global_step if self.plan.unit == "step" else trainer.current_epoch
+        phase = self.plan.phase_at(index)
+        self._window = next_window(batch_idx, phase.factor, self._batch_sizes)
+        trainer.accumulate_grad_batches = phase.factor
+        if self._logged != (phase.global_batch_size, phase.factor):
+            self._logged = (phase.global_batch_size, phase.factor)
+            self._log_change(trainer, phase.global_batch_size, phase.factor)
+
+    def _log_change(self, trainer: pl.Trainer, global_batch_size: int, factor: int) -> None:
+        rank_zero_info(
+            f"step {trainer.global_step}: global_batch_size={global_batch_size}, "
+            f"accumulate_grad_batches={factor}"
+        )
+        if trainer.is_global_zero:
+            metrics = {
+                "global_batch_size": float(global_batch_size),
+                "accumulate_grad_batches": float(factor),
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _is_window_end(self, batch_idx: int) -> bool | None:
+        if self._window is None or batch_idx not in self._window:
+            return None
+        return batch_idx == self._window.stop - 1
+
+    def _is_window_start(self, batch_idx: int) -> bool | None:
+        if self._window is None or batch_idx not in self._window:
+            return None
+        return batch_idx == self._window.start
+
+
+def _data_parallel_size(strategy: pl.strategies.Strategy) -> int:
+    """Replicas that split each batch: ``num_replicas`` of the sampler kwargs (not the world size), else 1."""
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+    return int(kwargs.get("num_replicas", 1)) if kwargs else 1
+
+
+def _num_batches(trainer: pl.Trainer) -> int:
+    num = trainer.num_training_batches
+    if num == float("inf"):
+        raise ValueError(
+            "GradientAccumulationScheduler needs a train dataloader with a length (the epoch's last window "
+            "must be known to weight it exactly): give the dataset a __len__ or set limit_train_batches"
+        )
+    return int(num)
+
+
+def _loader_layout(loader: Any) -> tuple[int, int, bool]:
+    """(per-device batch size, samples per epoch on this rank, drop_last) of the real train dataloader."""
+    if not isinstance(loader, DataLoader):
+        raise TypeError(
+            "GradientAccumulationScheduler needs one torch DataLoader for training, got "
+            f"{type(loader).__name__}: "
+            "combine several loaders into one dataset"
+        )
+    batch_sampler = loader.batch_sampler
+    batch_size = (
+        loader.batch_size if loader.batch_size is not None else getattr(batch_sampler, "batch_size", None)
+    )
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"the train dataloader has no fixed batch size (batch_size={batch_size!r}): use "
+            "DataLoader(batch_size=...) or a batch_sampler with an int .batch_size"
+        )
+    sampler = getattr(batch_sampler, "sampler", None) or loader.sampler
+    try:
+        num_samples = len(sampler)
+    except TypeError:
+        raise ValueError(
+            f"the train dataloader's sampler ({type(sampler).__name__}) has no length: exact accumulation "
+            "needs to know each batch's samples ahead; use a map-style dataset"
+        ) from None
+    return batch_size, num_samples, bool(getattr(batch_sampler, "drop_last", loader.drop_last))
+
+
+def _batch_samples(batch: Any) -> int | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return extract_batch_size(batch)
+    except Exception:
+        return None
+
+
+def _scale(output: Any, multiplier: float) -> Any:
+    if multiplier == 1.0 or output is None:
+        return output
+    if isinstance(output, Mapping):
+        return {**output, "loss": output["loss"] * multiplier}
+    return output * multiplier
+
+
+def _install_loss_multiplier(
+    pl_module: pl.LightningModule, multiplier: Callable[[], float]
+) -> Callable[[], None]:
+    """Wrap ``pl_module.training_step`` on the instance to scale its loss; return the undo function."""
+    own = vars(pl_module)
+    had_own, previous = "training_step" in own, own.get("training_step")
+    inner = pl_module.training_step
+
+    @functools.wraps(inner)
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        return _scale(inner(*args, **kwargs), multiplier())
+
+    pl_module.training_step = training_step
+
+    def restore() -> None:
+        if had_own:
+            pl_module.training_step = previous
+        else:
+            vars(pl_module).pop("training_step", None)
+
+    return restore
+
+
+def _override_window_boundaries(
+    trainer: pl.Trainer,
+    is_window_end: Callable[[int], bool | None],
+    is_window_start: Callable[[int], bool | None],
+) -> Callable[[], None]:
+    """Make Lightning step and zero gradients at our windows' edges; return the undo function.
+
+    Lightning 2.6.6 decides both by modulo of the in-epoch batch index: ``TrainingEpochLoop.
+    _accumulated_batches_reached`` (``ready % accumulate_grad_batches == 0``, behind every
+    ``_should_accumulate``: DDP no_sync, optimizer step, LR scheduler step, logging) and
+    ``_AutomaticOptimization._make_zero_grad_fn`` (``batch_idx % accumulate_grad_batches == 0``). A ramp keyed
+    by optimizer step changes the factor mid-epoch, where windows no longer start at multiples of the
+    factor, and no public hook can move these decisions. Both are private (checked against 2.6.6):
+    test_accumulation.py fails loudly if they go away. Where our window is unknown (a restart before the
+    first batch), Lightning's own rule answers.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    automatic = epoch_loop.automatic_optimization
+    for owner, name in ((epoch_loop, "_accumulated_batches_reached"), (automatic, "_make_zero_grad_fn")):
+        if not callable(getattr(type(owner), name, None)):
+            raise RuntimeError(
+                f"{type(owner).__name__}.{name} is gone from this Lightning version ({pl.__version__}); "
+                "GradientAccumulationScheduler's step-keyed ramp was written against 2.6.6"
+            )
+    lightning_reached = epoch_loop._accumulated_batches_reached
+    lightning_zero_grad_fn = automatic._make_zero_grad_fn
+
+    def accumulated_batches_reached() -> bool:
+        answer = is_window_end(epoch_loop.batch_progress.current.ready - 1)
+        return lightning_reached() if answer is None else answer
+
+    def make_zero_grad_fn(batch_idx: int, optimizer: torch.optim.Optimizer) -> Callable[[], None] | None:
+        answer = is_window_start(batch_idx)
+        if answer is None:
+            return lightning_zero_grad_fn(batch_idx, optimizer)
+        if not answer:
+            return None
+        factor, trainer.accumulate_grad_batches = trainer.accumulate_grad_batches, 1
+        try:  # with a factor of 1 Lightning builds its zero-grad function (hooks included) for any batch
+            return lightning_zero_grad_fn(batch_idx, optimizer)
+        finally:
+            trainer.accumulate_grad_batches = factor
+
+    epoch_loop._accumulated_batches_reached = accumulated_batches_reached
+    automatic._make_zero_grad_fn = make_zero_grad_fn
+
+    def restore() -> None:
+        vars(epoch_loop).pop("_accumulated_batches_reached", None)
+        vars(automatic).pop("_make_zero_grad_fn", None)
+
+    return restore
