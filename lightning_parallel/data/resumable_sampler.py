@@ -1,0 +1,144 @@
+"""A distributed sampler whose position inside an epoch can be saved and resumed at another world size."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DistributedSampler
+
+__all__ = ["ResumableDistributedSampler"]
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` (same permutation, padding and per-rank split) that can start mid-epoch.
+
+    Each epoch has one global order (``randperm`` seeded with ``seed + epoch``, as in PyTorch's
+    sampler). Replica ``r`` of ``N`` takes ``order[r::N]``, so after every replica has drawn ``k``
+    samples the samples consumed are exactly the prefix ``order[:k * N]``, whatever ``N`` was.
+    :meth:`resume` starts the epoch after such a prefix and splits only the rest over the current
+    replicas: no sample twice, none skipped, also when the world size changed in between.
+
+    Unlike PyTorch's sampler it needs no process group at construction: ``num_replicas`` and
+    ``rank`` default to 1 and 0 and are set by :class:`~lightning_parallel.Rank0Checkpoint` from
+    ``trainer.strategy.distributed_sampler_kwargs`` (or by :meth:`set_distributed`). Because it is a
+    ``DistributedSampler``, Lightning keeps it instead of injecting its own.
+
+    Args:
+        dataset: a map-style dataset (``len`` is required).
+        num_replicas: data-parallel replicas (default 1 until configured).
+        rank: this replica's index (default 0 until configured).
+        shuffle: shuffle each epoch with ``seed + epoch`` (as ``DistributedSampler``).
+        seed: the base seed; must be the same on every replica.
+        drop_last: drop the tail instead of padding it to a multiple of ``num_replicas``.
+
+    Example::
+
+        loader = DataLoader(dataset, batch_size=32, sampler=ResumableDistributedSampler(dataset))
+        trainer = L.Trainer(devices=8, callbacks=[Rank0Checkpoint(every_n_train_steps=500)])
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        # DistributedSampler.__init__ is skipped: it needs an initialised process group.
+        if not hasattr(dataset, "__len__"):
+            raise TypeError(
+                "ResumableDistributedSampler needs a map-style dataset with __len__, "
+                f"got {type(dataset).__name__}"
+            )
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start = 0
+        self.set_distributed(1 if num_replicas is None else num_replicas, 0 if rank is None else rank)
+
+    def set_distributed(self, num_replicas: int, rank: int) -> None:
+        """Set the data-parallel size and this replica's index."""
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"invalid rank {rank} for num_replicas {num_replicas}: need num_replicas >= 1 and "
+                "0 <= rank < num_replicas"
+            )
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    @property
+    def total_size(self) -> int:  # type: ignore[override]
+        """Samples drawn this epoch by all replicas together after the resume point (padding included)."""
+        rest = len(self.dataset) - self.start
+        if self.drop_last:
+            return rest - rest % self.num_replicas
+        return math.ceil(rest / self.num_replicas) * self.num_replicas
+
+    @property
+    def num_samples(self) -> int:  # type: ignore[override]
+        return self.total_size // self.num_replicas
+
+    def global_order(self) -> list[int]:
+        """This epoch's order over the whole data set (identical on every replica)."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            return torch.randperm(len(self.dataset), generator=g).tolist()
+        return list(range(len(self.dataset)))
+
+    def _remaining(self) -> list[int]:
+        rest = self.global_order()[self.start :]
+        size = self.total_size
+        if size > len(rest) and rest:
+            rest += (rest * math.ceil((size - len(rest)) / len(rest)))[: size - len(rest)]
+        return rest[:size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._remaining()[self.rank : self.total_size : self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (call :meth:`resume` afterwards to start mid-epoch)."""
+        self.epoch = epoch
+        self.start = 0
+
+    def resume(self, consumed: int) -> None:
+        """Skip the first ``consumed`` samples of this epoch's global order (drawn before a restart)."""
+        if consumed < 0:
+            raise ValueError(f"consumed must be >= 0, got {consumed}")
+        self.start = min(consumed, len(self.dataset))
+
+    def consumed_after(self, samples_per_replica: int) -> int:
+        """Global position after every replica drew ``samples_per_replica`` samples since the resume point."""
+        return min(self.start + samples_per_replica * self.num_replicas, len(self.dataset))
+
+    def state_dict(self, samples_per_replica: int = 0) -> dict[str, Any]:
+        """The position to checkpoint after ``samples_per_replica`` draws per replica since the resume."""
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed_after(samples_per_replica),
+            "dataset_len": len(self.dataset),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position from :meth:`state_dict`; the data set, seed and shuffle must match."""
+        expected = (len(self.dataset), self.seed, self.shuffle)
+        saved = (state["dataset_len"], state["seed"], state["shuffle"])
+        if saved != expected:
+            raise ValueError(
+                f"sampler state (dataset_len, seed, shuffle) = {saved} does not match this sampler's "
+                f"{expected}: resume with the same data set and sampler arguments"
+            )
+        self.epoch = state["epoch"]
+        self.resume(state["consumed"])

@@ -1,0 +1,345 @@
+"""Crash-safe checkpoint files: same-directory temp file, fsync, rename, fsync of the directory.
+
+A checkpoint is written by ``torch.save`` straight into a temporary file beside its destination
+(streamed, never serialised into memory first) while a SHA-256 of the bytes is computed on the way.
+The digest and a little metadata go into the zip archive's end-of-central-directory *comment*, so
+the file stays an ordinary ``torch.load``-able checkpoint and carries its own integrity check: no
+sidecar file that could disagree with it after a crash. The file is then fsynced, renamed over the
+destination (atomic on POSIX within one filesystem) and the directory is fsynced, so at any instant
+of a SIGKILL the destination holds either the complete old file or the complete new one.
+
+Temporary files are named ``.<name>.<host>-<pid>-<token>.partial``; :func:`remove_orphans` deletes
+the ones left by a killed process at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import socket
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import torch
+
+__all__ = [
+    "FORMAT",
+    "CheckpointVerification",
+    "atomic_symlink",
+    "atomic_write",
+    "check_writable_dir",
+    "fsync_dir",
+    "list_tagged_checkpoints",
+    "newest_first",
+    "read_tag",
+    "remove_file",
+    "remove_orphans",
+    "save_checkpoint_file",
+    "temp_path_for",
+    "verify_checkpoint",
+]
+
+FORMAT = "lightning_parallel.rank0ckpt/1"
+_EOCD_SIG = b"PK\x05\x06"
+_EOCD_SIZE = 22
+_MAX_COMMENT = 0xFFFF
+_PARTIAL_RE = re.compile(r"^\..+\.(?P<host>[^.]+)-(?P<pid>\d+)-[0-9a-f]{8}\.partial$")
+_CHUNK = 8 << 20
+
+
+def _hostname() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
+
+
+def temp_path_for(path: str) -> str:
+    """A fresh temporary name in ``path``'s directory that :func:`remove_orphans` recognises."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{_hostname()}-{os.getpid()}-{secrets.token_hex(4)}.partial")
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename or unlink inside ``directory`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems (e.g. certain network mounts) refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> Any:
+    """Call ``write(file)`` on a temp file beside ``path``; fsync, rename over ``path``, fsync the directory.
+
+    Returns what ``write`` returns. On any error the temp file is removed and the error re-raised
+    with the destination in its message; ``path`` is left as it was.
+    """
+    tmp = temp_path_for(path)
+    try:
+        with open(tmp, "xb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(err, OSError | RuntimeError | ValueError | TypeError):
+            raise type(err)(f"could not write checkpoint {path!r}: {err}") from err
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return result
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through it (``torch.save`` streams into it)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self._f.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _append_tag(f: BinaryIO, size: int, tag: dict[str, Any]) -> None:
+    """Put ``tag`` (JSON) into the zip comment of the archive that ends at ``size`` in ``f``."""
+    f.flush()
+    f.seek(size - _EOCD_SIZE)
+    eocd = f.read(_EOCD_SIZE)
+    if eocd[:4] != _EOCD_SIG or eocd[-2:] != b"\x00\x00":
+        raise RuntimeError("torch.save did not end the archive with an empty end-of-central-directory record")
+    comment = json.dumps(tag, sort_keys=True).encode()
+    if len(comment) > _MAX_COMMENT:
+        raise ValueError(
+            f"checkpoint tag is {len(comment)} bytes; the zip comment holds at most {_MAX_COMMENT}"
+        )
+    f.seek(size - 2)
+    f.write(struct.pack("<H", len(comment)))
+    f.seek(size)
+    f.write(comment)
+
+
+def save_checkpoint_file(obj: Any, path: str, meta: dict[str, Any] | None = None) -> str:
+    """Stream ``obj`` with ``torch.save`` into ``path`` atomically and durably; return its SHA-256.
+
+    Peak extra memory is one tensor's CPU copy at most (for device tensors), not the checkpoint.
+
+    Example::
+
+        digest = save_checkpoint_file({"w": torch.zeros(3)}, "ckpt/last.ckpt", {"step": 10})
+        assert verify_checkpoint("ckpt/last.ckpt").ok
+    """
+
+    def write(f: BinaryIO) -> str:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        digest = writer.sha.hexdigest()
+        _append_tag(f, writer.size, {"format": FORMAT, "sha256": digest, **(meta or {})})
+        return digest
+
+    return atomic_write(path, write)
+
+
+def read_tag(path: str) -> tuple[dict[str, Any] | None, int]:
+    """Return (tag, payload_end) of a checkpoint: the JSON in its zip comment and where the comment starts.
+
+    ``tag`` is None for a file without our tag (foreign, truncated, or not a zip archive).
+    """
+    size = os.path.getsize(path)
+    tail_len = min(size, _EOCD_SIZE + _MAX_COMMENT)
+    with open(path, "rb") as f:
+        f.seek(size - tail_len)
+        tail = f.read(tail_len)
+    pos = tail.rfind(_EOCD_SIG)
+    while pos >= 0:
+        (comment_len,) = struct.unpack("<H", tail[pos + 20 : pos + 22]) if pos + 22 <= len(tail) else (-1,)
+        if pos + _EOCD_SIZE + comment_len == len(tail):
+            comment = tail[pos + _EOCD_SIZE :]
+            return _parse_tag(comment), size - tail_len + pos + _EOCD_SIZE
+        pos = tail.rfind(_EOCD_SIG, 0, pos)
+    return None, size
+
+
+def _parse_tag(comment: bytes) -> dict[str, Any] | None:
+    try:
+        tag = json.loads(comment.decode())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return tag if isinstance(tag, dict) and tag.get("format") == FORMAT else None
+
+
+@dataclass
+class CheckpointVerification:
+    """Outcome of :func:`verify_checkpoint`: ``status`` is "ok", "mismatch", "untagged" or "unreadable"."""
+
+    path: str
+    status: str
+    expected: str | None = None
+    actual: str | None = None
+    tag: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def describe(self) -> str:
+        if self.status == "mismatch":
+            return (
+                f"checkpoint {self.path!r} is corrupt: SHA-256 hash mismatch "
+                f"(expected {self.expected}, got {self.actual})"
+            )
+        if self.status == "unreadable":
+            return f"checkpoint {self.path!r} cannot be read: {self.reason}"
+        if self.status == "untagged":
+            return f"checkpoint {self.path!r} carries no content hash ({self.reason})"
+        return f"checkpoint {self.path!r} verifies (sha256 {self.actual})"
+
+
+def verify_checkpoint(path: str) -> CheckpointVerification:
+    """Recompute the content hash of a checkpoint written by :func:`save_checkpoint_file` and compare.
+
+    Example::
+
+        result = verify_checkpoint("ckpt/last.ckpt")
+        if not result.ok:
+            print(result.describe())
+    """
+    try:
+        tag, payload_end = read_tag(path)
+        if tag is None:
+            with open(path, "rb") as f:
+                looks_zip = f.read(2) == b"PK"
+            reason = "zip archive without an end record: truncated?" if looks_zip else "no hash tag"
+            return CheckpointVerification(path, "untagged", reason=reason)
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            remaining = payload_end - 2  # the comment-length field is hashed as written: zero
+            while remaining > 0:
+                chunk = f.read(min(_CHUNK, remaining))
+                if not chunk:
+                    break
+                sha.update(chunk)
+                remaining -= len(chunk)
+        sha.update(b"\x00\x00")
+    except OSError as err:
+        return CheckpointVerification(path, "unreadable", reason=str(err))
+    actual = sha.hexdigest()
+    status = "ok" if actual == tag.get("sha256") else "mismatch"
+    return CheckpointVerification(path, status, expected=tag.get("sha256"), actual=actual, tag=tag)
+
+
+def list_tagged_checkpoints(directory: str, suffix: str = ".ckpt") -> list[tuple[str, dict[str, Any]]]:
+    """Every ``*suffix`` file in ``directory`` that carries our tag, with the tag (hashes not checked)."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not name.endswith(suffix) or name.startswith(".") or not os.path.isfile(path):
+            continue
+        with contextlib.suppress(OSError):
+            tag, _ = read_tag(path)
+            if tag is not None:
+                found.append((path, tag))
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_orphans(directory: str) -> list[str]:
+    """Delete temporary files left in ``directory`` by killed writers; return their paths.
+
+    A temp file of a process still alive on this host is kept (it may be writing right now).
+    """
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    host = _hostname()
+    for name in os.listdir(directory):
+        match = _PARTIAL_RE.match(name)
+        if match is None:
+            continue
+        if match["host"] == host and _pid_alive(int(match["pid"])):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+    if removed:
+        fsync_dir(directory)
+    return removed
+
+
+def remove_file(path: str) -> None:
+    """Unlink ``path`` (if present) and make the unlink durable."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_symlink(target: str, linkpath: str) -> None:
+    """Point ``linkpath`` at ``target`` (relative link) with one rename: never a moment without a link."""
+    tmp = temp_path_for(linkpath)
+    os.symlink(os.path.relpath(target, os.path.dirname(os.path.abspath(linkpath))), tmp)
+    try:
+        os.replace(tmp, linkpath)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(linkpath)))
+
+
+def check_writable_dir(directory: str) -> str | None:
+    """Create ``directory`` if needed and prove a file can be written there; return the problem or None."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = temp_path_for(os.path.join(directory, "probe"))
+        with open(probe, "xb") as f:
+            f.write(b"0")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def newest_first(entries: Iterable[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """Order tagged checkpoints newest first: by global step, then modification time."""
+
+    def key(entry: tuple[str, dict[str, Any]]) -> tuple[int, float]:
+        path, tag = entry
+        try:
+            mtime = os.path.getmtime(path)
+        except OSError:
+            mtime = 0.0
+        return int(tag.get("step", -1)), mtime
+
+    return sorted(entries, key=key, reverse=True)
