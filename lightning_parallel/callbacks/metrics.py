@@ -1,10 +1,487 @@
-"""AllReducedMetrics (being written: see its issue)."""
+"""AllReducedMetrics: every ``self.log`` value reaches rank 0's logger as the value over all ranks."""
 
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader, SequentialSampler
+from typing_extensions import override
+
+from lightning_parallel.data.eval_sampler import EvalDistributedSampler
+from lightning_parallel.distributed.collectives import (
+    ScalarReducer,
+    distributed_ready,
+    match_reduce_op,
+    min_over_ranks,
+    validate_reduce_map,
+)
+
+__all__ = ["AllReducedMetrics"]
+
+_SEP = "\x1f"
+# rank_stats/<stat>_<min|mean|max>: each rank logs its own number three times, reduced three ways.
+_RANK_STATS_REDUCE = {"rank_stats/*_min": "min", "rank_stats/*_max": "max", "rank_stats/*_mean": "mean"}
+
+
+@dataclass
+class _Shown:
+    """A reduced value and where Lightning shows it (names and flags of the rank that logged it)."""
+
+    value: float
+    name: str
+    forked: str
+    logger: bool
+    prog_bar: bool
+    fx: str
+    dataloader_idx: int | None
+
+
+@dataclass
+class _CollectionSync:
+    """Per ``_ResultCollection`` state: its reducer, the step values since the last sync, the cache."""
+
+    reducer: ScalarReducer
+    pending: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)
+    cache: dict[tuple[str, str], _Shown] = field(default_factory=dict)
 
 
 class AllReducedMetrics(Callback):
-    """Placeholder until its issue lands; using it raises."""
+    """Reduce every logged scalar over all ranks in one collective per logging step.
 
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError("AllReducedMetrics has not landed yet")
+    With this callback, ``self.log`` / ``self.log_dict`` (no ``sync_dist`` needed) reach the logger, the
+    progress bar and ``trainer.callback_metrics`` as the value over every rank of the data-parallel
+    group: the mean weighted by the samples behind each rank's value (``batch_size``, inferred as
+    Lightning does), or the reduction the metric was logged with (``reduce_fx="sum"/"max"/"min"``), or
+    the one ``reduce`` names for it. All scalars of a step travel in one ``all_gather`` (see
+    :class:`~lightning_parallel.distributed.collectives.ScalarReducer`), only on the steps Lightning
+    writes to the logger (``log_every_n_steps``), plus one per epoch end. ``sync_dist=True`` in user code
+    is neutralised (no second reduction, no per-metric collective). ``torchmetrics.Metric`` objects are
+    left to sync themselves. A metric logged on some ranks only is reduced over those ranks.
+
+    Under DDP, validation and test loaders with a sequential sampler get an
+    :class:`~lightning_parallel.data.eval_sampler.EvalDistributedSampler` (no padded duplicates), so
+    evaluating N samples on W ranks gives the one-device result when N is not a multiple of W.
+
+    Reads before a step's sync point (the progress bar during ``on_train_batch_end``) show the latest
+    reduced value, i.e. that of the previous logging step.
+
+    Args:
+        reduce: ``{metric name or glob: "mean" | "sum" | "max" | "min"}`` across ranks, e.g.
+            ``{"tokens": "sum", "*_max": "max"}``; an exact name wins over globs, globs in order.
+        rank_stats: also log each rank's step time (s) and peak memory (MB; CUDA allocator peak, or the
+            process's peak RSS on CPU) as ``rank_stats/{step_time_s,peak_mem_mb}_{min,mean,max}``.
+        exact_eval: use the non-padding evaluation sampler under DDP (see above).
+        allow_nonfinite: reduce NaN/inf like numbers; by default a non-finite value raises a
+            ``ValueError`` naming the metric and the ranks, on every rank.
+
+    Raises:
+        TypeError: ``reduce`` is not a mapping of str to str.
+        ValueError: an unknown reduction in ``reduce``.
+
+    Example::
+
+        trainer = L.Trainer(devices=8, strategy="ddp",
+                            callbacks=[AllReducedMetrics(reduce={"tokens": "sum"}, rank_stats=True)])
+        # in the LightningModule, unchanged:
+        self.log("train_loss", loss)
+        self.log_dict({"acc": acc, "tokens": n_tokens}, batch_size=len(x))
+    """
+
+    def __init__(
+        self,
+        reduce: Mapping[str, str] | None = None,
+        rank_stats: bool = False,
+        exact_eval: bool = True,
+        allow_nonfinite: bool = False,
+    ) -> None:
+        self.reduce = (
+            {**_RANK_STATS_REDUCE, **validate_reduce_map(reduce)}
+            if rank_stats
+            else (validate_reduce_map(reduce))
+        )
+        self.rank_stats = rank_stats
+        self.exact_eval = exact_eval
+        self.allow_nonfinite = allow_nonfinite
+        self._group: Any = None
+        self._device = torch.device("cpu")
+        self._states: dict[int, _CollectionSync] = {}
+        self._undo: Callable[[], None] | None = None
+        self._epoch_synced = False
+        self._eval_min_batches: list[float] = []
+        self._eval_position: tuple[int, int] = (0, 0)
+        self._step_start = 0.0
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._group = getattr(trainer.strategy, "data_parallel_group", None)
+        if distributed_ready() and torch.distributed.get_backend(self._group) == "nccl":
+            self._device = trainer.strategy.root_device
+        self._states = {}
+        if self._undo is None:
+            self._undo = _attach_to_lightning_internals(trainer, pl_module, self)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.rank_stats:
+            if pl_module.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
+            self._step_start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.rank_stats:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # the GPU's time, not the launch time
+            peak_mb = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
+        else:
+            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+        dt = time.perf_counter() - self._step_start
+        for stat, value in (("step_time_s", dt), ("peak_mem_mb", peak_mb)):
+            for how in ("min", "mean", "max"):
+                pl_module.log(
+                    f"rank_stats/{stat}_{how}", float(value), on_step=True, on_epoch=False, batch_size=1
+                )
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._agree_eval_lengths(trainer, trainer.num_val_batches)
+
+    @override
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._agree_eval_lengths(trainer, trainer.num_test_batches)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._eval_position = (dataloader_idx, batch_idx)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._eval_position = (dataloader_idx, batch_idx)
+
+    # ------------------------------------------------------------------ decisions (same on every rank)
+
+    def _agree_eval_lengths(self, trainer: L.Trainer, lengths: list[int | float]) -> None:
+        """Eval shards may differ by one batch: sync a step only where every rank runs it."""
+        if trainer.sanity_checking:
+            return
+        self._eval_min_batches = min_over_ranks([float(n) for n in lengths], self._group, self._device)
+
+    def _step_sync_due(self, trainer: L.Trainer) -> bool:
+        if trainer.sanity_checking:
+            return False
+        if trainer.training:
+            return _train_step_is_logged(trainer)
+        dl, idx = self._eval_position
+        return dl < len(self._eval_min_batches) and idx < self._eval_min_batches[dl]
+
+    # ------------------------------------------------------------------ the reduction
+
+    def _state(self, results: Any) -> _CollectionSync:
+        key = id(results)
+        if key not in self._states:
+            reducer = ScalarReducer(self._group, self._device, allow_nonfinite=self.allow_nonfinite)
+            self._states[key] = _CollectionSync(reducer)
+        return self._states[key]
+
+    def _record(self, results: Any, storage_key: str, value: Any, batch_size: int | None) -> None:
+        """Keep this step's value and weight of a scalar just logged (Lightning keeps no step weight)."""
+        metric = results[storage_key]
+        if not metric.is_tensor:
+            return
+        weight = 1.0
+        if metric.meta.is_mean_reduction:
+            weight = float(batch_size if batch_size is not None else _batch_size(results))
+        self._state(results).pending[storage_key] = (torch.as_tensor(value).detach(), weight)
+
+    def _sync(self, trainer: L.Trainer, views: tuple[str, ...]) -> None:
+        results = _current_results(trainer)
+        state = self._state(results)
+        keys, values, weights, ops = [], [], [], []
+        for storage_key, metric in results.valid_items():
+            if not metric.is_tensor:
+                continue  # torchmetrics objects sync themselves
+            op = match_reduce_op(metric.meta.name, self.reduce, _lightning_op(metric.meta))
+            for view, value, weight in _views_of(metric, storage_key, state.pending, views):
+                keys.append(_layout_key(results, metric, storage_key, view))
+                values.append(value)
+                weights.append(weight)
+                ops.append(op)
+        if "step" in views:
+            state.pending.clear()
+        numbers = (
+            torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).cpu() for v in values])
+            if values
+            else torch.zeros(0)
+        )
+        entries = {k: (v, w, op) for k, v, w, op in zip(keys, numbers.tolist(), weights, ops)}
+        for key, reduced in state.reducer.reduce(entries).items():
+            shown = _parse_layout_key(key, reduced.value)
+            state.cache[(key.split(_SEP, 1)[0], key.split(_SEP)[1])] = shown
+
+    def _overlay(self, results: Any, on_step: bool, out: dict[str, dict[str, Any]]) -> None:
+        """Replace the local values in Lightning's metric dicts by the latest reduced ones."""
+        view = "step" if on_step else "epoch"
+        state = self._states.get(id(results))
+        if state is None:
+            return
+        for (cached_view, storage_key), shown in state.cache.items():
+            metric = results.get(storage_key)
+            if cached_view != view or shown.dataloader_idx != results.dataloader_idx:
+                continue
+            if metric is not None and (metric.has_reset or not metric.is_tensor):
+                continue
+            value = torch.tensor(shown.value, dtype=torch.float32)
+            if shown.logger:
+                out["log"][shown.forked] = value
+            if results.training or view == "epoch":
+                out["callback"][shown.name] = out["callback"][shown.forked] = value
+            if shown.prog_bar:
+                out["pbar"][shown.forked] = shown.value
+
+    def _forget(self, results: Any, metrics: bool | None, fx: str | None) -> None:
+        """Lightning reset (some of) the collection's tensors: drop their reduced values too."""
+        state = self._states.get(id(results))
+        if state is None or metrics is True:
+            return
+        state.cache = {k: s for k, s in state.cache.items() if fx is not None and s.fx != fx}
+        if fx is None:
+            state.pending.clear()
+
+
+def _views_of(
+    metric: Any, storage_key: str, pending: Mapping[str, tuple[torch.Tensor, float]], views: tuple[str, ...]
+) -> list[tuple[str, Any, float]]:
+    out = []
+    if "step" in views and metric.meta.on_step and storage_key in pending:
+        value, weight = pending[storage_key]
+        out.append(("step", value, weight))
+    if "epoch" in views and metric.meta.on_epoch:
+        if metric.meta.is_mean_reduction:
+            count = float(metric.cumulated_batch_size)
+            out.append(("epoch", metric.value / max(count, 1.0), count))
+        else:
+            out.append(("epoch", metric.value, 1.0))
+    return out
+
+
+def _lightning_op(meta: Any) -> str:
+    if meta.is_sum_reduction:
+        return "sum"
+    if meta.is_max_reduction:
+        return "max"
+    return "min" if meta.is_min_reduction else "mean"
+
+
+def _layout_key(results: Any, metric: Any, storage_key: str, view: str) -> str:
+    name, forked = results._forked_name(metric, view == "step")
+    m = metric.meta
+    dl = "" if m.dataloader_idx is None else str(m.dataloader_idx)
+    return _SEP.join([view, storage_key, name, forked, f"{int(m.logger)}{int(m.prog_bar)}", m.fx, dl])
+
+
+def _parse_layout_key(key: str, value: float) -> _Shown:
+    _, _, name, forked, flags, fx, dl = key.split(_SEP)
+    return _Shown(value, name, forked, flags[0] == "1", flags[1] == "1", fx, int(dl) if dl else None)
+
+
+def _batch_size(results: Any) -> int:
+    """The batch size Lightning would infer for this step (1 when it cannot tell)."""
+    if results.batch_size is not None:
+        return results.batch_size
+    if results.batch is None:
+        return 1
+    try:
+        return extract_batch_size(results.batch)
+    except Exception:  # Lightning raises MisconfigurationException when it finds no tensor
+        return 1
+
+
+def _no_sync(value: Any, *args: Any, **kwargs: Any) -> Any:
+    return value
+
+
+# ---------------------------------------------------------------------- Lightning private state
+#
+# Checked against Lightning 2.6.6; test_metrics.py::test_lightning_internals_are_where_we_expect fails
+# loudly if any of these move. No public hook sees the logged values between ``self.log`` and the
+# logger, so the callback wraps, per trainer and undone at teardown (never at import, never globally):
+#   * ``_ResultCollection.log`` of each loop: records each step's value and weight, and replaces
+#     ``sync_dist`` by a no-op sync (no per-metric collective, no double reduction, no warning);
+#   * ``_ResultCollection.metrics`` / ``reset``: overlays the reduced values / forgets them on reset;
+#   * ``_LoggerConnector.on_batch_end`` / ``on_epoch_end`` / ``epoch_end_reached`` /
+#     ``update_eval_epoch_metrics``: the sync points, reached by every rank in the same order;
+#   * ``LightningModule.on_train_epoch_end`` (the instance's): a sync point after the user's epoch-end
+#     logging and before EarlyStopping / ModelCheckpoint read ``callback_metrics``;
+#   * ``_DataConnector._prepare_dataloader``: the evaluation sampler without padding.
+
+
+def _current_results(trainer: L.Trainer) -> Any:
+    return trainer._results
+
+
+def _train_step_is_logged(trainer: L.Trainer) -> bool:
+    """The condition of ``_LoggerConnector.update_train_step_metrics`` (Lightning 2.6.6)."""
+    if trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization:
+        return False
+    return trainer._logger_connector.should_update_logs or bool(trainer.fast_dev_run)
+
+
+def _attach_to_lightning_internals(
+    trainer: L.Trainer, pl_module: L.LightningModule, cb: AllReducedMetrics
+) -> Callable[[], None]:
+    """Wrap the private methods listed above on this trainer's objects; return the undo function."""
+    undo: list[Callable[[], None]] = []
+
+    def wrap(obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        had = name in vars(obj)
+        old = vars(obj).get(name)
+        object.__setattr__(obj, name, make(getattr(obj, name)))
+        undo.append(lambda: object.__setattr__(obj, name, old) if had else object.__delattr__(obj, name))
+
+    loops = [
+        trainer.fit_loop.epoch_loop,
+        trainer.fit_loop.epoch_loop.val_loop,
+        trainer.validate_loop,
+        trainer.test_loop,
+    ]
+    for results in {id(loop._results): loop._results for loop in loops}.values():
+        wrap(results, "log", lambda orig, r=results: _wrapped_log(orig, r, cb))
+        wrap(results, "metrics", lambda orig, r=results: _wrapped_metrics(orig, r, cb))
+        wrap(results, "reset", lambda orig, r=results: _wrapped_reset(orig, r, cb))
+    conn = trainer._logger_connector
+    wrap(
+        conn,
+        "on_batch_end",
+        lambda orig: _before(
+            orig, lambda: cb._step_sync_due(trainer) and cb._sync(trainer, ("step", "epoch"))
+        ),
+    )
+    wrap(conn, "epoch_end_reached", lambda orig: _before(orig, lambda: setattr(cb, "_epoch_synced", False)))
+    wrap(conn, "on_epoch_end", lambda orig: _before(orig, lambda: _epoch_sync(trainer, cb)))
+    wrap(conn, "update_eval_epoch_metrics", lambda orig: _before(orig, lambda: _epoch_sync(trainer, cb)))
+    wrap(pl_module, "on_train_epoch_end", lambda orig: _after(orig, lambda: _epoch_sync(trainer, cb)))
+    if cb.exact_eval:
+        wrap(
+            trainer._data_connector,
+            "_prepare_dataloader",
+            lambda orig: _wrapped_prepare(orig, trainer._data_connector, trainer),
+        )
+    return lambda: [u() for u in reversed(undo)] and None
+
+
+def _before(orig: Callable, first: Callable[[], Any]) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        first()
+        return orig(*args, **kwargs)
+
+    return run
+
+
+def _after(orig: Callable, then: Callable[[], Any]) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        then()
+        return out
+
+    return run
+
+
+def _epoch_sync(trainer: L.Trainer, cb: AllReducedMetrics) -> None:
+    """Once per epoch end: the first of the epoch-end sync points that is reached syncs."""
+    if trainer.sanity_checking or cb._epoch_synced:
+        return
+    cb._sync(trainer, ("epoch",))
+    cb._epoch_synced = True
+
+
+def _wrapped_log(orig: Callable, results: Any, cb: AllReducedMetrics) -> Callable:
+    def log(fx: str, name: str, value: Any, **kwargs: Any) -> None:
+        kwargs.update(sync_dist=True, sync_dist_fn=_no_sync, sync_dist_group=None)
+        orig(fx, name, value, **kwargs)
+        key = f"{fx}.{name}"
+        if kwargs.get("add_dataloader_idx", True) and results.dataloader_idx is not None:
+            key += f".{results.dataloader_idx}"
+        cb._record(results, key, value, kwargs.get("batch_size"))
+
+    return log
+
+
+def _wrapped_metrics(orig: Callable, results: Any, cb: AllReducedMetrics) -> Callable:
+    def metrics(on_step: bool) -> Any:
+        out = orig(on_step)
+        cb._overlay(results, on_step, out)
+        return out
+
+    return metrics
+
+
+def _wrapped_reset(orig: Callable, results: Any, cb: AllReducedMetrics) -> Callable:
+    def reset(metrics: bool | None = None, fx: str | None = None) -> None:
+        orig(metrics, fx)
+        cb._forget(results, metrics, fx)
+
+    return reset
+
+
+def _wrapped_prepare(orig: Callable, connector: Any, trainer: L.Trainer) -> Callable:
+    def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+        if (
+            mode in (RunningStage.VALIDATING, RunningStage.TESTING)
+            and isinstance(dataloader, DataLoader)
+            and connector._requires_distributed_sampler(dataloader)
+        ):
+            if isinstance(dataloader.sampler, SequentialSampler):
+                from lightning.pytorch.utilities.data import _update_dataloader
+
+                kwargs = trainer.distributed_sampler_kwargs or {}
+                sampler = EvalDistributedSampler(
+                    dataloader.dataset, kwargs.get("num_replicas"), kwargs.get("rank")
+                )
+                return _update_dataloader(dataloader, sampler, mode=mode)
+            name = type(dataloader.sampler).__name__
+            rank_zero_warn(
+                f"AllReducedMetrics: the {mode.value} loader has a {name}, so Lightning's padding"
+                " DistributedSampler may count some samples twice"
+            )
+        return orig(dataloader, shuffle, mode)
+
+    return prepare
