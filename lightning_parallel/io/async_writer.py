@@ -86,11 +86,13 @@ class AsyncWriter:
         return None
 
     def after(self, action: Callable[[], Any]) -> None:
-        """Run ``action`` once the job in flight has succeeded, or now if none is in flight."""
+        """Run ``action`` after the job in flight succeeds; now if none is; never if the last one failed."""
         with self._lock:
             if self._running:
                 self._followups.append(action)
                 return
+            if self._error is not None:
+                return  # the last job failed: keep what it was meant to replace
         action()
 
     def poll(self) -> tuple[bool, BaseException | None]:

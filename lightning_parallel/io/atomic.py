@@ -30,6 +30,7 @@ import torch
 
 __all__ = [
     "FORMAT",
+    "CheckpointFileError",
     "CheckpointVerification",
     "atomic_symlink",
     "atomic_write",
@@ -51,6 +52,10 @@ _EOCD_SIZE = 22
 _MAX_COMMENT = 0xFFFF
 _PARTIAL_RE = re.compile(r"^\..+\.(?P<host>[^.]+)-(?P<pid>\d+)-[0-9a-f]{8}\.partial$")
 _CHUNK = 8 << 20
+
+
+class CheckpointFileError(RuntimeError):
+    """Writing a checkpoint file failed; the message names the file and the cause."""
 
 
 def _hostname() -> str:
@@ -85,7 +90,7 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> Any:
     """
     tmp = temp_path_for(path)
     try:
-        with open(tmp, "xb") as f:
+        with open(tmp, "x+b") as f:
             result = write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -93,8 +98,10 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> Any:
     except BaseException as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        if isinstance(err, OSError | RuntimeError | ValueError | TypeError):
-            raise type(err)(f"could not write checkpoint {path!r}: {err}") from err
+        if isinstance(err, Exception):
+            raise CheckpointFileError(
+                f"could not write checkpoint {path!r}: {type(err).__name__}: {err}"
+            ) from err
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
     return result
