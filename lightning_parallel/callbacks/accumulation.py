@@ -142,12 +142,8 @@ class GradientAccumulationScheduler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        per_device, num_samples, drop_last = _loader_layout(trainer.train_dataloader)
+        per_device = self._agreed_layout(trainer)
         dp_size = _data_parallel_size(trainer.strategy)
-        layout = [per_device, num_samples, int(drop_last), _num_batches(trainer)]
-        gathered = trainer.strategy.all_gather(torch.tensor(layout, device=trainer.strategy.root_device))
-        rows = gathered.reshape(-1, len(layout)).tolist()
-        check_equal_across_replicas(rows, ["batch_size", "samples", "drop_last", "batches"])
         if self.global_batch_size is not None:
             self.plan = plan_from_global_batch(self.global_batch_size, per_device, dp_size)
         else:
@@ -158,6 +154,31 @@ class GradientAccumulationScheduler(Callback):
             self._restore.append(
                 _override_window_boundaries(trainer, self._is_window_end, self._is_window_start)
             )
+
+    def _agreed_layout(self, trainer: pl.Trainer) -> int:
+        """This rank's per-device batch size, once every rank's loader layout is gathered and agrees.
+
+        The gather comes before any raise, so all ranks raise together instead of one waiting alone.
+        """
+        error: Exception | None = None
+        try:
+            per_device, num_samples, drop_last = _loader_layout(trainer.train_dataloader)
+            layout = [1, per_device, num_samples, int(drop_last), _num_batches(trainer)]
+        except (TypeError, ValueError) as err:
+            error, layout = err, [0, 0, 0, 0, 0]
+        gathered = trainer.strategy.all_gather(torch.tensor(layout, device=trainer.strategy.root_device))
+        rows = gathered.reshape(-1, len(layout)).tolist()
+        if error is not None:
+            raise error
+        failed = [rank for rank, row in enumerate(rows) if row[0] == 0]
+        if failed:
+            raise ValueError(
+                f"GradientAccumulationScheduler: rank(s) {failed} could not read their train dataloader"
+            )
+        check_equal_across_replicas(
+            [row[1:] for row in rows], ["batch_size", "samples", "drop_last", "batches"]
+        )
+        return per_device
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
