@@ -283,8 +283,9 @@ class AllReducedMetrics(Callback):
         if state is None or metrics is True:
             return
         state.cache = {k: s for k, s in state.cache.items() if fx is not None and s.fx != fx}
-        if fx is None:
+        if fx is None:  # a whole reset happens at the same point on every rank (an epoch end)
             state.pending.clear()
+            state.reducer.reset_layout()
 
 
 def _views_of(

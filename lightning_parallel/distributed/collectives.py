@@ -204,9 +204,15 @@ class ScalarReducer:
                 result[key] = Reduced(value, ranks)
         if problems:
             raise ValueError("metric synchronisation failed on every rank:\n  " + "\n  ".join(problems))
-        # Keys nobody passed leave the layout (decided from shared data, so on every rank alike).
-        self.layout = [k for k in self.layout if k in result]
         return result
+
+    def reset_layout(self) -> None:
+        """Forget the agreed key list (call it on every rank at the same point, e.g. an epoch end).
+
+        Keys that nobody passes stay in the layout until then, so that a key logged every other step
+        does not make the ranks re-agree the list at every step.
+        """
+        self.layout = []
 
 
 def _header_problems(gathered: torch.Tensor) -> list[str]:
