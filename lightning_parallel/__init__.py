@@ -7,13 +7,14 @@ Importing the package registers its strategies in Lightning's ``StrategyRegistry
 from lightning_parallel.callbacks.accumulation import GradientAccumulationScheduler
 from lightning_parallel.callbacks.checkpoint import Rank0Checkpoint
 from lightning_parallel.callbacks.metrics import AllReducedMetrics
-from lightning_parallel.strategies import register_strategies
+from lightning_parallel.strategies import PipelineStrategy, register_strategies
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllReducedMetrics",
     "GradientAccumulationScheduler",
+    "PipelineStrategy",
     "Rank0Checkpoint",
     "__version__",
 ]

@@ -1,0 +1,136 @@
+"""Local stage state <-> the unsplit module's state: gather to one rank, reshard on load.
+
+Model state needs no renaming: the proxy keeps the original child names, so a stage's
+``state_dict`` keys are already the unsplit keys. Optimizer state is keyed by parameter name in
+transit and turned into torch's usual layout (integer ids in model order, plus ``param_names``) on
+the receiving rank, so a plain single-device optimizer loads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def gather_to(obj: Any, dst: int, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """``dist.gather_object`` to global rank ``dst`` within ``group``; only the destination gets the list."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def to_cpu(tree: Any) -> Any:
+    if torch.is_tensor(tree):
+        return tree.detach().cpu()
+    if isinstance(tree, Mapping):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v) for v in tree)
+    return tree
+
+
+def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[nn.Parameter, str]) -> dict:
+    """The optimizer's state keyed by parameter name instead of position (portable across splits)."""
+    sd = optimizer.state_dict()
+    id_to_name = {}
+    for group, sd_group in zip(optimizer.param_groups, sd["param_groups"]):
+        for p, pid in zip(group["params"], sd_group["params"]):
+            id_to_name[pid] = names[p]
+    groups = [
+        {**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+         "params": [id_to_name[i] for i in g["params"]]}
+        for g in sd["param_groups"]
+    ]  # fmt: skip
+    return {
+        "type": type(optimizer).__name__,
+        "state": {id_to_name[i]: to_cpu(s) for i, s in sd["state"].items()},
+        "param_groups": groups,
+    }
+
+
+def merge_optimizer_states(parts: Iterable[dict]) -> dict:
+    """Join the named states of the stages (in stage order) into torch's single-device layout."""
+    parts = list(parts)
+    num_groups = {len(p["param_groups"]) for p in parts}
+    if len(num_groups) != 1:
+        raise RuntimeError(f"stages disagree on the number of optimizer param groups: {sorted(num_groups)}")
+    groups: list[dict] = []
+    state: dict[int, Any] = {}
+    next_id = 0
+    for g in range(num_groups.pop()):
+        merged = {k: v for k, v in parts[0]["param_groups"][g].items() if k != "params"}
+        merged["params"], merged["param_names"] = [], []
+        for part in parts:
+            for name in part["param_groups"][g]["params"]:
+                if name in part["state"]:
+                    state[next_id] = part["state"][name]
+                merged["params"].append(next_id)
+                merged["param_names"].append(name)
+                next_id += 1
+        groups.append(merged)
+    return {"state": state, "param_groups": groups}
+
+
+def reshard_optimizer_state(
+    full: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    names: Mapping[nn.Parameter, str],
+    model_param_order: list[str],
+) -> dict:
+    """This rank's slice of a consolidated (or single-device) optimizer state, in its own layout.
+
+    ``model_param_order`` names the unsplit model's parameters in ``parameters()`` order; it maps a
+    checkpoint without ``param_names`` (written by one device or DDP, one param group) onto names.
+    """
+    saved_groups = full["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved_groups)} param groups but configure_optimizers "
+            f"made {len(optimizer.param_groups)}: resume with the same optimizer and param grouping"
+        )
+    id_to_name = _checkpoint_param_names(saved_groups, model_param_order)
+    name_to_id = {n: i for i, n in id_to_name.items()}
+    state, groups, local_id = {}, [], 0
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        ids = []
+        for p in group["params"]:
+            name = names[p]
+            if name not in name_to_id:
+                raise ValueError(
+                    f"parameter {name} is not in the checkpoint's optimizer state: resume with the same "
+                    f"optimizer and param grouping as the run that saved it"
+                )
+            gid = name_to_id[name]
+            if gid not in saved["params"]:
+                raise ValueError(f"parameter {name} is in another optimizer param group in the checkpoint")
+            if gid in full["state"]:
+                state[local_id] = full["state"][gid]
+            ids.append(local_id)
+            local_id += 1
+        groups.append(
+            {**{k: v for k, v in saved.items() if k not in ("params", "param_names")}, "params": ids}
+        )
+    return {"state": state, "param_groups": groups}
+
+
+def _checkpoint_param_names(saved_groups: list[dict], model_param_order: list[str]) -> dict[int, str]:
+    if all("param_names" in g for g in saved_groups):
+        return {i: n for g in saved_groups for i, n in zip(g["params"], g["param_names"])}
+    if len(saved_groups) != 1:
+        raise ValueError(
+            "this checkpoint's optimizer state has several param groups without parameter names; "
+            "PipelineStrategy can map it onto stages only with one group or with `param_names`"
+        )
+    ids = saved_groups[0]["params"]
+    if len(ids) != len(model_param_order):
+        raise ValueError(
+            f"the checkpoint's optimizer holds {len(ids)} parameters but the model has "
+            f"{len(model_param_order)}: resume with the same model and optimizer"
+        )
+    return dict(zip(ids, model_param_order))

@@ -1,0 +1,89 @@
+"""Record what a step logs per micro-batch, combine it into one value per batch, replay it elsewhere.
+
+Under the pipeline the user's step runs on the last stage once per micro-batch, while the logger lives
+on global rank 0. The strategy records each ``self.log`` call, combines the micro-batches the way one
+call over the whole batch would have logged (weighted by samples, or by the reduction the user asked
+for), sends the result to the other stages, and replays it there through the real ``self.log``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LoggedValue:
+    """All micro-batch values of one logged name, with the keyword arguments of its first call."""
+
+    name: str
+    kwargs: dict[str, Any]
+    values: list[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+
+    def combined(self) -> float:
+        reduce = str(self.kwargs.get("reduce_fx", "mean")).lower()
+        if reduce in ("sum", "add"):
+            return float(sum(self.values))
+        if reduce == "max":
+            return float(max(self.values))
+        if reduce == "min":
+            return float(min(self.values))
+        return float(sum(v * w for v, w in zip(self.values, self.weights)) / sum(self.weights))
+
+    def replay_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.kwargs)
+        if "batch_size" in kwargs or len(self.weights) > 1:
+            kwargs["batch_size"] = int(sum(self.weights))
+        return kwargs
+
+
+class LogRecorder:
+    """Stands in for ``LightningModule.log`` while the user's step runs on micro-batches.
+
+    Example::
+
+        recorder = LogRecorder()
+        with recorder.recording(module, samples=4):
+            module.training_step(chunk, 0)      # self.log(...) calls land in the recorder
+        recorder.entries()                      # one combined value per name
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, LoggedValue] = {}
+        self._samples = 0
+
+    @contextmanager
+    def recording(self, module: torch.nn.Module, samples: int) -> Iterator[None]:
+        self._samples = samples
+        # An instance attribute shadows LightningModule.log (log_dict calls self.log, so it is
+        # covered too); deleting it restores the real method.
+        module.log = self.log
+        try:
+            yield
+        finally:
+            del module.log
+
+    def log(self, name: str, value: Any, **kwargs: Any) -> None:
+        if not (torch.is_tensor(value) or isinstance(value, (int, float))):
+            raise TypeError(
+                f"self.log({name!r}, <{type(value).__name__}>) under PipelineStrategy: log a tensor or a "
+                f"number (for a torchmetrics Metric, log the tensor it returns or its compute())"
+            )
+        if torch.is_tensor(value):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}: log scalars"
+                )
+            value = value.detach().float().item()
+        weight = kwargs.get("batch_size") or self._samples
+        entry = self._entries.setdefault(name, LoggedValue(name, kwargs))
+        entry.values.append(float(value))
+        entry.weights.append(float(weight))
+
+    def entries(self) -> list[LoggedValue]:
+        return list(self._entries.values())

@@ -1,0 +1,456 @@
+"""PipelineStrategy: pipeline (x data) parallel training of an ordinary LightningModule.
+
+Lightning glue only: the split, the schedules, the gradient collectives and the state mapping live
+in :mod:`lightning_parallel.pipeline`, which knows nothing of Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from typing_extensions import override
+
+from lightning_parallel.pipeline import state as stage_state
+from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
+from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh, check_world
+from lightning_parallel.pipeline.partition import PARTITION_METHODS
+from lightning_parallel.pipeline.plan import StagePlan
+from lightning_parallel.pipeline.proxy import PipelinedSequential
+from lightning_parallel.pipeline.runner import PipelineRunner, is_multi_stage, schedule_class
+from lightning_parallel.pipeline.split import find_sequential, split
+from lightning_parallel.pipeline.step_logs import LogRecorder
+from lightning_parallel.strategies._pipeline_setup import plan_for_module
+from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
+
+
+class PipelineStrategy(DDPStrategy):
+    """Split the module's ``nn.Sequential`` into stages, one (or more) per rank, run by a torch schedule.
+
+    World size = ``num_stages x`` data-parallel replicas. Each rank builds and keeps only its own
+    stage(s); the user's ``training_step`` / ``validation_step`` / ``test_step`` / ``predict_step``
+    run unchanged (on the last stage, once per micro-batch in training); what they log reaches the
+    logger on global rank 0. Gradients are all-reduced over the replicas once per optimizer step.
+
+    Args:
+        num_stages: pipeline stages per replica (default: all devices form one pipeline).
+        num_microbatches: micro-batches per batch (a batch it does not divide uses the largest
+            divisor of its size: equal micro-batches, exact mean loss).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"`` or
+            ``"interleaved_zero_bubble"`` (the schedules of ``torch.distributed.pipelining``).
+        stages_per_rank: stages each rank runs (> 1 for the interleaved and looped schedules).
+        partition: ``"uniform"`` (layer counts), ``"parameters"`` (balanced parameter counts),
+            ``"time"`` (balanced forward+backward time measured on the first batch), or a list of
+            layer counts per stage.
+        module_name: the attribute holding the ``nn.Sequential`` (default: the module's only one).
+        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
+
+    Example::
+
+        trainer = L.Trainer(accelerator="gpu", devices=8,
+                            strategy=PipelineStrategy(num_stages=4, num_microbatches=8, schedule="1f1b"))
+        trainer.fit(LM(), datamodule)      # 4 stages x 2 data-parallel replicas
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        num_stages: int | None = None,
+        num_microbatches: int = 4,
+        schedule: str = "1f1b",
+        stages_per_rank: int = 1,
+        partition: str | list[int] = "uniform",
+        module_name: str | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(start_method=start_method, timeout=timeout, **kwargs)
+        cls = schedule_class(schedule)
+        _check_positive_int("num_microbatches", num_microbatches)
+        _check_positive_int("stages_per_rank", stages_per_rank)
+        if num_stages is not None:
+            _check_positive_int("num_stages", num_stages)
+        if is_multi_stage(cls) != (stages_per_rank > 1):
+            raise ValueError(
+                f"schedule={schedule!r} runs {'several stages' if is_multi_stage(cls) else 'one stage'} per "
+                f"rank but stages_per_rank={stages_per_rank}: use stages_per_rank>=2 with the interleaved "
+                f"and looped schedules and 1 with 'gpipe' and '1f1b'"
+            )
+        if isinstance(partition, str) and partition not in PARTITION_METHODS:
+            raise ValueError(
+                f"unknown partition {partition!r}: use one of {', '.join(PARTITION_METHODS)} or a list of "
+                f"layer counts per stage"
+            )
+        self.num_stages = num_stages
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.stages_per_rank = stages_per_rank
+        self.partition = partition
+        self.module_name = module_name
+        self.plan: StagePlan | None = None
+        self.mesh: PipelineMesh | None = None
+        self._runner: PipelineRunner | None = None
+        self._proxy: PipelinedSequential | None = None
+        self._param_names: dict[torch.nn.Parameter, str] = {}
+        self._model_param_order: list[str] = []
+        self._model_keys: list[str] = []
+        self._held_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+
+    # ----------------------------------------------------------------------------------- layout
+    @property
+    def pipeline_size(self) -> int:
+        return self.num_stages or self.world_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return check_world(self.world_size, self.pipeline_size)
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The replicas of this rank's stage (metrics and gradients are reduced over it)."""
+        return self.mesh.dp_group if self.mesh is not None else None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard the data by replica: the stages of one replica must see the same batch.
+        dp_rank = self.global_rank % self.data_parallel_size
+        return {"num_replicas": self.data_parallel_size, "rank": dp_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
+
+    # ------------------------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            _check_fit_supported(trainer, self)
+        if self._runner is None:
+            self._split(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._install_global_clipping()
+        self.setup_precision_plugin()
+
+    def _split(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        seq_name, seq = find_sequential(module, self.module_name)
+        pp = self.pipeline_size
+        if pp * self.stages_per_rank > len(seq):
+            # Checked before any collective so every rank raises the same error.
+            raise ValueError(
+                f"num_stages x stages_per_rank ({pp} x {self.stages_per_rank}) is larger than the number of "
+                f"layers in `{seq_name}` ({len(seq)}): use fewer stages or split the model into more layers"
+            )
+        dp = self.data_parallel_size
+        self.mesh = build_mesh(self.root_device.type, pp, dp)
+        self._model_keys = list(module.state_dict().keys())
+        self._model_param_order = [n for n, _ in module.named_parameters()]
+        self.plan = plan_for_module(self, trainer, module, seq_name, seq)
+        rank_zero_info(f"PipelineStrategy stage plan ({self.schedule}):\n{self.plan.format_table()}")
+        self._proxy, stage_modules, indices = split(
+            module, seq_name, seq, self.plan, self.mesh.pp_rank, self.root_device
+        )
+        self._param_names = {p: n for n, p in module.named_parameters()}
+        self._runner = PipelineRunner(
+            stage_modules,
+            indices,
+            self.plan.num_stages,
+            self.root_device,
+            self.mesh.pp_group,
+            self.schedule,
+            self.num_microbatches,
+        )
+
+    def _install_global_clipping(self) -> None:
+        # Lightning's Precision.clip_grad_by_norm clips by this rank's norm only; a stage holds a
+        # slice of the model, so the norm must be reduced over the pipeline. No public hook exists
+        # below configure_gradient_clipping, hence this instance-level override (Lightning 2.6.6).
+        group = self.mesh.pp_group if self.mesh is not None else None
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+            clip_grad_norm_across(plugin.main_params(optimizer), float(clip_val), group)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    # ------------------------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._pipelined_step("training_step", args, train=True)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._pipelined_step("validation_step", args, train=False)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._pipelined_step("test_step", args, train=False)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._pipelined_step("predict_step", args, train=False)
+
+    def _pipelined_step(self, step_name: str, args: tuple[Any, ...], train: bool) -> Any:
+        assert self._runner is not None and self._proxy is not None and self.mesh is not None
+        module = self.lightning_module
+        step = getattr(module, step_name)
+        batch, rest = args[0], args[1:]
+        n = _batch_size(batch)
+        m = self._runner.microbatches_for(n)
+        key = _shape_key(batch)
+        stage_args = self._proxy.capture(step, *args) if self._runner.has_first else None
+        recorder = LogRecorder()
+        result: dict[str, Any] = {}
+        if train:
+            chunks = [c[0] for c in split_args_kwargs_into_chunks((batch,), None, m)[0]]
+            scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+            losses: list[tuple[torch.Tensor, int]] = []
+
+            def loss_fn(output: Any, index: int) -> torch.Tensor:
+                n_i = _batch_size(chunks[index])
+                with self._proxy.replaying(output), recorder.recording(module, n_i):
+                    loss = _loss_of(step(chunks[index], *rest), step_name)
+                losses.append((loss.detach(), n_i))
+                # Scale the loss, not the gradients: each micro-batch carries its share of the
+                # batch mean, and of the accumulation window.
+                return loss * (n_i / n * scale)
+
+            with self._grads_held_for_backward():
+                self._runner.train_step(key, m, stage_args, loss_fn)
+            if self._runner.has_last:
+                result["loss"] = float(sum(loss.float() * n_i for loss, n_i in losses) / n)
+        else:
+            output = self._runner.forward(key, m, stage_args)
+            if self._runner.has_last:
+                with self._proxy.replaying(output), recorder.recording(module, n):
+                    out = step(*args)
+                result["output"] = stage_state.to_cpu(out) if step_name == "predict_step" else None
+        if self._runner.has_last:
+            result["logs"] = recorder.entries()
+        result = self._from_last_stage(result)
+        for entry in result["logs"]:
+            kwargs = entry.replay_kwargs()
+            if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
+                # Every stage holds the same values: reduce over the replicas only.
+                kwargs["sync_dist_group"] = self.mesh.dp_group
+            module.log(entry.name, entry.combined(), **kwargs)
+        if train:
+            return torch.tensor(result["loss"], device=self.root_device)
+        return result.get("output")
+
+    def _from_last_stage(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Broadcast the last stage's step result to every stage of this replica."""
+        assert self.mesh is not None
+        if self.mesh.pp_size == 1:
+            return result
+        box = [result]
+        dist.broadcast_object_list(
+            box, src=self.mesh.global_rank(self.mesh.pp_size - 1), group=self.mesh.pp_group
+        )
+        return box[0]
+
+    @contextmanager
+    def _grads_held_for_backward(self) -> Generator[None, None, None]:
+        """Keep the gradients the schedule computes aside until Lightning's backward call.
+
+        The schedule runs backward inside training_step, but Lightning zeroes the gradients between
+        training_step and backward (on the first batch of each accumulation window). Holding this
+        batch's gradients aside and adding them in :meth:`backward` keeps Lightning's order exact.
+        """
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            self._held_grads = [(p, p.grad) for p in params]
+            for p, g in zip(params, earlier):
+                p.grad = g
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The schedule already ran backward for every micro-batch inside training_step: add the
+        # gradients it held aside, between Lightning's before/after-backward hooks.
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        for p, g in self._held_grads:
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self._held_grads = []
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_sync() -> Any:
+            result = closure()
+            # One all-reduce per stage per optimizer step, before clipping and the step itself.
+            all_reduce_gradients(self.lightning_module.parameters(), self.data_parallel_group)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    # ------------------------------------------------------------------------------ state dicts
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The unsplit module's state dict on global rank 0 (replica 0's stages send theirs there)."""
+        local = self.lightning_module.state_dict()
+        if self.mesh is None or self.mesh.pp_size == 1 or not _distributed_is_initialized():
+            return local
+        if self.mesh.dp_rank != 0:
+            return {}
+        parts = stage_state.gather_to(stage_state.to_cpu(dict(local)), 0, self.mesh.pp_group)
+        if parts is None:
+            return {}
+        merged = {k: v for part in parts for k, v in part.items()}
+        return {k: merged[k] for k in self._model_keys if k in merged}
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self.mesh is None or not self._param_names:
+            return optimizer.state_dict()
+        named = stage_state.named_optimizer_state(optimizer, self._param_names)
+        if self.mesh.dp_rank != 0:
+            return {}
+        parts = stage_state.gather_to(named, 0, self.mesh.pp_group)
+        return stage_state.merge_optimizer_states(parts) if parts is not None else {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        full = checkpoint["state_dict"]
+        if strict and self._model_keys:
+            missing = sorted(set(self._model_keys) - set(full))
+            unexpected = sorted(set(full) - set(self._model_keys))
+            if missing or unexpected:
+                raise KeyError(
+                    f"the checkpoint does not match {type(self.lightning_module).__name__}: missing keys "
+                    f"{missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "
+                    f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
+                )
+        local_keys = self.lightning_module.state_dict().keys()
+        self.lightning_module.load_state_dict(
+            {k: v for k, v in full.items() if k in local_keys}, strict=strict
+        )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"the checkpoint holds {len(states)} optimizer states but configure_optimizers returned "
+                f"{len(self.optimizers)}: resume with the same optimizers"
+            )
+        for optimizer, full in zip(self.optimizers, states):
+            local = stage_state.reshard_optimizer_state(
+                full, optimizer, self._param_names, self._model_param_order
+            )
+            optimizer.load_state_dict(local)
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ----------------------------------------------------------------------- meta-device init
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # With empty_init=True the model is built on the meta device: each rank then materialises
+        # only its own stage at the split, so no rank ever holds the whole model.
+        if empty_init:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        with torch.device("meta"):
+            yield
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries = [
+            ("pipeline", "popen", "scripts, torchrun and SLURM"),
+            ("pipeline_spawn", "spawn", "spawned processes (pytest, CPU)"),
+            ("pipeline_notebook", "fork", "forked processes (Jupyter)"),
+        ]
+        for name, start_method, where in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"Pipeline parallelism for {where}", start_method=start_method
+                )
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_fit_supported(trainer: pl.Trainer, strategy: PipelineStrategy) -> None:
+    if not trainer.lightning_module.automatic_optimization:
+        raise RuntimeError(
+            "PipelineStrategy runs forward and backward inside its schedule and supports automatic "
+            "optimization only: remove `self.automatic_optimization = False` (manual optimization is "
+            "not supported)"
+        )
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            "PipelineStrategy does not support precision='16-mixed' (its GradScaler scales the loss outside "
+            "the schedule): use 'bf16-mixed', 'bf16-true' or '32-true'"
+        )
+
+
+def _batch_size(batch: Any) -> int:
+    for leaf in torch.utils._pytree.tree_leaves(batch):
+        if torch.is_tensor(leaf) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise TypeError(f"PipelineStrategy could not find a batched tensor in the batch ({type(batch).__name__})")
+
+
+def _shape_key(batch: Any) -> tuple:
+    return tuple(
+        (tuple(x.shape), x.dtype) for x in torch.utils._pytree.tree_leaves(batch) if torch.is_tensor(x)
+    )
+
+
+def _loss_of(output: Any, step_name: str) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        raise TypeError(
+            f"under PipelineStrategy, {step_name} must return the loss (a scalar tensor, or a dict with "
+            f"'loss'); got {type(output).__name__}. Skipping a batch by returning None is not supported"
+        )
+    return loss
