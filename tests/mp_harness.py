@@ -97,6 +97,7 @@ def fit(
     out_dir: str | os.PathLike,
     devices: int = 1,
     strategy: Any = "auto",
+    val_dataloaders: Any = None,
     **trainer_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Fit ``model`` on ``devices`` CPU processes and return the records of every rank, by rank."""
@@ -111,7 +112,7 @@ def fit(
     defaults.update(trainer_kwargs)
     callbacks = [*defaults.pop("callbacks", []), RankRecorder(out_dir)]
     trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=callbacks, **defaults)
-    trainer.fit(model, train_dataloaders=train_dataloaders)
+    trainer.fit(model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders)
     return load_rank_results(out_dir, "fit")
 
 

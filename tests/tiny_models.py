@@ -48,3 +48,47 @@ class SequentialRegressor(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class TokenModel(L.LightningModule):
+    """A tiny token model (embedding -> MLP blocks -> head) on (batch, time) ids: shapes may vary."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8, depth: int = 3, lr: float = 0.05):
+        super().__init__()
+        self.lr = lr
+        blocks = [nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(depth)]
+        self.layers = nn.Sequential(nn.Embedding(vocab, dim), *blocks, nn.Linear(dim, vocab))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class VariableLengthTokens(torch.utils.data.Dataset):
+    """Token sequences whose length changes every ``batch_size`` samples (batches of one length)."""
+
+    def __init__(self, n: int = 40, batch_size: int = 8, vocab: int = 11, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for i in range(n):
+            t = 3 + (i // batch_size) % 3
+            seq = torch.randint(0, vocab, (t + 1,), generator=g)
+            self.items.append((seq[:-1], seq[1:]))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
