@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from mp_harness import assert_close_dicts, ddp_spawn, fit, reference_loader
 from tiny_models import SequentialRegressor, loader, regression_data
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -352,3 +353,37 @@ def test_two_processes_match_one_device_and_all_reduce_once_per_step(tmp_path):
         (10, 192.0, 12.0),
     ]
     assert records[1]["extra"]["logged"] == []
+
+
+class SelfAccumulating(SingleDeviceStrategy):
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+
+def _quiet_trainer(**kwargs):
+    defaults = dict(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def test_a_strategy_that_accumulates_by_itself_is_refused():
+    strategy = SelfAccumulating(device=torch.device("cpu"))
+    trainer = _quiet_trainer(
+        strategy=strategy, callbacks=[GradientAccumulationScheduler(global_batch_size=16)]
+    )
+    with pytest.raises(ValueError, match="SelfAccumulating accumulates gradients by itself"):
+        trainer.fit(Regressor(), DataLoader(_data(32), batch_size=8))
+
+
+def test_several_train_loaders_are_refused():
+    trainer = _quiet_trainer(callbacks=[GradientAccumulationScheduler(global_batch_size=16)])
+    loaders = {"a": DataLoader(_data(32), batch_size=8), "b": DataLoader(_data(32), batch_size=8)}
+    with pytest.raises(TypeError, match="needs one torch DataLoader for training, got dict"):
+        trainer.fit(Regressor(), loaders)

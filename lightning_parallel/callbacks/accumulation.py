@@ -67,11 +67,20 @@ class GradientAccumulationScheduler(Callback):
             (the ramp must give step 0).
 
     Raises:
-        TypeError: non-int keys or values, or both / neither argument given.
+        TypeError: non-int keys or values, or both / neither argument given (here); at train start, a
+            train dataloader that is not one ``torch.utils.data.DataLoader``.
         ValueError: non-positive values, negative or non-increasing keys (here); at ``setup`` or
             train start: ``Trainer(accumulate_grad_batches>1)``, manual optimization, a strategy that
             accumulates by itself, a global batch that the loader cannot give exactly (with the nearest
             valid choices), a loader without a fixed batch size or a length.
+
+    Note:
+        Manual optimization is refused: there the user owns backward and step, so weight each loss by
+        its samples over the window's samples and step at the window's end by hand. The loss Lightning
+        passes to ``on_train_batch_end`` is the batch's weighted share (it sums over a window to the
+        rank's mean for that step); values logged with ``self.log`` in ``training_step`` are unscaled.
+        ``trainer.estimated_stepping_batches`` is computed before the loader is known, so an LR schedule
+        sized from it in ``configure_optimizers`` does not see the factor this callback sets.
 
     Example::
 
