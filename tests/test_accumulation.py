@@ -206,6 +206,11 @@ def test_the_ramp_override_is_undone_at_teardown(tmp_path):
     assert "_make_zero_grad_fn" not in vars(trainer.fit_loop.epoch_loop.automatic_optimization)
     assert "training_step" not in vars(model)
     assert trainer.global_step == 3
+    # The Trainer is left as setup requires it, so it can fit again with the callback.
+    assert trainer.accumulate_grad_batches == 1
+    trainer.fit_loop.epoch_loop.max_steps = 5
+    trainer.fit(model, loader(_data(64), 8))
+    assert trainer.global_step == 5
 
 
 class ManualModel(Regressor):

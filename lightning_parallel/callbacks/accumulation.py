@@ -125,6 +125,7 @@ class GradientAccumulationScheduler(Callback):
         self._multiplier = 1.0
         self._logged: tuple[int, int] | None = None
         self._restore: list[Callable[[], None]] = []
+        self._warned = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -207,7 +208,8 @@ class GradientAccumulationScheduler(Callback):
         window = self._window
         expected = self._batch_sizes[batch_idx] if batch_idx < len(self._batch_sizes) else None
         actual = _batch_samples(batch)
-        if actual is not None and actual != expected:
+        if actual is not None and actual != expected and not self._warned:
+            self._warned = True
             warnings.warn(
                 f"batch {batch_idx} has {actual} samples where the loader's layout says {expected}: "
                 "this step's mean is weighted by the layout, not the batch",
@@ -224,8 +226,12 @@ class GradientAccumulationScheduler(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
         while self._restore:
             self._restore.pop()()
+        # Back to the value setup required, so a second fit with this Trainer passes that check again.
+        trainer.accumulate_grad_batches = 1
         self._window = None
         self._multiplier = 1.0
 
