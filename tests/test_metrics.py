@@ -2,6 +2,7 @@
 
 import csv
 import glob
+import itertools
 import os
 
 import lightning as L
@@ -78,7 +79,7 @@ class LoggingModel(SequentialRegressor):
         self.log("epoch_rank", float(self.global_rank + 1), reduce_fx="sum")
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
+        _x, y = batch
         self.log("val_y", y.mean())  # batch size inferred from the batch
         self.log("val_y_sum", y.sum(), reduce_fx="sum")
         self.log("val_y_step", y.mean(), on_step=True, on_epoch=False)  # ranks run 51 and 50 batches
@@ -150,7 +151,7 @@ def test_one_collective_per_logging_step_with_32_metrics(fit_run):
     _, records = fit_run
     for record in records:
         starts = record["extra"]["calls_at_step_start"]
-        per_step = [b - a for a, b in zip(starts, starts[1:])]
+        per_step = [b - a for a, b in itertools.pairwise(starts)]
         # Step 0 also agrees the key set once (one object gather); every later step is one all_gather.
         assert per_step[0] <= 3, per_step  # gather, agree, gather
         assert per_step[1:] == [1] * (STEPS - 2), per_step
@@ -183,3 +184,94 @@ def test_rank_stats_are_logged_as_min_mean_max(fit_run):
         assert set(lo) == set(range(STEPS))
         for k in lo:
             assert 0 < lo[k] <= mean[k] <= hi[k]
+
+
+def test_lightning_internals_are_where_we_expect():
+    """AllReducedMetrics wraps private Lightning 2.6.6 state; fail loudly here if it moved."""
+    import inspect
+
+    from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
+    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    assert callable(_update_dataloader)
+    for cls, names in [
+        (_ResultCollection, ["log", "metrics", "reset", "valid_items", "_forked_name"]),
+        (
+            _LoggerConnector,
+            ["on_batch_end", "on_epoch_end", "epoch_end_reached", "update_eval_epoch_metrics"],
+        ),
+        (_DataConnector, ["_prepare_dataloader", "_requires_distributed_sampler"]),
+    ]:
+        for name in names:
+            assert callable(getattr(cls, name, None)), f"{cls.__name__}.{name} moved"
+    log_params = inspect.signature(_ResultCollection.log).parameters
+    assert {"sync_dist", "sync_dist_fn", "sync_dist_group", "batch_size", "add_dataloader_idx"} <= set(
+        log_params
+    )
+    assert list(inspect.signature(_ResultCollection.metrics).parameters) == ["self", "on_step"]
+    assert list(inspect.signature(_ResultCollection.reset).parameters) == ["self", "metrics", "fx"]
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    loops = [trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop]
+    assert all(isinstance(loop._results, _ResultCollection) for loop in [*loops, trainer.test_loop])
+    assert callable(trainer.fit_loop._should_accumulate)
+    assert isinstance(trainer._logger_connector.should_update_logs, bool)
+
+
+def test_single_device_values_match_lightning_without_the_callback(tmp_path):
+    """One process: the callback changes nothing (the all-rank value of one rank is its value)."""
+
+    def run(callbacks, name):
+        torch.manual_seed(0)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            log_every_n_steps=1,
+            logger=CSVLogger(str(tmp_path / name)),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        trainer.fit(SequentialRegressor(), loader(regression_data(n=40), 8), loader(regression_data(n=13), 4))
+        return _rows(tmp_path / name)
+
+    plain, reduced = run([], "plain"), run([AllReducedMetrics()], "reduced")
+    for key in ("train_loss", "val_loss"):
+        assert _column(reduced, key) == pytest.approx(_column(plain, key), rel=1e-6)
+
+
+class MismatchedReduction(SequentialRegressor):
+    def training_step(self, batch, batch_idx):
+        self.log("x", 1.0, reduce_fx="max" if self.global_rank else "mean")
+        return super().training_step(batch, batch_idx)
+
+
+class WriteException(L.Callback):
+    def on_exception(self, trainer, pl_module, exception):
+        with open(os.path.join(os.environ["ARM_TEST_DIR"], f"rank{trainer.global_rank}.txt"), "w") as f:
+            f.write(str(exception))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_reduction_that_differs_across_ranks_fails_with_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARM_TEST_DIR", str(tmp_path))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=W,
+        strategy=ddp_spawn(),
+        max_epochs=1,
+        logger=False,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[AllReducedMetrics(), WriteException()],
+    )
+    with pytest.raises(Exception, match="reduced differently on different ranks"):
+        trainer.fit(MismatchedReduction(), _train_loader())
+    messages = [p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))]
+    assert messages and all("is reduced differently on different ranks" in m for m in messages)

@@ -218,7 +218,9 @@ class AllReducedMetrics(Callback):
     def _state(self, results: Any) -> _CollectionSync:
         key = id(results)
         if key not in self._states:
-            reducer = ScalarReducer(self._group, self._device, allow_nonfinite=self.allow_nonfinite)
+            reducer = ScalarReducer(
+                self._group, self._device, allow_nonfinite=self.allow_nonfinite, label=_describe
+            )
             self._states[key] = _CollectionSync(reducer)
         return self._states[key]
 
@@ -317,6 +319,11 @@ def _layout_key(results: Any, metric: Any, storage_key: str, view: str) -> str:
     m = metric.meta
     dl = "" if m.dataloader_idx is None else str(m.dataloader_idx)
     return _SEP.join([view, storage_key, name, forked, f"{int(m.logger)}{int(m.prog_bar)}", m.fx, dl])
+
+
+def _describe(key: str) -> str:
+    view, _, _, forked, _, fx, _ = key.split(_SEP)
+    return f"metric {forked!r} ({view} value, logged in {fx})"
 
 
 def _parse_layout_key(key: str, value: float) -> _Shown:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +135,7 @@ class ScalarReducer:
         group: process group (``None``: the default group).
         device: where the gathered vector lives (``cuda`` for NCCL); CPU by default.
         allow_nonfinite: reduce NaN/inf like any number instead of raising.
+        label: how error messages name a key (the key itself by default).
 
     Raises (from :meth:`reduce`, identically on every rank):
         ValueError: an op is unknown, a key has different ops on different ranks, or a value is not finite.
@@ -151,10 +152,12 @@ class ScalarReducer:
         group: Any | None = None,
         device: torch.device | str | None = None,
         allow_nonfinite: bool = False,
+        label: Callable[[str], str] | None = None,
     ) -> None:
         self.group = group
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.allow_nonfinite = allow_nonfinite
+        self.label = label or repr
         self.layout: list[str] = []
         self.collectives = 0  # tensor gathers plus key-set agreements, for tests and benchmarks
         self.agreements = 0
@@ -199,7 +202,7 @@ class ScalarReducer:
             cols = gathered[:, _HEADER + _STRIDE * i : _HEADER + _STRIDE * (i + 1)]
             ranks = tuple(int(r) for r in torch.nonzero(cols[:, 0] > 0).flatten())
             if ranks:
-                value, problem = _reduce_key(key, cols[list(ranks)], ranks, self.allow_nonfinite)
+                value, problem = _reduce_key(self.label(key), cols[list(ranks)], ranks, self.allow_nonfinite)
                 problems.extend(problem)
                 result[key] = Reduced(value, ranks)
         if problems:
@@ -232,14 +235,14 @@ def _reduce_key(
     if len(codes) > 1:
         by_rank = ", ".join(f"rank {r}: {_CODE_OP.get(c, '?')}" for r, c in zip(ranks, rows[:, 1].tolist()))
         return math.nan, [
-            f"{key!r} is reduced differently on different ranks ({by_rank}): "
+            f"{key} is reduced differently on different ranks ({by_rank}): "
             "log it with the same reduce_fx on every rank"
         ]
     a, w = rows[:, 2], rows[:, 3]
     bad = [r for r, ok in zip(ranks, torch.isfinite(a).tolist()) if not ok]
     if bad and not allow_nonfinite:
         vals = ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, a.tolist()) if r in bad)
-        return math.nan, [f"{key!r} is not finite ({vals}): fix the value, or pass allow_nonfinite=True"]
+        return math.nan, [f"{key} is not finite ({vals}): fix the value, or pass allow_nonfinite=True"]
     if codes[0] not in _CODE_OP:
         return math.nan, []  # an unknown op: reported by _header_problems
     op = _CODE_OP[codes[0]]
