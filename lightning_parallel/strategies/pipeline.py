@@ -110,6 +110,7 @@ class PipelineStrategy(DDPStrategy):
         self._model_param_order: list[str] = []
         self._model_keys: list[str] = []
         self._held_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._first_batch_checked = False
 
     # ----------------------------------------------------------------------------------- layout
     @property
@@ -228,6 +229,15 @@ class PipelineStrategy(DDPStrategy):
         step = getattr(module, step_name)
         batch, rest = args[0], args[1:]
         n = _batch_size(batch)
+        if train and not self._first_batch_checked:
+            # Later batches may be short (an epoch's last); the first one shows the configured size.
+            self._first_batch_checked = True
+            if n < self.num_microbatches:
+                raise ValueError(
+                    f"a training batch of {n} samples cannot feed num_microbatches={self.num_microbatches}: "
+                    f"use a per-replica batch size of at least {self.num_microbatches} (ideally a multiple "
+                    f"of it), or fewer micro-batches"
+                )
         m = self._runner.microbatches_for(n)
         key = _shape_key(batch)
         stage_args = self._proxy.capture(step, *args) if self._runner.has_first else None
