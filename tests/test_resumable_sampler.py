@@ -16,7 +16,9 @@ def _draws(n: int, replicas: int, start: int = 0, epoch: int = 0, **kwargs) -> l
     return samplers
 
 
-@pytest.mark.parametrize("n, replicas, drop_last", [(48, 2, False), (50, 3, False), (50, 3, True), (7, 4, False)])
+@pytest.mark.parametrize(
+    "n, replicas, drop_last", [(48, 2, False), (50, 3, False), (50, 3, True), (7, 4, False)]
+)
 def test_matches_pytorch_distributed_sampler_from_the_start(n, replicas, drop_last):
     for rank in range(replicas):
         ours = ResumableDistributedSampler(range(n), replicas, rank, seed=3, drop_last=drop_last)
@@ -54,6 +56,8 @@ def test_state_dict_round_trip_and_lengths():
     t.load_state_dict(state)
     assert (t.epoch, t.start) == (2, 6)
     assert len(t) == 4 and len(list(t)) == 4  # 14 left over 4 replicas: padded to 16
+    t.set_epoch(2)  # the loop announcing the resumed epoch keeps the position
+    assert t.start == 6
     t.set_epoch(3)
     assert t.start == 0 and len(t) == 5
 
@@ -66,5 +70,5 @@ def test_bad_arguments_raise_with_values():
     s = ResumableDistributedSampler(range(4), seed=1)
     with pytest.raises(ValueError, match=r"does not match"):
         s.load_state_dict({**s.state_dict(), "dataset_len": 5})
-    with pytest.raises(ValueError, match="consumed must be >= 0"):
+    with pytest.raises(ValueError, match="consumed and offset must be >= 0"):
         s.resume(-1)

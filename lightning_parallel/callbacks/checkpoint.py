@@ -1,10 +1,452 @@
-"""Rank0Checkpoint (being written: see its issue)."""
+"""Rank0Checkpoint: ModelCheckpoint whose files are written once, atomically, verifiably, by global rank 0."""
 
-from lightning.pytorch.callbacks import Callback
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.fit_loop import _FitLoop
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
+from lightning_parallel.io import atomic
+from lightning_parallel.io.async_writer import AsyncWriter, snapshot
+
+__all__ = ["CheckpointWriteError", "Rank0Checkpoint"]
 
 
-class Rank0Checkpoint(Callback):
-    """Placeholder until its issue lands; using it raises."""
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; raised on every rank with rank 0's message."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError("Rank0Checkpoint has not landed yet")
+
+# --- Lightning internals (checked against Lightning 2.6.6) --------------------------------------------
+# No public hook builds the checkpoint dict without also writing it through the strategy's
+# CheckpointIO (``trainer.save_checkpoint``), or re-positions the data of a resumed epoch.
+# ModelCheckpoint's own customisation points are underscored methods. Everything private this
+# module touches is listed here or in ``_restart_epoch``; ``check_lightning_internals`` (run by the
+# tests) fails loudly when one of them moves.
+_OVERRIDDEN = ("_save_checkpoint", "_remove_checkpoint", "_link_checkpoint", "_find_last_checkpoints")
+
+
+def _dump_checkpoint(trainer: pl.Trainer, weights_only: bool) -> dict[str, Any]:
+    """Build the checkpoint dict the way ``trainer.save_checkpoint`` does (call on every rank)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only)
+
+
+def check_lightning_internals() -> None:
+    """Raise RuntimeError if a Lightning internal this callback relies on has moved."""
+    problems = [name for name in _OVERRIDDEN if not callable(getattr(ModelCheckpoint, name, None))]
+    if not callable(getattr(_CheckpointConnector, "dump_checkpoint", None)):
+        problems.append("_CheckpointConnector.dump_checkpoint")
+    if "_find_last_checkpoints" not in inspect.getsource(_CheckpointConnector._parse_ckpt_path):
+        problems.append("_CheckpointConnector._parse_ckpt_path no longer asks _find_last_checkpoints")
+    if "self._save_checkpoint(" not in inspect.getsource(ModelCheckpoint._save_last_checkpoint):
+        problems.append("ModelCheckpoint._save_last_checkpoint no longer calls _save_checkpoint")
+    loop_src = inspect.getsource(_FitLoop.setup_data)
+    if "iter(self._data_fetcher)" not in loop_src or "combined_loader.limits" not in loop_src:
+        problems.append("_FitLoop.setup_data no longer creates the iterator/limits as _restart_epoch expects")
+    if problems:
+        raise RuntimeError(
+            f"Rank0Checkpoint relies on Lightning 2.6.6 internals that changed: {problems}; "
+            "pin lightning==2.6.6 or update lightning_parallel/callbacks/checkpoint.py"
+        )
+
+
+# -------------------------------------------------------------------------------------------------------
+
+
+class _VerifyingCheckpointIO(CheckpointIO):
+    """Delegates to the strategy's CheckpointIO, but checks a tagged file's hash before loading it."""
+
+    def __init__(self, inner: CheckpointIO, verified: dict[str, tuple[int, int]]) -> None:
+        self.inner = inner
+        self._verified = verified
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, **kwargs: Any) -> dict[str, Any]:
+        path = str(path)
+        if os.path.isfile(path) and _stat_key(path) != self._verified.get(path):
+            result = atomic.verify_checkpoint(path)
+            if result.status == "mismatch":
+                raise ValueError(f"{result.describe()}: resume from another checkpoint or ckpt_path='last'")
+            if result.ok:
+                self._verified[path] = _stat_key(path)
+        if map_location is None:
+            return self.inner.load_checkpoint(path, **kwargs)
+        return self.inner.load_checkpoint(path, map_location=map_location, **kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+def _stat_key(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+class Rank0Checkpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` with crash-safe files written once by global rank 0, and exact data resume.
+
+    Same arguments and behaviour as Lightning's ``ModelCheckpoint`` (monitor, top-k, ``save_last``,
+    ``every_n_*``, filename templates), plus:
+
+    * the checkpoint dict is built on every rank (``dump_checkpoint``, as ``trainer.save_checkpoint``
+      does, so sharded strategies consolidate as usual); only global rank 0 writes it;
+    * each file is streamed to a temp file beside it, fsynced, renamed, and the directory fsynced;
+      temp files of a killed run are removed at the next start, and on resume the files a killed
+      run wrote after the resumed checkpoint (or failed to evict) are removed;
+    * each file carries its SHA-256 in the zip comment; ``ckpt_path="last"`` resumes from the newest
+      file that verifies (warning about the ones that do not); an explicit corrupt ``ckpt_path`` is an
+      error naming the file and the hash mismatch;
+    * a failed write raises :class:`CheckpointWriteError` on every rank at once; an unwritable
+      ``dirpath`` fails at setup;
+    * ``async_save=True`` copies the state to CPU memory and writes it on a background thread (one
+      save in flight; all complete before ``fit`` returns);
+    * a mid-epoch checkpoint records the data position of a :class:`ResumableDistributedSampler`,
+      which then resumes exactly, also at another world size. Use it in the training loader:
+      ``DataLoader(ds, batch_size=B, sampler=ResumableDistributedSampler(ds))``.
+
+    Args:
+        async_save: write in the background after a CPU snapshot of the state.
+        Others: as ``lightning.pytorch.callbacks.ModelCheckpoint``.
+
+    Raises:
+        CheckpointWriteError: on every rank, when rank 0 could not write a checkpoint.
+        ValueError: at setup when ``dirpath`` cannot be created or written.
+
+    Example::
+
+        ckpt = Rank0Checkpoint(dirpath="checkpoints", monitor="val_loss", save_top_k=3, save_last=True,
+                               every_n_train_steps=500, async_save=True)
+        trainer = L.Trainer(devices=8, strategy="ddp", callbacks=[ckpt])
+        trainer.fit(model, datamodule, ckpt_path="last")
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: bool | Literal["link"] | None = None,
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+        async_save: bool = False,
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_on_exception=save_on_exception,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
+        )
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}")
+        self.async_save = async_save
+        self._writer = AsyncWriter()
+        self._async_pending = False  # known on every rank: an async save was started and not yet confirmed
+        self._verified: dict[str, tuple[int, int]] = {}
+        self._resume_position: dict[str, Any] | None = None
+        self._resume_batches = 0  # batches of the current epoch done before this run resumed it
+        self._batches_done = 0  # batches of the current epoch done so far (including the resumed ones)
+
+    # --- setup: directory checks, orphan clean-up, verifying loads ------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        problem = None
+        if trainer.is_global_zero and (self.save_top_k != 0 or self.save_last):
+            problem = self._prepare_dir()
+        problem = trainer.strategy.broadcast(problem, src=0)
+        if problem:
+            raise ValueError(
+                f"Rank0Checkpoint cannot write to dirpath {str(self.dirpath)!r}: {problem}. "
+                "Pass a dirpath that the job can create and write."
+            )
+        strategy = trainer.strategy
+        if not isinstance(strategy.checkpoint_io, _VerifyingCheckpointIO):
+            strategy.checkpoint_io = _VerifyingCheckpointIO(strategy.checkpoint_io, self._verified)
+
+    def _prepare_dir(self) -> str | None:
+        problem = atomic.check_writable_dir(str(self.dirpath))
+        if problem is None:
+            removed = atomic.remove_orphans(str(self.dirpath))
+            if removed:
+                rank_zero_info(f"Rank0Checkpoint removed {len(removed)} temporary file(s) of a killed run")
+        return problem
+
+    # --- saving ----------------------------------------------------------------------------------------
+
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        checkpoint = _dump_checkpoint(trainer, self.save_weights_only)
+        error = None
+        if trainer.is_global_zero:
+            error = self._write_on_rank0(trainer, checkpoint, filepath)
+        self._raise_on_all_ranks(trainer, error)
+        self._async_pending = self.async_save
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
+
+    def _write_on_rank0(self, trainer: pl.Trainer, checkpoint: dict[str, Any], filepath: str) -> str | None:
+        meta = {
+            "step": int(trainer.global_step),
+            "epoch": int(trainer.current_epoch),
+            "key": self.state_key,
+            "name": os.path.basename(filepath),
+        }
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
+            if not self.async_save:
+                atomic.save_checkpoint_file(checkpoint, filepath, meta)
+                return None
+            previous = self._writer.wait()
+            if previous is not None:
+                return _describe(previous, "previous background save")
+            state = snapshot(checkpoint)
+            self._writer.submit(lambda: atomic.save_checkpoint_file(state, filepath, meta))
+        except Exception as err:
+            return _describe(err, filepath)
+        return None
+
+    def _raise_on_all_ranks(self, trainer: pl.Trainer, error: str | None) -> None:
+        error = trainer.strategy.broadcast(error, src=0)
+        if error:
+            raise CheckpointWriteError(f"Rank0Checkpoint failed on global rank 0: {error}")
+
+    @override
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if trainer.is_global_zero:
+            self._writer.after(lambda: _remove_quietly(filepath))
+
+    @override
+    def _link_checkpoint(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            self._writer.after(lambda: atomic.atomic_symlink(filepath, linkpath))
+        trainer.strategy.barrier()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batches_done = batch_idx + 1
+        if self._async_pending:
+            self._poll_async(trainer)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _poll_async(self, trainer: pl.Trainer) -> None:
+        """While a background save is unconfirmed, learn from rank 0 each step whether it ended or failed."""
+        status: tuple[bool, str | None] = (False, None)
+        if trainer.is_global_zero:
+            done, err = self._writer.poll()
+            status = (done, _describe(err, "background save") if err else None)
+        done, error = trainer.strategy.broadcast(status, src=0)
+        self._async_pending = not done
+        self._raise_on_all_ranks(trainer, error)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        error = None
+        if trainer.is_global_zero:
+            err = self._writer.wait()
+            error = _describe(err, "background save") if err else None
+        self._async_pending = False
+        self._raise_on_all_ranks(trainer, error)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if not isinstance(exception, CheckpointWriteError):
+            super().on_exception(trainer, pl_module, exception)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # After an exception no collective is safe; just make sure no write is left half-done.
+        error = self._writer.wait()
+        if error is not None:
+            rank_zero_warn(f"Rank0Checkpoint: {_describe(error, 'background save')}")
+
+    # --- resuming --------------------------------------------------------------------------------------
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """The newest checkpoint in ``dirpath`` that verifies (each rank checks: no process group yet)."""
+        dirpath = str(self.dirpath) if self.dirpath is not None else None
+        entries = atomic.list_tagged_checkpoints(dirpath) if dirpath else []
+        for path, _tag in atomic.newest_first(entries):
+            result = atomic.verify_checkpoint(path)
+            if result.ok:
+                self._verified[path] = _stat_key(path)
+                return {path}
+            rank_zero_warn(f"Rank0Checkpoint skips {result.describe()}")
+        return super()._find_last_checkpoints(trainer) if not entries else set()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["data_position"] = self._data_position
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._resume_position = state_dict.get("data_position")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._resume_data(trainer)
+        if trainer.is_global_zero and trainer.ckpt_path is not None and self.dirpath is not None:
+            self._remove_stale(trainer)
+
+    def _remove_stale(self, trainer: pl.Trainer) -> None:
+        """Delete files of ours that the resumed bookkeeping does not know: written after it, or evicted."""
+        resumed = os.path.abspath(str(trainer.ckpt_path))
+        if os.path.dirname(resumed) != os.path.abspath(str(self.dirpath)):
+            return
+        known = {
+            os.path.abspath(p) for p in (*self.best_k_models, self.best_model_path, self.last_model_path) if p
+        }
+        known.add(resumed)
+        for path, tag in atomic.list_tagged_checkpoints(str(self.dirpath)):
+            if os.path.abspath(path) in known or tag.get("key") != self.state_key:
+                continue
+            if int(tag.get("step", -1)) > trainer.global_step or self.save_top_k != -1:
+                rank_zero_info(f"Rank0Checkpoint removes {path!r}: left by the interrupted run, not tracked")
+                _remove_quietly(path)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not called when Lightning resumes mid-epoch: _resume_data (on_train_start) covers that.
+        self._resume_batches = self._batches_done = 0
+
+    def _resume_data(self, trainer: pl.Trainer) -> None:
+        position, self._resume_position = self._resume_position, None
+        self._resume_batches = self._batches_done = 0
+        samplers = list(_resumable_samplers(trainer.train_dataloader))
+        batch_size = _batch_size(trainer.train_dataloader)
+        if not position or len(samplers) != 1 or batch_size is None:
+            return
+        if position["sampler"]["epoch"] != trainer.current_epoch:
+            return
+        batches = position["batches"]
+        samplers[0].load_state_dict(position["sampler"], offset=batches * batch_size)
+        self._resume_batches = self._batches_done = batches
+        _restart_epoch(trainer, len(trainer.train_dataloader))
+        rank_zero_info(
+            f"Rank0Checkpoint resumes epoch {trainer.current_epoch} after {position['sampler']['consumed']}"
+            f" samples ({batches} batches per replica before the restart)"
+        )
+
+    @property
+    def _data_position(self) -> dict[str, Any] | None:
+        trainer = self._trainer_ref
+        if trainer is None:
+            return None
+        samplers = list(_resumable_samplers(trainer.train_dataloader))
+        batch_size = _batch_size(trainer.train_dataloader)
+        if len(samplers) != 1 or batch_size is None:
+            return None
+        per_replica = (self._batches_done - self._resume_batches) * batch_size
+        return {"batches": self._batches_done, "sampler": samplers[0].state_dict(per_replica)}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trainer_ref = trainer
+
+    _trainer_ref: pl.Trainer | None = None
+
+
+def _restart_epoch(trainer: pl.Trainer, num_batches: int) -> None:
+    """Re-create the training data iterator after the sampler moved to the resume point (Lightning 2.6.6).
+
+    The fit loop creates the iterator, and prefetches a batch, in ``setup_data`` before any
+    callback hook of the epoch runs, and sizes the epoch from the sampler's length at that time.
+    """
+    loop = trainer.fit_loop
+    combined = loop._combined_loader
+    if combined is not None and combined.limits is not None:
+        combined.limits = [num_batches for _ in combined.limits]
+    if getattr(trainer, "val_check_batch", None) == loop.max_batches:
+        trainer.val_check_batch = num_batches  # validation "at the end of the epoch" stays there
+    loop.max_batches = num_batches  # trainer.num_training_batches
+    iter(loop._data_fetcher)
+
+
+def _resumable_samplers(loaders: Any) -> Iterator[ResumableDistributedSampler]:
+    for loader in _flatten(loaders):
+        sampler = getattr(loader, "sampler", None)
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for s in (sampler, getattr(batch_sampler, "sampler", None)):
+            if isinstance(s, ResumableDistributedSampler):
+                yield s
+                break
+
+
+def _batch_size(loaders: Any) -> int | None:
+    flat = list(_flatten(loaders))
+    return getattr(flat[0], "batch_size", None) if len(flat) == 1 else None
+
+
+def _flatten(loaders: Any) -> Iterator[Any]:
+    if loaders is None:
+        return
+    if isinstance(loaders, dict):
+        for v in loaders.values():
+            yield from _flatten(v)
+    elif isinstance(loaders, list | tuple):
+        for v in loaders:
+            yield from _flatten(v)
+    else:
+        yield loaders
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        atomic.remove_file(path)
+    except OSError as err:
+        rank_zero_warn(f"Rank0Checkpoint could not remove old checkpoint {path!r}: {err}")
+
+
+def _describe(err: BaseException, where: str) -> str:
+    text = str(err)
+    return text if where in text else f"{where}: {type(err).__name__}: {text}"

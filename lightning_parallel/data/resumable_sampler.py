@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 __all__ = ["ResumableDistributedSampler"]
@@ -21,9 +22,10 @@ class ResumableDistributedSampler(DistributedSampler):
     :meth:`resume` starts the epoch after such a prefix and splits only the rest over the current
     replicas: no sample twice, none skipped, also when the world size changed in between.
 
-    Unlike PyTorch's sampler it needs no process group at construction: ``num_replicas`` and
-    ``rank`` default to 1 and 0 and are set by :class:`~lightning_parallel.Rank0Checkpoint` from
-    ``trainer.strategy.distributed_sampler_kwargs`` (or by :meth:`set_distributed`). Because it is a
+    Unlike PyTorch's sampler it needs no process group at construction: unless given,
+    ``num_replicas`` and ``rank`` are read from the process group when the sampler is used (1 and 0
+    without one). A strategy whose data-parallel size is not the world size (pipeline) should pass
+    them, from ``trainer.strategy.distributed_sampler_kwargs``. Because it is a
     ``DistributedSampler``, Lightning keeps it instead of injecting its own.
 
     Args:
@@ -61,17 +63,36 @@ class ResumableDistributedSampler(DistributedSampler):
         self.drop_last = drop_last
         self.epoch = 0
         self.start = 0
-        self.set_distributed(1 if num_replicas is None else num_replicas, 0 if rank is None else rank)
+        self.offset = 0
+        self._resumed_epoch: int | None = None
+        self._explicit: tuple[int, int] | None = None
+        if num_replicas is not None or rank is not None:
+            self.set_distributed(1 if num_replicas is None else num_replicas, 0 if rank is None else rank)
 
     def set_distributed(self, num_replicas: int, rank: int) -> None:
-        """Set the data-parallel size and this replica's index."""
+        """Set the data-parallel size and this replica's index (instead of the process group's)."""
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(
                 f"invalid rank {rank} for num_replicas {num_replicas}: need num_replicas >= 1 and "
                 "0 <= rank < num_replicas"
             )
-        self.num_replicas = num_replicas
-        self.rank = rank
+        self._explicit = (num_replicas, rank)
+
+    def _replicas_and_rank(self) -> tuple[int, int]:
+        if self._explicit is not None:
+            return self._explicit
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+        return 1, 0
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        """Data-parallel replicas: as set, else the process group's world size (1 without one)."""
+        return self._replicas_and_rank()[0]
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self._replicas_and_rank()[1]
 
     @property
     def total_size(self) -> int:  # type: ignore[override]
@@ -104,18 +125,28 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(self._remaining()[self.rank : self.total_size : self.num_replicas])
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.offset + self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its beginning (call :meth:`resume` afterwards to start mid-epoch)."""
+        """Start epoch ``epoch`` from its beginning, unless it is the epoch :meth:`resume` just moved into."""
+        if epoch == self._resumed_epoch:
+            self._resumed_epoch = None  # the loop announcing the epoch it resumes: keep the position
+            return
         self.epoch = epoch
         self.start = 0
+        self.offset = 0
 
-    def resume(self, consumed: int) -> None:
-        """Skip the first ``consumed`` samples of this epoch's global order (drawn before a restart)."""
-        if consumed < 0:
-            raise ValueError(f"consumed must be >= 0, got {consumed}")
+    def resume(self, consumed: int, offset: int = 0) -> None:
+        """Skip the first ``consumed`` samples of this epoch's global order (drawn before a restart).
+
+        ``offset`` is added to ``len(self)`` only: a training loop that restores its batch counter
+        (Lightning does) and ends the epoch at ``len`` then runs exactly the remaining batches.
+        """
+        if consumed < 0 or offset < 0:
+            raise ValueError(f"consumed and offset must be >= 0, got {consumed} and {offset}")
         self.start = min(consumed, len(self.dataset))
+        self.offset = offset
+        self._resumed_epoch = self.epoch if consumed or offset else None
 
     def consumed_after(self, samples_per_replica: int) -> int:
         """Global position after every replica drew ``samples_per_replica`` samples since the resume point."""
@@ -131,7 +162,7 @@ class ResumableDistributedSampler(DistributedSampler):
             "shuffle": self.shuffle,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], offset: int = 0) -> None:
         """Resume at a position from :meth:`state_dict`; the data set, seed and shuffle must match."""
         expected = (len(self.dataset), self.seed, self.shuffle)
         saved = (state["dataset_len"], state["seed"], state["shuffle"])
@@ -141,4 +172,4 @@ class ResumableDistributedSampler(DistributedSampler):
                 f"{expected}: resume with the same data set and sampler arguments"
             )
         self.epoch = state["epoch"]
-        self.resume(state["consumed"])
+        self.resume(state["consumed"], offset)
