@@ -1,0 +1,386 @@
+"""Memory per rank: DDP against PipelineStrategy (p=2 and p=4), the same model, AdamW.
+
+For each run, every rank measures:
+
+- **parameters + gradients + optimizer state**, by counting the bytes of the tensors it holds at the
+  moment all three exist (``on_before_optimizer_step`` of the second and later steps: the optimizer
+  state exists from the first step on). This is the memory pipeline parallelism exists to divide;
+  the issue's target is pipeline p=2 <= 0.55x DDP per rank, and near 1/p as p grows.
+- **activations**, separately: the peak of the live bytes of the tensors autograd saves for
+  backward (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded). torch's
+  ``MemTracker`` was tried first: on torch 2.13 its backward hooks break the pipeline stage's
+  ``autograd.grad`` ("A leaf node was passed to _will_engine_execute_node ..."), and it refuses a
+  module called more than once per iteration, as a stage is, once per micro-batch. Pipeline and
+  DDP see the same global batch: DDP splits it over its ranks, the pipeline (one replica) runs it
+  all through each stage in micro-batches.
+- **meta-device init**: pipeline runs build the model under ``trainer.init_module(empty_init=True)``;
+  each rank then checks that the layers of the *other* stages are still on the meta device after
+  setup (never materialised), and that its own are real.
+
+Runs: a larger model (dim 256, 8 blocks) with DDP on 2 processes and the pipeline at p=2 (1f1b and
+gpipe); a smaller one (dim 128, 8 blocks) with DDP on 4 processes and the pipeline at p=2 and p=4.
+Writes ``pipeline_memory.csv`` and ``pipeline_memory.png`` under ``--out-dir``.
+
+Usage::
+
+    python experiments/bench_pipeline_memory.py           # ~2-3 minutes on 2 cores
+    python experiments/bench_pipeline_memory.py --quick   # one small model, ~1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_pipeline import RESULTS, BenchLM, Config, dataset, launch, loader, stage_counts
+
+from lightning_parallel import PipelineStrategy
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured configuration: DDP or pipeline, how many processes, which model."""
+
+    name: str
+    strategy: str  # "ddp" or "pipeline"
+    world: int
+    dim: int
+    depth: int
+    schedule: str = "-"
+    batch_size: int = 32
+    seq_len: int = 64
+    num_microbatches: int = 4
+    steps: int = 3
+
+    def model_config(self) -> Config:
+        return Config(dim=self.dim, depth=self.depth, seq_len=self.seq_len, batch_size=self.batch_size)
+
+
+def default_runs(quick: bool) -> list[Run]:
+    """The runs; a run's ratio is to the DDP run of the same model group (the name before "/")."""
+    if quick:  # one small model; DDP's bytes per rank do not depend on its number of processes
+        return [
+            Run("quick/ddp x2", "ddp", 2, 64, 8, steps=2),
+            Run("quick/pipeline p=2 1f1b", "pipeline", 2, 64, 8, schedule="1f1b", steps=2),
+            Run("quick/pipeline p=4 1f1b", "pipeline", 4, 64, 8, schedule="1f1b", steps=2),
+        ]
+    big, small = (256, 8), (128, 8)
+    return [
+        Run("big/ddp x2", "ddp", 2, *big),
+        Run("big/pipeline p=2 1f1b", "pipeline", 2, *big, schedule="1f1b"),
+        Run("big/pipeline p=2 gpipe", "pipeline", 2, *big, schedule="gpipe"),
+        Run("small/ddp x4", "ddp", 4, *small),
+        Run("small/pipeline p=2 1f1b", "pipeline", 2, *small, schedule="1f1b"),
+        Run("small/pipeline p=4 1f1b", "pipeline", 4, *small, schedule="1f1b"),
+        Run("small/pipeline p=4 gpipe", "pipeline", 4, *small, schedule="gpipe"),
+    ]
+
+
+# ------------------------------------------------------------------------------------- counting
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (meta tensors hold none)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if torch.is_tensor(t) and not t.is_meta:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+class SavedTensorMeter:
+    """Live bytes of the tensors autograd saves for backward (activations), and their peak.
+
+    Installed with ``torch.autograd.graph.saved_tensors_hooks``: each saved tensor is wrapped in a
+    holder that counts its storage once (however often it is saved) until autograd frees the graph.
+    Parameters saved by their ops (a Linear saves its weight) are not activations: not counted.
+    """
+
+    def __init__(self, parameters: list[torch.Tensor]) -> None:
+        self.excluded = {p.untyped_storage().data_ptr() for p in parameters if not p.is_meta}
+        self.refs: dict[int, int] = {}
+        self.live = self.peak = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        ptr = t.untyped_storage().data_ptr()
+        if t.is_meta or ptr == 0 or ptr in self.excluded:
+            return t
+        return _Saved(self, t, ptr)
+
+    @staticmethod
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+class _Saved:
+    __slots__ = ("meter", "nbytes", "ptr", "tensor")
+
+    def __init__(self, meter: SavedTensorMeter, tensor: torch.Tensor, ptr: int) -> None:
+        self.meter, self.tensor, self.ptr = meter, tensor, ptr
+        self.nbytes = tensor.untyped_storage().nbytes()
+        meter.refs[ptr] = meter.refs.get(ptr, 0) + 1
+        if meter.refs[ptr] == 1:
+            meter.live += self.nbytes
+            meter.peak = max(meter.peak, meter.live)
+
+    def __del__(self) -> None:
+        refs = self.meter.refs
+        refs[self.ptr] -= 1
+        if not refs[self.ptr]:
+            del refs[self.ptr]
+            self.meter.live -= self.nbytes
+
+
+class MemoryProbe(L.Callback):
+    """Counts this rank's parameter, gradient and optimizer bytes, and its saved activations, over fit."""
+
+    def __init__(self, other_layers: list[torch.nn.Module]) -> None:
+        self.other_layers = other_layers  # layers this rank should never materialise (pipeline only)
+        self.result: dict[str, Any] = {}
+        self.meter: SavedTensorMeter | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        params = list(pl_module.parameters())
+        others = [p for layer in self.other_layers for p in layer.parameters()]
+        self.result.update(
+            local_params=sum(p.numel() for p in params),
+            local_params_meta=sum(p.numel() for p in params if p.is_meta),
+            other_stage_params=sum(p.numel() for p in others),
+            other_stage_params_meta=sum(p.numel() for p in others if p.is_meta),
+            ppo_bytes=0,
+        )
+        self.meter = SavedTensorMeter(params)
+        self.meter.hooks.__enter__()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not optimizer.state:
+            return  # the first step: no optimizer state yet, so not the peak of the three
+        params = list(pl_module.parameters())
+        counts = dict(
+            param_bytes=tensor_bytes(params),
+            grad_bytes=tensor_bytes(p.grad for p in params),
+            optimizer_bytes=tensor_bytes(optimizer_tensors(optimizer)),
+        )
+        total = sum(counts.values())
+        if total > self.result["ppo_bytes"]:
+            self.result.update(counts, ppo_bytes=total)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        assert self.meter is not None
+        self.meter.hooks.__exit__(None, None, None)
+        self.result.update(activation_peak_bytes=self.meter.peak, activation_live_after=self.meter.live)
+
+
+# -------------------------------------------------------------------------------------- a run
+
+
+def memory_worker(rank: int, world: int, run: Run) -> dict[str, Any]:
+    """Train ``run.steps`` steps on this rank and return what MemoryProbe counted."""
+    cfg = run.model_config()
+    per_rank_batch = run.batch_size // world if run.strategy == "ddp" else run.batch_size
+    cfg_rank = Config(dim=cfg.dim, depth=cfg.depth, seq_len=cfg.seq_len, batch_size=per_rank_batch)
+    cfg.warmup, cfg.steps = 0, run.steps
+    if run.strategy == "ddp":
+        strategy: Any = "ddp"
+    else:
+        strategy = PipelineStrategy(
+            num_stages=world,
+            num_microbatches=run.num_microbatches,
+            schedule=run.schedule,
+            partition="parameters",
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=run.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    if run.strategy == "pipeline":
+        with trainer.init_module(empty_init=True):
+            model = BenchLM(dim=cfg.dim, depth=cfg.depth, seq_len=cfg.seq_len)
+        # The layers the other stages own (a stage is this rank's run of the split).
+        counts = stage_counts(model, world)
+        first = sum(counts[:rank])
+        mine = range(first, first + counts[rank])
+        others = [layer for i, layer in enumerate(model.layers) if i not in mine]
+    else:
+        torch.manual_seed(0)
+        model = BenchLM(dim=cfg.dim, depth=cfg.depth, seq_len=cfg.seq_len)
+        others = []
+    model_params = sum(p.numel() for p in model.parameters())
+    probe = MemoryProbe(others)
+    trainer.callbacks.append(probe)
+    trainer.fit(model, train_dataloaders=loader(cfg_rank, dataset(cfg)))
+    return dict(
+        probe.result,
+        rank=rank,
+        model_params=model_params,
+        max_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    )
+
+
+def measure(run: Run) -> list[dict[str, Any]]:
+    ranks = launch(memory_worker, run.world, run)
+    return [
+        dict(
+            run=run.name,
+            strategy=run.strategy,
+            world_size=run.world,
+            schedule=run.schedule,
+            model_dim=run.dim,
+            model_depth=run.depth,
+            global_batch=run.batch_size,
+            **r,
+        )
+        for r in ranks
+    ]
+
+
+# ----------------------------------------------------------------------------------- outputs
+
+COLUMNS = [
+    "run",
+    "strategy",
+    "world_size",
+    "schedule",
+    "model_dim",
+    "model_depth",
+    "global_batch",
+    "rank",
+    "model_params",
+    "local_params",
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "ppo_bytes",
+    "ppo_vs_ddp",
+    "activation_peak_bytes",
+    "activation_live_after",
+    "local_params_meta",
+    "other_stage_params",
+    "other_stage_params_meta",
+    "max_rss_mb",
+]
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """ppo_vs_ddp: each rank's params+grads+optimizer bytes over DDP's (same model) per-rank bytes."""
+    ddp = {r["run"].split("/")[0]: r["ppo_bytes"] for r in rows if r["strategy"] == "ddp"}
+    for r in rows:
+        base = ddp.get(r["run"].split("/")[0])
+        r["ppo_vs_ddp"] = round(r["ppo_bytes"] / base, 4) if base else ""
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+COLOURS = ("tab:blue", "tab:orange", "tab:green")
+
+
+def plot(path: Path, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7.5), sharex=True)
+    x, labels, width = 0.0, [], 0.8
+    for run in runs:
+        ranks = [r for r in rows if r["run"] == run]
+        w = width / len(ranks)
+        for i, r in enumerate(ranks):
+            xi = x - width / 2 + w * (i + 0.5)
+            mib = [r[k] / 2**20 for k in ("param_bytes", "grad_bytes", "optimizer_bytes")]
+            first = not x and not i  # label each colour once
+            parts = zip(
+                mib, ("tab:blue", "tab:orange", "tab:green"), ("parameters", "gradients", "AdamW state")
+            )
+            for j, (value, colour, name) in enumerate(parts):
+                top.bar(xi, value, w, bottom=sum(mib[:j]), color=colour, label=name if first else None)
+            if r["ppo_vs_ddp"] != "" and r["strategy"] != "ddp":
+                top.text(xi, sum(mib), f"{r['ppo_vs_ddp']:.2f}x", ha="center", va="bottom", fontsize=7)
+            act = r["activation_peak_bytes"] / 2**20
+            bottom.bar(xi, act, w, color="tab:red", label="activations (peak)" if first else None)
+        labels.append(run.replace("/", "\n"))
+        x += 1
+    top.set(
+        ylabel="memory per rank (MiB)",
+        title="Parameters + gradients + AdamW state, one bar per rank (ratio to DDP's per-rank bytes on top)",
+    )
+    bottom.set(
+        ylabel="memory per rank (MiB)",
+        title="Peak activations saved for backward, per rank; global batch 32 in every run",
+    )
+    bottom.set_xticks(range(len(runs)), labels, fontsize=8)
+    for ax in (top, bottom):
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one small model, 3 runs (~1 minute)")
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help=f"where results go (default {RESULTS})")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for run in default_runs(args.quick):
+        print(f"measuring {run.name} ...", flush=True)
+        rows += measure(run)
+    add_ratios(rows)
+    write_csv(args.out_dir / "pipeline_memory.csv", rows)
+    plot(args.out_dir / "pipeline_memory.png", rows)
+    for run in dict.fromkeys(r["run"] for r in rows):
+        ranks = [r for r in rows if r["run"] == run]
+        worst = max(ranks, key=lambda r: r["ppo_bytes"])
+        meta = all(r["other_stage_params"] == r["other_stage_params_meta"] for r in ranks)
+        print(
+            f"{run:<26} params+grads+AdamW per rank (max) {worst['ppo_bytes'] / 2**20:7.2f} MiB"
+            f"  vs DDP {worst['ppo_vs_ddp']}  activations (max) "
+            f"{max(r['activation_peak_bytes'] for r in ranks) / 2**20:6.2f} MiB"
+            + (f"  other stages still meta: {meta}" if ranks[0]["strategy"] == "pipeline" else "")
+        )
+    print(f"wrote {args.out_dir}/pipeline_memory.csv and .png in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
