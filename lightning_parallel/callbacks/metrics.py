@@ -38,6 +38,7 @@ class _Shown:
     """A reduced value and where Lightning shows it (names and flags of the rank that logged it)."""
 
     value: float
+    tensor: torch.Tensor
     name: str
     forked: str
     logger: bool
@@ -53,6 +54,7 @@ class _CollectionSync:
     reducer: ScalarReducer
     pending: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)
     cache: dict[tuple[str, str], _Shown] = field(default_factory=dict)
+    keys: dict[tuple[int, str], str] = field(default_factory=dict)  # (id(metric), view) -> layout key
 
 
 class AllReducedMetrics(Callback):
@@ -243,7 +245,12 @@ class AllReducedMetrics(Callback):
                 continue  # torchmetrics objects sync themselves
             op = match_reduce_op(metric.meta.name, self.reduce, _lightning_op(metric.meta))
             for view, value, weight in _views_of(metric, storage_key, state.pending, views):
-                keys.append(_layout_key(results, metric, storage_key, view))
+                layout_key = state.keys.get((id(metric), view))
+                if layout_key is None:
+                    layout_key = state.keys[(id(metric), view)] = _layout_key(
+                        results, metric, storage_key, view
+                    )
+                keys.append(layout_key)
                 values.append(value)
                 weights.append(weight)
                 ops.append(op)
@@ -271,7 +278,7 @@ class AllReducedMetrics(Callback):
                 continue
             if metric is not None and (metric.has_reset or not metric.is_tensor):
                 continue
-            value = torch.tensor(shown.value, dtype=torch.float32)
+            value = shown.tensor
             if shown.logger:
                 out["log"][shown.forked] = value
             if results.training or view == "epoch":
@@ -287,6 +294,7 @@ class AllReducedMetrics(Callback):
         state.cache = {k: s for k, s in state.cache.items() if fx is not None and s.fx != fx}
         if fx is None:  # a whole reset happens at the same point on every rank (an epoch end)
             state.pending.clear()
+            state.keys.clear()
             state.reducer.reset_layout()
 
 
@@ -328,7 +336,16 @@ def _describe(key: str) -> str:
 
 def _parse_layout_key(key: str, value: float) -> _Shown:
     _, _, name, forked, flags, fx, dl = key.split(_SEP)
-    return _Shown(value, name, forked, flags[0] == "1", flags[1] == "1", fx, int(dl) if dl else None)
+    return _Shown(
+        value,
+        torch.tensor(value, dtype=torch.float32),
+        name,
+        forked,
+        flags[0] == "1",
+        flags[1] == "1",
+        fx,
+        int(dl) if dl else None,
+    )
 
 
 def _batch_size(results: Any) -> int:
