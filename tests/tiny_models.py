@@ -26,9 +26,18 @@ def loader(dataset, batch_size: int, shuffle: bool = False, drop_last: bool = Fa
 class SequentialRegressor(L.LightningModule):
     """An MLP held in one top-level ``nn.Sequential``, the shape PipelineStrategy splits."""
 
-    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4, depth: int = 4, lr: float = 0.1):
+    def __init__(
+        self,
+        d_in: int = 8,
+        hidden: int = 16,
+        d_out: int = 4,
+        depth: int = 4,
+        lr: float = 0.1,
+        adam: bool = False,
+    ):
         super().__init__()
-        self.lr = lr
+        self.save_hyperparameters()
+        self.lr, self.adam = lr, adam
         dims = [d_in] + [hidden] * (depth - 1)
         blocks = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(dims)]
         self.layers = nn.Sequential(*blocks, nn.Linear(dims[-1], d_out))
@@ -46,7 +55,16 @@ class SequentialRegressor(L.LightningModule):
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x), y))
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_optimizers(self):
+        if self.adam:
+            return torch.optim.AdamW(self.parameters(), lr=self.lr / 10)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 

@@ -74,7 +74,10 @@ def merge_optimizer_states(parts: Iterable[dict]) -> dict:
                 merged["param_names"].append(name)
                 next_id += 1
         groups.append(merged)
-    return {"state": state, "param_groups": groups}
+    types = {p["type"] for p in parts}
+    if len(types) != 1:
+        raise RuntimeError(f"stages use different optimizer types: {sorted(types)}")
+    return {"state": state, "param_groups": groups, "optimizer_type": types.pop()}
 
 
 def reshard_optimizer_state(
@@ -89,6 +92,12 @@ def reshard_optimizer_state(
     checkpoint without ``param_names`` (written by one device or DDP, one param group) onto names.
     """
     saved_groups = full["param_groups"]
+    saved_type = full.get("optimizer_type")
+    if saved_type is not None and saved_type != type(optimizer).__name__:
+        raise ValueError(
+            f"the checkpoint's optimizer is {saved_type} but configure_optimizers made "
+            f"{type(optimizer).__name__}: resume with the same optimizer"
+        )
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
             f"the checkpoint's optimizer has {len(saved_groups)} param groups but configure_optimizers "
@@ -98,6 +107,13 @@ def reshard_optimizer_state(
     name_to_id = {n: i for i, n in id_to_name.items()}
     state, groups, local_id = {}, [], 0
     for group, saved in zip(optimizer.param_groups, saved_groups):
+        hyper_now = set(group) - {"params", "param_names"}
+        hyper_saved = set(saved) - {"params", "param_names"}
+        if hyper_now != hyper_saved:
+            raise ValueError(
+                f"the checkpoint's optimizer has hyper-parameters {sorted(hyper_saved)} but this one has "
+                f"{sorted(hyper_now)}: resume with the same optimizer"
+            )
         ids = []
         for p in group["params"]:
             name = names[p]

@@ -358,6 +358,13 @@ class PipelineStrategy(DDPStrategy):
         parts = stage_state.gather_to(named, 0, self.mesh.pp_group)
         return stage_state.merge_optimizer_states(parts) if parts is not None else {}
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Load after the split: each rank takes only its stage's keys, and a model built on the
+        # meta device is materialised before the weights arrive.
+        return True
+
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         full = checkpoint["state_dict"]
