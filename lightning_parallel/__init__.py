@@ -5,17 +5,22 @@ Importing the package registers its strategies in Lightning's ``StrategyRegistry
 """
 
 from lightning_parallel.callbacks.accumulation import GradientAccumulationScheduler
-from lightning_parallel.callbacks.checkpoint import Rank0Checkpoint
+from lightning_parallel.callbacks.checkpoint import CheckpointWriteError, Rank0Checkpoint
 from lightning_parallel.callbacks.metrics import AllReducedMetrics
+from lightning_parallel.data.eval_sampler import EvalDistributedSampler
+from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
 from lightning_parallel.strategies import PipelineStrategy, register_strategies
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllReducedMetrics",
+    "CheckpointWriteError",
+    "EvalDistributedSampler",
     "GradientAccumulationScheduler",
     "PipelineStrategy",
     "Rank0Checkpoint",
+    "ResumableDistributedSampler",
     "__version__",
 ]
 

@@ -16,6 +16,8 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from lightning_parallel._table import format_table
+
 __all__ = [
     "AccumulationPhase",
     "AccumulationPlan",
@@ -195,11 +197,7 @@ class AccumulationPlan:
             + [str(p.factor)]
             for p in self.phases
         ]
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-        line = "  ".join(f"{{:>{w}}}" for w in widths)
-        out = [line.format(*headers), line.format(*("-" * w for w in widths))]
-        out += [line.format(*r) for r in rows]
-        return "\n".join(out)
+        return format_table(headers, rows, align=">")
 
     def __str__(self) -> str:
         return self.format_table()

@@ -6,6 +6,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_parallel._table import format_table
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -75,10 +77,7 @@ class StagePlan:
                 row.append("" if s.cost is None else f"{s.cost:.3g}")
             rows.append(row)
         total = sum(s.num_parameters for s in self.stages)
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-        line = "  ".join(f"{{:<{w}}}" for w in widths)
-        out = [line.format(*headers), line.format(*("-" * w for w in widths))]
-        out += [line.format(*r) for r in rows]
+        out = [format_table(headers, rows)]
         out.append(
             f"{self.num_stages} stages on {self.pp_size} pipeline ranks x {self.dp_size} data-parallel "
             f"replicas; {total:,} parameters in the pipelined Sequential"
