@@ -22,12 +22,17 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_parallel import PipelineStrategy
+from lightning_parallel import (
+    AllReducedMetrics,
+    GradientAccumulationScheduler,
+    PipelineStrategy,
+    Rank0Checkpoint,
+)
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -199,6 +204,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=32,
         help="samples per optimizer step, all devices (default 32)",
     )
+    p.add_argument(
+        "--per-device-batch-size",
+        type=int,
+        default=None,
+        help="samples per device per batch (default: global batch / replicas, no accumulation); "
+        "GradientAccumulationScheduler accumulates to keep the global batch",
+    )
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--seq-len", type=int, default=64, help="characters per sample (default 64)")
     p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
@@ -208,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--text-bytes", type=int, default=2_000_000, help="bytes of stdlib source to use (default 2 MB)"
     )
     p.add_argument(
-        "--val-every", type=int, default=100, help="validate every N optimizer steps (default 100)"
+        "--val-every", type=int, default=100, help="validate every N training batches (default 100)"
     )
     p.add_argument("--out", default="runs/charlm", help="where logs and checkpoints go (default runs/charlm)")
     p.add_argument("--seed", type=int, default=0)
@@ -231,9 +243,11 @@ def main(argv: list[str] | None = None) -> None:
             f"--global-batch-size ({args.global_batch_size}) must be a multiple of the {dp} "
             f"data-parallel replicas"
         )
-    per_device = args.global_batch_size // dp
+    per_device = args.per_device_batch_size or args.global_batch_size // dp
     throughput = Throughput(args.global_batch_size)
-    checkpoint = ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), save_last=True)
+    checkpoint = Rank0Checkpoint(
+        dirpath=os.path.join(args.out, "checkpoints"), monitor="val_loss", save_last=True, async_save=True
+    )
     logger = CSVLogger(args.out, name="logs")
     trainer = L.Trainer(
         accelerator=args.accelerator,
@@ -246,7 +260,12 @@ def main(argv: list[str] | None = None) -> None:
         limit_val_batches=20,
         logger=logger,
         log_every_n_steps=10,
-        callbacks=[checkpoint, throughput],
+        callbacks=[
+            GradientAccumulationScheduler(global_batch_size=args.global_batch_size),
+            AllReducedMetrics(),
+            checkpoint,
+            throughput,
+        ],
     )
     model = CharLM(dim=args.dim, depth=args.depth, seq_len=args.seq_len, lr=args.lr)
     trainer.fit(model, StdlibText(args.seq_len, per_device, args.text_bytes))
