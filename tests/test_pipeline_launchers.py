@@ -1,0 +1,65 @@
+"""PipelineStrategy under the launchers users run it with: torchrun on two "nodes", a plain script."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mp_harness import assert_close_dicts, fit, load_rank_results, reference_loader
+from tiny_models import SequentialRegressor, regression_data
+
+JOB = Path(__file__).parent / "scripts" / "pipeline_job.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_node(rank: int, port: int, out: Path) -> subprocess.Popen:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    launcher += ["--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    job = [str(JOB), "--out", str(out), "--num-nodes", "2", "--devices", "1"]
+    return subprocess.Popen(
+        launcher + job, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_two_torchrun_nodes_on_localhost_match_one_device(tmp_path):
+    torch.manual_seed(0)
+    ref = fit(SequentialRegressor(), reference_loader(regression_data(), 16), tmp_path / "ref", devices=1)[0]
+    port = _free_port()
+    nodes = [_torchrun_node(rank, port, tmp_path / "pp") for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    records = load_rank_results(tmp_path / "pp")
+    assert [r["world_size"] for r in records] == [2, 2]
+    assert_close_dicts({**records[0]["params"], **records[1]["params"]}, ref["params"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_predict_returns_every_prediction_on_rank_zero_under_the_script_launcher(tmp_path):
+    command = [sys.executable, str(JOB), "--out", str(tmp_path), "--devices", "2", "--mode", "predict"]
+    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    saved = torch.load(tmp_path / "pred.pt", weights_only=False)
+    torch.manual_seed(0)
+    model = SequentialRegressor()
+    with torch.no_grad():
+        expected = model(regression_data(23, seed=1).tensors[0])
+    torch.testing.assert_close(torch.cat(saved["predictions"]), expected, rtol=1e-5, atol=1e-6)
