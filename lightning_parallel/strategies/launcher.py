@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -26,7 +28,15 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
         # Only on success: after an exception the launcher ends every rank anyway, and a destroy
         # with collectives still pending could block.
         if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no rank tears down while a peer still talks to it
             dist.destroy_process_group()
+        # Rank 0's results are already in the queue (a SimpleQueue writes synchronously). Leaving
+        # without interpreter teardown avoids the C++ threads of gloo objects still referenced from
+        # Python being destroyed joinable at exit, the source of the SIGABRT above (still 1 in 20
+        # pipeline fits with the destroy alone).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class PipelineMultiProcessingLauncher(CleanExitMultiProcessingLauncher):
@@ -46,3 +56,12 @@ class PipelineMultiProcessingLauncher(CleanExitMultiProcessingLauncher):
             return output
         self._strategy.checkpoint_io.save_checkpoint(state_dict, output.weights_path)
         return output
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: Any) -> None:
+        # A model built under init_module(empty_init=True) is still on the meta device here, where
+        # load_state_dict would silently copy nothing: give it storage to receive the weights.
+        module = trainer.lightning_module
+        if worker_output.weights_path is not None and any(p.is_meta for p in module.parameters()):
+            module.to_empty(device="cpu")
+        super()._recover_results_in_main_process(worker_output, trainer)
