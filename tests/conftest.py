@@ -15,9 +15,17 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def _kill_orphaned_ranks():
-    """Kill any child process a test leaves behind (a rank stuck in a collective after a timeout)."""
+def _isolate_distributed_state():
+    """Leave no rank, process group or rendezvous port behind for the next test.
+
+    A rank stuck in a collective after a timeout is killed. An in-process Trainer with a DDP-based
+    strategy (devices=1) initialises a process group whose store keeps listening on MASTER_PORT,
+    and Lightning reuses MASTER_PORT from the environment for the next spawn run: EADDRINUSE.
+    """
     yield
     for child in multiprocessing.active_children():
         child.kill()
         child.join(timeout=5)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.pop("MASTER_PORT", None)

@@ -28,6 +28,7 @@ __all__ = [
     "ddp_spawn",
     "fit",
     "load_rank_results",
+    "quiet_trainer",
     "reference_loader",
 ]
 
@@ -101,19 +102,25 @@ def fit(
     **trainer_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Fit ``model`` on ``devices`` CPU processes and return the records of every rank, by rank."""
-    defaults = dict(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    defaults.update(trainer_kwargs)
-    callbacks = [*defaults.pop("callbacks", []), RankRecorder(out_dir)]
-    trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=callbacks, **defaults)
+    callbacks = [*trainer_kwargs.pop("callbacks", []), RankRecorder(out_dir)]
+    trainer = quiet_trainer(devices=devices, strategy=strategy, callbacks=callbacks, **trainer_kwargs)
     trainer.fit(model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders)
     return load_rank_results(out_dir, "fit")
+
+
+QUIET_DEFAULTS = dict(
+    accelerator="cpu",
+    max_epochs=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+
+
+def quiet_trainer(**kwargs: Any) -> L.Trainer:
+    """A CPU Trainer without logger, checkpoints, progress bar or summary unless asked for."""
+    return L.Trainer(**{**QUIET_DEFAULTS, **kwargs})
 
 
 def load_rank_results(out_dir: str | os.PathLike, stage: str = "fit") -> list[dict[str, Any]]:

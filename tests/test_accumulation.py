@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from mp_harness import assert_close_dicts, ddp_spawn, fit, reference_loader
+from mp_harness import assert_close_dicts, ddp_spawn, fit, quiet_trainer, reference_loader
 from tiny_models import SequentialRegressor, loader, regression_data
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -191,13 +191,9 @@ def test_lightning_private_hooks_of_the_ramp_still_exist():
 
 
 def test_the_ramp_override_is_undone_at_teardown(tmp_path):
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        max_epochs=None,
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[GradientAccumulationScheduler(global_batch_size={0: 8, 1: 16})],
     )
     model = Regressor()
@@ -258,16 +254,7 @@ class Stream(IterableDataset):
     ],
 )
 def test_bad_setups_fail_at_start_with_the_numbers(model, data, callback, trainer_kwargs, match):
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[GradientAccumulationScheduler(**callback)],
-        **trainer_kwargs,
-    )
+    trainer = quiet_trainer(callbacks=[GradientAccumulationScheduler(**callback)], **trainer_kwargs)
     with pytest.raises(ValueError, match=match):
         trainer.fit(model(), DataLoader(data, batch_size=8))
 
@@ -366,21 +353,9 @@ class SelfAccumulating(SingleDeviceStrategy):
         return True
 
 
-def _quiet_trainer(**kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return L.Trainer(**{**defaults, **kwargs})
-
-
 def test_a_strategy_that_accumulates_by_itself_is_refused():
     strategy = SelfAccumulating(device=torch.device("cpu"))
-    trainer = _quiet_trainer(
+    trainer = quiet_trainer(
         strategy=strategy, callbacks=[GradientAccumulationScheduler(global_batch_size=16)]
     )
     with pytest.raises(ValueError, match="SelfAccumulating accumulates gradients by itself"):
@@ -388,7 +363,7 @@ def test_a_strategy_that_accumulates_by_itself_is_refused():
 
 
 def test_several_train_loaders_are_refused():
-    trainer = _quiet_trainer(callbacks=[GradientAccumulationScheduler(global_batch_size=16)])
+    trainer = quiet_trainer(callbacks=[GradientAccumulationScheduler(global_batch_size=16)])
     loaders = {"a": DataLoader(_data(32), batch_size=8), "b": DataLoader(_data(32), batch_size=8)}
     with pytest.raises(TypeError, match="needs one torch DataLoader for training, got dict"):
         trainer.fit(Regressor(), loaders)

@@ -6,9 +6,9 @@ import sys
 import time
 import uuid
 
-import lightning as L
 import pytest
 import torch.distributed as dist
+from mp_harness import quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 
 
@@ -22,10 +22,7 @@ class _OneRankBlocks(SequentialRegressor):
 @pytest.mark.hang_guard
 @pytest.mark.timeout(20)
 def test_deliberate_deadlock():
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    trainer = quiet_trainer(devices=2, strategy="ddp_spawn", max_steps=2)
     trainer.fit(_OneRankBlocks(), loader(regression_data(), 8))
 
 

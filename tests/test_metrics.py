@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torchmetrics
 from lightning.pytorch.loggers import CSVLogger
-from mp_harness import RankRecorder, ddp_spawn, load_rank_results
+from mp_harness import RankRecorder, ddp_spawn, load_rank_results, quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -105,16 +105,11 @@ def _train_loader() -> DataLoader:
 def fit_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fit")
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=W,
         strategy=ddp_spawn(),
-        max_epochs=1,
         log_every_n_steps=1,
         logger=CSVLogger(str(tmp / "logs")),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[AllReducedMetrics(reduce={"*_max": "max"}, rank_stats=True), RankRecorder(tmp / "out")],
     )
     trainer.fit(LoggingModel(), _train_loader(), DataLoader(_val_data(), batch_size=VAL_BS))
@@ -224,16 +219,8 @@ def test_single_device_values_match_lightning_without_the_callback(tmp_path):
 
     def run(callbacks, name):
         torch.manual_seed(0)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_epochs=1,
-            log_every_n_steps=1,
-            logger=CSVLogger(str(tmp_path / name)),
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=callbacks,
+        trainer = quiet_trainer(
+            devices=1, log_every_n_steps=1, logger=CSVLogger(str(tmp_path / name)), callbacks=callbacks
         )
         trainer.fit(SequentialRegressor(), loader(regression_data(n=40), 8), loader(regression_data(n=13), 4))
         return _rows(tmp_path / name)
@@ -259,16 +246,10 @@ class WriteException(L.Callback):
 @pytest.mark.timeout(120)
 def test_a_reduction_that_differs_across_ranks_fails_with_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("ARM_TEST_DIR", str(tmp_path))
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=W,
         strategy=ddp_spawn(),
-        max_epochs=1,
-        logger=False,
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[AllReducedMetrics(), WriteException()],
     )
     with pytest.raises(Exception, match="reduced differently on different ranks"):

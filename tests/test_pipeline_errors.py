@@ -1,8 +1,8 @@
 """PipelineStrategy's bad-input errors: clear, raised at construction or setup, never a hang."""
 
-import lightning as L
 import pytest
 import torch
+from mp_harness import quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 from torch import nn
 
@@ -11,10 +11,9 @@ from lightning_parallel import PipelineStrategy
 
 def _fit(model, devices=1, max_steps=2, batch_size=8, **strategy_kwargs):
     strategy_kwargs.setdefault("num_stages", 1 if devices == 1 else 2)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=PipelineStrategy(**strategy_kwargs), max_steps=max_steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    trainer = quiet_trainer(
+        devices=devices, strategy=PipelineStrategy(**strategy_kwargs), max_steps=max_steps
+    )
     trainer.fit(model, loader(regression_data(), batch_size))
     return trainer
 

@@ -1,10 +1,9 @@
 """Each rank materialises and keeps only its own stage (meta-device init), and knows its plan."""
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from mp_harness import load_rank_results
+from mp_harness import load_rank_results, quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import PipelineStrategy
@@ -33,11 +32,12 @@ class RecordStageMemory(Callback):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_meta_initialised_model_materialises_only_the_local_stage(tmp_path):
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[RecordStageMemory(tmp_path)],
+    trainer = quiet_trainer(
+        devices=2,
+        max_steps=1,
+        callbacks=[RecordStageMemory(tmp_path)],
         strategy=PipelineStrategy(num_stages=2, partition="parameters", start_method="spawn"),
-    )  # fmt: skip
+    )
     with trainer.init_module(empty_init=True):
         model = SequentialRegressor(d_in=64, hidden=64, depth=7)
     assert all(p.is_meta for p in model.parameters())  # nothing allocated in the main process

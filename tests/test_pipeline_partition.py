@@ -2,9 +2,9 @@
 
 import itertools
 
-import lightning as L
 import pytest
 import torch
+from mp_harness import quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 from torch import nn
 
@@ -134,10 +134,7 @@ def test_time_partition_end_to_end_prints_a_plan_from_the_first_batch():
     strategy = PipelineStrategy(
         num_stages=1, stages_per_rank=2, schedule="interleaved_1f1b", partition="time"
     )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=1)
     # Lightning 2.6.6 keeps the loader where _first_training_batch reads it; fail loudly if not.
     trainer.fit(UnevenLayers(), loader(regression_data(), 8))
     assert strategy.plan is not None and strategy.plan.cost_unit == "ms fwd+bwd"

@@ -1,10 +1,9 @@
 """PipelineStrategy beyond training: evaluation, prediction, consolidated checkpoints, resume anywhere."""
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
-from mp_harness import assert_close_dicts, fit, reference_loader
+from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader
 from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import PipelineStrategy
@@ -14,12 +13,7 @@ VAL = regression_data(23, seed=1)
 
 
 def _trainer(devices, strategy, tmp_path, **kw):
-    defaults = dict(
-        accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, max_epochs=1,
-    )  # fmt: skip
-    defaults.update(kw)
-    return L.Trainer(default_root_dir=tmp_path, **defaults)
+    return quiet_trainer(devices=devices, strategy=strategy, default_root_dir=tmp_path, **kw)
 
 
 def _pipeline(**kw):
@@ -109,10 +103,7 @@ def test_resume_at_another_shape_continues_exactly(tmp_path, resume_as):
         devices, strategy, batch = 1, "auto", reference_loader(DATA, 16)
     else:
         devices, strategy, batch = 2, _pipeline(num_stages=1), loader(DATA, 8)
-    resumed = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    resumed = quiet_trainer(devices=devices, strategy=strategy, max_epochs=2)
     model = SequentialRegressor(adam=True)
     resumed.fit(model, batch, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert_close_dicts(dict(model.state_dict()), ref["params"])

@@ -21,7 +21,6 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from typing_extensions import override
 
 from lightning_parallel.pipeline import state as stage_state
@@ -32,8 +31,8 @@ from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.proxy import PipelinedSequential
 from lightning_parallel.pipeline.runner import PipelineRunner, is_multi_stage, schedule_class
 from lightning_parallel.pipeline.split import find_sequential, split
-from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.strategies._pipeline_setup import plan_for_module
+from lightning_parallel.strategies._pipeline_step import batch_size, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
 
@@ -224,72 +223,17 @@ class PipelineStrategy(DDPStrategy):
             return self._pipelined_step("predict_step", args, train=False)
 
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], train: bool) -> Any:
-        assert self._runner is not None and self._proxy is not None and self.mesh is not None
-        module = self.lightning_module
-        step = getattr(module, step_name)
-        batch, rest = args[0], args[1:]
-        n = _batch_size(batch)
         if train and not self._first_batch_checked:
             # Later batches may be short (an epoch's last); the first one shows the configured size.
             self._first_batch_checked = True
+            n = batch_size(args[0])
             if n < self.num_microbatches:
                 raise ValueError(
                     f"a training batch of {n} samples cannot feed num_microbatches={self.num_microbatches}: "
                     f"use a per-replica batch size of at least {self.num_microbatches} (ideally a multiple "
                     f"of it), or fewer micro-batches"
                 )
-        m = self._runner.microbatches_for(n)
-        key = _shape_key(batch)
-        stage_args = self._proxy.capture(step, *args) if self._runner.has_first else None
-        recorder = LogRecorder()
-        result: dict[str, Any] = {}
-        if train:
-            chunks = [c[0] for c in split_args_kwargs_into_chunks((batch,), None, m)[0]]
-            scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-            losses: list[tuple[torch.Tensor, int]] = []
-
-            def loss_fn(output: Any, index: int) -> torch.Tensor:
-                n_i = _batch_size(chunks[index])
-                with self._proxy.replaying(output), recorder.recording(module, n_i):
-                    loss = _loss_of(step(chunks[index], *rest), step_name)
-                losses.append((loss.detach(), n_i))
-                # Scale the loss, not the gradients: each micro-batch carries its share of the
-                # batch mean, and of the accumulation window.
-                return loss * (n_i / n * scale)
-
-            with self._grads_held_for_backward():
-                self._runner.train_step(key, m, stage_args, loss_fn)
-            if self._runner.has_last:
-                result["loss"] = float(sum(loss.float() * n_i for loss, n_i in losses) / n)
-        else:
-            output = self._runner.forward(key, m, stage_args)
-            if self._runner.has_last:
-                with self._proxy.replaying(output), recorder.recording(module, n):
-                    out = step(*args)
-                result["output"] = stage_state.to_cpu(out) if step_name == "predict_step" else None
-        if self._runner.has_last:
-            result["logs"] = recorder.entries()
-        result = self._from_last_stage(result)
-        for entry in result["logs"]:
-            kwargs = entry.replay_kwargs()
-            if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
-                # Every stage holds the same values: reduce over the replicas only.
-                kwargs["sync_dist_group"] = self.mesh.dp_group
-            module.log(entry.name, entry.combined(), **kwargs)
-        if train:
-            return torch.tensor(result["loss"], device=self.root_device)
-        return result.get("output")
-
-    def _from_last_stage(self, result: dict[str, Any]) -> dict[str, Any]:
-        """Broadcast the last stage's step result to every stage of this replica."""
-        assert self.mesh is not None
-        if self.mesh.pp_size == 1:
-            return result
-        box = [result]
-        dist.broadcast_object_list(
-            box, src=self.mesh.global_rank(self.mesh.pp_size - 1), group=self.mesh.pp_group
-        )
-        return box[0]
+        return run_step(self, step_name, args, train)
 
     @contextmanager
     def _grads_held_for_backward(self) -> Generator[None, None, None]:
@@ -448,26 +392,3 @@ def _check_fit_supported(trainer: pl.Trainer, strategy: PipelineStrategy) -> Non
             "PipelineStrategy does not support precision='16-mixed' (its GradScaler scales the loss outside "
             "the schedule): use 'bf16-mixed', 'bf16-true' or '32-true'"
         )
-
-
-def _batch_size(batch: Any) -> int:
-    for leaf in torch.utils._pytree.tree_leaves(batch):
-        if torch.is_tensor(leaf) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise TypeError(f"PipelineStrategy could not find a batched tensor in the batch ({type(batch).__name__})")
-
-
-def _shape_key(batch: Any) -> tuple:
-    return tuple(
-        (tuple(x.shape), x.dtype) for x in torch.utils._pytree.tree_leaves(batch) if torch.is_tensor(x)
-    )
-
-
-def _loss_of(output: Any, step_name: str) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not torch.is_tensor(loss) or loss.numel() != 1:
-        raise TypeError(
-            f"under PipelineStrategy, {step_name} must return the loss (a scalar tensor, or a dict with "
-            f"'loss'); got {type(output).__name__}. Skipping a batch by returning None is not supported"
-        )
-    return loss
