@@ -12,23 +12,24 @@ Each run validates once, at its last step (20 batches, the same samples in every
 checkpoint. From each run's closing summary it records samples per second (over the whole fit, that
 validation pass and checkpoint included), the final train loss (AllReducedMetrics' mean over the last
 logging window) and the validation loss; the ratio is against the 1-process run of the same invocation.
-Each process stands for one device: it runs with ``OMP_NUM_THREADS=1`` (``--threads``), as ``make``
-sets it. On this shared 2-core machine one process with 2 intra-op threads measured ~10x *slower* than
-with 1 (the threads spin against the other users' processes), so ``--threads auto`` (cores // processes)
-is there for a quiet machine only.
+Each process runs with ``OMP_NUM_THREADS=1`` (``--threads``), as ``make`` sets it: on this shared 2-core
+machine one process with 2 intra-op threads measured 5-12x *slower* than with 1 (the threads spin
+against the other jobs' processes), so ``--threads auto`` (cores // processes) is for a quiet machine.
 The runs differ in data order (Lightning's DistributedSampler for 2 replicas, the loader's own shuffle
 for one), so their losses agree only up to that noise.
 
-On 2 CPU cores shared with other jobs, 2 processes cannot beat 1 by much: they compete for the same
-cores, and they also pay for gloo gradient all-reduces (DDP) or for the pipeline's bubble and activation
-sends. On GPUs each process has its own device and the same comparison measures scaling.
+A process with one thread stands for one device, so 2 processes can at best double the rate
+of 1 (the dashed line in the plot). They fall short by what they pay for gloo gradient all-reduces (DDP)
+or for the pipeline's bubble and activation sends, and, on this 2-core machine shared with other jobs,
+by the cores they do not get: the ratio moves with the load (recorded by run_all.py in machine.csv).
+On GPUs the same comparison measures scaling across devices.
 
 Writes ``experiments/results/scaling_charlm.csv`` (one row per run), ``scaling_charlm_curves.csv``
 (train loss against samples seen) and ``scaling_charlm.png``.
 
 Usage::
 
-    python experiments/scaling_charlm.py                 # defaults: a few minutes on 2 cores
+    python experiments/scaling_charlm.py                 # defaults: 1-3 minutes on 2 cores
     python experiments/scaling_charlm.py --max-steps 20 --runs single ddp
 """
 
@@ -282,10 +283,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     best = max(rows[1:], key=lambda r: r["ratio_vs_1_process"], default=None)
     if best is not None:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         print(
             f"\nBest 2-process run: {best['run']}, {best['ratio_vs_1_process']:.2f}x the 1-process rate "
-            f"(ideal 2x) on {os.cpu_count()} CPU cores shared with whatever else runs here: on CPUs this "
-            "measures the cost of DDP / the pipeline more than a speed-up."
+            f"(ideal 2x). Load average now {load} on {os.cpu_count()} cores: on a shared machine the "
+            "2-process runs compete with other jobs for the cores, and the ratio moves with the load."
         )
     print(f"wrote {args.out.with_suffix('.csv')}, {args.out.name}_curves.csv and .png")
 
