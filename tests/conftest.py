@@ -20,12 +20,16 @@ def _isolate_distributed_state():
 
     A rank stuck in a collective after a timeout is killed. An in-process Trainer with a DDP-based
     strategy (devices=1) initialises a process group whose store keeps listening on MASTER_PORT,
-    and Lightning reuses MASTER_PORT from the environment for the next spawn run: EADDRINUSE.
+    and writes MASTER_ADDR/MASTER_PORT (and other launch variables) into os.environ: Lightning would
+    reuse the port for the next spawn run (EADDRINUSE), and a script started by a later test would
+    believe it was launched externally. The environment is restored as it was before the test.
     """
+    environ = dict(os.environ)
     yield
     for child in multiprocessing.active_children():
         child.kill()
         child.join(timeout=5)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    os.environ.pop("MASTER_PORT", None)
+    os.environ.clear()
+    os.environ.update(environ)
