@@ -129,3 +129,16 @@ def test_resuming_with_a_mismatched_model_or_optimizer_is_a_clear_error(tmp_path
         _trainer(1, _pipeline(num_stages=1), tmp_path, max_epochs=2).fit(
             deeper, loader(DATA, 16), ckpt_path=path
         )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_predictions_of_several_replicas_arrive_in_dataset_order(tmp_path):
+    """2 stages x 2 replicas: the unpadded shards (12 and 11 samples, batches of 5) merge on rank 0."""
+    torch.manual_seed(0)
+    model = SequentialRegressor()
+    out = tmp_path / "pred.pt"
+    trainer = _trainer(4, _pipeline(), tmp_path, callbacks=[WritePredictions(out)])
+    trainer.predict(model, loader(VAL, 5), return_predictions=False)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(out), model(VAL.tensors[0]), rtol=1e-5, atol=1e-6)

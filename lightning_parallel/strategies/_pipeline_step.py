@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
 from lightning_parallel.pipeline.step_logs import LoggedValue, LogRecorder
 
@@ -43,7 +44,32 @@ def run_step(strategy: PipelineStrategy, step_name: str, args: tuple[Any, ...], 
     replay_logs(module, result["logs"], mesh.dp_group)
     if train:
         return torch.tensor(result["loss"], device=strategy.root_device)
+    if step_name == "predict_step" and mesh.dp_size > 1:
+        return collect_predictions(strategy, result.get("output"), batch_idx=args[1])
     return result.get("output")
+
+
+def collect_predictions(strategy: PipelineStrategy, output: Any, batch_idx: int) -> Any:
+    """Send each replica's predictions of this batch step to global rank 0, in dataset order there.
+
+    Replicas may run different numbers of batches (the prediction sampler does not pad): rank 0,
+    whose replica runs the most, receives from every replica that has batch ``batch_idx``.
+    """
+    mesh, counts = strategy.mesh, strategy._predict_batches
+    assert mesh is not None and counts is not None
+    last = mesh.pp_size - 1
+    if mesh.pp_rank == last and mesh.dp_rank > 0:
+        dist.send_object_list([output], dst=0)
+        return None
+    if not strategy.is_global_zero:
+        return None
+    parts = [output]
+    for replica in range(1, mesh.dp_size):
+        if batch_idx < counts[replica]:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=mesh.global_rank(last, replica))
+            parts.append(box[0])
+    return interleave_replicas(parts)
 
 
 def _train(

@@ -110,6 +110,7 @@ class PipelineStrategy(DDPStrategy):
         self._model_keys: list[str] = []
         self._held_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self._first_batch_checked = False
+        self._predict_batches: list[int] | None = None
 
     # ----------------------------------------------------------------------------------- layout
     @property
@@ -234,6 +235,18 @@ class PipelineStrategy(DDPStrategy):
                     f"of it), or fewer micro-batches"
                 )
         return run_step(self, step_name, args, train)
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._predict_batches = None
+        if self.mesh is not None and self.mesh.dp_size > 1:
+            # How many batches each replica predicts (the sampler does not pad): rank 0 must know
+            # which replicas send it predictions at each step.
+            counts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(counts, int(sum(self.lightning_module.trainer.num_predict_batches)))
+            last = self.mesh.pp_size - 1
+            self._predict_batches = [counts[self.mesh.global_rank(last, r)] for r in range(self.mesh.dp_size)]
 
     @contextmanager
     def _grads_held_for_backward(self) -> Generator[None, None, None]:
