@@ -35,6 +35,18 @@ def to_cpu(tree: Any) -> Any:
     return tree
 
 
+def check_keys(expected: Iterable[str], found: Mapping[str, Any], owner: str) -> None:
+    """Raise a KeyError naming the missing and unexpected keys of a state dict, if any."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise KeyError(
+            f"the checkpoint does not match {owner}: missing keys {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''}"
+        )
+
+
 def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[nn.Parameter, str]) -> dict:
     """The optimizer's state keyed by parameter name instead of position (portable across splits)."""
     sd = optimizer.state_dict()

@@ -27,26 +27,62 @@ if TYPE_CHECKING:
 
 def run_step(strategy: PipelineStrategy, step_name: str, args: tuple[Any, ...], train: bool) -> Any:
     """Run ``step_name`` (``training_step``, ...) for one batch through the pipeline."""
-    runner, proxy, mesh = strategy._runner, strategy._proxy, strategy.mesh
-    assert runner is not None and proxy is not None and mesh is not None
-    module = strategy.lightning_module
-    n = batch_size(args[0])
-    m = runner.microbatches_for(n)
-    stage_args = proxy.capture(getattr(module, step_name), *args) if runner.has_first else None
-    recorder = LogRecorder()
-    if train:
-        result = _train(strategy, step_name, args, m, stage_args, recorder)
-    else:
-        result = _evaluate(strategy, step_name, args, m, stage_args, recorder)
-    if runner.has_last:
-        result["logs"] = recorder.entries()
+    mesh = strategy.mesh
+    assert mesh is not None
+    step = _Step(strategy, step_name, args)
+    result = step.train() if train else step.evaluate()
+    if step.runner.has_last:
+        result["logs"] = step.recorder.entries()
     result = from_last_stage(result, mesh)
-    replay_logs(module, result["logs"], mesh.dp_group)
+    replay_logs(step.module, result["logs"], mesh.dp_group)
     if train:
         return torch.tensor(result["loss"], device=strategy.root_device)
     if step_name == "predict_step" and mesh.dp_size > 1:
         return collect_predictions(strategy, result.get("output"), batch_idx=args[1])
     return result.get("output")
+
+
+class _Step:
+    """One batch of one step method on this rank: the input capture, then training or evaluation."""
+
+    def __init__(self, strategy: PipelineStrategy, step_name: str, args: tuple[Any, ...]) -> None:
+        assert strategy._runner is not None and strategy._proxy is not None
+        self.strategy, self.runner, self.proxy = strategy, strategy._runner, strategy._proxy
+        self.module = strategy.lightning_module
+        self.step_name, self.step, self.args = step_name, getattr(self.module, step_name), args
+        self.n = batch_size(args[0])
+        self.m = self.runner.microbatches_for(self.n)
+        self.recorder = LogRecorder()
+        self.stage_args = self.proxy.capture(self.step, *args) if self.runner.has_first else None
+
+    def train(self) -> dict[str, Any]:
+        batch, rest = self.args[0], self.args[1:]
+        chunks = [c[0] for c in split_args_kwargs_into_chunks((batch,), None, self.m)[0]]
+        scale = 1.0 / self.module.trainer.accumulate_grad_batches
+        losses: list[tuple[torch.Tensor, int]] = []
+
+        def loss_fn(output: Any, index: int) -> torch.Tensor:
+            n_i = batch_size(chunks[index])
+            with self.proxy.replaying(output), self.recorder.recording(self.module, n_i):
+                loss = loss_of(self.step(chunks[index], *rest), self.step_name)
+            losses.append((loss.detach(), n_i))
+            # Scale the loss, not the gradients: each micro-batch carries its share of the batch
+            # mean, and of the accumulation window.
+            return loss * (n_i / self.n * scale)
+
+        with self.strategy._grads_held_for_backward():
+            self.runner.train_step(shape_key(batch), self.m, self.stage_args, loss_fn)
+        if not self.runner.has_last:
+            return {}
+        return {"loss": float(sum(loss.float() * n_i for loss, n_i in losses) / self.n)}
+
+    def evaluate(self) -> dict[str, Any]:
+        output = self.runner.forward(shape_key(self.args[0]), self.m, self.stage_args)
+        if not self.runner.has_last:
+            return {}
+        with self.proxy.replaying(output), self.recorder.recording(self.module, self.n):
+            out = self.step(*self.args)
+        return {"output": to_cpu(out) if self.step_name == "predict_step" else None}
 
 
 def collect_predictions(strategy: PipelineStrategy, output: Any, batch_idx: int) -> Any:
@@ -70,55 +106,6 @@ def collect_predictions(strategy: PipelineStrategy, output: Any, batch_idx: int)
             dist.recv_object_list(box, src=mesh.global_rank(last, replica))
             parts.append(box[0])
     return interleave_replicas(parts)
-
-
-def _train(
-    strategy: PipelineStrategy,
-    step_name: str,
-    args: tuple[Any, ...],
-    m: int,
-    stage_args: tuple[Any, ...] | None,
-    recorder: LogRecorder,
-) -> dict[str, Any]:
-    module, runner, proxy = strategy.lightning_module, strategy._runner, strategy._proxy
-    step = getattr(module, step_name)
-    batch, rest = args[0], args[1:]
-    n = batch_size(batch)
-    chunks = [c[0] for c in split_args_kwargs_into_chunks((batch,), None, m)[0]]
-    scale = 1.0 / module.trainer.accumulate_grad_batches
-    losses: list[tuple[torch.Tensor, int]] = []
-
-    def loss_fn(output: Any, index: int) -> torch.Tensor:
-        n_i = batch_size(chunks[index])
-        with proxy.replaying(output), recorder.recording(module, n_i):
-            loss = loss_of(step(chunks[index], *rest), step_name)
-        losses.append((loss.detach(), n_i))
-        # Scale the loss, not the gradients: each micro-batch carries its share of the batch
-        # mean, and of the accumulation window.
-        return loss * (n_i / n * scale)
-
-    with strategy._grads_held_for_backward():
-        runner.train_step(shape_key(batch), m, stage_args, loss_fn)
-    if not runner.has_last:
-        return {}
-    return {"loss": float(sum(loss.float() * n_i for loss, n_i in losses) / n)}
-
-
-def _evaluate(
-    strategy: PipelineStrategy,
-    step_name: str,
-    args: tuple[Any, ...],
-    m: int,
-    stage_args: tuple[Any, ...] | None,
-    recorder: LogRecorder,
-) -> dict[str, Any]:
-    module, runner, proxy = strategy.lightning_module, strategy._runner, strategy._proxy
-    output = runner.forward(shape_key(args[0]), m, stage_args)
-    if not runner.has_last:
-        return {}
-    with proxy.replaying(output), recorder.recording(module, batch_size(args[0])):
-        out = getattr(module, step_name)(*args)
-    return {"output": to_cpu(out) if step_name == "predict_step" else None}
 
 
 def from_last_stage(result: dict[str, Any], mesh: PipelineMesh) -> dict[str, Any]:

@@ -326,14 +326,7 @@ class PipelineStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         full = checkpoint["state_dict"]
         if strict and self._model_keys:
-            missing = sorted(set(self._model_keys) - set(full))
-            unexpected = sorted(set(full) - set(self._model_keys))
-            if missing or unexpected:
-                raise KeyError(
-                    f"the checkpoint does not match {type(self.lightning_module).__name__}: missing keys "
-                    f"{missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "
-                    f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
-                )
+            stage_state.check_keys(self._model_keys, full, type(self.lightning_module).__name__)
         local_keys = self.lightning_module.state_dict().keys()
         self.lightning_module.load_state_dict(
             {k: v for k, v in full.items() if k in local_keys}, strict=strict
