@@ -13,6 +13,11 @@ import torch
 
 torch.set_num_threads(1)
 
+# Variables a launcher writes into the main process's environment. A later run that finds them
+# believes it was launched externally, or reuses a port a leftover store still holds (EADDRINUSE).
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
+_SESSION_LAUNCH_ENV = {k: os.environ[k] for k in _LAUNCH_VARIABLES if k in os.environ}
+
 
 @pytest.fixture(autouse=True)
 def _isolate_distributed_state():
@@ -22,8 +27,14 @@ def _isolate_distributed_state():
     strategy (devices=1) initialises a process group whose store keeps listening on MASTER_PORT,
     and writes MASTER_ADDR/MASTER_PORT (and other launch variables) into os.environ: Lightning would
     reuse the port for the next spawn run (EADDRINUSE), and a script started by a later test would
-    believe it was launched externally. The environment is restored as it was before the test.
+    believe it was launched externally. The environment is restored as it was before the test, and
+    launch variables a module- or session-scoped fixture left behind are dropped before it.
     """
+    for key in _LAUNCH_VARIABLES:
+        if key in _SESSION_LAUNCH_ENV:
+            os.environ[key] = _SESSION_LAUNCH_ENV[key]
+        else:
+            os.environ.pop(key, None)
     environ = dict(os.environ)
     yield
     for child in multiprocessing.active_children():
