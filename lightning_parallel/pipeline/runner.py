@@ -86,6 +86,10 @@ class PipelineRunner:
         self._metadata_call_pending = False
         self._seen: list[int] = []
 
+    def clear(self) -> None:
+        """Drop every cached stage and schedule (they hold process-group state and buffers)."""
+        self._cache.clear()
+
     def microbatches_for(self, batch_size: int) -> int:
         """The micro-batch count for a batch: the largest divisor of its size up to num_microbatches.
 
