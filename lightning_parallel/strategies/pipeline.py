@@ -48,7 +48,8 @@ class PipelineStrategy(DDPStrategy):
     logger on global rank 0. Gradients are all-reduced over the replicas once per optimizer step.
 
     Args:
-        num_stages: pipeline stages per replica (default: all devices form one pipeline).
+        num_stages: pipeline ranks per replica (default: all devices form one pipeline); with
+            ``stages_per_rank`` > 1 the model is cut into ``num_stages x stages_per_rank`` stages.
         num_microbatches: micro-batches per batch (a batch it does not divide uses the largest
             divisor of its size: equal micro-batches, exact mean loss).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"`` or
