@@ -28,6 +28,7 @@ __all__ = [
     "ddp_spawn",
     "fit",
     "load_rank_results",
+    "processes_with_env",
     "quiet_trainer",
     "reference_loader",
 ]
@@ -154,3 +155,16 @@ def assert_close_dicts(
             actual[k], expected[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}"
         )
     assert worst[1] <= atol + rtol * 10, f"largest difference {worst[1]:.3e} at {worst[0]}"
+
+
+def processes_with_env(entry: str) -> list[int]:
+    """PIDs of the processes whose environment holds ``entry`` ("NAME=value"): a job's leftover ranks."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry.encode() in f.read().split(b"\0"):
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 import torch.distributed as dist
-from mp_harness import quiet_trainer
+from mp_harness import processes_with_env, quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 
 
@@ -46,18 +46,6 @@ def test_deadlocked_test_fails_by_timeout_with_a_message():
     assert elapsed < 120, f"the hang took {elapsed:.0f} s to fail"
     # The guard also reclaims the stuck ranks: no process of that run is left behind.
     deadline = time.monotonic() + 10  # a killed process may take a moment to be reaped
-    while (left := _processes_with_env(marker)) and time.monotonic() < deadline:
+    while (left := processes_with_env(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left == [], f"processes of the deadlocked run still alive: {left}"
-
-
-def _processes_with_env(entry: str) -> list[int]:
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if entry.encode() in f.read().split(b"\0"):
-                    pids.append(int(pid))
-        except OSError:
-            continue
-    return pids

@@ -4,11 +4,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from mp_harness import assert_close_dicts, fit, load_rank_results, reference_loader
+from mp_harness import assert_close_dicts, fit, load_rank_results, processes_with_env, reference_loader
 from tiny_models import SequentialRegressor, regression_data
 
 JOB = Path(__file__).parent / "scripts" / "pipeline_job.py"
@@ -63,3 +64,29 @@ def test_predict_returns_every_prediction_on_rank_zero_under_the_script_launcher
     with torch.no_grad():
         expected = model(regression_data(23, seed=1).tensors[0])
     torch.testing.assert_close(torch.cat(saved["predictions"]), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_failing_rank_ends_a_script_job_with_its_message(tmp_path, fail_rank):
+    """Rank 0 started rank 1 itself (script launcher): either one failing ends both, with its error."""
+    marker = f"LP_JOB={tmp_path.name}-{fail_rank}"
+    env = {**_env(), "LP_JOB": marker.split("=")[1]}
+    command = [
+        sys.executable,
+        str(JOB),
+        "--out",
+        str(tmp_path),
+        "--devices",
+        "2",
+        "--fail-rank",
+        str(fail_rank),
+    ]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"boom on rank {fail_rank}" in proc.stdout + proc.stderr
+    deadline = time.monotonic() + 20
+    while (left := processes_with_env(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [], f"ranks of the failed job still alive: {left}"

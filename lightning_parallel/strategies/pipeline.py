@@ -21,6 +21,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
@@ -258,6 +259,15 @@ class PipelineStrategy(DDPStrategy):
                     f"of it), or fewer micro-batches"
                 )
         return run_step(self, step_name, args, train)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # Under the script launcher the ranks this process started may be blocked on it in a
+        # point-to-point receive (with NCCL until the process-group timeout): end them now, so
+        # the job stops with this rank's error. Lightning does the same on KeyboardInterrupt.
+        if isinstance(self.launcher, _SubprocessScriptLauncher):
+            self.launcher.kill(_get_sigkill_signal())
 
     @override
     def on_predict_start(self) -> None:

@@ -18,15 +18,27 @@ from tiny_models import SequentialRegressor, loader, regression_data
 from lightning_parallel import PipelineStrategy
 
 
+class FailingRegressor(SequentialRegressor):
+    def __init__(self, fail_rank: int) -> None:
+        super().__init__()
+        self.fail_rank = fail_rank
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1 and self.global_rank == self.fail_rank:
+            raise RuntimeError(f"boom on rank {self.global_rank}")
+        return super().training_step(batch, batch_idx)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--mode", choices=["fit", "predict"], default="fit")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--fail-rank", type=int, default=None, help="raise in training_step on this rank")
     args = p.parse_args()
     torch.manual_seed(0)
-    model = SequentialRegressor()
+    model = FailingRegressor(args.fail_rank) if args.fail_rank is not None else SequentialRegressor()
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
         strategy=PipelineStrategy(num_stages=2, num_microbatches=4), max_epochs=1, logger=False,
