@@ -11,7 +11,6 @@ from torch import nn
 
 from lightning_parallel.pipeline.partition import (
     check_explicit,
-    check_stage_count,
     partition_balanced,
     partition_uniform,
 )
@@ -35,8 +34,7 @@ def plan_for_module(
     """The plan every rank agrees on (the "time" costs are measured on rank 0 and broadcast)."""
     check_parameters_inside(module, seq_name)
     names, types, params = layer_facts(seq)
-    num_stages = strategy.pipeline_size * strategy.stages_per_rank
-    check_stage_count(len(seq), num_stages)
+    num_stages = strategy.pipeline_size * strategy.stages_per_rank  # <= len(seq): checked in _split
     costs: list[float] | None = None
     unit = ""
     if isinstance(strategy.partition, (list, tuple)):
