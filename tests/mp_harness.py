@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -31,6 +34,7 @@ __all__ = [
     "processes_with_env",
     "quiet_trainer",
     "reference_loader",
+    "spawn_gloo",
 ]
 
 
@@ -168,3 +172,29 @@ def processes_with_env(entry: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_entry(rank: int, fn: Any, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, out_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn: Any, world: int, out_dir: str | os.PathLike) -> list[Any]:
+    """Run ``fn(rank, world, out_dir)`` on ``world`` spawned gloo ranks without Lightning.
+
+    Each rank saves what the test checks to ``out_dir/rank{R}.pt``; the records come back by rank.
+    """
+    mp.start_processes(
+        _gloo_entry, args=(fn, world, free_port(), str(out_dir)), nprocs=world, start_method="spawn"
+    )
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]

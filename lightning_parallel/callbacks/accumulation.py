@@ -46,6 +46,7 @@ from lightning_parallel.data.batching import (
     plan_from_global_batch,
     validate_schedule,
 )
+from lightning_parallel.distributed.agree import failing_together
 
 __all__ = ["GradientAccumulationScheduler"]
 
@@ -168,26 +169,14 @@ class GradientAccumulationScheduler(Callback):
     def _agreed_layout(self, trainer: pl.Trainer) -> int:
         """This rank's per-device batch size, once every rank's loader layout is gathered and agrees.
 
-        The gather comes before any raise, so all ranks raise together instead of one waiting alone.
+        A rank that cannot read its loader makes every rank raise its error before the gather.
         """
-        error: Exception | None = None
-        try:
+        with failing_together():
             per_device, num_samples, drop_last = _loader_layout(trainer.train_dataloader)
-            layout = [1, per_device, num_samples, int(drop_last), _num_batches(trainer)]
-        except (TypeError, ValueError) as err:
-            error, layout = err, [0, 0, 0, 0, 0]
+        layout = [per_device, num_samples, int(drop_last), _num_batches(trainer)]
         gathered = trainer.strategy.all_gather(torch.tensor(layout, device=trainer.strategy.root_device))
         rows = gathered.reshape(-1, len(layout)).tolist()
-        if error is not None:
-            raise error
-        failed = [rank for rank, row in enumerate(rows) if row[0] == 0]
-        if failed:
-            raise ValueError(
-                f"GradientAccumulationScheduler: rank(s) {failed} could not read their train dataloader"
-            )
-        check_equal_across_replicas(
-            [row[1:] for row in rows], ["batch_size", "samples", "drop_last", "batches"]
-        )
+        check_equal_across_replicas(rows, ["batch_size", "samples", "drop_last", "batches"])
         return per_device
 
     @override

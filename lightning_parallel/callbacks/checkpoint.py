@@ -20,6 +20,7 @@ from lightning_parallel.callbacks._checkpoint_internals import (
     check_lightning_internals,
 )
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
+from lightning_parallel.distributed.agree import agree, decide_on
 from lightning_parallel.io import atomic
 from lightning_parallel.io.async_writer import AsyncWriter, snapshot
 
@@ -121,26 +122,23 @@ class Rank0Checkpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        problem = None
-        if trainer.is_global_zero and (self.save_top_k != 0 or self.save_last):
-            problem = self._prepare_dir()
-        problem = trainer.strategy.broadcast(problem, src=0)
-        if problem:
-            raise ValueError(
-                f"Rank0Checkpoint cannot write to dirpath {str(self.dirpath)!r}: {problem}. "
-                "Pass a dirpath that the job can create and write."
-            )
+        if self.save_top_k != 0 or self.save_last:
+            decide_on(0, self._prepare_dir)
         strategy = trainer.strategy
         if not isinstance(strategy.checkpoint_io, _VerifyingCheckpointIO):
             strategy.checkpoint_io = _VerifyingCheckpointIO(strategy.checkpoint_io, self._verified)
 
-    def _prepare_dir(self) -> str | None:
+    def _prepare_dir(self) -> None:
+        """On rank 0: check ``dirpath`` can be written, and remove a killed run's temporary files."""
         problem = atomic.check_writable_dir(str(self.dirpath))
-        if problem is None:
-            removed = atomic.remove_orphans(str(self.dirpath))
-            if removed:
-                rank_zero_info(f"Rank0Checkpoint removed {len(removed)} temporary file(s) of a killed run")
-        return problem
+        if problem is not None:
+            raise ValueError(
+                f"Rank0Checkpoint cannot write to dirpath {str(self.dirpath)!r}: {problem}. "
+                "Pass a dirpath that the job can create and write."
+            )
+        removed = atomic.remove_orphans(str(self.dirpath))
+        if removed:
+            rank_zero_info(f"Rank0Checkpoint removed {len(removed)} temporary file(s) of a killed run")
 
     # --- saving ----------------------------------------------------------------------------------------
 
@@ -180,9 +178,8 @@ class Rank0Checkpoint(ModelCheckpoint):
         return None
 
     def _raise_on_all_ranks(self, trainer: pl.Trainer, error: str | None) -> None:
-        error = trainer.strategy.broadcast(error, src=0)
-        if error:
-            raise CheckpointWriteError(f"Rank0Checkpoint failed on global rank 0: {error}")
+        """Every rank raises rank 0's write error, or every rank goes on (rank 0 alone knows it)."""
+        agree(CheckpointWriteError(f"Rank0Checkpoint failed on global rank 0: {error}") if error else None)
 
     @override
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
@@ -206,13 +203,20 @@ class Rank0Checkpoint(ModelCheckpoint):
 
     def _poll_async(self, trainer: pl.Trainer) -> None:
         """While a background save is unconfirmed, learn from rank 0 each step whether it ended or failed."""
-        status: tuple[bool, str | None] = (False, None)
-        if trainer.is_global_zero:
+
+        def poll() -> bool:
             done, err = self._writer.poll()
-            status = (done, _describe(err, "background save") if err else None)
-        done, error = trainer.strategy.broadcast(status, src=0)
-        self._async_pending = not done
-        self._raise_on_all_ranks(trainer, error)
+            if err is not None:
+                raise CheckpointWriteError(
+                    f"Rank0Checkpoint failed on global rank 0: {_describe(err, 'background save')}"
+                )
+            return done
+
+        try:
+            self._async_pending = not decide_on(0, poll)
+        except CheckpointWriteError:
+            self._async_pending = False
+            raise
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

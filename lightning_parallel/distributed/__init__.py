@@ -1,1 +1,1 @@
-"""Collectives and cross-rank failure handling shared by the strategy and the callbacks."""
+"""Where ranks agree: failure handling (``agree``) and the coalesced collectives of the plugins."""

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.distributed.agree import distributed_ready, world_size
+
 __all__ = [
     "REDUCE_OPS",
     "Reduced",
@@ -42,13 +44,8 @@ _HEADER = 2  # [some rank has a key outside the layout, hash of this rank's layo
 _STRIDE = 4  # per key: [present, op code, value * weight (mean) or value, weight]
 
 
-def distributed_ready() -> bool:
-    """Whether ``torch.distributed`` is available and initialised (collectives are no-ops otherwise)."""
-    return dist.is_available() and dist.is_initialized()
-
-
 def _world(group: Any | None) -> int:
-    return dist.get_world_size(group) if distributed_ready() else 1
+    return world_size(group)
 
 
 def all_gather_objects(obj: Any, group: Any | None = None) -> list[Any]:

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.distributed.agree import decide_on
 from lightning_parallel.pipeline.partition import (
     check_explicit,
     partition_balanced,
@@ -56,19 +56,16 @@ def plan_for_module(
 def _measured_costs(
     strategy: PipelineStrategy, trainer: pl.Trainer, module: pl.LightningModule, seq: nn.Sequential
 ) -> list[float]:
-    box: list[Any] = [None]
-    if strategy.is_global_zero:
+
+    def measure() -> list[float]:
         try:
             batch = strategy.batch_to_device(_first_training_batch(trainer))
             args = _sequential_input(module, seq, batch)
-            box[0] = [1000.0 * t for t in layer_times(seq, args, strategy.root_device)]
-        except Exception as err:  # sent to every rank, so all of them raise it instead of waiting
-            box[0] = err
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise RuntimeError(f'partition="time" could not measure the layers on rank 0: {box[0]}') from None
-    return box[0]
+            return [1000.0 * t for t in layer_times(seq, args, strategy.root_device)]
+        except Exception as err:
+            raise RuntimeError(f'partition="time" could not measure the layers on rank 0: {err}') from None
+
+    return decide_on(0, measure)
 
 
 def _sequential_input(module: pl.LightningModule, seq: nn.Sequential, batch: Any) -> tuple[Any, ...]:

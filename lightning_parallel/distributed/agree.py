@@ -1,0 +1,138 @@
+"""The one place where ranks agree: one rank's failure becomes every rank's failure, or all go on.
+
+A rank that raises while its peers enter a collective leaves them waiting until the process-group
+timeout (30 minutes by default). Every decision that some ranks could take and others not goes through
+the primitives here instead: each rank brings its error (or ``None``) to :func:`agree`, and either
+every rank raises the same error or every rank goes on. :func:`decide_on` runs a function on one rank
+and hands its result, or its error, to every rank. Pure PyTorch (no Lightning import).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["agree", "collective_device", "decide_on", "distributed_ready", "failing_together"]
+
+T = TypeVar("T")
+
+
+def distributed_ready() -> bool:
+    """Whether ``torch.distributed`` is available and initialised (collectives are no-ops otherwise)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: Any | None = None) -> int:
+    """Ranks in ``group`` (1 without a process group)."""
+    return dist.get_world_size(group) if distributed_ready() else 1
+
+
+def collective_device(group: Any | None = None) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live: this rank's GPU under NCCL, else the CPU."""
+    if distributed_ready() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(error: BaseException | None, group: Any | None = None) -> None:
+    """Raise on every rank of ``group`` if any rank brings an error; return on every rank otherwise.
+
+    Call it on every rank of ``group`` at the same point. It costs one ``all_reduce`` of one number when
+    nobody failed; when some rank failed, the errors travel in one more object gather and every rank
+    raises: a rank that failed raises its own error, the others raise a copy of the error of the
+    lowest failing rank, with a note naming that rank.
+
+    Example::
+
+        error = None
+        try:
+            prepare_this_rank()
+        except Exception as err:
+            error = err
+        agree(error)          # all ranks raise together, or all go on to the next collective
+    """
+    if world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([0 if error is None else 1], device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return
+    errors: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(errors, _portable(error, dist.get_rank()), group=group)
+    if error is not None:
+        raise error
+    _, first = _first_failure(errors)
+    raise first
+
+
+def decide_on(src: int, fn: Callable[[], T], group: Any | None = None) -> T:
+    """Run ``fn`` on global rank ``src`` only; every rank of ``group`` returns its result or raises its error.
+
+    Example::
+
+        costs = decide_on(0, lambda: measure_layers(model, batch))   # measured once, the same everywhere
+    """
+    result: Any = None
+    error: BaseException | None = None
+    is_src = not distributed_ready() or dist.get_rank() == src
+    if is_src:
+        try:
+            result = fn()
+        except Exception as err:
+            error = err
+    agree(error, group)
+    if world_size(group) == 1:
+        return result
+    box = [result]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+@contextmanager
+def failing_together(group: Any | None = None) -> Iterator[None]:
+    """Run the block on every rank of ``group``; if it raises on any rank, it raises on every rank.
+
+    Example::
+
+        with failing_together():
+            layout = read_loader_layout(trainer)     # may raise on one rank only
+        gathered = all_gather(layout)                # reached by every rank, or by none
+    """
+    try:
+        yield
+    except Exception as err:
+        agree(err, group)
+        raise
+    agree(None, group)
+
+
+def _portable(error: BaseException | None, rank: int) -> tuple[int, Any]:
+    """The error as it can travel: the exception itself if it pickles and unpickles, else its text."""
+    if error is None:
+        return rank, None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return rank, error
+    except Exception:
+        return rank, f"{type(error).__name__}: {error}"
+
+
+def _first_failure(errors: list[tuple[int, Any]]) -> tuple[int, BaseException]:
+    rank, error = next((r, e) for r, e in errors if e is not None)
+    if isinstance(error, BaseException):
+        error = copy.copy(error)
+        error.__traceback__ = None
+    else:
+        error = RuntimeError(error)
+    note = f"raised on global rank {rank}; this rank stops with it"
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    return rank, error
