@@ -36,7 +36,7 @@ def test_meta_initialised_model_materialises_only_the_local_stage(tmp_path):
         devices=2,
         max_steps=1,
         callbacks=[RecordStageMemory(tmp_path)],
-        strategy=PipelineStrategy(num_stages=2, partition="parameters", start_method="spawn"),
+        strategy=PipelineStrategy(pipeline_size=2, partition="parameters", start_method="spawn"),
     )
     with trainer.init_module(empty_init=True):
         model = SequentialRegressor(d_in=64, hidden=64, depth=7)

@@ -25,10 +25,10 @@ def _logged(log_dir, key):
 
 
 CASES = {
-    "gpipe-2x1": dict(devices=2, num_stages=2, schedule="gpipe"),
-    "1f1b-2x1": dict(devices=2, num_stages=2, schedule="1f1b"),
-    "interleaved-2x1x2": dict(devices=2, num_stages=2, schedule="interleaved_1f1b", stages_per_rank=2),
-    "1f1b-2x2": dict(devices=4, num_stages=2, schedule="1f1b"),
+    "gpipe-2x1": dict(devices=2, pipeline_size=2, schedule="gpipe"),
+    "1f1b-2x1": dict(devices=2, pipeline_size=2, schedule="1f1b"),
+    "interleaved-2x1x2": dict(devices=2, pipeline_size=2, schedule="interleaved_1f1b", stages_per_rank=2),
+    "1f1b-2x2": dict(devices=4, pipeline_size=2, schedule="1f1b"),
 }
 
 
@@ -38,7 +38,7 @@ CASES = {
 def test_training_matches_single_device(tmp_path, case):
     cfg = dict(CASES[case])
     devices = cfg.pop("devices")
-    dp = devices // cfg["num_stages"]
+    dp = devices // cfg["pipeline_size"]
     global_batch = 16
     data = regression_data(N_SAMPLES)
 
@@ -104,7 +104,7 @@ def test_changing_sequence_lengths_and_validation_batch_size(tmp_path):
     )[0]  # fmt: skip
     torch.manual_seed(0)
     model = TokenModel()
-    strategy = PipelineStrategy(num_stages=2, num_microbatches=4, schedule="1f1b", start_method="spawn")
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, schedule="1f1b", start_method="spawn")
     records = fit(
         model, loader(data, 8), tmp_path / "pp", devices=2, strategy=strategy,
         val_dataloaders=loader(val, 5), logger=CSVLogger(tmp_path / "pp" / "logs", name="", version=""), **kw,

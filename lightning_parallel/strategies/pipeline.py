@@ -23,121 +23,119 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from lightning_parallel.distributed.collectives import all_gather_objects, gather_object_to
 from lightning_parallel.pipeline import state as stage_state
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
-from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh, check_world
+from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout
 from lightning_parallel.pipeline.partition import PARTITION_METHODS
 from lightning_parallel.pipeline.plan import StagePlan
-from lightning_parallel.pipeline.proxy import PipelinedSequential
-from lightning_parallel.pipeline.runner import PipelineRunner, is_multi_stage, schedule_class
-from lightning_parallel.pipeline.split import find_sequential, split
-from lightning_parallel.strategies._pipeline_setup import plan_for_module
+from lightning_parallel.pipeline.runner import is_multi_stage, schedule_class
+from lightning_parallel.strategies._pipeline_build import PipelineConfig, PipelineParts, build_pipeline
 from lightning_parallel.strategies._pipeline_step import batch_size, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
 
 class PipelineStrategy(DDPStrategy):
-    """Split the module's ``nn.Sequential`` into stages, one (or more) per rank, run by a torch schedule.
+    """Pipeline (x data) parallel training of an ordinary LightningModule on ``torch.distributed.pipelining``.
 
-    World size = ``num_stages x`` data-parallel replicas. Each rank builds and keeps only its own
-    stage(s); the user's ``training_step`` / ``validation_step`` / ``test_step`` / ``predict_step``
-    run unchanged (on the last stage, once per micro-batch in training); what they log reaches the
-    logger on global rank 0. Gradients are all-reduced over the replicas once per optimizer step.
+    The model is cut into stages, one (or more) per pipeline rank; world size = ``pipeline_size x``
+    data-parallel replicas. How it is cut:
+
+    * a module that holds its layers in one top-level ``nn.Sequential`` has that Sequential split
+      between its children;
+    * any other module (a GPT with ``nn.ModuleList`` blocks, embeddings, a head tied to the embedding)
+      has its ``forward`` traced with torch.export and split at the blocks of its main ModuleList, or at
+      ``split_points``. Weights used by several stages (tied) are replicated and kept identical.
+
+    Each rank builds and keeps only its own stage(s); the user's ``training_step`` /
+    ``validation_step`` / ``test_step`` / ``predict_step`` run unchanged (on the last stage, once per
+    micro-batch in training); what they log reaches the logger on global rank 0. Gradients are
+    all-reduced over the replicas once per optimizer step.
 
     Args:
-        num_stages: pipeline ranks per replica (default: all devices form one pipeline); with
-            ``stages_per_rank`` > 1 the model is cut into ``num_stages x stages_per_rank`` stages.
+        pipeline_size: pipeline ranks per replica (default: all devices form one pipeline).
         num_microbatches: micro-batches per batch (a batch it does not divide uses the largest
             divisor of its size: equal micro-batches, exact mean loss).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"`` or
             ``"interleaved_zero_bubble"`` (the schedules of ``torch.distributed.pipelining``).
-        stages_per_rank: stages each rank runs (> 1 for the interleaved and looped schedules).
-        partition: ``"uniform"`` (layer counts), ``"parameters"`` (balanced parameter counts),
-            ``"time"`` (balanced forward+backward time measured on the first batch), or a list of
-            layer counts per stage.
+        stages_per_rank: stages each pipeline rank runs (> 1 for the interleaved and looped
+            schedules); the model is cut into ``pipeline_size x stages_per_rank`` stages.
+        partition: how to balance the stages: ``"uniform"`` (layer or block counts), ``"parameters"``,
+            ``"time"`` (forward+backward time measured on the first batch), or a list of layer (or
+            block) counts per stage.
         module_name: the attribute holding the ``nn.Sequential`` (default: the module's only one).
+        split_points: module paths where stages 1, 2, ... begin (e.g. ``["h.2"]``); traces forward
+            even when the module has a top-level Sequential.
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
+        num_stages: deprecated name of ``pipeline_size``.
 
     Example::
 
         trainer = L.Trainer(accelerator="gpu", devices=8,
-                            strategy=PipelineStrategy(num_stages=4, num_microbatches=8, schedule="1f1b"))
-        trainer.fit(LM(), datamodule)      # 4 stages x 2 data-parallel replicas
+                            strategy=PipelineStrategy(pipeline_size=4, num_microbatches=8, schedule="1f1b"))
+        trainer.fit(GPT(), datamodule)      # 4 pipeline stages x 2 data-parallel replicas
     """
 
     strategy_name = "pipeline"
 
     def __init__(
         self,
-        num_stages: int | None = None,
+        pipeline_size: int | None = None,
         num_microbatches: int = 4,
         schedule: str = "1f1b",
         stages_per_rank: int = 1,
         partition: str | list[int] = "uniform",
         module_name: str | None = None,
+        split_points: list[str] | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: timedelta | None = default_pg_timeout,
+        num_stages: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(start_method=start_method, timeout=timeout, **kwargs)
-        cls = schedule_class(schedule)
-        _check_positive_int("num_microbatches", num_microbatches)
-        _check_positive_int("stages_per_rank", stages_per_rank)
-        if num_stages is not None:
-            _check_positive_int("num_stages", num_stages)
-        if is_multi_stage(cls) != (stages_per_rank > 1):
-            raise ValueError(
-                f"schedule={schedule!r} runs {'several stages' if is_multi_stage(cls) else 'one stage'} per "
-                f"rank but stages_per_rank={stages_per_rank}: use stages_per_rank>=2 with the interleaved "
-                f"and looped schedules and 1 with 'gpipe' and '1f1b'"
-            )
-        if isinstance(partition, str) and partition not in PARTITION_METHODS:
-            raise ValueError(
-                f"unknown partition {partition!r}: use one of {', '.join(PARTITION_METHODS)} or a list of "
-                f"layer counts per stage"
-            )
-        self.num_stages = num_stages
-        self.num_microbatches = num_microbatches
-        self.schedule = schedule
-        self.stages_per_rank = stages_per_rank
-        self.partition = partition
-        self.module_name = module_name
-        self.plan: StagePlan | None = None
-        self.mesh: PipelineMesh | None = None
-        self._runner: PipelineRunner | None = None
-        self._proxy: PipelinedSequential | None = None
-        self._param_names: dict[torch.nn.Parameter, str] = {}
-        self._model_param_order: list[str] = []
-        self._model_keys: list[str] = []
-        self._held_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
-        self._first_batch_checked = False
+        pipeline_size = _renamed_num_stages(pipeline_size, num_stages)
+        self.config = _checked_config(
+            pipeline_size, num_microbatches, schedule, stages_per_rank, partition, module_name, split_points
+        )
+        self.parts: PipelineParts | None = None
         self._release_registered = False
-        self._predict_batches: list[int] | None = None
 
     # ----------------------------------------------------------------------------------- layout
     @property
     def pipeline_size(self) -> int:
-        return self.num_stages or self.world_size
+        return self.config.pipeline_size or self.world_size
+
+    @property
+    def layout(self) -> RankLayout:
+        return RankLayout.for_world(self.world_size, self.pipeline_size)
 
     @property
     def data_parallel_size(self) -> int:
-        return check_world(self.world_size, self.pipeline_size)
+        return self.layout.dp_size
+
+    @property
+    def plan(self) -> StagePlan | None:
+        """The stage plan (which stage holds what, on which ranks), once the strategy is set up."""
+        return self.parts.plan if self.parts is not None else None
+
+    @property
+    def mesh(self) -> PipelineMesh | None:
+        return self.parts.mesh if self.parts is not None else None
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """The replicas of this rank's stage (metrics and gradients are reduced over it)."""
-        return self.mesh.dp_group if self.mesh is not None else None
+        return self.parts.mesh.dp_group if self.parts is not None else None
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shard the data by replica: the stages of one replica must see the same batch.
-        dp_rank = self.global_rank % self.data_parallel_size
-        return {"num_replicas": self.data_parallel_size, "rank": dp_rank}
+        return {"num_replicas": self.data_parallel_size, "rank": self.layout.coordinates(self.global_rank)[1]}
 
     @override
     def _configure_launcher(self) -> None:
@@ -156,9 +154,17 @@ class PipelineStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _check_fit_supported(trainer, self)
-        if self._runner is None:
-            self._split(trainer)
+        if self.parts is None:
+            self.parts = build_pipeline(
+                self.config, trainer, self.lightning_module, self.layout, self.root_device
+            )
+            rank_zero_info(
+                f"PipelineStrategy stage plan ({self.config.schedule}):\n{self.parts.plan.format_table()}"
+            )
+            self._register_release()
         self.precision_plugin.convert_module(self.model)
+        if self.parts.twin is not None:
+            self.parts.twin = self.precision_plugin.convert_module(self.parts.twin)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -166,39 +172,11 @@ class PipelineStrategy(DDPStrategy):
             self._install_global_clipping()
         self.setup_precision_plugin()
 
-    def _split(self, trainer: pl.Trainer) -> None:
-        module = self.lightning_module
-        seq_name, seq = find_sequential(module, self.module_name)
-        pp = self.pipeline_size
-        if pp * self.stages_per_rank > len(seq):
-            # Checked before any collective so every rank raises the same error.
-            raise ValueError(
-                f"num_stages x stages_per_rank ({pp} x {self.stages_per_rank}) is larger than the number of "
-                f"layers in `{seq_name}` ({len(seq)}): use fewer stages or split the model into more layers"
-            )
-        dp = self.data_parallel_size
-        self.mesh = build_mesh(self.root_device.type, pp, dp)
-        self._model_keys = list(module.state_dict().keys())
-        self._model_param_order = [n for n, _ in module.named_parameters()]
-        self.plan = plan_for_module(self, trainer, module, seq_name, seq)
-        rank_zero_info(f"PipelineStrategy stage plan ({self.schedule}):\n{self.plan.format_table()}")
-        self._proxy, stage_modules, indices = split(
-            module, seq_name, seq, self.plan, self.mesh.pp_rank, self.root_device
-        )
-        self._param_names = {p: n for n, p in module.named_parameters()}
+    def _register_release(self) -> None:
         if not self._release_registered:
             # Runs before Lightning's own atexit destroy (handlers run last-registered first).
             atexit.register(_release_at_exit, weakref.ref(self))
             self._release_registered = True
-        self._runner = PipelineRunner(
-            stage_modules,
-            indices,
-            self.plan.num_stages,
-            self.root_device,
-            self.mesh.pp_group,
-            self.schedule,
-            self.num_microbatches,
-        )
 
     def _release_process_groups(self) -> None:
         """At interpreter exit: drop the stages, schedules and mesh, then destroy the process group.
@@ -207,9 +185,9 @@ class PipelineStrategy(DDPStrategy):
         were destroyed after the runtime they need, and 1 in 16 script runs ended in SIGABRT
         ("terminate called without an active exception") after a successful job.
         """
-        if self._runner is not None:
-            self._runner.clear()
-        self.mesh = None
+        if self.parts is not None:
+            self.parts.runner.clear()
+        self.parts = None
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -218,11 +196,14 @@ class PipelineStrategy(DDPStrategy):
         # Lightning's Precision.clip_grad_by_norm clips by this rank's norm only; a stage holds a
         # slice of the model, so the norm must be reduced over the pipeline. No public hook exists
         # below configure_gradient_clipping, hence this instance-level override (Lightning 2.6.6).
-        group = self.mesh.pp_group if self.mesh is not None else None
-        plugin = self.precision_plugin
+        parts, plugin = self.parts, self.precision_plugin
+        assert parts is not None
 
         def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-            clip_grad_norm_across(plugin.main_params(optimizer), float(clip_val), group)
+            params = plugin.main_params(optimizer)
+            clip_grad_norm_across(
+                params, float(clip_val), parts.mesh.pp_group, not_counted=parts.shared.not_counted
+            )
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
 
@@ -248,17 +229,16 @@ class PipelineStrategy(DDPStrategy):
             return self._pipelined_step("predict_step", args, train=False)
 
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], train: bool) -> Any:
-        if train and not self._first_batch_checked:
-            # Later batches may be short (an epoch's last); the first one shows the configured size.
-            self._first_batch_checked = True
-            n = batch_size(args[0])
-            if n < self.num_microbatches:
+        assert self.parts is not None
+        if train and self.lightning_module.trainer.global_step == 0:
+            # Later batches may be short (an epoch's last); the first ones show the configured size.
+            n, m = batch_size(args[0]), self.config.num_microbatches
+            if n < m:
                 raise ValueError(
-                    f"a training batch of {n} samples cannot feed num_microbatches={self.num_microbatches}: "
-                    f"use a per-replica batch size of at least {self.num_microbatches} (ideally a multiple "
-                    f"of it), or fewer micro-batches"
+                    f"a training batch of {n} samples cannot feed num_microbatches={m}: use a per-replica "
+                    f"batch size of at least {m} (ideally a multiple of it), or fewer micro-batches"
                 )
-        return run_step(self, step_name, args, train)
+        return run_step(self.parts, self.lightning_module, step_name, args, train)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -272,52 +252,36 @@ class PipelineStrategy(DDPStrategy):
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self._predict_batches = None
-        if self.mesh is not None and self.mesh.dp_size > 1:
+        parts = self.parts
+        if parts is not None and parts.mesh.dp_size > 1:
             # How many batches each replica predicts (the sampler does not pad): rank 0 must know
             # which replicas send it predictions at each step.
-            counts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(counts, int(sum(self.lightning_module.trainer.num_predict_batches)))
-            last = self.mesh.pp_size - 1
-            self._predict_batches = [counts[self.mesh.global_rank(last, r)] for r in range(self.mesh.dp_size)]
-
-    @contextmanager
-    def _grads_held_for_backward(self) -> Generator[None, None, None]:
-        """Keep the gradients the schedule computes aside until Lightning's backward call.
-
-        The schedule runs backward inside training_step, but Lightning zeroes the gradients between
-        training_step and backward (on the first batch of each accumulation window). Holding this
-        batch's gradients aside and adding them in :meth:`backward` keeps Lightning's order exact.
-        """
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        earlier = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            yield
-        finally:
-            self._held_grads = [(p, p.grad) for p in params]
-            for p, g in zip(params, earlier):
-                p.grad = g
+            counts = all_gather_objects(int(sum(self.lightning_module.trainer.num_predict_batches)))
+            last = parts.mesh.pp_size - 1
+            parts.predict_batches = [
+                counts[parts.mesh.global_rank(last, r)] for r in range(parts.mesh.dp_size)
+            ]
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # The schedule already ran backward for every micro-batch inside training_step: add the
         # gradients it held aside, between Lightning's before/after-backward hooks.
-        assert self.lightning_module is not None
+        assert self.lightning_module is not None and self.parts is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        for p, g in self._held_grads:
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
-        self._held_grads = []
+        self.parts.held.add_to_grads()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        parts = self.parts
+        assert parts is not None
+
         def closure_then_sync() -> Any:
             result = closure()
-            # One all-reduce per stage per optimizer step, before clipping and the step itself.
-            all_reduce_gradients(self.lightning_module.parameters(), self.data_parallel_group)
+            # Once per optimizer step, before clipping and the step itself: the tied weights'
+            # replicas sum their gradients, then every stage averages over its replicas.
+            parts.shared.sum_gradients()
+            all_reduce_gradients(self.lightning_module.parameters(), parts.mesh.dp_group)
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -327,26 +291,30 @@ class PipelineStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unsplit module's state dict on global rank 0 (replica 0's stages send theirs there)."""
         local = self.lightning_module.state_dict()
-        if self.mesh is None or self.mesh.pp_size == 1 or not _distributed_is_initialized():
+        parts = self.parts
+        if parts is None or parts.mesh.pp_size == 1 or not _distributed_is_initialized():
             return local
-        if self.mesh.dp_rank != 0:
+        if parts.mesh.dp_rank != 0:
             return {}
-        parts = stage_state.gather_to(stage_state.to_cpu(dict(local)), 0, self.mesh.pp_group)
-        if parts is None:
+        gathered = gather_object_to(stage_state.to_cpu(dict(local)), 0, parts.mesh.pp_group)
+        if gathered is None:
             return {}
-        merged = {k: v for part in parts for k, v in part.items()}
-        return {k: merged[k] for k in self._model_keys if k in merged}
+        merged = {k: v for part in gathered for k, v in part.items()}
+        return {k: merged[k] for k in parts.model_keys if k in merged}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self.mesh is None or not self._param_names:
+        parts = self.parts
+        if parts is None:
             return optimizer.state_dict()
-        named = stage_state.named_optimizer_state(optimizer, self._param_names)
-        if self.mesh.dp_rank != 0:
+        named = stage_state.named_optimizer_state(optimizer, parts.param_names)
+        if parts.mesh.dp_rank != 0:
             return {}
-        parts = stage_state.gather_to(named, 0, self.mesh.pp_group)
-        return stage_state.merge_optimizer_states(parts) if parts is not None else {}
+        gathered = gather_object_to(named, 0, parts.mesh.pp_group)
+        if gathered is None:
+            return {}
+        return stage_state.merge_optimizer_states(gathered, parts.model_param_order)
 
     @property
     @override
@@ -358,8 +326,8 @@ class PipelineStrategy(DDPStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         full = checkpoint["state_dict"]
-        if strict and self._model_keys:
-            stage_state.check_keys(self._model_keys, full, type(self.lightning_module).__name__)
+        if strict and self.parts is not None:
+            stage_state.check_keys(self.parts.model_keys, full, type(self.lightning_module).__name__)
         local_keys = self.lightning_module.state_dict().keys()
         self.lightning_module.load_state_dict(
             {k: v for k, v in full.items() if k in local_keys}, strict=strict
@@ -373,9 +341,10 @@ class PipelineStrategy(DDPStrategy):
                 f"the checkpoint holds {len(states)} optimizer states but configure_optimizers returned "
                 f"{len(self.optimizers)}: resume with the same optimizers"
             )
+        assert self.parts is not None
         for optimizer, full in zip(self.optimizers, states):
             local = stage_state.reshard_optimizer_state(
-                full, optimizer, self._param_names, self._model_param_order
+                full, optimizer, self.parts.param_names, self.parts.model_param_order
             )
             optimizer.load_state_dict(local)
         _optimizers_to_device(self.optimizers, self.root_device)
@@ -420,6 +389,67 @@ def _release_at_exit(strategy_ref: weakref.ref) -> None:
         strategy._release_process_groups()
 
 
+def _renamed_num_stages(pipeline_size: int | None, num_stages: int | None) -> int | None:
+    if num_stages is None:
+        return pipeline_size
+    if pipeline_size is not None:
+        raise ValueError(
+            f"pass pipeline_size only (got pipeline_size={pipeline_size} and its old name "
+            f"num_stages={num_stages})"
+        )
+    rank_zero_deprecation(
+        "PipelineStrategy(num_stages=...) is deprecated: it counts pipeline ranks, so it is now called "
+        f"pipeline_size. Use PipelineStrategy(pipeline_size={num_stages}) (the model is cut into "
+        "pipeline_size x stages_per_rank stages)"
+    )
+    return num_stages
+
+
+def _checked_config(
+    pipeline_size: int | None,
+    num_microbatches: int,
+    schedule: str,
+    stages_per_rank: int,
+    partition: str | list[int],
+    module_name: str | None,
+    split_points: list[str] | None,
+) -> PipelineConfig:
+    cls = schedule_class(schedule)
+    _check_positive_int("num_microbatches", num_microbatches)
+    _check_positive_int("stages_per_rank", stages_per_rank)
+    if pipeline_size is not None:
+        _check_positive_int("pipeline_size", pipeline_size)
+    if is_multi_stage(cls) != (stages_per_rank > 1):
+        raise ValueError(
+            f"schedule={schedule!r} runs {'several stages' if is_multi_stage(cls) else 'one stage'} per "
+            f"rank but stages_per_rank={stages_per_rank}: use stages_per_rank>=2 with the interleaved "
+            f"and looped schedules and 1 with 'gpipe' and '1f1b'"
+        )
+    if isinstance(partition, str) and partition not in PARTITION_METHODS:
+        raise ValueError(
+            f"unknown partition {partition!r}: use one of {', '.join(PARTITION_METHODS)} or a list of "
+            f"layer counts per stage"
+        )
+    if split_points is not None:
+        if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
+            raise TypeError(f"split_points must be a list of module paths, got {split_points!r}")
+        if partition != "uniform" or module_name is not None:
+            raise ValueError(
+                "split_points names the stage beginnings itself: drop partition= and module_name=, or drop "
+                "split_points"
+            )
+        split_points = tuple(split_points)
+    return PipelineConfig(
+        pipeline_size,
+        num_microbatches,
+        schedule.lower(),
+        stages_per_rank,
+        partition,
+        module_name,
+        split_points,
+    )
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -427,7 +457,7 @@ def _check_positive_int(name: str, value: Any) -> None:
 
 def _check_fit_supported(trainer: pl.Trainer, strategy: PipelineStrategy) -> None:
     if not trainer.lightning_module.automatic_optimization:
-        raise RuntimeError(
+        raise ValueError(
             "PipelineStrategy runs forward and backward inside its schedule and supports automatic "
             "optimization only: remove `self.automatic_optimization = False` (manual optimization is "
             "not supported)"
