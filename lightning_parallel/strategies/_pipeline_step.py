@@ -14,10 +14,11 @@ import torch
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from lightning_parallel.distributed.collectives import broadcast_object, recv_object, send_object
+from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
-from lightning_parallel.pipeline.step_logs import LoggedValue, LogRecorder
+from lightning_parallel.pipeline.step_logs import LogRecorder, from_record, to_record
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -32,15 +33,19 @@ def run_step(
     mesh = parts.mesh
     step = _Step(parts, module, step_name, args, train)
     result = step.train() if train else step.evaluate()
-    if parts.runner.has_last:
-        result["logs"] = step.recorder.entries()
-    result = from_last_stage(result, mesh)
-    replay_logs(module, result["logs"], mesh.dp_group)
-    if train:
-        return torch.tensor(result["loss"], device=module.device)
-    if step_name == "predict_step" and mesh.dp_size > 1:
-        return collect_predictions(parts, result.get("output"), batch_idx=args[1])
-    return result.get("output")
+    if step_name == "predict_step":
+        if parts.runner.has_last:
+            result["logs"] = [(e.name, e.combined(), e.replay_kwargs()) for e in step.recorder.entries()]
+        result = from_last_stage(result, mesh)
+        replay_logs(module, result["logs"], mesh.dp_group)
+        if mesh.dp_size > 1:
+            return collect_predictions(parts, result.get("output"), batch_idx=args[1])
+        return result.get("output")
+    has_last = parts.runner.has_last
+    record = to_record(step.recorder.entries(), *([result["loss"]] if train else [])) if has_last else None
+    leading, logs = from_record(*numbers_from_last_stage(parts, step_name, record), leading=int(train))
+    replay_logs(module, logs, mesh.dp_group)
+    return torch.tensor(leading[0], device=module.device) if train else None
 
 
 class _Step:
@@ -116,20 +121,40 @@ def collect_predictions(parts: PipelineParts, output: Any, batch_idx: int) -> An
 
 
 def from_last_stage(result: dict[str, Any], mesh: PipelineMesh) -> dict[str, Any]:
-    """Broadcast the last stage's step result to every stage of this replica."""
+    """Broadcast the last stage's step result (any picklable object) to every stage of this replica."""
     if mesh.pp_size == 1:
         return result
     return broadcast_object(result, src=mesh.global_rank(mesh.pp_size - 1), group=mesh.pp_group)
 
 
-def replay_logs(module: pl.LightningModule, entries: list[LoggedValue], dp_group: Any) -> None:
+def numbers_from_last_stage(
+    parts: PipelineParts, step_name: str, record: tuple | None
+) -> tuple[Any, list[float]]:
+    """The last stage's loss and logged numbers on every stage of this replica: one small tensor broadcast.
+
+    One channel per step method keeps each one's layout (log names and options) agreed across steps.
+    """
+    mesh = parts.mesh
+    if mesh.pp_size == 1:
+        assert record is not None
+        return record
+    channel = parts.channels.get(step_name)
+    if channel is None:
+        channel = parts.channels[step_name] = RecordBroadcast(
+            mesh.global_rank(mesh.pp_size - 1), mesh.pp_group
+        )
+    return channel.broadcast(record)
+
+
+def replay_logs(
+    module: pl.LightningModule, logs: list[tuple[str, float, dict[str, Any]]], dp_group: Any
+) -> None:
     """Log the last stage's combined values through the real ``self.log`` on this rank."""
-    for entry in entries:
-        kwargs = entry.replay_kwargs()
+    for name, value, kwargs in logs:
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
             # Every stage holds the same values: reduce over the replicas only.
-            kwargs["sync_dist_group"] = dp_group
-        module.log(entry.name, entry.combined(), **kwargs)
+            kwargs = {**kwargs, "sync_dist_group": dp_group}
+        module.log(name, value, **kwargs)
 
 
 def batch_size(batch: Any) -> int:

@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
@@ -31,10 +31,13 @@ from lightning_parallel.distributed.collectives import all_gather_objects, gathe
 from lightning_parallel.pipeline import state as stage_state
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout
-from lightning_parallel.pipeline.partition import PARTITION_METHODS
 from lightning_parallel.pipeline.plan import StagePlan
-from lightning_parallel.pipeline.runner import is_multi_stage, schedule_class
-from lightning_parallel.strategies._pipeline_build import PipelineConfig, PipelineParts, build_pipeline
+from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
+from lightning_parallel.strategies._pipeline_config import (
+    check_fit_supported,
+    checked_config,
+    renamed_num_stages,
+)
 from lightning_parallel.strategies._pipeline_step import batch_size, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
@@ -97,8 +100,8 @@ class PipelineStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(start_method=start_method, timeout=timeout, **kwargs)
-        pipeline_size = _renamed_num_stages(pipeline_size, num_stages)
-        self.config = _checked_config(
+        pipeline_size = renamed_num_stages(pipeline_size, num_stages)
+        self.config = checked_config(
             pipeline_size, num_microbatches, schedule, stages_per_rank, partition, module_name, split_points
         )
         self.parts: PipelineParts | None = None
@@ -153,7 +156,7 @@ class PipelineStrategy(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            _check_fit_supported(trainer, self)
+            check_fit_supported(trainer, self)
         if self.parts is None:
             self.parts = build_pipeline(
                 self.config, trainer, self.lightning_module, self.layout, self.root_device
@@ -387,83 +390,3 @@ def _release_at_exit(strategy_ref: weakref.ref) -> None:
     strategy = strategy_ref()  # a weak reference: registering must not keep the model alive
     if strategy is not None:
         strategy._release_process_groups()
-
-
-def _renamed_num_stages(pipeline_size: int | None, num_stages: int | None) -> int | None:
-    if num_stages is None:
-        return pipeline_size
-    if pipeline_size is not None:
-        raise ValueError(
-            f"pass pipeline_size only (got pipeline_size={pipeline_size} and its old name "
-            f"num_stages={num_stages})"
-        )
-    rank_zero_deprecation(
-        "PipelineStrategy(num_stages=...) is deprecated: it counts pipeline ranks, so it is now called "
-        f"pipeline_size. Use PipelineStrategy(pipeline_size={num_stages}) (the model is cut into "
-        "pipeline_size x stages_per_rank stages)"
-    )
-    return num_stages
-
-
-def _checked_config(
-    pipeline_size: int | None,
-    num_microbatches: int,
-    schedule: str,
-    stages_per_rank: int,
-    partition: str | list[int],
-    module_name: str | None,
-    split_points: list[str] | None,
-) -> PipelineConfig:
-    cls = schedule_class(schedule)
-    _check_positive_int("num_microbatches", num_microbatches)
-    _check_positive_int("stages_per_rank", stages_per_rank)
-    if pipeline_size is not None:
-        _check_positive_int("pipeline_size", pipeline_size)
-    if is_multi_stage(cls) != (stages_per_rank > 1):
-        raise ValueError(
-            f"schedule={schedule!r} runs {'several stages' if is_multi_stage(cls) else 'one stage'} per "
-            f"rank but stages_per_rank={stages_per_rank}: use stages_per_rank>=2 with the interleaved "
-            f"and looped schedules and 1 with 'gpipe' and '1f1b'"
-        )
-    if isinstance(partition, str) and partition not in PARTITION_METHODS:
-        raise ValueError(
-            f"unknown partition {partition!r}: use one of {', '.join(PARTITION_METHODS)} or a list of "
-            f"layer counts per stage"
-        )
-    if split_points is not None:
-        if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
-            raise TypeError(f"split_points must be a list of module paths, got {split_points!r}")
-        if partition != "uniform" or module_name is not None:
-            raise ValueError(
-                "split_points names the stage beginnings itself: drop partition= and module_name=, or drop "
-                "split_points"
-            )
-        split_points = tuple(split_points)
-    return PipelineConfig(
-        pipeline_size,
-        num_microbatches,
-        schedule.lower(),
-        stages_per_rank,
-        partition,
-        module_name,
-        split_points,
-    )
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _check_fit_supported(trainer: pl.Trainer, strategy: PipelineStrategy) -> None:
-    if not trainer.lightning_module.automatic_optimization:
-        raise ValueError(
-            "PipelineStrategy runs forward and backward inside its schedule and supports automatic "
-            "optimization only: remove `self.automatic_optimization = False` (manual optimization is "
-            "not supported)"
-        )
-    if getattr(strategy.precision_plugin, "scaler", None) is not None:
-        raise ValueError(
-            "PipelineStrategy does not support precision='16-mixed' (its GradScaler scales the loss outside "
-            "the schedule): use 'bf16-mixed', 'bf16-true' or '32-true'"
-        )
