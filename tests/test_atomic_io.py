@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_parallel.io import atomic, tempfiles
-from lightning_parallel.io.async_writer import AsyncWriter, snapshot
+from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers, snapshot
 from lightning_parallel.io.tempfiles import NAMED_TEMP_ENV
 
 METHODS = ["O_TMPFILE", "named"]
@@ -146,6 +146,36 @@ def test_snapshot_copies_tensors_and_containers():
     assert torch.equal(snap["w"], torch.zeros(3)) and snap["w"] is snap["tied"]
     assert list(snap["cb"]["best_k_models"]) == ["a"]
     assert snap["t"][0] is snap["w"]
+
+
+def test_snapshot_buffers_are_reused_while_the_layout_stays():
+    model = torch.nn.Linear(64, 64)
+    buffers = SnapshotBuffers()
+    first = buffers.snapshot({"model": model.state_dict(), "step": 1})
+    held = buffers.nbytes
+    assert held == sum(t.nbytes for t in model.state_dict().values())
+    with torch.no_grad():
+        model.weight.add_(1)
+    second = buffers.snapshot({"model": model.state_dict(), "step": 2})
+    # The same memory, now holding the new values (the previous snapshot was written by then).
+    assert second["model"]["weight"].data_ptr() == first["model"]["weight"].data_ptr()
+    torch.testing.assert_close(second["model"]["weight"], model.weight.detach())
+    assert second["model"]["weight"].data_ptr() != model.weight.data_ptr() and buffers.nbytes == held
+    # A new shape gets a new buffer; buffers the latest snapshot did not use are dropped.
+    third = buffers.snapshot({"model": {"weight": torch.zeros(3)}})
+    assert third["model"]["weight"].data_ptr() != first["model"]["weight"].data_ptr()
+    assert buffers.nbytes == 3 * 4
+    buffers.release()
+    assert buffers.nbytes == 0
+
+
+def test_snapshot_copies_two_views_of_one_memory_once():
+    w = torch.randn(4, 4)
+    state = {"a": w.detach(), "b": w.detach(), "t": w.t(), "sparse": torch.eye(3).to_sparse()}
+    for snap in (snapshot(state), SnapshotBuffers().snapshot(state)):
+        assert snap["a"] is snap["b"] and snap["a"].data_ptr() != w.data_ptr()
+        torch.testing.assert_close(snap["t"], w.t())
+        assert snap["sparse"].is_sparse and torch.equal(snap["sparse"].to_dense(), torch.eye(3))
 
 
 def test_async_writer_one_in_flight_followups_and_errors():

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -300,16 +301,28 @@ def remove_file(path: str) -> None:
 
 
 def atomic_symlink(target: str, linkpath: str) -> None:
-    """Point ``linkpath`` at ``target`` (relative link) with one rename: never a moment without a link."""
+    """Point ``linkpath`` at ``target`` (relative link) with one rename: never a moment without a link.
+
+    As in Lightning's ``ModelCheckpoint._link_checkpoint``, a directory at ``linkpath`` is removed
+    first, and where no symbolic link can be made the file is copied instead (atomically).
+    """
+    directory = os.path.dirname(os.path.abspath(linkpath))
+    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+        shutil.rmtree(linkpath)
     tmp = temp_path_for(linkpath)
-    os.symlink(os.path.relpath(target, os.path.dirname(os.path.abspath(linkpath))), tmp)
+    try:
+        os.symlink(os.path.relpath(target, directory), tmp)
+    except OSError:
+        with open(target, "rb") as src:
+            atomic_write(linkpath, lambda f: shutil.copyfileobj(src, f, _CHUNK))
+        return
     try:
         os.replace(tmp, linkpath)
     except OSError:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(linkpath)))
+    fsync_dir(directory)
 
 
 def check_writable_dir(directory: str) -> str | None:
