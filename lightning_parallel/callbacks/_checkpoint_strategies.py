@@ -65,6 +65,17 @@ def find_sharded_tensor(obj: Any, path: tuple[Hashable, ...] = ()) -> tuple[str,
     return None
 
 
+def refuse_sharded_tensors(checkpoint: dict[str, Any]) -> None:
+    """Raise ValueError, naming the key, if ``checkpoint`` holds a sharded tensor (one rank's part)."""
+    found = find_sharded_tensor(checkpoint)
+    if found is not None:
+        raise ValueError(
+            f"the state to save holds a {found[1]} at {found[0]!r}, one rank's shard: Rank0Checkpoint "
+            "would write a partial checkpoint. Save through the strategy with Lightning's ModelCheckpoint, "
+            "or configure the strategy to gather a full state dict"
+        )
+
+
 def check_strategy_internals() -> list[str]:
     """Private strategy attributes that :func:`sharded_strategy_problem` reads and that are gone (2.6.6)."""
     problems = []

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_parallel.callbacks import _checkpoint_strategies as strategies
 from lightning_parallel.callbacks._checkpoint_internals import (
     _dump_checkpoint,
     _mark_loader_resumable,
@@ -20,7 +21,6 @@ from lightning_parallel.callbacks._checkpoint_internals import (
     _VerifyingCheckpointIO,
     check_lightning_internals,
 )
-from lightning_parallel.callbacks._checkpoint_strategies import find_sharded_tensor, sharded_strategy_problem
 from lightning_parallel.data.resumable_sampler import find_resumable_samplers, single_loader_batch_size
 from lightning_parallel.distributed.agree import agree, decide_on
 from lightning_parallel.io import atomic
@@ -143,7 +143,7 @@ class Rank0Checkpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        problem = sharded_strategy_problem(trainer.strategy)
+        problem = strategies.sharded_strategy_problem(trainer.strategy)
         if problem is not None:  # the same answer on every rank: no collective needed
             raise ValueError(f"Rank0Checkpoint writes one file from global rank 0, but {problem}.")
         if self.save_top_k != 0 or self.save_last:
@@ -190,13 +190,7 @@ class Rank0Checkpoint(ModelCheckpoint):
             "name": os.path.basename(filepath),
         }
         try:
-            sharded = find_sharded_tensor(checkpoint)
-            if sharded is not None:
-                raise ValueError(
-                    f"the state to save holds a {sharded[1]} at {sharded[0]!r}, one rank's shard: "
-                    "Rank0Checkpoint would write a partial checkpoint. Save through the strategy with "
-                    "Lightning's ModelCheckpoint, or configure the strategy to gather a full state dict"
-                )
+            strategies.refuse_sharded_tensors(checkpoint)
             os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
             if not self.async_save:
                 atomic.save_checkpoint_file(checkpoint, filepath, meta)
@@ -224,8 +218,7 @@ class Rank0Checkpoint(ModelCheckpoint):
     def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
         """Point ``linkpath`` at ``filepath`` with one rename, once ``filepath`` is on disk."""
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            # Static, as in ModelCheckpoint: the callback that is linking is the one whose last file is
-            # ``linkpath``; with a save of ``filepath`` in flight, its writer links after that save.
+            # Static as in ModelCheckpoint: the caller is the callback whose last file is ``linkpath``.
             owners = [
                 cb
                 for cb in trainer.checkpoint_callbacks

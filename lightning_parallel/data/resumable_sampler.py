@@ -192,7 +192,12 @@ def find_resumable_samplers(loaders: Any) -> Iterator[ResumableDistributedSample
 
 
 def single_loader_batch_size(loaders: Any) -> int | None:
-    """The ``batch_size`` of ``loaders`` when it is one loader; None otherwise."""
+    """The ``batch_size`` of ``loaders`` when it is one loader; None otherwise.
+
+    Example::
+
+        single_loader_batch_size(DataLoader(dataset, batch_size=32))  # 32
+    """
     flat = list(_flatten(loaders))
     return getattr(flat[0], "batch_size", None) if len(flat) == 1 else None
 

@@ -43,7 +43,12 @@ def _hostname() -> str:
 
 
 def temp_path_for(path: str) -> str:
-    """A fresh temporary name in ``path``'s directory that :func:`remove_orphans` recognises."""
+    """A fresh temporary name in ``path``'s directory that :func:`remove_orphans` recognises.
+
+    Example::
+
+        temp_path_for("ckpt/last.ckpt")  # ".../ckpt/.last.ckpt.myhost-4242-1f2e3d4c.partial"
+    """
     directory, name = os.path.split(os.path.abspath(path))
     return os.path.join(directory, f".{name}.{_hostname()}-{os.getpid()}-{secrets.token_hex(4)}.partial")
 
@@ -64,7 +69,12 @@ def temp_file_method(directory: str) -> Literal["O_TMPFILE", "named"]:
 
 
 def link_method(directory: str) -> _LinkMethod | None:
-    """How an unnamed file of ``directory`` can be linked (None: use a named temp file)."""
+    """How an unnamed file of ``directory`` can be linked (None: use a named temp file).
+
+    Example::
+
+        method = link_method("ckpt")  # "proc", "empty_path" or None
+    """
     if os.environ.get(NAMED_TEMP_ENV) == "1" or not hasattr(os, "O_TMPFILE"):
         return None
     try:
@@ -95,7 +105,14 @@ def _probe(directory: str) -> _LinkMethod | None:
 
 
 def open_unnamed(directory: str) -> int:
-    """A read-write file descriptor on a new unnamed file in ``directory`` (``O_TMPFILE``)."""
+    """A read-write file descriptor on a new unnamed file in ``directory`` (``O_TMPFILE``).
+
+    Example::
+
+        with os.fdopen(open_unnamed("ckpt"), "r+b") as f:
+            f.write(data)
+            link_into_place(f.fileno(), "ckpt/a.ckpt", link_method("ckpt"))
+    """
     return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o666)
 
 
@@ -116,6 +133,10 @@ def link_into_place(fd: int, path: str, method: _LinkMethod) -> None:
     temporary name, the only instant a kill can leave a ``.partial`` file. Should linking fail
     after all (the probe passed on another mount of the same filesystem), the bytes are copied
     into a named temp file instead and that filesystem is no longer linked into.
+
+    Example::
+
+        link_into_place(fd, "ckpt/last.ckpt", link_method("ckpt"))  # after writing and fsyncing fd
     """
     try:
         _link(fd, path, method)
@@ -171,6 +192,10 @@ def remove_orphans(directory: str) -> list[str]:
     """Delete named temporary files left in ``directory`` by killed writers; return their paths.
 
     A temp file of a process still alive on this host is kept (it may be writing right now).
+
+    Example::
+
+        removed = remove_orphans("ckpt")
     """
     removed: list[str] = []
     if not os.path.isdir(directory):
