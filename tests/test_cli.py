@@ -4,6 +4,7 @@ import os
 import textwrap
 
 import lightning as L
+import pytest
 from lightning.pytorch.cli import LightningCLI
 from tiny_models import SequentialRegressor, loader, regression_data
 
@@ -64,12 +65,13 @@ def test_callbacks_given_by_class_path_in_a_yaml_config_fit(tmp_path):
     assert (tmp_path / "config.yaml").read_text().count("class_path: lightning_parallel.") == 3
 
 
-def test_pipeline_strategy_is_given_on_the_command_line():
+@pytest.mark.parametrize("size_flag", ["pipeline_size", "num_stages"])
+def test_pipeline_strategy_is_given_on_the_command_line(size_flag):
     args = [
         "--trainer.accelerator=cpu",
         "--trainer.devices=2",
         "--trainer.strategy=lightning_parallel.PipelineStrategy",
-        "--trainer.strategy.num_stages=2",
+        f"--trainer.strategy.{size_flag}=2",  # num_stages: the deprecated name still works
         "--trainer.strategy.schedule=gpipe",
         "--trainer.strategy.partition=[1, 3]",
         "--trainer.strategy.start_method=spawn",
@@ -77,7 +79,7 @@ def test_pipeline_strategy_is_given_on_the_command_line():
     cli = LightningCLI(SequentialRegressor, RegressionData, run=False, args=args)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, PipelineStrategy)
-    assert (strategy.num_stages, strategy.schedule, strategy.partition) == (2, "gpipe", [1, 3])
+    assert (strategy.pipeline_size, strategy.schedule, strategy.partition) == (2, "gpipe", [1, 3])
     assert strategy.num_microbatches == 4 and cli.trainer.num_devices == 2
     # The registered name works as well.
     cli = LightningCLI(SequentialRegressor, RegressionData, run=False, args=["--trainer.strategy=pipeline"])

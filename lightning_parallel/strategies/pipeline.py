@@ -113,6 +113,22 @@ class PipelineStrategy(DDPStrategy):
         return self.config.pipeline_size or self.world_size
 
     @property
+    def num_microbatches(self) -> int:
+        return self.config.num_microbatches
+
+    @property
+    def schedule(self) -> str:
+        return self.config.schedule
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.config.stages_per_rank
+
+    @property
+    def partition(self) -> str | list[int]:
+        return self.config.partition
+
+    @property
     def layout(self) -> RankLayout:
         return RankLayout.for_world(self.world_size, self.pipeline_size)
 
