@@ -106,6 +106,7 @@ class PipelineStrategy(DDPStrategy):
         )
         self.parts: PipelineParts | None = None
         self._release_registered = False
+        self._first_batch_checked = False
 
     # ----------------------------------------------------------------------------------- layout
     @property
@@ -249,8 +250,9 @@ class PipelineStrategy(DDPStrategy):
 
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], train: bool) -> Any:
         assert self.parts is not None
-        if train and self.lightning_module.trainer.global_step == 0:
-            # Later batches may be short (an epoch's last); the first ones show the configured size.
+        if train and not self._first_batch_checked:
+            # Later batches may be short (an epoch's last); the first one shows the configured size.
+            self._first_batch_checked = True
             n, m = batch_size(args[0]), self.config.num_microbatches
             if n < m:
                 raise ValueError(
