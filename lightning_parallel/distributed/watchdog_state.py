@@ -1,0 +1,385 @@
+"""Where this rank is now: inside a communication (which, on which group, from which user line) or computing.
+
+The main thread pays for a few in-memory fields per collective and nothing else: the watchdog's monitor
+thread turns them into a published snapshot about once a second, resolving the user's call site from the
+caller's frame and reading the main thread's stack only then. Pure PyTorch (no Lightning import).
+
+Tracking wraps the public ``torch.distributed`` functions (in ``torch.distributed`` and in
+``torch.distributed.distributed_c10d``, so that ``dist.P2POp(dist.isend, ...)`` built by the pipeline
+schedules still passes torch's own ``op in [isend, irecv]`` check) while a watchdog runs; collectives
+issued from C++ (DDP's gradient all-reduce) are invisible and are described from the Lightning hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from importlib.util import find_spec
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+__all__ = [
+    "COLLECTIVES",
+    "POINT_TO_POINT",
+    "RankActivity",
+    "install_tracking",
+    "is_library_file",
+    "main_thread_stack",
+    "uninstall_tracking",
+    "user_site",
+]
+
+POINT_TO_POINT = (
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "send_object_list",
+    "recv_object_list",
+    "batch_isend_irecv",
+)
+COLLECTIVES = (
+    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
+    "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "scatter_object_list",
+)  # fmt: skip
+_RECEIVES = frozenset({"recv", "irecv", "recv_object_list"})
+_ASYNC_ALWAYS = frozenset({"isend", "irecv", "batch_isend_irecv"})
+
+
+class Call:
+    """One communication this rank's main work is inside: issued, or waited on through its Work."""
+
+    __slots__ = ("frame", "group", "op", "p2p", "pipeline", "seq", "since", "waits")
+
+    def __init__(self, op: str, group: _Group, seq: int | None, p2p: tuple, frame: FrameType | None) -> None:
+        self.op, self.group, self.seq, self.p2p, self.frame = op, group, seq, p2p, frame
+        # Issued by torch.distributed.pipelining: the report says "pipeline recv from rank R".
+        self.pipeline = frame is not None and frame.f_globals.get("__name__", "").startswith(
+            "torch.distributed.pipelining"
+        )
+        self.since = time.monotonic()
+        self.waits = False
+
+    def waited(self, frame: FrameType | None) -> Call:
+        """The same communication, now blocking in ``Work.wait()`` called from ``frame``."""
+        call = Call(self.op, self.group, self.seq, self.p2p, frame)
+        call.pipeline, call.waits = call.pipeline or self.pipeline, True
+        return call
+
+    def label(self) -> str:
+        """``barrier``, ``pipeline recv from rank 0``, ``all_reduce (wait)``."""
+        if not self.p2p:
+            return f"{self.op} (wait)" if self.waits else self.op
+        parts = [f"{d} {'from' if d == 'recv' else 'to'} {_peer(p)}" for d, p in self.p2p]
+        return ("pipeline " if self.pipeline else "") + " + ".join(parts)
+
+
+class Hook:
+    """The Lightning hook this rank last entered, and an untracked collective it runs (DDP's backward)."""
+
+    __slots__ = ("name", "seq", "since", "step", "waits_in")
+
+    def __init__(self, name: str, step: int | None, waits_in: str | None = None, seq: int | None = None):
+        self.name, self.step, self.waits_in, self.seq = name, step, waits_in, seq
+        self.since = time.monotonic()
+
+
+class _Group:
+    __slots__ = ("label", "name", "ranks")
+
+    def __init__(self, name: str, ranks: tuple[int, ...] | None, label: str) -> None:
+        # ranks is None for the default group (every rank): a 1000-rank list is not sent every second.
+        self.name, self.ranks, self.label = name, ranks, label
+
+
+class RankActivity:
+    """What this process is doing, as cheap in-memory fields; :meth:`snapshot` makes them a dict.
+
+    Example::
+
+        activity = RankActivity()
+        install_tracking(activity)              # dist.* calls now set activity.call while they run
+        activity.enter_hook("training_step", step=3)
+        activity.snapshot()["kind"]             # "computing", or "collective" inside dist.barrier()
+        uninstall_tracking()
+    """
+
+    def __init__(self) -> None:
+        self.call: Call | None = None
+        self.hook = Hook("setup", None)
+        self.counters: dict[str, int] = {}
+        self._groups: dict[int, _Group] = {}
+        self._untracked_seq = 0
+
+    def enter_hook(self, name: str, step: int | None = None, waits_in: str | None = None) -> None:
+        """Record that the main thread entered a Lightning hook; ``waits_in`` names a C++ collective in it."""
+        seq = None
+        if waits_in is not None:
+            self._untracked_seq += 1
+            seq = self._untracked_seq
+        self.hook = Hook(name, step, waits_in, seq)
+
+    def run(self, op: str, fn: Callable, spec: _Signature, args: tuple, kwargs: dict, frame: Any) -> Any:
+        """Call ``fn`` as the communication ``op``, recorded as this rank's current call while it runs."""
+        raw_group = spec.get("group", args, kwargs)
+        if op == "batch_isend_irecv":
+            ops = spec.get("p2p_op_list", args, kwargs)
+            raw_group = ops[0].group if ops else None
+        group = self._group(raw_group)
+        if op in POINT_TO_POINT:
+            seq, p2p = None, _p2p_pairs(op, spec, args, kwargs, group)
+        else:
+            seq = self.counters[group.name] = self.counters.get(group.name, 0) + 1
+            p2p = ()
+        call = self.call = Call(op, group, seq, p2p, frame)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            # A Work kept by the caller must not keep the caller's frame (and its tensors) alive.
+            self.call, call.frame = None, None
+        if result is not None and (op in _ASYNC_ALWAYS or spec.get("async_op", args, kwargs)):
+            return _tracked_works(result, call)
+        return result
+
+    def snapshot(self) -> dict[str, Any]:
+        """Where this rank is, as plain data (read from the monitor thread; one read of each field)."""
+        call, hook, now = self.call, self.hook, time.monotonic()
+        state: dict[str, Any] = {"hook": hook.name, "step": hook.step, "counters": dict(self.counters)}
+        state["name"] = call.op if call is not None else hook.waits_in
+        if call is not None:
+            site = user_site(call.frame)
+            state.update(
+                kind="p2p" if call.p2p else "collective", op=call.label(), group=call.group.name,
+                group_label=call.group.label, members=call.group.ranks, seq=call.seq,
+                p2p=[list(pair) for pair in call.p2p], site=site, waiting=now - call.since,
+            )  # fmt: skip
+        elif hook.waits_in is not None:
+            state.update(
+                kind="untracked", op=hook.waits_in, group=f"untracked:{hook.waits_in}", group_label="world",
+                members=None, seq=hook.seq, p2p=[], site=None, waiting=now - hook.since,
+            )  # fmt: skip
+        else:
+            state.update(kind="computing", op=None, seq=None, p2p=[], site=None, waiting=now - hook.since)
+        return state
+
+    def _group(self, group: Any) -> _Group:
+        # Keyed by id: holding the group object itself would keep a destroyed process group alive.
+        info = self._groups.get(id(group))
+        if info is None:
+            info = self._groups[id(group)] = _describe_group(group)
+        return info
+
+
+def _describe_group(group: Any) -> _Group:
+    if group is None or group is dist.GroupMember.WORLD:
+        return _Group("world", None, "world")
+    ranks = tuple(dist.get_process_group_ranks(group))
+    # group_name is the same on every member (torch derives it from the creation order), the ranks
+    # alone are not: two groups may hold the same ranks.
+    label = f"ranks {','.join(map(str, ranks))}" if len(ranks) <= 8 else f"{len(ranks)} ranks from {ranks[0]}"
+    return _Group(str(group.group_name), ranks, label)
+
+
+def _peer(peer: int) -> str:
+    return "any rank" if peer < 0 else f"rank {peer}"
+
+
+def _p2p_pairs(op: str, spec: _Signature, args: tuple, kwargs: dict, group: _Group) -> tuple:
+    """("recv" | "send", global peer rank) for each transfer of a point-to-point call."""
+    if op == "batch_isend_irecv":
+        ops = spec.get("p2p_op_list", args, kwargs) or []
+        return tuple(("recv" if o.op.__name__ == "irecv" else "send", int(o.peer)) for o in ops)
+    receives = op in _RECEIVES
+    peer = spec.get("src" if receives else "dst", args, kwargs)
+    if peer is None:
+        local = spec.get("group_src" if receives else "group_dst", args, kwargs)
+        peer = -1 if local is None else (local if group.ranks is None else group.ranks[local])
+    return (("recv" if receives else "send", int(peer)),)
+
+
+class _Signature:
+    """Where a torch.distributed function takes ``group``, ``async_op``, ``src``...: by name or position."""
+
+    def __init__(self, fn: Callable) -> None:
+        params = list(inspect.signature(fn).parameters.values())
+        self.index = {p.name: i for i, p in enumerate(params)}
+        self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+    def get(self, name: str, args: tuple, kwargs: dict) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        i = self.index.get(name)
+        if i is not None and i < len(args):
+            return args[i]
+        return self.defaults.get(name)
+
+
+class TrackedWork:
+    """A ``dist.Work`` whose ``wait()`` is recorded as the communication it waits for.
+
+    The pipeline schedules block in ``work.wait()`` on the works of ``isend``/``irecv``, not in the
+    calls themselves; everything but ``wait`` is the wrapped work's own.
+    """
+
+    __slots__ = ("_call", "_work")
+
+    def __init__(self, work: Any, call: Call) -> None:
+        self._work, self._call = work, call
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        activity = _ACTIVE
+        if activity is None or activity.call is not None:
+            return self._work.wait(*args, **kwargs)
+        activity.call = self._call.waited(sys._getframe(1))
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            activity.call = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _tracked_works(result: Any, call: Call) -> Any:
+    if isinstance(result, list):
+        return [TrackedWork(w, call) if w is not None else None for w in result]
+    return TrackedWork(result, call)
+
+
+# ---------------------------------------------------------------------------- install / uninstall
+_ACTIVE: RankActivity | None = None
+_ORIGINALS: dict[str, Callable] = {}
+_MODULES = (dist, c10d)
+
+
+def _wrap(name: str, original: Callable) -> Callable:
+    spec = _Signature(original)
+
+    @functools.wraps(original)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        activity = _ACTIVE
+        # Nested calls (all_gather_object -> all_gather) belong to the outer one; a call from another
+        # thread while one is recorded passes through too.
+        if activity is None or activity.call is not None:
+            return original(*args, **kwargs)
+        return activity.run(name, original, spec, args, kwargs, sys._getframe(1))
+
+    tracked._lp_watchdog_original = original  # type: ignore[attr-defined]
+    return tracked
+
+
+def install_tracking(activity: RankActivity) -> None:
+    """Route the ``torch.distributed`` communication functions through ``activity`` until uninstalled.
+
+    Called by a running watchdog (never at import). A second install points the wrappers at the newer
+    activity (the older one's run ended without its teardown).
+    """
+    global _ACTIVE
+    _ACTIVE = activity
+    if _ORIGINALS:
+        return
+    for name in COLLECTIVES + POINT_TO_POINT:
+        original = getattr(c10d, name, None)
+        if original is None or not callable(original):
+            continue
+        _ORIGINALS[name] = original
+        wrapper = _wrap(name, original)
+        for module in _MODULES:
+            if getattr(module, name, None) is original:
+                setattr(module, name, wrapper)
+
+
+def uninstall_tracking(activity: RankActivity | None = None) -> None:
+    """Restore the original functions (only those still ours: a later patch by someone else stays)."""
+    global _ACTIVE
+    if activity is not None and activity is not _ACTIVE:
+        return
+    _ACTIVE = None
+    for name, original in _ORIGINALS.items():
+        for module in _MODULES:
+            if getattr(getattr(module, name, None), "_lp_watchdog_original", None) is original:
+                setattr(module, name, original)
+    _ORIGINALS.clear()
+
+
+# ---------------------------------------------------------------------------- user code and stacks
+def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(library package directories, standard-library directories): code that is not the user's."""
+    roots = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    # find_spec locates a package without importing it: this module stays free of Lightning.
+    for name in ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities"):
+        spec = find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            roots += list(spec.submodule_search_locations)
+    paths = sysconfig.get_paths()
+    stdlib = {paths["stdlib"], paths["platstdlib"], os.path.dirname(threading.__file__)}
+    return tuple(os.path.realpath(r) + os.sep for r in roots), tuple(
+        os.path.realpath(s) + os.sep for s in stdlib
+    )
+
+
+_ROOTS: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+
+
+@functools.lru_cache(maxsize=8192)
+def is_library_file(filename: str) -> bool:
+    """Whether code in ``filename`` is torch, Lightning, lightning_parallel or the standard library.
+
+    Everything else is the user's code (their scripts, modules and third-party packages they call).
+    The standard library is not the user's either: a ``contextlib`` or ``multiprocessing`` frame says
+    nothing about which line of theirs is involved.
+    """
+    global _ROOTS
+    if filename.startswith("<"):  # <string>, <frozen runpy>: interpreter plumbing
+        return True
+    if _ROOTS is None:
+        _ROOTS = _library_roots()
+    libraries, stdlib = _ROOTS
+    path = os.path.realpath(filename)
+    if path.startswith(libraries):
+        return True
+    return path.startswith(stdlib) and "-packages" + os.sep not in path
+
+
+def user_site(frame: FrameType | None) -> str | None:
+    """``path:line`` of the innermost frame of user code at or above ``frame`` (None if there is none)."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not is_library_file(filename):
+            return f"{short_path(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def short_path(filename: str) -> str:
+    """The path relative to the working directory when it lies inside it, else as it is."""
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # another drive on Windows
+        return filename
+    return filename if relative.startswith("..") else relative
+
+
+def main_thread_stack() -> list[list[Any]]:
+    """The main thread's Python stack, outermost first: ``[path, line, function, source, is_user]``."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return []
+    return [
+        [short_path(f.filename), f.lineno, f.name, (f.line or "").strip(), not is_library_file(f.filename)]
+        for f in traceback.extract_stack(frame)
+        if f.filename != __file__  # the tracking wrappers: our plumbing, not where the rank is
+    ]
