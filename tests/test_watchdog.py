@@ -187,6 +187,17 @@ def test_slow_steps_and_collectives_every_rank_is_in_are_not_hangs():
     assert _diagnose(_view(0, "computing", waiting=1.0), _ddp(1, waiting=4.0)) is None  # under the timeout
 
 
+def test_under_nccl_ranks_stalled_with_uneven_collective_counts_are_hung():
+    """NCCL returns from a collective at once; the ranks then block at a sync, all "computing"."""
+    behind = _view(0, "computing", counters={"world": 12}, waiting=9.0)
+    ahead = _view(1, "computing", counters={"world": 13}, last_ops={"world": "all_reduce"}, waiting=9.0)
+    verdict = _diagnose(behind, ahead)
+    expected = "no rank has moved for 9 s and rank 1 issued all_reduce #13 on world that rank 0 did not"
+    assert verdict.text.startswith(f"{expected} (it is at #12)")
+    assert _diagnose(behind, {**ahead, "counters": {"world": 12}}) is None  # slow, not hung
+    assert _diagnose(behind, {**ahead, "waiting": 2.0}) is None  # rank 1 still moves
+
+
 def test_a_silent_rank_is_gone():
     verdict = _diagnose(_view(0, "computing"), _view(1, "computing"), silent={0: 0.5, 1: 12.0})
     assert verdict.gone == (1,)

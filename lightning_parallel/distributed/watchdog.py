@@ -148,7 +148,7 @@ class Watchdog:
         # only after the timeout itself plus a margin, still well inside the promised timeout + 30 s.
         self.gone_after = self.timeout + 5.0
         self.activity = RankActivity()
-        self.rank, self.world = 0, 1
+        self.rank, self.world, self.backend = 0, 1, "gloo"
         self._server: dist.TCPStore | None = None
         self._channel: _Channel | None = None
         self._thread: threading.Thread | None = None
@@ -163,7 +163,7 @@ class Watchdog:
         """Open the channel (a collective on the default group) and start watching this rank."""
         if not distributed_ready():
             raise RuntimeError("Watchdog.start() needs an initialised torch.distributed process group")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world, self.backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
         host, port = decide_on(0, self._host_store)
         store = self._server if self._server is not None else _connect(host, port)
         self._channel = _Channel(store)
@@ -237,7 +237,9 @@ class Watchdog:
         token = (id(activity.call), id(activity.hook))
         view = activity.snapshot()
         self._beat += 1
-        view.update(rank=self.rank, beat=self._beat, pid=os.getpid(), host=socket.gethostname())
+        view.update(
+            rank=self.rank, beat=self._beat, pid=os.getpid(), host=socket.gethostname(), backend=self.backend
+        )
         if token == self._last_token:
             stack = main_thread_stack()
             user = [f for f in stack if f[4]] or stack[-1:]

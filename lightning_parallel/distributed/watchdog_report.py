@@ -55,7 +55,7 @@ def diagnose(
         return Diagnosis(_gone_text(gone, views, silent), gone=gone)
     stuck = stuck_ranks(views, world, timeout)
     if not stuck:
-        return None
+        return _uneven_counts(views, world, timeout)
     # The explanation may come from a rank that has waited less than the timeout: the rank that
     # called an extra barrier can be the second to block, after its peer blocked in backward.
     involved = [v for v in views.values() if _waiting(v) and _unmatched_partners(v, views, world)]
@@ -69,6 +69,31 @@ def stuck_ranks(views: dict[int, View], world: int, timeout: float) -> list[int]
         for v in views.values()
         if _waiting(v) and v["waiting"] > timeout and _unmatched_partners(v, views, world)
     )
+
+
+def _uneven_counts(views: dict[int, View], world: int, timeout: float) -> Diagnosis | None:
+    """Every rank stalled past the timeout, and one issued a collective the others did not.
+
+    On gloo a rank blocks inside such a collective and is caught above. NCCL runs it on the GPU and
+    returns: the ranks then block at their next synchronization (``loss.item()``), all "computing".
+    Equal counts mean a step that is only slow.
+    """
+    if len(views) < world or any(v.get("stopped") or v["waiting"] <= timeout for v in views.values()):
+        return None
+    for group in sorted({g for v in views.values() for g in v.get("counters", {})}):
+        counts = {r: v["counters"][group] for r, v in views.items() if group in v.get("counters", {})}
+        ahead, behind = max(counts, key=counts.get), min(counts, key=counts.get)
+        if counts[ahead] != counts[behind]:
+            op = views[ahead].get("last_ops", {}).get(group, "a collective")
+            where = "world" if group == "world" else f"group {group}"
+            text = (
+                f"no rank has moved for {min(v['waiting'] for v in views.values()):.0f} s and rank {ahead} "
+                f"issued {op} #{counts[ahead]} on {where} that rank {behind} did not (it is at "
+                f"#{counts[behind]}): a collective only some ranks called; the GPU runs it asynchronously, "
+                f"so the ranks block later, at their next synchronization"
+            )
+            return Diagnosis(text, stuck=tuple(sorted(views)))
+    return None
 
 
 def _waiting(v: View) -> bool:
@@ -133,9 +158,15 @@ def _not_reached(w: View, others: list[View], partners: int) -> str | None:
     if not computing:
         return None
     o = max(computing, key=lambda v: v["waiting"])
+    # Under NCCL a collective returns at once and the rank blocks later on its GPU: "computing".
+    nccl = (
+        " (under NCCL it may be blocked on its GPU: its stack shows where)"
+        if o.get("backend") == "nccl"
+        else ""
+    )
     return (
         f"rank {o['rank']} has not reached a collective for {o['waiting']:.0f} s: it is in "
-        f"{_where(o)}, while rank {w['rank']} waits in {_what(w)}"
+        f"{_where(o)}{nccl}, while rank {w['rank']} waits in {_what(w)}"
     )
 
 
@@ -188,7 +219,8 @@ def _what(v: View) -> str:
     if v["kind"] == "untracked":
         return f"{v['op']} ({v['hook']}, step {v['step']})"
     seq = f" #{v['seq']} on {v['group_label']}" if v.get("seq") is not None else ""
-    return f"{v['op']}{seq} at {v['site'] or '?'}"
+    site = f" at {v['site']}" if v.get("site") else ""  # None: torch or Lightning called it, not you
+    return f"{v['op']}{seq}{site}"
 
 
 def _doing(v: View) -> str:
@@ -198,8 +230,9 @@ def _doing(v: View) -> str:
 
 
 def _where(v: View) -> str:
+    """``train.py:57 (training_step, step 3)``; only the hook while no stack was taken yet."""
     step = f", step {v['step']}" if v.get("step") is not None else ""
-    return f"{v.get('where') or '?'} ({v['hook']}{step})"
+    return f"{v['where']} ({v['hook']}{step})" if v.get("where") else f"{v['hook']}{step}"
 
 
 def _gone_text(gone: tuple[int, ...], views: dict[int, View], silent: dict[int, float]) -> str:

@@ -121,6 +121,7 @@ class RankActivity:
         self.call: Call | None = None
         self.hook = Hook("setup", None)
         self.counters: dict[str, int] = {}
+        self.last_ops: dict[str, str] = {}
         self._groups: dict[int, _Group] = {}
         self._untracked_seq = 0
 
@@ -143,6 +144,7 @@ class RankActivity:
             seq, p2p = None, _p2p_pairs(op, spec, args, kwargs, group)
         else:
             seq = self.counters[group.name] = self.counters.get(group.name, 0) + 1
+            self.last_ops[group.name] = op
             p2p = ()
         call = self.call = Call(op, group, seq, p2p, frame)
         try:
@@ -158,6 +160,7 @@ class RankActivity:
         """Where this rank is, as plain data (read from the monitor thread; one read of each field)."""
         call, hook, now = self.call, self.hook, time.monotonic()
         state: dict[str, Any] = {"hook": hook.name, "step": hook.step, "counters": dict(self.counters)}
+        state["last_ops"] = dict(self.last_ops)
         state["name"] = call.op if call is not None else hook.waits_in
         if call is not None:
             site = user_site(call.frame)
