@@ -209,14 +209,27 @@ class Watchdog:
 
     # ---------------------------------------------------------------------------------- the loop
     def _loop(self) -> None:
+        failed = False
         while not self._stopping.wait(self.period):
             try:
                 self._tick()
             except _StoreLost as err:
                 self._lost = self._lost or str(err)
-            except Exception as err:  # a bug here must never take training down: say so, stop watching
-                _say(f"HangWatchdog stopped watching rank {self.rank}: {type(err).__name__}: {err}")
-                return
+            except Exception as err:
+                # A bug here must never take training down, nor make this rank look gone to the
+                # others: say it once, and keep the heartbeat going with a snapshot that never hangs.
+                if not failed:
+                    _say(f"HangWatchdog on rank {self.rank}: {type(err).__name__}: {err}; it keeps watching")
+                failed = True
+                self._heartbeat_only()
+
+    def _heartbeat_only(self) -> None:
+        self._beat += 1
+        view = {"rank": self.rank, "beat": self._beat, "kind": "computing", "waiting": 0.0, "hook": "?"}
+        view.update(step=None, op=None, name=None, seq=None, p2p=[], site=None, counters={})
+        with contextlib.suppress(Exception):
+            assert self._channel is not None
+            self._channel.publish(self.rank, view)
 
     def _tick(self) -> None:
         view = self._view()

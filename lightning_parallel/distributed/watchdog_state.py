@@ -135,18 +135,11 @@ class RankActivity:
 
     def run(self, op: str, fn: Callable, spec: _Signature, args: tuple, kwargs: dict, frame: Any) -> Any:
         """Call ``fn`` as the communication ``op``, recorded as this rank's current call while it runs."""
-        raw_group = spec.get("group", args, kwargs)
-        if op == "batch_isend_irecv":
-            ops = spec.get("p2p_op_list", args, kwargs)
-            raw_group = ops[0].group if ops else None
-        group = self._group(raw_group)
-        if op in POINT_TO_POINT:
-            seq, p2p = None, _p2p_pairs(op, spec, args, kwargs, group)
-        else:
-            seq = self.counters[group.name] = self.counters.get(group.name, 0) + 1
-            self.last_ops[group.name] = op
-            p2p = ()
-        call = self.call = Call(op, group, seq, p2p, frame)
+        try:
+            call = self._record(op, spec, args, kwargs, frame)
+        except Exception:  # the bookkeeping must never break the user's collective: run it unrecorded
+            return fn(*args, **kwargs)
+        self.call = call
         try:
             result = fn(*args, **kwargs)
         finally:
@@ -155,6 +148,18 @@ class RankActivity:
         if result is not None and (op in _ASYNC_ALWAYS or spec.get("async_op", args, kwargs)):
             return _tracked_works(result, call)
         return result
+
+    def _record(self, op: str, spec: _Signature, args: tuple, kwargs: dict, frame: Any) -> Call:
+        raw_group = spec.get("group", args, kwargs)
+        if op == "batch_isend_irecv":
+            ops = spec.get("p2p_op_list", args, kwargs)
+            raw_group = ops[0].group if ops else None
+        group = self._group(raw_group)
+        if op in POINT_TO_POINT:
+            return Call(op, group, None, _p2p_pairs(op, spec, args, kwargs, group), frame)
+        seq = self.counters[group.name] = self.counters.get(group.name, 0) + 1
+        self.last_ops[group.name] = op
+        return Call(op, group, seq, (), frame)
 
     def snapshot(self) -> dict[str, Any]:
         """Where this rank is, as plain data (read from the monitor thread; one read of each field)."""
