@@ -21,7 +21,7 @@ from mp_harness import ddp_spawn, free_port, processes_with_env, quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import HangWatchdog, PipelineStrategy
-from lightning_parallel.distributed import watchdog_state
+from lightning_parallel.distributed import watchdog_frames, watchdog_state
 from lightning_parallel.distributed.watchdog_report import diagnose, format_report
 from lightning_parallel.distributed.watchdog_state import RankActivity, install_tracking, uninstall_tracking
 
@@ -136,9 +136,9 @@ def test_inside_a_collective_the_snapshot_names_the_call_and_the_user_line(one_r
 def test_user_code_is_everything_but_torch_lightning_this_package_and_the_stdlib():
     import lightning
 
-    assert not watchdog_state.is_library_file(__file__)
+    assert not watchdog_frames.is_library_file(__file__)
     for library in (torch.__file__, lightning.__file__, watchdog_state.__file__, os.__file__, "<string>"):
-        assert watchdog_state.is_library_file(library), library
+        assert watchdog_frames.is_library_file(library), library
 
 
 # ----------------------------------------------------------------------------- diagnosis rules

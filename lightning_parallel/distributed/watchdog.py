@@ -10,8 +10,8 @@ thread is wedged in a collective and can neither raise nor return. Pure PyTorch 
 Why a TCPStore of its own: the report must travel while the process group is wedged, so never through a
 collective on it. Rank 0 hosts a ``torch.distributed.TCPStore`` (a C++ server thread that keeps answering
 while Python is blocked) and announces its port once, through a collective at start while the group is
-healthy; this uses only public API, unlike reaching for the rendezvous store. The cost for the ranks
-is one small ``set`` and one ``get`` per second each, and one ``multi_get`` of all ranks on the judge.
+healthy; this uses only public API, unlike reaching for the rendezvous store. The cost: a few small
+store operations per rank per second, and one ``multi_get`` of every rank's snapshot on the judge.
 """
 
 from __future__ import annotations
@@ -31,13 +31,9 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_parallel.distributed.agree import decide_on, distributed_ready
+from lightning_parallel.distributed.watchdog_frames import main_thread_stack
 from lightning_parallel.distributed.watchdog_report import WAITING_KINDS, Diagnosis, diagnose, format_report
-from lightning_parallel.distributed.watchdog_state import (
-    RankActivity,
-    install_tracking,
-    main_thread_stack,
-    uninstall_tracking,
-)
+from lightning_parallel.distributed.watchdog_state import RankActivity, install_tracking, uninstall_tracking
 
 __all__ = ["EXIT_CODE", "Watchdog", "check_timeout"]
 

@@ -25,7 +25,12 @@ WAITING_KINDS = ("collective", "p2p", "untracked")
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The one-line verdict, the ranks it is about, and the ranks that are gone."""
+    """The one-line verdict, the ranks it is about, and the ranks that are gone.
+
+    Example::
+
+        Diagnosis("rank 1 is gone: no heartbeat for 12 s ...", gone=(1,))
+    """
 
     text: str
     stuck: tuple[int, ...] = ()
@@ -63,7 +68,12 @@ def diagnose(
 
 
 def stuck_ranks(views: dict[int, View], world: int, timeout: float) -> list[int]:
-    """Ranks waiting longer than ``timeout`` in a communication that some partner is not in."""
+    """Ranks waiting longer than ``timeout`` in a communication that some partner is not in.
+
+    Example::
+
+        stuck_ranks(views, world=2, timeout=300.0)   # [1]: rank 1 waits in a barrier rank 0 skipped
+    """
     return sorted(
         v["rank"]
         for v in views.values()

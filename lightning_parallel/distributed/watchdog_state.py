@@ -14,31 +14,18 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import sys
-import sysconfig
-import threading
 import time
-import traceback
 from collections.abc import Callable
-from importlib.util import find_spec
 from types import FrameType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = [
-    "COLLECTIVES",
-    "POINT_TO_POINT",
-    "RankActivity",
-    "install_tracking",
-    "is_library_file",
-    "main_thread_stack",
-    "uninstall_tracking",
-    "user_site",
-]
+from lightning_parallel.distributed.watchdog_frames import user_site
+
+__all__ = ["COLLECTIVES", "POINT_TO_POINT", "RankActivity", "install_tracking", "uninstall_tracking"]
 
 POINT_TO_POINT = (
     "send",
@@ -60,7 +47,12 @@ _ASYNC_ALWAYS = frozenset({"isend", "irecv", "batch_isend_irecv"})
 
 
 class Call:
-    """One communication this rank's main work is inside: issued, or waited on through its Work."""
+    """One communication this rank's main work is inside: issued, or waited on through its Work.
+
+    Example::
+
+        activity.call.label()   # "barrier", "pipeline recv from rank 0", "all_reduce (wait)"
+    """
 
     __slots__ = ("frame", "group", "op", "p2p", "pipeline", "seq", "since", "waits")
 
@@ -88,7 +80,12 @@ class Call:
 
 
 class Hook:
-    """The Lightning hook this rank last entered, and an untracked collective it runs (DDP's backward)."""
+    """The Lightning hook this rank last entered, and an untracked collective it runs (DDP's backward).
+
+    Example::
+
+        Hook("backward", step=3, waits_in="DDP gradient all-reduce", seq=4)
+    """
 
     __slots__ = ("name", "seq", "since", "step", "waits_in")
 
@@ -240,6 +237,11 @@ class TrackedWork:
 
     The pipeline schedules block in ``work.wait()`` on the works of ``isend``/``irecv``, not in the
     calls themselves; everything but ``wait`` is the wrapped work's own.
+
+    Example::
+
+        work = dist.irecv(buffer, src=0)   # a TrackedWork while tracking is installed
+        work.wait()                        # recorded as "recv from rank 0" while it blocks
     """
 
     __slots__ = ("_call", "_work")
@@ -294,6 +296,12 @@ def install_tracking(activity: RankActivity) -> None:
 
     Called by a running watchdog (never at import). A second install points the wrappers at the newer
     activity (the older one's run ended without its teardown).
+
+    Example::
+
+        install_tracking(activity)
+        dist.barrier()                 # activity.call says "barrier" while it blocks
+        uninstall_tracking(activity)
     """
     global _ACTIVE
     _ACTIVE = activity
@@ -311,7 +319,12 @@ def install_tracking(activity: RankActivity) -> None:
 
 
 def uninstall_tracking(activity: RankActivity | None = None) -> None:
-    """Restore the original functions (only those still ours: a later patch by someone else stays)."""
+    """Restore the original functions (only those still ours: a later patch by someone else stays).
+
+    Example::
+
+        uninstall_tracking(activity)   # a no-op unless ``activity`` is the installed one
+    """
     global _ACTIVE
     if activity is not None and activity is not _ACTIVE:
         return
@@ -321,73 +334,3 @@ def uninstall_tracking(activity: RankActivity | None = None) -> None:
             if getattr(getattr(module, name, None), "_lp_watchdog_original", None) is original:
                 setattr(module, name, original)
     _ORIGINALS.clear()
-
-
-# ---------------------------------------------------------------------------- user code and stacks
-def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(library package directories, standard-library directories): code that is not the user's."""
-    roots = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    # find_spec locates a package without importing it: this module stays free of Lightning.
-    for name in ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities"):
-        spec = find_spec(name)
-        if spec is not None and spec.submodule_search_locations:
-            roots += list(spec.submodule_search_locations)
-    paths = sysconfig.get_paths()
-    stdlib = {paths["stdlib"], paths["platstdlib"], os.path.dirname(threading.__file__)}
-    return tuple(os.path.realpath(r) + os.sep for r in roots), tuple(
-        os.path.realpath(s) + os.sep for s in stdlib
-    )
-
-
-_ROOTS: tuple[tuple[str, ...], tuple[str, ...]] | None = None
-
-
-@functools.lru_cache(maxsize=8192)
-def is_library_file(filename: str) -> bool:
-    """Whether code in ``filename`` is torch, Lightning, lightning_parallel or the standard library.
-
-    Everything else is the user's code (their scripts, modules and third-party packages they call).
-    The standard library is not the user's either: a ``contextlib`` or ``multiprocessing`` frame says
-    nothing about which line of theirs is involved.
-    """
-    global _ROOTS
-    if filename.startswith("<"):  # <string>, <frozen runpy>: interpreter plumbing
-        return True
-    if _ROOTS is None:
-        _ROOTS = _library_roots()
-    libraries, stdlib = _ROOTS
-    path = os.path.realpath(filename)
-    if path.startswith(libraries):
-        return True
-    return path.startswith(stdlib) and "-packages" + os.sep not in path
-
-
-def user_site(frame: FrameType | None) -> str | None:
-    """``path:line`` of the innermost frame of user code at or above ``frame`` (None if there is none)."""
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not is_library_file(filename):
-            return f"{short_path(filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
-
-
-def short_path(filename: str) -> str:
-    """The path relative to the working directory when it lies inside it, else as it is."""
-    try:
-        relative = os.path.relpath(filename)
-    except ValueError:  # another drive on Windows
-        return filename
-    return filename if relative.startswith("..") else relative
-
-
-def main_thread_stack() -> list[list[Any]]:
-    """The main thread's Python stack, outermost first: ``[path, line, function, source, is_user]``."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    if frame is None:
-        return []
-    return [
-        [short_path(f.filename), f.lineno, f.name, (f.line or "").strip(), not is_library_file(f.filename)]
-        for f in traceback.extract_stack(frame)
-        if f.filename != __file__  # the tracking wrappers: our plumbing, not where the rank is
-    ]
