@@ -22,6 +22,7 @@ from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import HangWatchdog, PipelineStrategy
 from lightning_parallel.distributed import watchdog_frames, watchdog_state
+from lightning_parallel.distributed.watchdog import Watchdog
 from lightning_parallel.distributed.watchdog_report import diagnose, format_report
 from lightning_parallel.distributed.watchdog_state import RankActivity, install_tracking, uninstall_tracking
 
@@ -81,6 +82,7 @@ def test_a_timedelta_is_taken_in_seconds():
 
 def test_a_single_process_does_nothing_and_says_so(caplog):
     original = dist.all_reduce
+    assert not hasattr(original, "_lp_watchdog_original")  # importing the package patched nothing
     with caplog.at_level(logging.INFO):
         quiet_trainer(devices=1, max_steps=2, callbacks=[HangWatchdog(timeout=1)]).fit(
             SequentialRegressor(), loader(regression_data(16), 8)
@@ -231,6 +233,22 @@ def test_the_report_has_a_row_per_rank_and_marks_user_frames():
     assert "ranks 0, 1 (same stack):" in report and '  > File "train.py", line 5, in main' in report
     rows = [line for line in report.splitlines() if line[:2] in ("0 ", "1 ")]
     assert len(rows) == 2 and "train.py:42" in rows[1] and "#13" in rows[1]
+
+
+def test_without_its_store_a_rank_that_waits_past_the_timeout_reports_rank_zero_gone(monkeypatch):
+    """Rank 0 hosts the store: when it stops answering, a waiting rank can only judge itself."""
+    watchdog = Watchdog(timeout=2.0, report_path=None)
+    watchdog.rank, watchdog.world, watchdog._lost = 1, 2, "DistNetworkError: Broken pipe"
+    emitted, exits = [], []
+    monkeypatch.setattr(watchdog, "_emit", lambda report: emitted.append(report(False)))
+    monkeypatch.setattr(watchdog, "_exit", lambda: exits.append(True))
+    waiting = _barrier(1, waiting=1.0, stack=[["train.py", 42, "step", "dist.barrier()", True]])
+    watchdog._judge_alone(waiting)
+    assert emitted == [] and exits == []  # not yet past the timeout
+    watchdog._judge_alone({**waiting, "waiting": 2.5})
+    assert exits == [True]
+    assert "diagnosis: rank 0 is gone: the watchdog store it hosted stopped answering" in emitted[0]
+    assert "rank 1 has waited in barrier for 2 s" in emitted[0]
 
 
 # ------------------------------------------------------------------------------- real hangs
