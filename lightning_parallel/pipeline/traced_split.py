@@ -109,8 +109,8 @@ def keep_only(module: nn.Module, keep: set[str]) -> None:
         elif tensors:
             keep_only(child, {k[len(name) + 1 :] for k in keep if k.startswith(f"{name}.")})
     for slot in (module._parameters, module._buffers):
-        for leaf in [k for k in slot if k not in keep]:
-            del slot[leaf]
+        for leaf in [k for k, v in slot.items() if v is not None and k not in keep]:
+            del slot[leaf]  # (an unset slot such as ``bias=None`` stays: reset_parameters reads it)
 
 
 class TracedStages:
