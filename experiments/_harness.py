@@ -227,9 +227,11 @@ def this_machine() -> dict[str, str]:
     )
 
 
-def record_machine(experiment: str, out_dir: Path = RESULTS, load: str | None = None) -> None:
-    """Set ``experiment``'s row of ``out_dir/machine.csv``: today, the load average now (at its start),
-    and this machine. Call it first thing in ``main()``.
+def record_machine(
+    experiment: str, out_dir: Path = RESULTS, load: str | None = None, date: datetime.date | None = None
+) -> None:
+    """Set ``experiment``'s row of ``out_dir/machine.csv``: the date (today), the 1-minute load average
+    (now: call it first thing in ``main()``, so it is the load at the start), and this machine.
 
     Example::
 
@@ -238,8 +240,8 @@ def record_machine(experiment: str, out_dir: Path = RESULTS, load: str | None = 
     path = out_dir / "machine.csv"
     rows = {r["experiment"]: r for r in read_csv(path)} if path.exists() else {}
     load = f"{os.getloadavg()[0]:.1f}" if load is None else load
-    today = datetime.date.today().isoformat()
-    rows[experiment] = dict(experiment=experiment, date=today, load_avg_1min=load) | this_machine()
+    day = (date or datetime.date.today()).isoformat()
+    rows[experiment] = dict(experiment=experiment, date=day, load_avg_1min=load) | this_machine()
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=MACHINE_FIELDS)
