@@ -102,6 +102,12 @@ __all__ = [  # the method, re-exported: a script needs only ``import _harness as
 # -------------------------------------------------------------------------------------- arguments
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number of repeats, got {text!r}")
+    return int(text)
+
+
 def parser(doc: str | None, repeats: int | None = MIN_REPEATS) -> argparse.ArgumentParser:
     """An argument parser with the options the scripts share: ``--out-dir``, ``--quick``, and
     ``--repeats`` (default ``repeats``; ``None`` for a script that measures no timing).
@@ -117,7 +123,7 @@ def parser(doc: str | None, repeats: int | None = MIN_REPEATS) -> argparse.Argum
     if repeats is not None:
         p.add_argument(
             "--repeats",
-            type=int,
+            type=_positive,
             default=repeats,
             help=f"interleaved repeats of each variant (default {repeats}; the README needs {MIN_REPEATS}+)",
         )

@@ -142,6 +142,15 @@ def test_csv_png_and_machine_record(ex, tmp_path):
     assert list(machine[0]) == h.MACHINE_FIELDS and machine[1]["cores"] == str(os.cpu_count())
 
 
+def test_parser_refuses_a_repeat_count_that_is_not_positive(ex, capsys):
+    args = ex.harness.parser("doc").parse_args(["--repeats", "7", "--quick"])
+    assert (args.repeats, args.quick, args.out_dir) == (7, True, ex.harness.RESULTS)
+    with pytest.raises(SystemExit):
+        ex.harness.parser("doc").parse_args(["--repeats", "0"])
+    assert "must be a positive whole number of repeats, got '0'" in capsys.readouterr().err
+    assert not hasattr(ex.harness.parser("doc", repeats=None).parse_args([]), "repeats")
+
+
 def _collectives_and_fit(rank: int, world: int, scale: float) -> dict:
     """Runs on each spawned rank: a plain all_reduce, then a 2-process Lightning fit (DDP)."""
     import _harness as h
