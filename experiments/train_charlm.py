@@ -151,6 +151,42 @@ def summarise(
     }
 
 
+def print_summary(summary: dict[str, Any], path: Path) -> None:
+    print(
+        "\n=== run summary ===\n"
+        f"strategy            {summary['strategy']} on {summary['processes']} process(es), "
+        f"{summary['data_parallel']} data-parallel replica(s)\n"
+        f"optimizer steps     {summary['optimizer_steps']} x {summary['global_batch_size']} samples\n"
+        f"final train loss    {summary['train_loss']:.4f}\n"
+        f"final val loss      {summary['val_loss']:.4f}\n"
+        f"samples per second  {summary['samples_per_s']:.1f}\n"
+        f"CSV log             {summary['log_csv']}\n"
+        f"checkpoint          {summary['checkpoint']}\n"
+        f"summary (JSON)      {path}\n"
+    )
+
+
+def build_trainer(args: argparse.Namespace, logger: CSVLogger, callbacks: list[Callback]) -> L.Trainer:
+    """The Trainer of the main job: the package's callbacks for an exact global batch and metrics."""
+    return L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=make_strategy(args),
+        max_steps=args.max_steps,
+        val_check_interval=args.val_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=20,
+        logger=logger,
+        log_every_n_steps=10,
+        callbacks=[
+            GradientAccumulationScheduler(global_batch_size=args.global_batch_size),
+            AllReducedMetrics(),
+            *callbacks,
+        ],
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
@@ -167,24 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         dirpath=os.path.join(args.out, "checkpoints"), monitor="val_loss", save_last=True, async_save=True
     )
     logger = CSVLogger(args.out, name="logs")
-    trainer = L.Trainer(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        strategy=make_strategy(args),
-        max_steps=args.max_steps,
-        val_check_interval=args.val_every,
-        check_val_every_n_epoch=None,
-        limit_val_batches=20,
-        logger=logger,
-        log_every_n_steps=10,
-        callbacks=[
-            GradientAccumulationScheduler(global_batch_size=args.global_batch_size),
-            AllReducedMetrics(),
-            checkpoint,
-            throughput,
-        ],
-    )
+    trainer = build_trainer(args, logger, [checkpoint, throughput])
     model = CharLM(dim=args.dim, depth=args.depth, seq_len=args.seq_len, lr=args.lr)
     trainer.fit(model, StdlibText(args.seq_len, per_device, args.text_bytes))
     if not trainer.is_global_zero:
@@ -197,18 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarise(args, trainer, throughput, paths, time.perf_counter() - started)
     summary_path = args.summary or Path(args.out) / "summary.json"
     write_summary(summary_path, summary)
-    print(
-        "\n=== run summary ===\n"
-        f"strategy            {args.strategy} on {summary['processes']} process(es), "
-        f"{summary['data_parallel']} data-parallel replica(s)\n"
-        f"optimizer steps     {summary['optimizer_steps']} x {args.global_batch_size} samples\n"
-        f"final train loss    {summary['train_loss']:.4f}\n"
-        f"final val loss      {summary['val_loss']:.4f}\n"
-        f"samples per second  {summary['samples_per_s']:.1f}\n"
-        f"CSV log             {paths['log_csv']}\n"
-        f"checkpoint          {paths['checkpoint']}\n"
-        f"summary (JSON)      {summary_path}\n"
-    )
+    print_summary(summary, summary_path)
 
 
 if __name__ == "__main__":
