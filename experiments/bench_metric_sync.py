@@ -277,11 +277,12 @@ def main(argv: list[str] | None = None) -> None:
             f"overhead {r['overhead_ms']:8.2f} ms ({r['overhead_ms_min']:.2f} .. {r['overhead_ms_max']:.2f})"
         )
     for r in reductions:
-        verdict = h.verdict(r["ratio_vs_sync_dist_min"], r["ratio_vs_sync_dist_max"], higher_is_better=False)
+        words = {"higher_is_better": False, "words": ("cheaper", "dearer")}
+        verdict = h.verdict(r["ratio_vs_sync_dist_min"], r["ratio_vs_sync_dist_max"], **words)
         print(
             f"alone K={r['k']:>3} {r['mode']:<20} {r['per_metric_us']:9.1f} us per metric "
-            f"({r['per_metric_us_min']:.1f} .. {r['per_metric_us_max']:.1f}), vs sync_dist "
-            f"{r['ratio_vs_sync_dist']:.3f}: {verdict}"
+            f"({r['per_metric_us_min']:.1f} .. {r['per_metric_us_max']:.1f})"
+            + ("" if r["mode"] == "sync_dist" else f", vs sync_dist {r['ratio_vs_sync_dist']:.3f}: {verdict}")
         )
     print(f"done in {time.perf_counter() - start:.0f} s")
 
