@@ -157,7 +157,7 @@ def metric_sync_reduce(rows: Rows) -> str:
                 _f(sync["collectives_per_step"], 0),
                 timed_col(arm, "per_metric_us", 1),
                 timed_col(sync, "per_metric_us", 1),
-                timed_col(arm, "ratio_vs_sync_dist", 3, _verdict(arm, "ratio_vs_sync_dist", **words)),
+                timed_col(arm, "ratio_vs_sync_dist", 2, _verdict(arm, "ratio_vs_sync_dist", **words)),
             ]
         )
     header = ["metrics K", "repeats", "collectives/step AllReducedMetrics", "collectives/step sync_dist"]

@@ -236,7 +236,7 @@ def plot(path: Path, rows: list[dict[str, Any]], size_mb: int) -> None:
         ax.tick_params(axis="x", labelrotation=15)
         ax.grid(alpha=0.3)
     fig.suptitle(
-        f"Checkpoint save of a {size_mb} MB state, {summary[0]['stall_s']} s median stall for "
+        f"Checkpoint save of a {size_mb} MB state, {summary[0]['stall_s']:.2f} s median stall for "
         f"ModelCheckpoint; methods interleaved in one run",
         fontsize=9,
     )

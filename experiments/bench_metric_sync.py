@@ -216,7 +216,7 @@ def reduce_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for k in dict.fromkeys(s["k"] for s in samples):
         mine = [s for s in samples if s["k"] == k]
-        for row in h.compare(mine, "step_us", baseline="sync_dist", ratio="ratio_vs_sync_dist", digits=2):
+        for row in h.compare(mine, "step_us", baseline="sync_dist", ratio="ratio_vs_sync_dist", digits=4):
             ours = [s for s in mine if s["variant"] == row["variant"]]
             rows.append(
                 dict(k=k, mode=row.pop("variant"), repeats=row.pop("repeats"))
