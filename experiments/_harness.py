@@ -39,9 +39,12 @@ crosses parity or the goal).
         h.errorbars(ax, [r["variant"] for r in rows], rows, "step_ms", label="step")
         h.save_figure(fig, args.out_dir / "watchdog.png")
 
-Then tell ``run_all.py``: add ``"watchdog": "bench_watchdog.py"`` to ``EXPERIMENTS``, a table function
-named after the CSV (``def watchdog(rows) -> str``, using ``timed()`` for every timing cell so its range
-shows), and a ``Question(title, "watchdog", (watchdog,))``. The PNG of the same name is linked under it.
+Then tell ``run_all.py`` about it: ``"watchdog": "bench_watchdog.py"`` in ``run_all.EXPERIMENTS`` (the
+run order), and in ``_tables.py`` one table function per CSV, named after the CSV (``def watchdog(rows)
+-> str``; every timing cell through ``timed_col``/``timed_rows``, so its range shows; ratios with
+``_verdict``), plus ``Question("Watchdog: ...", "watchdog", (watchdog,))`` in ``QUESTIONS``. The PNG of
+the same name is linked under the table; ``tests/test_run_all.py`` then checks its numbers and ranges
+(add the CSV's key columns to ``KEY_COLUMNS`` there).
 """
 
 from __future__ import annotations
