@@ -256,6 +256,32 @@ class Question:
     tables: tuple[Callable[[Rows], str], ...]
 
 
+def gpt_pipeline(rows: Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    seq, traced = by["sequential"], by["traced"]
+    verdict = _verdict(traced, "ratio", goal=0.97)
+    header = ["path", "repeats", "samples/s", "step ms", "traced / Sequential (goal 0.97)", "max loss diff"]
+    header += ["tied-gradient sum ms", "share of the step"]
+    table = [
+        ["Sequential (`SequentialCharLM`)", seq["repeats"], timed_col(seq, "samples_per_s", 1),
+         timed_col(seq, "step_ms", 1), "1 (baseline)", seq["max_loss_diff"], "-", "-"],
+        ["traced (`CharLM`, the GPT as written)", traced["repeats"], timed_col(traced, "samples_per_s", 1),
+         timed_col(traced, "step_ms", 1), timed_col(traced, "ratio", 3, verdict), traced["max_loss_diff"],
+         timed_col(traced, "tied_ms", 3), timed_col(traced, "tied_share", 4)],
+    ]  # fmt: skip
+    return _table(header, table) + (
+        "\n\nSame weights, same stage boundaries (embeddings + 2 blocks | 2 blocks + norm + tied head), "
+        "interleaved in the same 2 processes; medians with (min .. max) over the repeats."
+    )
+
+
+def gpt_tracing(rows: Rows) -> str:
+    table = [[r["seq_len"], r["repeats"], timed_col(r, "trace_s", 2)] for r in rows]
+    return _table(["sequence length", "repeats", "seconds to trace forward at that shape"], table) + (
+        "\n\nPaid once per new input shape (the short last batch, another sequence length), then cached."
+    )
+
+
 QUESTIONS = (
     Question(
         "Pipeline overhead: the Trainer against a hand-driven schedule",
@@ -280,4 +306,9 @@ QUESTIONS = (
         (accumulation_equivalence,),
     ),
     Question("Scaling the main job: one process against two", "scaling_charlm", (scaling_charlm,)),
+    Question(
+        "Pipelining a GPT: its forward traced against its layers in a Sequential",
+        "gpt_pipeline",
+        (gpt_pipeline, gpt_tracing),
+    ),
 )

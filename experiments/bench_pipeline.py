@@ -46,7 +46,7 @@ from lightning_parallel.pipeline.runner import schedule_class
 
 P = 2  # pipeline stages = processes
 FAST = 0.2  # the quantile of step cycles behind the "fast" columns
-GOAL = 0.95  # the Trainer keeps at least this share of the hand loop's throughput
+GOAL = 0.98  # the Trainer keeps at least this share of the hand loop's throughput (issue 14)
 
 
 @dataclass
@@ -100,14 +100,14 @@ def run_trainer(cfg: Config, world: int, schedule: str, m: int, steps: int) -> d
     """Train under Trainer(strategy=PipelineStrategy(...)) for warm-up + timed steps."""
     clock = h.StepClock()
     strategy = PipelineStrategy(
-        num_stages=world, num_microbatches=m, schedule=schedule, partition="parameters"
+        pipeline_size=world, num_microbatches=m, schedule=schedule, partition="parameters"
     )
     trainer = h.quiet_trainer(
         devices=world, strategy=strategy, max_steps=cfg.warmup + steps, limit_val_batches=0, callbacks=[clock]
     )
     trainer.fit(build_model(cfg), train_dataloaders=loader(cfg, steps))
     expected = build_model(cfg).stage_counts(world)
-    got = [len(s.layer_names) for s in strategy.plan.stages]
+    got = [len(s.units) for s in strategy.plan.stages]
     if got != expected:
         raise RuntimeError(f"the strategy split the layers {got}, the hand loop {expected}: not the same")
     return measured(clock, cfg)

@@ -209,7 +209,7 @@ def memory_worker(rank: int, world: int, run: Run) -> dict[str, Any]:
     strategy: Any = "ddp"
     if run.strategy == "pipeline":
         strategy = PipelineStrategy(
-            num_stages=world,
+            pipeline_size=world,
             num_microbatches=run.num_microbatches,
             schedule=run.schedule,
             partition="parameters",

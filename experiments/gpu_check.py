@@ -59,7 +59,7 @@ def main() -> None:
     args = p.parse_args()
     stages_per_rank = 2 if args.devices == 1 else 1
     schedule = "interleaved_1f1b" if stages_per_rank > 1 else "1f1b"
-    pipe = PipelineStrategy(num_stages=args.devices, stages_per_rank=stages_per_rank, schedule=schedule)
+    pipe = PipelineStrategy(pipeline_size=args.devices, stages_per_rank=stages_per_rank, schedule=schedule)
     pipelined, pipe_rate = train(pipe, args.devices, args)
     reference, ref_rate = train("auto", 1, args)
     worst = max((pipelined[k] - reference[k]).abs().max().item() for k in reference)

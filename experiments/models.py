@@ -1,10 +1,10 @@
 """The experiments' shared models and their data: a byte-level transformer LM on Python's own sources.
 
-- :class:`CharLM`: the main job's model (``train_charlm.py``, ``scaling_charlm.py``, ``gpu_check.py``).
-  It is defined in this one class, so that changing the main job's model (issue 11: an ordinary GPT
-  with a ``ModuleList`` of blocks and a tied embedding/head) touches one place.
-- :class:`SequentialCharLM`: the same network with its layers in one ``nn.Sequential`` and a plain AdamW,
-  the form ``PipelineStrategy`` splits today; the pipeline benchmarks use it (and compare against it).
+- :class:`CharLM`: the main job's model (``train_charlm.py``, ``scaling_charlm.py``, ``gpu_check.py``):
+  an ordinary GPT as people write it (embeddings, a ``ModuleList`` of blocks, a head tied to the token
+  embedding, no ``nn.Sequential``), which PipelineStrategy splits by tracing its ``forward``.
+- :class:`SequentialCharLM`: the same network with its layers in one ``nn.Sequential`` (the head tied
+  or not), which PipelineStrategy splits between its children; the pipeline benchmarks use it.
 - :func:`stdlib_text`, :class:`ByteWindows`, :class:`StdlibText`: the text, its windows, the DataModule.
 """
 
@@ -141,6 +141,25 @@ class Block(nn.Module):
 # ------------------------------------------------------------------------------------------ models
 
 
+def adamw_with_cosine_decay(module: L.LightningModule) -> dict[str, Any]:
+    """AdamW whose learning rate decays to 0 along a cosine over the run's optimizer steps."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=module.hparams.lr, weight_decay=0.01)
+    # The run's optimizer steps, accumulation included (GradientAccumulationScheduler sets them).
+    steps = max(1, int(module.trainer.estimated_stepping_batches))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _gpt_init(module: nn.Module) -> None:
+    """GPT-2's initialisation: small normal weights, so the tied head starts near uniform predictions."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 def _next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -152,17 +171,25 @@ class SequentialCharLM(L.LightningModule):
 
         model = SequentialCharLM(dim=64, depth=2, seq_len=32)
         len(model.layers)   # embedding, 2 blocks, final norm, head: 5
+        SequentialCharLM(tied=True).state_dict()   # the values of CharLM's, under layers.* names
     """
 
     def __init__(
-        self, dim: int = 128, depth: int = 4, heads: int = 4, seq_len: int = 64, lr: float = 1e-3
+        self,
+        dim: int = 128,
+        depth: int = 4,
+        heads: int = 4,
+        seq_len: int = 64,
+        lr: float = 1e-3,
+        tied: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         blocks = [Block(dim, heads) for _ in range(depth)]
-        self.layers = nn.Sequential(
-            Embedding(256, dim, seq_len), *blocks, nn.LayerNorm(dim), nn.Linear(dim, 256)
-        )
+        embedding, head = Embedding(256, dim, seq_len), nn.Linear(dim, 256, bias=not tied)
+        if tied:  # as CharLM: the same network, its layers in one Sequential
+            head.weight = embedding.tokens.weight
+        self.layers = nn.Sequential(embedding, *blocks, nn.LayerNorm(dim), head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -191,18 +218,64 @@ class SequentialCharLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
 
 
-class CharLM(SequentialCharLM):
-    """The main job's model: today :class:`SequentialCharLM` with a cosine learning-rate decay.
+class CharLM(L.LightningModule):
+    """The main job's model: a GPT in the usual layout, head tied to the token embedding, cosine LR decay.
+
+    ``forward`` is what PipelineStrategy pipelines (traced with torch.export, split at the blocks of
+    ``self.h``); :meth:`generate` samples text from the trained (consolidated) model.
 
     Example::
 
-        trainer.fit(CharLM(dim=128, depth=4), StdlibText(64, 16, 2_000_000))
+        model = CharLM(dim=128, depth=4)
+        model.lm_head.weight is model.wte.weight            # True
+        trainer.fit(model, StdlibText(64, 16, 2_000_000))
     """
 
+    def __init__(
+        self, dim: int = 128, depth: int = 4, heads: int = 4, seq_len: int = 64, lr: float = 1e-3
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.wte = nn.Embedding(256, dim)
+        self.wpe = nn.Embedding(seq_len, dim)
+        self.h = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, 256, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.apply(_gpt_init)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = _next_byte_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", _next_byte_loss(self(x), y), prog_bar=True)
+
     def configure_optimizers(self) -> Any:
-        optimizer = super().configure_optimizers()
-        steps = max(1, self.trainer.max_steps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return adamw_with_cosine_decay(self)
+
+    @torch.no_grad()
+    def generate(self, prompt: bytes, length: int, temperature: float = 0.8, seed: int = 0) -> bytes:
+        """Continue ``prompt`` by ``length`` bytes, sampling one at a time (on an unsplit model).
+
+        Example::
+
+            CharLM.load_from_checkpoint("runs/charlm/last.ckpt").generate(b"def ", 200)
+        """
+        generator = torch.Generator().manual_seed(seed)
+        idx = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
+        self.eval()
+        for _ in range(length):
+            logits = self(idx[:, -self.hparams.seq_len :])[:, -1] / temperature
+            probs = logits.float().softmax(-1).cpu()
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator).to(idx.device)], 1)
+        return bytes(idx[0].tolist())

@@ -47,6 +47,7 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "checkpoint": "bench_checkpoint.py",
     "accumulation_equivalence": "accumulation_equivalence.py",
     "scaling_charlm": "scaling_charlm.py",
+    "gpt_pipeline": "bench_gpt_pipeline.py",
 }
 
 
