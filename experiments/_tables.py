@@ -282,6 +282,34 @@ def gpt_tracing(rows: Rows) -> str:
     )
 
 
+def watchdog(rows: Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    off, on, goal = by["off"], by["on"], float(rows[0]["goal"])
+    verdict = _verdict(on, "ratio", goal=goal, higher_is_better=False)
+    header = ["repeats", "step ms, no watchdog", "step ms, HangWatchdog", f"with / without (goal <= {goal})"]
+    cells = [on["repeats"], timed_col(off, "step_ms", 1), timed_col(on, "step_ms", 1)]
+    return _table(header, [[*cells, timed_col(on, "ratio", 3, verdict)]]) + (
+        "\n\nThe main job (GPT, 2 pipeline stages); the ratio is taken within each repeat."
+    )
+
+
+def watchdog_calls(rows: Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    off, on = by["off"], by["on"]
+    header = ["repeats", "all_reduce µs, untracked", "all_reduce µs, tracked", "added µs per call"]
+    cells = [
+        on["repeats"],
+        timed_col(off, "call_us", 1),
+        timed_col(on, "call_us", 1),
+        timed_col(on, "added_us", 2),
+    ]
+    return (
+        _table(header, [cells])
+        + "\n\nOne number all-reduced over a one-rank gloo group (no waiting on the peer), "
+        "thousands of calls per repeat."
+    )
+
+
 QUESTIONS = (
     Question(
         "Pipeline overhead: the Trainer against a hand-driven schedule",
@@ -306,6 +334,7 @@ QUESTIONS = (
         (accumulation_equivalence,),
     ),
     Question("Scaling the main job: one process against two", "scaling_charlm", (scaling_charlm,)),
+    Question("HangWatchdog: what it costs", "watchdog", (watchdog, watchdog_calls)),
     Question(
         "Pipelining a GPT: its forward traced against its layers in a Sequential",
         "gpt_pipeline",
