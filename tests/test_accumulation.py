@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Te
 
 from lightning_parallel import GradientAccumulationScheduler
 from lightning_parallel.callbacks import accumulation
-from lightning_parallel.data.batching import epoch_batch_sizes, epoch_windows, plan_from_global_batch
+from lightning_parallel.data.accumulation_plan import epoch_batch_sizes, epoch_windows, plan_from_global_batch
 
 LR, DECAY = 0.1, 0.9
 

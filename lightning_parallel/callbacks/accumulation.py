@@ -40,7 +40,7 @@ from lightning_parallel.callbacks._accumulation_internals import (
     _override_window_boundaries,
     _set_train_progress_total,
 )
-from lightning_parallel.data.batching import (
+from lightning_parallel.data.accumulation_plan import (
     AccumulationPlan,
     Window,
     check_equal_across_replicas,
