@@ -222,7 +222,7 @@ class AllReducedMetrics(Callback):
         key = id(results)
         if key not in self._states:
             reducer = ScalarReducer(
-                self._group, self._device, allow_nonfinite=self.allow_nonfinite, label=_describe
+                self._group, self._device, allow_nonfinite=self.allow_nonfinite, label=_describe_metric
             )
             self._states[key] = _CollectionSync(reducer)
         return self._states[key]
@@ -330,7 +330,8 @@ def _layout_key(results: Any, metric: Any, storage_key: str, view: str) -> str:
     return _SEP.join([view, storage_key, name, forked, f"{int(m.logger)}{int(m.prog_bar)}", m.fx, dl])
 
 
-def _describe(key: str) -> str:
+def _describe_metric(key: str) -> str:
+    """How the reducer's errors name a metric: ``metric 'loss' (step value, logged in training_step)``."""
     view, _, _, forked, _, fx, _ = key.split(_SEP)
     return f"metric {forked!r} ({view} value, logged in {fx})"
 
