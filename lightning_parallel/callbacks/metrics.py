@@ -11,12 +11,12 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_parallel.callbacks._metrics_internals import (
     _attach_to_lightning_internals,
     _current_results,
+    _lightning_batch_size,
     _train_step_is_logged,
 )
 from lightning_parallel.distributed.collectives import (
@@ -234,7 +234,7 @@ class AllReducedMetrics(Callback):
             return
         weight = 1.0
         if metric.meta.is_mean_reduction:
-            weight = float(batch_size if batch_size is not None else _batch_size(results))
+            weight = float(batch_size if batch_size is not None else _lightning_batch_size(results))
         self._state(results).pending[storage_key] = (torch.as_tensor(value).detach(), weight)
 
     def _sync(self, trainer: L.Trainer, views: tuple[str, ...]) -> None:
@@ -348,15 +348,3 @@ def _parse_layout_key(key: str, value: float) -> _Shown:
         fx,
         int(dl) if dl else None,
     )
-
-
-def _batch_size(results: Any) -> int:
-    """The batch size Lightning would infer for this step (1 when it cannot tell)."""
-    if results.batch_size is not None:
-        return results.batch_size
-    if results.batch is None:
-        return 1
-    try:
-        return extract_batch_size(results.batch)
-    except Exception:  # Lightning raises MisconfigurationException when it finds no tensor
-        return 1
