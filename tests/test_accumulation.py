@@ -285,6 +285,20 @@ def test_the_data_parallel_size_is_the_samplers_replicas_not_the_world_size():
     assert accumulation._data_parallel_size(object()) == 1
 
 
+def test_a_batch_that_differs_from_the_loader_layout_is_warned_about_once(tmp_path):
+    def drop_one_of_the_first(items):
+        batch = torch.utils.data.default_collate(items)
+        short = len(items) == 8 and float(batch[0][0, 0]) == float(dataset.tensors[0][0, 0])
+        return [t[:-1] for t in batch] if short else batch
+
+    dataset = _data(32)
+    callback = GradientAccumulationScheduler(global_batch_size=16)
+    trainer = quiet_trainer(callbacks=[callback], max_steps=2, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="batch 0 has 7 samples where the loader's layout says 8") as seen:
+        trainer.fit(Regressor(), DataLoader(dataset, batch_size=8, collate_fn=drop_one_of_the_first))
+    assert len([w for w in seen if "samples where the loader's layout" in str(w.message)]) == 1
+
+
 # One 2-process run records everything: 1000 samples, 8 per device; 64 a step for 10 steps, then 192.
 # Per rank 63 batches (the last of 4): windows of 4 batches x 10, of 12 from batch 40 (not a multiple of
 # 12), and a last one of 11 batches (84 samples a rank). The harness's reference loader (one process,
