@@ -235,7 +235,13 @@ class Stream(IterableDataset):
             dict(accumulate_grad_batches=2),
             r"Trainer\(accumulate_grad_batches=2\).*remove accumulate_grad_batches",
         ),
-        (ManualModel, _data(32), dict(global_batch_size=16), {}, "automatic_optimization = False"),
+        (
+            ManualModel,
+            _data(32),
+            dict(global_batch_size=16),
+            {},
+            r"supports automatic optimization only .*ManualModel sets `self\.automatic_optimization = False`",
+        ),
         (
             Regressor,
             _data(32),

@@ -143,9 +143,11 @@ class GradientAccumulationScheduler(Callback):
             return
         if not pl_module.automatic_optimization:
             raise ValueError(
-                "GradientAccumulationScheduler needs automatic optimization, and this LightningModule sets "
-                "automatic_optimization = False: remove the callback, or accumulate by hand in "
-                "training_step (scale each loss by its samples / the window's samples, step every k batches)"
+                "GradientAccumulationScheduler supports automatic optimization only (it weights each "
+                "batch's loss and decides when Lightning steps the optimizer), and "
+                f"{type(pl_module).__name__} sets `self.automatic_optimization = False`: remove the "
+                "callback, or accumulate by hand in training_step (scale each loss by its samples / the "
+                "window's samples, step every k batches)"
             )
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
