@@ -19,6 +19,7 @@ from lightning_parallel.pipeline.traced_split import (
     keep_only,
 )
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch.export, inside torch
 TOKENS = torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
