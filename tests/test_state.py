@@ -218,3 +218,21 @@ def test_to_cpu_detaches_every_tensor_and_keeps_the_containers():
     assert isinstance(out["a"], tuple) and isinstance(out["a"][1], list) and out["b"] == "text"
     assert not out["a"][0].requires_grad and out["a"][1][1] == 3
     torch.testing.assert_close(out["a"][0], torch.full((2,), 2.0))
+
+
+def test_a_state_listed_in_another_order_is_refused_by_shape():
+    from torch import nn
+
+    from lightning_parallel.pipeline.state import reshard_optimizer_state
+
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 4))
+    params = list(model.parameters())
+    saved_opt = torch.optim.Adam(params[::-1])  # the single-device run listed them backwards
+    for p in params:
+        p.grad = torch.ones_like(p)
+    saved_opt.step()
+    full = saved_opt.state_dict()
+    names = {p: n for n, p in model.named_parameters()}
+    order = [n for n, _ in model.named_parameters()]
+    with pytest.raises(ValueError, match=r"has shape \(4,\) but the parameter has \(3, 2\)"):
+        reshard_optimizer_state(full, torch.optim.Adam(params), names, order)

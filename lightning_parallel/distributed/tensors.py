@@ -30,6 +30,10 @@ def all_reduce_coalesced(
 
         all_reduce_coalesced([p.grad for p in params], dp_group, average=True)
     """
+    if average and any(not (t.is_floating_point() or t.is_complex()) for t in tensors):
+        raise TypeError(
+            "all_reduce_coalesced(average=True) needs floating tensors: an integer mean is not exact"
+        )
     size = world_size(group)
     if size == 1 or not tensors:
         return
