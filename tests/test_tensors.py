@@ -68,8 +68,3 @@ def test_three_gloo_ranks_reduce_and_broadcast_every_dtype_in_place(tmp_path):
             assert got.dtype == want.dtype and torch.equal(got, want)
         for got, want in zip(r["from_two"], _mixed(2)):
             assert torch.equal(got, want)
-
-
-def test_an_integer_mean_is_refused_before_any_collective():
-    with pytest.raises(TypeError, match="needs floating tensors"):
-        all_reduce_coalesced([torch.ones(2, dtype=torch.int64)], None, average=True)
