@@ -43,16 +43,12 @@ def select_units(units: Units, select: Selection) -> list[str]:
         >>> select_units(list(layers.named_children()), ["0"])
         ['0']
     """
+    check_selection(select)
     names = [name for name, _ in units]
     if isinstance(select, bool):
         return list(names) if select else []
     if callable(select):
         return [name for name, module in units if select(name, module)]
-    if isinstance(select, str) or not isinstance(select, Sequence):
-        raise TypeError(
-            f"activation_checkpointing must be True/False, a callable (name, module) -> bool or a list of "
-            f"unit names, got {select!r}"
-        )
     unknown = [n for n in select if n not in names]
     if unknown:
         raise ValueError(
@@ -60,6 +56,23 @@ def select_units(units: Units, select: Selection) -> list[str]:
         )
     chosen = set(select)
     return [name for name in names if name in chosen]
+
+
+def check_selection(select: Any) -> None:
+    """Raise a TypeError unless ``select`` is a bool, a callable or a list of names.
+
+    Example::
+
+        check_selection(["layers.1", "layers.2"])   # fine
+    """
+    if isinstance(select, bool) or callable(select):
+        return
+    names_ok = isinstance(select, Sequence) and all(isinstance(n, str) for n in select)
+    if isinstance(select, str) or not names_ok:
+        raise TypeError(
+            f"activation_checkpointing must be True/False, a callable (name, module) -> bool or a list of "
+            f"unit names, got {select!r}"
+        )
 
 
 def apply_activation_checkpointing(units: Units, select: Selection = True) -> list[str]:

@@ -33,8 +33,15 @@ from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh, check_wor
 from lightning_parallel.pipeline.partition import PARTITION_METHODS
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.proxy import PipelinedSequential
+from lightning_parallel.pipeline.recompute import Selection, check_selection
 from lightning_parallel.pipeline.runner import PipelineRunner, is_multi_stage, schedule_class
 from lightning_parallel.pipeline.split import find_sequential, split
+from lightning_parallel.pipeline.zero import consolidate
+from lightning_parallel.strategies._pipeline_memory import (
+    checkpoint_stages,
+    checkpointed_layers,
+    shard_optimizers,
+)
 from lightning_parallel.strategies._pipeline_setup import plan_for_module
 from lightning_parallel.strategies._pipeline_step import batch_size, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
@@ -60,6 +67,11 @@ class PipelineStrategy(DDPStrategy):
             ``"time"`` (balanced forward+backward time measured on the first batch), or a list of
             layer counts per stage.
         module_name: the attribute holding the ``nn.Sequential`` (default: the module's only one).
+        activation_checkpointing: recompute layers in backward instead of keeping their activations:
+            ``True`` (every layer), a list of layer paths (``["layers.1", "layers.2"]``) or a callable
+            ``(path, layer) -> bool``. Numbers are unchanged; the activation memory of a stage falls.
+        shard_optimizer_state: shard each stage's optimizer state over the stage's replicas (ZeRO-1,
+            torch's ``ZeroRedundancyOptimizer``); checkpoints still hold the full state.
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
 
     Example::
@@ -79,6 +91,8 @@ class PipelineStrategy(DDPStrategy):
         stages_per_rank: int = 1,
         partition: str | list[int] = "uniform",
         module_name: str | None = None,
+        activation_checkpointing: Selection = False,
+        shard_optimizer_state: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
@@ -106,6 +120,10 @@ class PipelineStrategy(DDPStrategy):
         self.stages_per_rank = stages_per_rank
         self.partition = partition
         self.module_name = module_name
+        # --- memory options (issue 15) ---
+        check_selection(activation_checkpointing)
+        self.activation_checkpointing = activation_checkpointing
+        self.shard_optimizer_state = bool(shard_optimizer_state)
         self.plan: StagePlan | None = None
         self.mesh: PipelineMesh | None = None
         self._runner: PipelineRunner | None = None
@@ -162,6 +180,8 @@ class PipelineStrategy(DDPStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.shard_optimizer_state:  # memory (issue 15): ZeRO-1 over the stage's replicas
+                shard_optimizers(self)
             _optimizers_to_device(self.optimizers, self.root_device)
             self._install_global_clipping()
         self.setup_precision_plugin()
@@ -176,6 +196,7 @@ class PipelineStrategy(DDPStrategy):
                 f"num_stages x stages_per_rank ({pp} x {self.stages_per_rank}) is larger than the number of "
                 f"layers in `{seq_name}` ({len(seq)}): use fewer stages or split the model into more layers"
             )
+        recomputed = checkpointed_layers(seq_name, seq, self.activation_checkpointing)  # memory (issue 15)
         dp = self.data_parallel_size
         self.mesh = build_mesh(self.root_device.type, pp, dp)
         self._model_keys = list(module.state_dict().keys())
@@ -185,6 +206,7 @@ class PipelineStrategy(DDPStrategy):
         self._proxy, stage_modules, indices = split(
             module, seq_name, seq, self.plan, self.mesh.pp_rank, self.root_device
         )
+        checkpoint_stages(stage_modules, seq_name, recomputed)  # memory (issue 15)
         self._param_names = {p: n for n, p in module.named_parameters()}
         if not self._release_registered:
             # Runs before Lightning's own atexit destroy (handlers run last-registered first).
@@ -342,9 +364,10 @@ class PipelineStrategy(DDPStrategy):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if self.mesh is None or not self._param_names:
             return optimizer.state_dict()
-        named = stage_state.named_optimizer_state(optimizer, self._param_names)
+        consolidate(optimizer)  # memory (issue 15): ZeRO gathers on replica 0; every replica calls it
         if self.mesh.dp_rank != 0:
             return {}
+        named = stage_state.named_optimizer_state(optimizer, self._param_names)
         parts = stage_state.gather_to(named, 0, self.mesh.pp_group)
         return stage_state.merge_optimizer_states(parts) if parts is not None else {}
 
