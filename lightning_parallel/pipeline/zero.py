@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -111,7 +111,7 @@ def local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def shard_sizes(group_numels: Iterable[Iterable[int]], world_size: int) -> list[int]:
+def shard_sizes(group_numels: Sequence[Sequence[int]], world_size: int) -> list[int]:
     """Elements of optimizer-managed parameters each replica holds, as ``ZeroRedundancyOptimizer`` splits.
 
     torch's rule (2.13): per param group, largest tensor first, each to the replica with the fewest
@@ -124,11 +124,31 @@ def shard_sizes(group_numels: Iterable[Iterable[int]], world_size: int) -> list[
         [1024, 98]
     """
     sizes = [0] * world_size
-    for numels in group_numels:
-        for n in sorted(numels, reverse=True):
-            rank = sizes.index(min(sizes))
+    for group, owners in zip(group_numels, shard_owners(group_numels, world_size)):
+        for n, rank in zip(group, owners):
             sizes[rank] += int(n)
     return sizes
+
+
+def shard_owners(group_numels: Sequence[Sequence[int]], world_size: int) -> list[list[int]]:
+    """The replica that holds each parameter's state, per group, in the groups' order (see shard_sizes).
+
+    Example::
+
+        >>> shard_owners([[32, 1024], [64]], 2)
+        [[1, 0], [1]]
+    """
+    sizes = [0] * world_size
+    owners = []
+    for numels in group_numels:
+        group_owners = [0] * len(numels)
+        # sorted() is stable: equal sizes keep their order, as in torch's sort of the group's params.
+        for i in sorted(range(len(numels)), key=lambda j: numels[j], reverse=True):
+            rank = sizes.index(min(sizes))
+            group_owners[i] = rank
+            sizes[rank] += int(numels[i])
+        owners.append(group_owners)
+    return owners
 
 
 def _retarget_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
