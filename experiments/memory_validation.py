@@ -115,6 +115,24 @@ class LM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
 
 
+class GPT(LM):
+    """GPT-shaped, without a Sequential: blocks in an nn.ModuleList, the head tied to the embedding."""
+
+    def __init__(self, dim: int = 128, depth: int = 8, heads: int = 4, seq_len: int = 64) -> None:
+        L.LightningModule.__init__(self)
+        self.wte, self.wpe = nn.Embedding(256, dim), nn.Embedding(seq_len, dim)
+        self.h = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, 256, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
 # ---------------------------------------------------------------------------------- configurations
 
 
@@ -136,6 +154,7 @@ class Case:
     dim: int = 128
     depth: int = 8
     seq_len: int = 64
+    model: str = "lm"  # or "gpt": GPT-shaped (ModuleList of blocks, tied head)
 
     def config(self) -> ParallelConfig:
         return ParallelConfig(
@@ -153,6 +172,7 @@ def cases(quick: bool) -> list[Case]:
     return [
         Case("ddp x2", "ddp", 2, batch=8),
         Case("ddp x2 bf16", "ddp", 2, batch=8, precision="bf16-mixed"),
+        Case("ddp x2 gpt-shaped tied", "ddp", 2, batch=8, model="gpt"),
         Case("pp 2x1 gpipe m=4", "pipeline", 2, 2, 4, "gpipe"),
         Case("pp 2x1 1f1b m=2", "pipeline", 2, 2, 2),
         Case("pp 2x1 1f1b m=4", "pipeline", 2, 2, 4),
@@ -178,7 +198,8 @@ def batch_for(case: Case, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_model(case: Case) -> LM:
     torch.manual_seed(0)
-    return LM(dim=case.dim, depth=case.depth, seq_len=case.seq_len)
+    cls = GPT if case.model == "gpt" else LM
+    return cls(dim=case.dim, depth=case.depth, seq_len=case.seq_len)
 
 
 # ------------------------------------------------------------------------------------ measuring

@@ -107,7 +107,8 @@ def _optimizers(module: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer
         except Exception as err:
             raise ValueError(
                 f"{type(module).__name__}.configure_optimizers() failed outside a Trainer "
-                f"({type(err).__name__}: {err}): pass optimizer= with the optimizer it builds"
+                f"({type(err).__name__}: {err}): pass optimizer= with the optimizer it builds (on the "
+                f"command line: --optimizer AdamW, or another torch.optim class)"
             ) from err
     if not found:
         raise ValueError("no optimizer found: configure_optimizers (or optimizer=) returned none")
