@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import logging
 import os
-import platform
 import socket
 import sys
 import tempfile
@@ -377,28 +375,6 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
-def record_machine(path: Path, experiment: str, load: float) -> None:
-    """Append this run's machine line to ``machine.csv`` (the columns run_all.py reads)."""
-    from importlib.metadata import version
-
-    fields = ["experiment", "date", "load_avg_1min", "cpu_model", "cores", "python", "torch", "lightning"]
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    row = dict(
-        experiment=experiment, date=datetime.date.today().isoformat(), load_avg_1min=f"{load:.2f}",
-        cpu_model=cpu, cores=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
-        lightning=version("lightning"),
-    )  # fmt: skip
-    rows = []
-    if path.exists():
-        with open(path) as f:
-            rows = [r for r in csv.DictReader(f) if r["experiment"] != experiment]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows([*rows, row])
-
-
 def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     import matplotlib
 
@@ -452,7 +428,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    load, start = os.getloadavg()[0], time.perf_counter()
+    start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for case in cases(args.quick):
         if args.only and case.name not in args.only:
@@ -461,7 +437,6 @@ def main(argv: list[str] | None = None) -> int:
         rows += run(case)
     write_csv(args.out_dir / "memory_validation.csv", rows)
     plot(args.out_dir / "memory_validation.png", rows)
-    record_machine(args.out_dir / "machine.csv", "memory_validation", load)
     print(summary(rows))
     bad = [r for r in rows if r["worst_rank"] and abs(r["error"]) > TOLERANCE]
     print(f"{len(rows)} ranks in {time.perf_counter() - start:.0f} s; worst-rank errors beyond "
