@@ -144,7 +144,7 @@ def predict(facts: ModelFacts, config: ParallelConfig, samples: int | None = Non
     if config.strategy == "ddp":
         return MemoryEstimate(config, (_ddp_rank(facts, samples or facts.samples),))
     costs = stage_costs(facts, config, samples)
-    ranks = [_pipeline_rank(costs, config, r) for r in range(config.pipeline_size)]
+    ranks = [_pipeline_rank(facts, costs, config, r) for r in range(config.pipeline_size)]
     return MemoryEstimate(config, tuple(ranks))
 
 
@@ -160,13 +160,14 @@ def _ddp_rank(facts: ModelFacts, n: int) -> RankMemory:
     return RankMemory(0, (0,), params, grads, state, acts + 2 * largest, grads, (1,))
 
 
-def _pipeline_rank(costs: list[StageCosts], config: ParallelConfig, rank: int) -> RankMemory:
+def _pipeline_rank(
+    facts: ModelFacts, costs: list[StageCosts], config: ParallelConfig, rank: int
+) -> RankMemory:
     local = [c for c in costs if c.index % config.pipeline_size == rank]
-    params = _union(local, "param_keys")
-    tensors = local[0].tensors
-    p_bytes = sum(tensors[k].nbytes for k in params)
-    g_bytes = sum(tensors[k].grad for k in params)
-    state = _state_bytes(local[0].facts, params, config)
+    params = list(dict.fromkeys(k for c in local for k in c.param_keys))  # a tied weight once per rank
+    p_bytes = sum(facts.tensors[k].nbytes for k in params)
+    g_bytes = sum(facts.tensors[k].grad for k in params)
+    state = _state_bytes(facts, params, config)
     buffers = sum(c.recv_buffers for c in local)
     actions = rank_actions(
         config.schedule, config.pipeline_size, config.stages_per_rank, config.num_microbatches
@@ -231,13 +232,6 @@ def _walk(actions: list[Action], stages: dict[int, StageCosts], all_grads: int) 
     merged = sum(c.merged_output for c in stages.values())
     consider(live, kept + merged, grads)
     return best
-
-
-def _union(local: list[StageCosts], attr: str) -> list[int]:
-    seen: dict[int, None] = {}
-    for c in local:
-        seen.update(dict.fromkeys(getattr(c, attr)))
-    return list(seen)
 
 
 def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelConfig) -> int:

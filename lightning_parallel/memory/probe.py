@@ -10,7 +10,6 @@ is autocast's cached copy of a weight, kept once per step, not once per micro-ba
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -288,8 +287,3 @@ def probe_sizes(samples: int) -> tuple[int, ...]:
         (2, 4)
     """
     return tuple(sorted({min(2, samples), min(4, samples)}))
-
-
-def low_precision_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of ``module`` in ``dtype`` for probing a ``*-true`` precision (the model is not touched)."""
-    return copy.deepcopy(module).to(dtype)

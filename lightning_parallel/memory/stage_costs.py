@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_parallel.memory.config import ParallelConfig
-from lightning_parallel.memory.facts import ModelFacts, Tensor
+from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.probe import BEFORE, UnitActivations
 from lightning_parallel.memory.units import Unit, partition
 from lightning_parallel.pipeline.recompute import select_units
@@ -36,8 +36,6 @@ class StageCosts:
     recv_buffers: int
     work: int  # bytes its units save per micro-batch, a proxy for its compute (the planner's)
     recomputed_work: int
-    tensors: dict[int, Tensor]
-    facts: ModelFacts
 
 
 def stage_costs(facts: ModelFacts, config: ParallelConfig, samples: int | None = None) -> list[StageCosts]:
@@ -108,8 +106,6 @@ def _one(
         recv_buffers=m * ((0 if first else acts[0].inputs.at(mb)) + (0 if last else out)),
         work=sum(a.saved.at(mb) for a in acts),
         recomputed_work=recompute_work,
-        tensors=facts.tensors,
-        facts=facts,
     )
 
 
