@@ -12,45 +12,30 @@ of each other and the final parameters agree to float32 rounding. Writes
 ``experiments/results/accumulation_equivalence.csv`` (run, devices, step, global_batch_size,
 accumulate_grad_batches, loss) and ``.png`` (loss curves overlaid; the ramp with its global batch).
 
+Every run is a fit in fresh processes started by the harness (gloo, spawn; one process for the
+1-device runs), each rank's record brought back through a file. A correctness experiment: no timing.
+
 Usage::
 
-    python experiments/accumulation_equivalence.py            # a few minutes on 2 cores
-    python experiments/accumulation_equivalence.py --help
+    python experiments/accumulation_equivalence.py            # about a minute on 2 cores
+    python experiments/accumulation_equivalence.py --quick
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
+import _harness as h
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from typing_extensions import override
 
 from lightning_parallel import GradientAccumulationScheduler
-from lightning_parallel.strategies.launcher import CleanExitMultiProcessingLauncher
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-class SpawnDDP(DDPStrategy):
-    """``ddp_spawn`` with the launcher that releases the process group when a worker ends."""
-
-    def __init__(self) -> None:
-        super().__init__(start_method="spawn")
-
-    def _configure_launcher(self) -> None:
-        self._launcher = CleanExitMultiProcessingLauncher(self, start_method=self._start_method)
 
 
 class Regressor(L.LightningModule):
@@ -78,21 +63,18 @@ class StepLoss(Callback):
     division), so their sum over a window is the rank's sample-mean loss for that step.
     """
 
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
+    def __init__(self) -> None:
         self.rows: list[tuple[int, int, float]] = []
         self._sum = 0.0
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._sum += float(outputs["loss"])
         if len(self.rows) < trainer.global_step:  # this batch ended a window
             self.rows.append((trainer.global_step - 1, trainer.accumulate_grad_batches, self._sum))
             self._sum = 0.0
-
-    def on_fit_end(self, trainer, pl_module) -> None:
-        state = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
-        record = {"rows": self.rows, "params": state}
-        torch.save(record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
 def make_data(n: int, d_in: int, d_out: int) -> TensorDataset:
@@ -102,30 +84,28 @@ def make_data(n: int, d_in: int, d_out: int) -> TensorDataset:
     return TensorDataset(x, torch.tanh(x @ w1) + 0.3 * (x @ w2) + 0.05 * torch.randn(n, d_out, generator=g))
 
 
-def run(args: argparse.Namespace, devices: int, global_batch_size: Any, per_device: int) -> dict[str, Any]:
-    """Fit on ``devices`` processes; return the per-step mean loss over ranks and rank 0's parameters."""
+def fit_worker(rank: int, world: int, args: argparse.Namespace, schedule: Any, per_device: int) -> dict:
+    """One rank of a fit at global batch ``schedule``: its per-step losses and its final parameters."""
     dataset = make_data(args.samples, args.d_in, args.d_out)
-    if devices == 1:  # the permutation Lightning's injected sampler uses, seen by one replica
+    if world == 1:  # the permutation Lightning's injected sampler uses, seen by one replica
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
         loader = DataLoader(dataset, batch_size=per_device, sampler=sampler)
     else:
         loader = DataLoader(dataset, batch_size=per_device)
     torch.manual_seed(0)
     model = Regressor(args.d_in, args.hidden, args.d_out, args.lr)
-    with tempfile.TemporaryDirectory() as out_dir:
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=devices,
-            strategy=SpawnDDP() if devices > 1 else "auto",
-            max_epochs=args.epochs,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[GradientAccumulationScheduler(global_batch_size=global_batch_size), StepLoss(out_dir)],
-        )
-        trainer.fit(model, loader)
-        records = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(devices)]
+    steps = StepLoss()
+    callbacks = [GradientAccumulationScheduler(global_batch_size=schedule), steps]
+    trainer = h.quiet_trainer(
+        devices=world, strategy="ddp" if world > 1 else "auto", max_epochs=args.epochs, callbacks=callbacks
+    )
+    trainer.fit(model, loader)
+    return {"rows": steps.rows, "params": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+
+
+def run(args: argparse.Namespace, devices: int, schedule: Any, per_device: int) -> dict[str, Any]:
+    """Fit on ``devices`` processes; the per-step mean loss over ranks, and rank 0's parameters."""
+    records = h.spawn(fit_worker, devices, args, schedule, per_device)
     losses = [sum(rec["rows"][i][2] for rec in records) / devices for i in range(len(records[0]["rows"]))]
     factors = [row[1] for row in records[0]["rows"]]
     return {"losses": losses, "factors": factors, "params": records[0]["params"]}
@@ -137,44 +117,48 @@ def global_batch_at(schedule: Any, step: int) -> int:
     return schedule[max(k for k in schedule if k <= step)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, default=2, help="processes of the N-device runs (default 2)")
-    parser.add_argument(
-        "--per-device-batch", type=int, default=8, help="per-device batch of the N-device runs"
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = h.parser(__doc__.split("\n\n")[0], repeats=None)
+    p.add_argument("--devices", type=int, default=2, help="processes of the N-device runs (default 2)")
+    p.add_argument("--per-device-batch", type=int, default=8, help="per-device batch of the N-device runs")
+    p.add_argument("--global-batch", type=int, default=64, help="global batch of the constant runs")
+    p.add_argument(
+        "--ramp", default="0:32,60:128", help="global batch ramp 'step:size,...' (default 0:32,60:128)"
     )
-    parser.add_argument("--global-batch", type=int, default=64, help="global batch of the constant runs")
-    parser.add_argument(
-        "--ramp",
-        type=str,
-        default="0:32,60:128",
-        help="global batch ramp 'step:size,...' (default 0:32,60:128)",
-    )
-    parser.add_argument("--samples", type=int, default=4000, help="data set size (default 4000)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--d-in", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--d-out", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--out", type=Path, default=RESULTS / "accumulation_equivalence", help="path stem")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    p.add_argument("--samples", type=int, default=4000, help="data set size (default 4000)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--d-in", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--d-out", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.05)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.samples, args.epochs, args.ramp = 640, 1, "0:32,4:64"
+    return args
+
+
+def write_rows(path: Any, runs: dict[str, tuple[int, Any, dict]]) -> None:
+    rows = [
+        dict(run=name, devices=devices, step=step, global_batch_size=global_batch_at(schedule, step))
+        | dict(accumulate_grad_batches=factor, loss=f"{loss:.8g}")
+        for name, (devices, schedule, result) in runs.items()
+        for step, (loss, factor) in enumerate(zip(result["losses"], result["factors"]))
+    ]
+    h.write_csv(path, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    h.record_machine("accumulation_equivalence", args.out_dir)
     ramp = {int(k): int(v) for k, v in (item.split(":") for item in args.ramp.split(","))}
     n, b = args.devices, args.per_device_batch
-
     runs = {
         "1dev-const": (1, args.global_batch, run(args, 1, args.global_batch, args.global_batch)),
         f"{n}dev-const": (n, args.global_batch, run(args, n, args.global_batch, b)),
         "1dev-ramp": (1, ramp, run(args, 1, ramp, min(ramp.values()))),
         f"{n}dev-ramp": (n, ramp, run(args, n, ramp, b)),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["run", "devices", "step", "global_batch_size", "accumulate_grad_batches", "loss"])
-        for name, (devices, schedule, result) in runs.items():
-            for step, (loss, factor) in enumerate(zip(result["losses"], result["factors"])):
-                writer.writerow([name, devices, step, global_batch_at(schedule, step), factor, f"{loss:.8g}"])
+    write_rows(args.out_dir / "accumulation_equivalence.csv", runs)
     summary = []
     for kind in ("const", "ramp"):
         one, many = runs[f"1dev-{kind}"][2], runs[f"{n}dev-{kind}"][2]
@@ -185,17 +169,11 @@ def main() -> None:
             f"max |loss diff| {dloss:.2e}, max |param diff| {dparam:.2e}"
         )
     print("\n".join(summary))
-    plot(runs, n, ramp, summary, args.out.with_suffix(".png"))
-    print(f"wrote {args.out.with_suffix('.csv')} and {args.out.with_suffix('.png')}")
+    plot(runs, n, ramp, summary, args.out_dir / "accumulation_equivalence.png")
 
 
-def plot(runs: dict, n: int, ramp: dict[int, int], summary: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+def plot(runs: dict, n: int, ramp: dict[int, int], summary: list[str], path: Any) -> None:
+    fig, axes = h.figure(2, size=(12, 4.5))
     for ax, kind, title in zip(axes, ("const", "ramp"), ("fixed global batch", f"global batch ramp {ramp}")):
         for name, style in ((f"1dev-{kind}", dict(lw=3, alpha=0.4)), (f"{n}dev-{kind}", dict(lw=1, ls="--"))):
             devices, _, result = runs[name]
@@ -208,8 +186,7 @@ def plot(runs: dict, n: int, ramp: dict[int, int], summary: list[str], path: Pat
     twin.step(range(len(sizes)), sizes, color="grey", lw=1, where="post")
     twin.set_ylabel("global batch size", color="grey")
     fig.suptitle(" | ".join(summary), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    h.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -1,44 +1,48 @@
-"""Benchmark Rank0Checkpoint's file writing against Lightning's ModelCheckpoint path, in the same run.
+"""Rank0Checkpoint's file writing against Lightning's ModelCheckpoint path, in the same run.
 
-Measures, on a state of ``--size-mb`` MB (default ~250 MB of float32 tensors plus SGD-momentum-like
-optimizer state in the same dict):
+On a state of ``--size-mb`` MB (default ~250 MB of float32 tensors plus SGD-momentum-like optimizer
+state in the same dict):
 
-* stall per save: the time the training loop is blocked. ModelCheckpoint writes through
-  ``TorchCheckpointIO.save_checkpoint`` (serialise into memory, then move a ``$TMPDIR`` file);
-  Rank0Checkpoint sync streams into a same-directory temp file; async blocks only for the snapshot;
-* peak extra memory per save (VmHWM after resetting it through ``/proc/self/clear_refs``);
-* the kill test: a child process saves in a loop and is SIGKILLed at random instants; after each
-  kill, count checkpoint files present, loadable/verifying, and orphaned temp files (in the
-  checkpoint directory and in ``$TMPDIR``), with ``$TMPDIR`` on ``/dev/shm`` (another filesystem).
+* **stall per save**, the time the training loop is blocked, and the time until the file is complete.
+  ModelCheckpoint writes through ``TorchCheckpointIO.save_checkpoint`` (serialise into memory, then
+  move a ``$TMPDIR`` file); Rank0Checkpoint sync streams into a same-directory temp file; async blocks
+  only for an in-memory snapshot. The three save methods run interleaved (the first one rotating),
+  ``--repeats`` times each; the stall ratio to ModelCheckpoint is taken per repeat;
+* **peak extra memory per save** (VmHWM after resetting it through ``/proc/self/clear_refs``);
+* **the kill test** (no timing): a child process saves in a loop and is SIGKILLed at a random instant,
+  ``--kills`` times per writer and ``$TMPDIR``; after each kill, count the checkpoint files present,
+  loadable and not, and the orphaned temp files (in the checkpoint directory and in ``$TMPDIR``), with
+  ``$TMPDIR`` on ``/tmp`` and on ``/dev/shm`` (another filesystem).
 
-Writes experiments/results/checkpoint_bench.csv, checkpoint_kill.csv and checkpoint_bench.png.
+Writes ``checkpoint_bench.csv`` (one row per save), ``checkpoint_kill.csv`` and ``checkpoint_bench.png``.
 
     python experiments/bench_checkpoint.py            # a few minutes
-    python experiments/bench_checkpoint.py --size-mb 50 --kills 6 --repeats 2   # quick
+    python experiments/bench_checkpoint.py --quick    # small state, few kills
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
+import contextlib
+import ctypes
 import gc
+import multiprocessing
 import os
 import random
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import _harness as h
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_parallel.io import atomic
 from lightning_parallel.io.async_writer import AsyncWriter, snapshot
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+BASELINE = "ModelCheckpoint (TorchCheckpointIO)"
 
 
 def make_state(size_mb: int) -> dict:
@@ -47,7 +51,7 @@ def make_state(size_mb: int) -> dict:
     return {"state_dict": params, "optimizer_states": [{k: torch.zeros_like(v) for k, v in params.items()}]}
 
 
-def _rss_kb(field: str) -> int:
+def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field):
@@ -55,197 +59,216 @@ def _rss_kb(field: str) -> int:
     return 0
 
 
-def _measure(fn) -> tuple[float, float]:
-    """(seconds, peak extra MiB) of fn()."""
+def _release_free_memory() -> None:
+    """Give the memory the allocator keeps after frees back to the OS (glibc's ``malloc_trim``).
+
+    Without it a save reuses what the previous save freed and its peak RSS hardly moves: with the
+    methods interleaved, a save's extra memory would depend on which one ran before it.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: no such call to make
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def measure_save(save: Callable[[], None]) -> tuple[float, float]:
+    """(seconds, peak extra MiB) of ``save()``: VmHWM is reset first, so its peak is this save's."""
     gc.collect()
+    _release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         resettable = True
     except OSError:
         resettable = False
-    base = _rss_kb("VmRSS:")
+    base = _status_kb("VmRSS:")
     t0 = time.perf_counter()
-    fn()
+    save()
     dt = time.perf_counter() - t0
-    peak = _rss_kb("VmHWM:") if resettable else float("nan")
+    peak = _status_kb("VmHWM:") if resettable else float("nan")
     return dt, (peak - base) / 1024
 
 
-def bench_stalls(state: dict, directory: str, repeats: int) -> list[dict]:
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
+def save_methods(state: dict, directory: str, writer: AsyncWriter) -> dict[str, Callable[[], dict]]:
+    """The three ways to save ``state``; each returns its stall, its time to a complete file, its memory."""
     lightning_io = TorchCheckpointIO()
-    writer = AsyncWriter()
+    path = os.path.join(directory, "bench.ckpt")
 
-    def async_save(path: str) -> None:
-        state_copy = snapshot(state)
-        writer.submit(lambda: atomic.save_checkpoint_file(state_copy, path, {"step": 0}))
-
-    methods = {
-        "ModelCheckpoint (TorchCheckpointIO)": lambda p: lightning_io.save_checkpoint(state, p),
-        "Rank0Checkpoint sync": lambda p: atomic.save_checkpoint_file(state, p, {"step": 0}),
-        "Rank0Checkpoint async (stall)": async_save,
-    }
-    rows = []
-    for name, save in methods.items():
-        for r in range(repeats):
-            path = os.path.join(directory, f"bench-{r}.ckpt")
+    def timed(save: Callable[[], None], wait: bool = False) -> dict[str, float]:
+        stall, extra = measure_save(save)
+        t0 = time.perf_counter()
+        if wait:
             writer.wait()
-            dt, extra = _measure(lambda save=save, path=path: save(path))
-            total = dt
-            if "async" in name:
-                t0 = time.perf_counter()
-                writer.wait()
-                total = dt + time.perf_counter() - t0
-            rows.append({"method": name, "repeat": r, "stall_s": dt, "total_s": total, "extra_mib": extra})
-            print(f"{name:40s} stall {dt:6.3f}s total {total:6.3f}s peak extra {extra:8.1f} MiB", flush=True)
-    return rows
+        return {"stall_s": stall, "total_s": stall + time.perf_counter() - t0, "extra_mib": extra}
+
+    def async_save() -> None:
+        copy = snapshot(state)
+        writer.submit(lambda: atomic.save_checkpoint_file(copy, path, {"step": 0}))
+
+    return {
+        BASELINE: lambda: timed(lambda: lightning_io.save_checkpoint(state, path)),
+        "Rank0Checkpoint sync": lambda: timed(lambda: atomic.save_checkpoint_file(state, path, {"step": 0})),
+        "Rank0Checkpoint async (stall)": lambda: timed(async_save, wait=True),
+    }
 
 
-_CHILD = r"""
-import os, sys, torch
-sys.path.insert(0, sys.argv[4])
-from lightning_parallel.io import atomic
-method, d, size_mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
-state = {"w": torch.randn(size_mb * (1 << 20) // 4)}
-if method == "lightning":
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-    io = TorchCheckpointIO()
-    save = lambda p, step: io.save_checkpoint({**state, "step": step}, p)
-else:
-    save = lambda p, step: atomic.save_checkpoint_file({**state, "step": step}, p, {"step": step})
-print("ready", flush=True)
-step = 0
-while True:
-    step += 1
-    save(os.path.join(d, "last.ckpt"), step)
-    save(os.path.join(d, f"step={step}.ckpt"), step)
-    old = os.path.join(d, f"step={step - 1}.ckpt")
-    if os.path.exists(old):
-        os.remove(old)
-"""
-
-
-def kill_test(method: str, kills: int, size_mb: int, tmpdir: str, seed: int) -> dict:
-    rng = random.Random(seed)
-    directory = tempfile.mkdtemp(prefix=f"kill-{method}-")
-    tmpdir = tempfile.mkdtemp(prefix="kill-tmp-", dir=tmpdir)  # only the child's temp files land here
-    env = {**os.environ, "TMPDIR": tmpdir, "OMP_NUM_THREADS": "1"}
-    repo = os.path.join(os.path.dirname(__file__), "..")
-    present = loadable = bad = 0
-    tmp_before = set(os.listdir(tmpdir))
-    for _ in range(kills):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, method, directory, str(size_mb), repo],
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
+def bench_stalls(size_mb: int, repeats: int, directory: str) -> list[dict[str, Any]]:
+    """Every save method ``repeats`` times, interleaved; one row per save with its stall ratio."""
+    state, writer = make_state(size_mb), AsyncWriter()
+    # warmup: the first save of a process pays one-off costs (allocator growth, pickler set-up).
+    methods = save_methods(state, directory, writer)
+    samples = h.interleave(methods, repeats, before_each=writer.wait, warmup=True)
+    base = {s["repeat"]: s["stall_s"] for s in samples if s["variant"] == BASELINE}
+    rows = []
+    for s in samples:
+        row = dict(method=s["variant"], repeat=s["repeat"], position=s["position"])
+        row |= {k: round(s[k], 4) for k in ("stall_s", "total_s", "extra_mib")}
+        row["stall_vs_model_checkpoint"] = round(s["stall_s"] / base[s["repeat"]], 4)
+        rows.append(row)
+        print(
+            f"{row['method']:36s} stall {row['stall_s']:6.3f}s total {row['total_s']:6.3f}s "
+            f"peak extra {row['extra_mib']:8.1f} MiB",
+            flush=True,
         )
-        proc.stdout.readline()
-        time.sleep(rng.uniform(0.2, 2.0))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        for name in os.listdir(directory):
-            if not name.endswith(".ckpt"):
-                continue
+    names = list(dict.fromkeys(r["method"] for r in rows))  # the methods in their declared order
+    return sorted(rows, key=lambda r: (names.index(r["method"]), r["repeat"]))
+
+
+# ----------------------------------------------------------------------------------- kill test
+
+
+def save_loop(method: str, directory: str, size_mb: int, tmpdir: str, ready: Any) -> None:
+    """The child of the kill test: save ``last.ckpt`` and ``step=N.ckpt`` in a loop until killed."""
+    os.environ["TMPDIR"] = tmpdir
+    tempfile.tempdir = None  # forget the parent's cached temp dir: the writers must use $TMPDIR
+    torch.set_num_threads(1)
+    state = {"w": torch.randn(size_mb * (1 << 20) // 4)}
+    if method == "lightning":
+        io = TorchCheckpointIO()
+
+        def save(p: str, step: int) -> None:
+            io.save_checkpoint({**state, "step": step}, p)
+    else:
+
+        def save(p: str, step: int) -> None:
+            atomic.save_checkpoint_file({**state, "step": step}, p, {"step": step})
+
+    ready.set()
+    step = 0
+    while True:
+        step += 1
+        save(os.path.join(directory, "last.ckpt"), step)
+        save(os.path.join(directory, f"step={step}.ckpt"), step)
+        old = os.path.join(directory, f"step={step - 1}.ckpt")
+        if os.path.exists(old):
+            os.remove(old)
+
+
+def _count_files(directory: str) -> tuple[int, int, int]:
+    """Checkpoint files present, loadable and unloadable in ``directory``."""
+    present = loadable = 0
+    for name in os.listdir(directory):
+        if name.endswith(".ckpt"):
             present += 1
             try:
                 torch.load(os.path.join(directory, name), weights_only=False)
                 loadable += 1
-            except Exception:
-                bad += 1
+            except Exception:  # a torn file fails in many ways (EOF, zip errors, unpickling)
+                pass
+    return present, loadable, present - loadable
+
+
+def _orphans(directory: str, tmpdir: str) -> tuple[int, float]:
+    """Temp files left behind (in the checkpoint directory and in TMPDIR) and their MiB."""
+    paths = [os.path.join(directory, n) for n in os.listdir(directory) if not n.endswith(".ckpt")]
+    paths += [os.path.join(tmpdir, n) for n in os.listdir(tmpdir)]
+    size = sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
+    return len(paths), size / (1 << 20)
+
+
+def kill_test(method: str, kills: int, size_mb: int, tmp_root: str, seed: int) -> dict[str, Any]:
+    """SIGKILL a saving child ``kills`` times at random instants; count what it leaves behind."""
+    rng = random.Random(seed)
+    directory = tempfile.mkdtemp(prefix=f"kill-{method}-")
+    tmpdir = tempfile.mkdtemp(prefix="kill-tmp-", dir=tmp_root)  # only the child's temp files land here
+    # fork, not spawn: the child is saving within milliseconds, so the random kill instants fall in
+    # the saves rather than in a fresh interpreter's imports.
+    context = multiprocessing.get_context("fork")
+    counts = [0, 0, 0]
+    for _ in range(kills):
+        ready = context.Event()
+        child = context.Process(target=save_loop, args=(method, directory, size_mb, tmpdir, ready))
+        child.start()
+        if not ready.wait(timeout=120):
+            child.kill()
+            raise RuntimeError(f"the {method} saving child did not start within 120 s")
+        time.sleep(rng.uniform(0.2, 2.0))
+        child.kill()
+        child.join()
+        counts = [a + b for a, b in zip(counts, _count_files(directory))]
         if method == "rank0":
             atomic.remove_orphans(directory)  # what Rank0Checkpoint.setup does at the next start
-    orphans_dir = [n for n in os.listdir(directory) if not n.endswith(".ckpt")]
-    orphans_tmp = [n for n in set(os.listdir(tmpdir)) - tmp_before]
-    orphan_bytes = sum(os.path.getsize(os.path.join(directory, n)) for n in orphans_dir)
-    orphan_bytes += sum(
-        os.path.getsize(os.path.join(tmpdir, n))
-        for n in orphans_tmp
-        if os.path.isfile(os.path.join(tmpdir, n))
-    )
-    for n in orphans_tmp:
-        p = os.path.join(tmpdir, n)
-        shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
+    orphans, orphan_mib = _orphans(directory, tmpdir)
     shutil.rmtree(directory, ignore_errors=True)
     shutil.rmtree(tmpdir, ignore_errors=True)
-    row = {
-        "method": method,
-        "tmpdir": tmpdir,
-        "kills": kills,
-        "files_present": present,
-        "files_loadable": loadable,
-        "files_unloadable": bad,
-        "orphans": len(orphans_dir) + len(orphans_tmp),
-        "orphan_mib": orphan_bytes / (1 << 20),
-    }
+    row = dict(method=method, tmpdir=tmpdir, kills=kills, files_present=counts[0], files_loadable=counts[1])
+    row |= dict(files_unloadable=counts[2], orphans=orphans, orphan_mib=round(orphan_mib, 3))
     print(row, flush=True)
     return row
 
 
-def plot(rows: list[dict], size_mb: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(path: Path, rows: list[dict[str, Any]], size_mb: int) -> None:
     names = list(dict.fromkeys(r["method"] for r in rows))
-    stall = [
-        sum(r["stall_s"] for r in rows if r["method"] == n) / max(1, sum(r["method"] == n for r in rows))
+    summary = [
+        h.spread(r["stall_s"] for r in rows if r["method"] == n).cells("stall_s")
+        | h.spread(r["extra_mib"] for r in rows if r["method"] == n).cells("extra_mib")
         for n in names
     ]
-    extra = [max(r["extra_mib"] for r in rows if r["method"] == n) for n in names]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = h.figure(2, size=(11, 4))
     short = [n.replace(" (TorchCheckpointIO)", "").replace("Rank0Checkpoint", "Rank0") for n in names]
-    axes[0].bar(short, stall)
-    axes[0].set_ylabel("stall per save (s)")
-    axes[1].bar(short, extra)
-    axes[1].axhline(size_mb, color="gray", ls="--", label="checkpoint size")
-    axes[1].set_ylabel("peak extra memory (MiB)")
-    axes[1].legend()
-    for ax in axes:
+    h.errorbars(left, short, summary, "stall_s", fmt="o", color="tab:blue")
+    left.set_ylabel("stall per save (s), median and min-max")
+    left.set_ylim(bottom=0)
+    h.errorbars(right, short, summary, "extra_mib", fmt="o", color="tab:orange")
+    right.axhline(size_mb, color="gray", ls="--", label="checkpoint size")
+    right.set_ylabel("peak extra memory (MiB), median and min-max")
+    right.set_ylim(bottom=-10)
+    right.legend()
+    for ax in (left, right):
         ax.tick_params(axis="x", labelrotation=15)
-    fig.suptitle(f"Checkpoint save of a {size_mb} MB state (same run)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "checkpoint_bench.png"), dpi=100)
-
-
-def _write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"Checkpoint save of a {size_mb} MB state, {summary[0]['stall_s']:.2f} s median stall for "
+        f"ModelCheckpoint; methods interleaved in one run",
+        fontsize=9,
     )
-    parser.add_argument("--size-mb", type=int, default=250, help="checkpoint size in MB (default 250)")
-    parser.add_argument("--repeats", type=int, default=3, help="saves per method (default 3)")
-    parser.add_argument("--kills", type=int, default=20, help="SIGKILLs per method and TMPDIR (default 20)")
-    parser.add_argument(
-        "--kill-size-mb", type=int, default=50, help="state size in the kill test (default 50)"
-    )
-    parser.add_argument("--dir", default=None, help="where to write the benchmark checkpoints")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    os.makedirs(RESULTS, exist_ok=True)
-    directory = args.dir or tempfile.mkdtemp(prefix="bench-ckpt-", dir=os.getcwd())
-    os.makedirs(directory, exist_ok=True)
-    state = make_state(args.size_mb)
-    rows = bench_stalls(state, directory, args.repeats)
-    shutil.rmtree(directory, ignore_errors=True)
-    _write_csv(os.path.join(RESULTS, "checkpoint_bench.csv"), rows)
-    plot(rows, args.size_mb)
-    del state
-    kills = []
-    tmpdirs = [tempfile.gettempdir()] + (["/dev/shm"] if os.path.isdir("/dev/shm") else [])
-    for tmpdir in tmpdirs:
-        for i, method in enumerate(("lightning", "rank0")):
-            kills.append(kill_test(method, args.kills, args.kill_size_mb, tmpdir, seed=i))
-    _write_csv(os.path.join(RESULTS, "checkpoint_kill.csv"), kills)
+    h.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = h.parser(__doc__)
+    p.add_argument("--size-mb", type=int, default=250, help="checkpoint size in MB (default 250)")
+    p.add_argument("--kills", type=int, default=16, help="SIGKILLs per writer and TMPDIR (default 16)")
+    p.add_argument("--kill-size-mb", type=int, default=50, help="state size in the kill test (default 50)")
+    p.add_argument("--dir", default=None, help="where to write the benchmark checkpoints (default: here)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size_mb, args.kills, args.kill_size_mb = 20, 2, 5
+    h.quiet()
+    h.record_machine("checkpoint", args.out_dir)
+    directory = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir or os.getcwd())
+    try:
+        rows = bench_stalls(args.size_mb, args.repeats, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    h.write_csv(args.out_dir / "checkpoint_bench.csv", rows)
+    plot(args.out_dir / "checkpoint_bench.png", rows, args.size_mb)
+    gc.collect()
+    tmp_roots = [tempfile.gettempdir()] + (["/dev/shm"] if os.path.isdir("/dev/shm") else [])
+    kills = [
+        kill_test(method, args.kills, args.kill_size_mb, root, seed=i)
+        for root in tmp_roots
+        for i, method in enumerate(("lightning", "rank0"))
+    ]
+    h.write_csv(args.out_dir / "checkpoint_kill.csv", kills)
 
 
 if __name__ == "__main__":

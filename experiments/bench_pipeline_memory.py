@@ -19,7 +19,9 @@ For each run, every rank measures:
 
 Runs: a larger model (dim 256, 8 blocks) with DDP on 2 processes and the pipeline at p=2 (1f1b and
 gpipe); a smaller one (dim 128, 8 blocks) with DDP on 4 processes and the pipeline at p=2 and p=4.
-Writes ``pipeline_memory.csv`` and ``pipeline_memory.png`` under ``--out-dir``.
+The model is ``models.SequentialCharLM``. Byte counts do not depend on the machine's load, so each run
+is measured once (no repeats). Writes ``pipeline_memory.csv`` and ``pipeline_memory.png`` under
+``--out-dir``.
 
 Usage::
 
@@ -29,24 +31,17 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import csv
-import os
 import resource
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import lightning as L
+import _harness as h
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_pipeline import RESULTS, BenchLM, Config, dataset, launch, loader, stage_counts
+from lightning.pytorch.callbacks import Callback
+from models import ByteWindows, SequentialCharLM
+from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_parallel import PipelineStrategy
 
@@ -65,9 +60,6 @@ class Run:
     seq_len: int = 64
     num_microbatches: int = 4
     steps: int = 3
-
-    def model_config(self) -> Config:
-        return Config(dim=self.dim, depth=self.depth, seq_len=self.seq_len, batch_size=self.batch_size)
 
 
 def default_runs(quick: bool) -> list[Run]:
@@ -151,7 +143,7 @@ class _Saved:
             self.meter.live -= self.nbytes
 
 
-class MemoryProbe(L.Callback):
+class MemoryProbe(Callback):
     """Counts this rank's parameter, gradient and optimizer bytes, and its saved activations, over fit."""
 
     def __init__(self, other_layers: list[torch.nn.Module]) -> None:
@@ -159,6 +151,7 @@ class MemoryProbe(L.Callback):
         self.result: dict[str, Any] = {}
         self.meter: SavedTensorMeter | None = None
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         params = list(pl_module.parameters())
         others = [p for layer in self.other_layers for p in layer.parameters()]
@@ -172,6 +165,7 @@ class MemoryProbe(L.Callback):
         self.meter = SavedTensorMeter(params)
         self.meter.hooks.__enter__()
 
+    @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not optimizer.state:
             return  # the first step: no optimizer state yet, so not the peak of the three
@@ -185,8 +179,10 @@ class MemoryProbe(L.Callback):
         if total > self.result["ppo_bytes"]:
             self.result.update(counts, ppo_bytes=total)
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
-        assert self.meter is not None
+        if self.meter is None:
+            return
         self.meter.hooks.__exit__(None, None, None)
         self.result.update(activation_peak_bytes=self.meter.peak, activation_live_after=self.meter.live)
 
@@ -194,49 +190,37 @@ class MemoryProbe(L.Callback):
 # -------------------------------------------------------------------------------------- a run
 
 
+def _model_and_others(run: Run, rank: int, trainer: Any) -> tuple[SequentialCharLM, list[torch.nn.Module]]:
+    """The model as each strategy builds it, and the layers of the other stages (pipeline only)."""
+    if run.strategy == "ddp":
+        torch.manual_seed(0)
+        return SequentialCharLM(dim=run.dim, depth=run.depth, seq_len=run.seq_len), []
+    with trainer.init_module(empty_init=True):
+        model = SequentialCharLM(dim=run.dim, depth=run.depth, seq_len=run.seq_len)
+    counts = model.stage_counts(run.world)
+    first = sum(counts[:rank])
+    mine = range(first, first + counts[rank])
+    return model, [layer for i, layer in enumerate(model.layers) if i not in mine]
+
+
 def memory_worker(rank: int, world: int, run: Run) -> dict[str, Any]:
     """Train ``run.steps`` steps on this rank and return what MemoryProbe counted."""
-    cfg = run.model_config()
     per_rank_batch = run.batch_size // world if run.strategy == "ddp" else run.batch_size
-    cfg_rank = Config(dim=cfg.dim, depth=cfg.depth, seq_len=cfg.seq_len, batch_size=per_rank_batch)
-    cfg.warmup, cfg.steps = 0, run.steps
-    if run.strategy == "ddp":
-        strategy: Any = "ddp"
-    else:
+    strategy: Any = "ddp"
+    if run.strategy == "pipeline":
         strategy = PipelineStrategy(
-            num_stages=world,
+            pipeline_size=world,
             num_microbatches=run.num_microbatches,
             schedule=run.schedule,
             partition="parameters",
         )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=run.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    if run.strategy == "pipeline":
-        with trainer.init_module(empty_init=True):
-            model = BenchLM(dim=cfg.dim, depth=cfg.depth, seq_len=cfg.seq_len)
-        # The layers the other stages own (a stage is this rank's run of the split).
-        counts = stage_counts(model, world)
-        first = sum(counts[:rank])
-        mine = range(first, first + counts[rank])
-        others = [layer for i, layer in enumerate(model.layers) if i not in mine]
-    else:
-        torch.manual_seed(0)
-        model = BenchLM(dim=cfg.dim, depth=cfg.depth, seq_len=cfg.seq_len)
-        others = []
+    trainer = h.quiet_trainer(devices=world, strategy=strategy, max_steps=run.steps, limit_val_batches=0)
+    model, others = _model_and_others(run, rank, trainer)
     model_params = sum(p.numel() for p in model.parameters())
     probe = MemoryProbe(others)
     trainer.callbacks.append(probe)
-    trainer.fit(model, train_dataloaders=loader(cfg_rank, dataset(cfg)))
+    data = ByteWindows.of_stdlib((run.steps + 2) * run.batch_size, run.seq_len)
+    trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=per_rank_batch, drop_last=True))
     return dict(
         probe.result,
         rank=rank,
@@ -246,7 +230,7 @@ def memory_worker(rank: int, world: int, run: Run) -> dict[str, Any]:
 
 
 def measure(run: Run) -> list[dict[str, Any]]:
-    ranks = launch(memory_worker, run.world, run)
+    ranks = h.spawn(memory_worker, run.world, run)
     return [
         dict(
             run=run.name,
@@ -297,25 +281,12 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["ppo_vs_ddp"] = round(r["ppo_bytes"] / base, 4) if base else ""
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 COLOURS = ("tab:blue", "tab:orange", "tab:green")
 
 
-def plot(path: Path, rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(path: Any, rows: list[dict[str, Any]]) -> None:
     runs = list(dict.fromkeys(r["run"] for r in rows))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7.5), sharex=True)
+    fig, (top, bottom) = h.figure(1, 2, size=(12, 7.5), sharex=True)
     x, labels, width = 0.0, [], 0.8
     for run in runs:
         ranks = [r for r in rows if r["run"] == run]
@@ -347,27 +318,19 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     for ax in (top, bottom):
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one small model, 3 runs (~1 minute)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help=f"where results go (default {RESULTS})")
-    return p.parse_args(argv)
+    h.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = h.parser(__doc__, repeats=None).parse_args(argv)
+    h.record_machine("pipeline_memory", args.out_dir)
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for run in default_runs(args.quick):
         print(f"measuring {run.name} ...", flush=True)
         rows += measure(run)
     add_ratios(rows)
-    write_csv(args.out_dir / "pipeline_memory.csv", rows)
+    h.write_csv(args.out_dir / "pipeline_memory.csv", rows, COLUMNS)
     plot(args.out_dir / "pipeline_memory.png", rows)
     for run in dict.fromkeys(r["run"] for r in rows):
         ranks = [r for r in rows if r["run"] == run]
@@ -379,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{max(r['activation_peak_bytes'] for r in ranks) / 2**20:6.2f} MiB"
             + (f"  other stages still meta: {meta}" if ranks[0]["strategy"] == "pipeline" else "")
         )
-    print(f"wrote {args.out_dir}/pipeline_memory.csv and .png in {time.perf_counter() - start:.0f} s")
+    print(f"done in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -13,16 +13,13 @@ on CUDA. ``--accelerator cpu`` runs the same check here (gloo), which the test s
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
+import _harness as h
 import lightning as L
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import CharLM, StdlibText
 from torch.utils.data import DataLoader
-from train_charlm import CharLM, StdlibText
 
 from lightning_parallel import PipelineStrategy
 
@@ -38,9 +35,8 @@ class FixedOrderText(StdlibText):
 def train(strategy, devices: int, args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], float]:
     L.seed_everything(0, verbose=False)
     model = CharLM(dim=args.dim, depth=args.depth, seq_len=64, lr=1e-3)
-    trainer = L.Trainer(
+    trainer = h.quiet_trainer(
         accelerator=args.accelerator, devices=devices, strategy=strategy, max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, use_distributed_sampler=False,
     )  # fmt: skip
     data = FixedOrderText(seq_len=64, batch_size=args.batch_size, max_bytes=500_000)
@@ -63,7 +59,7 @@ def main() -> None:
     args = p.parse_args()
     stages_per_rank = 2 if args.devices == 1 else 1
     schedule = "interleaved_1f1b" if stages_per_rank > 1 else "1f1b"
-    pipe = PipelineStrategy(num_stages=args.devices, stages_per_rank=stages_per_rank, schedule=schedule)
+    pipe = PipelineStrategy(pipeline_size=args.devices, stages_per_rank=stages_per_rank, schedule=schedule)
     pipelined, pipe_rate = train(pipe, args.devices, args)
     reference, ref_rate = train("auto", 1, args)
     worst = max((pipelined[k] - reference[k]).abs().max().item() for k in reference)

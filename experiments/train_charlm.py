@@ -1,9 +1,15 @@
-"""Train a small character-level transformer language model on Python's own standard library.
+"""Train a small character-level GPT on Python's own standard library, pipelined over 2 processes.
 
 The text is the ``.py`` sources that ship with the running Python (nothing to download). By default
 2 CPU processes train with PipelineStrategy (2 stages); the same script runs on GPUs, with torchrun or
-on SLURM. Copy it as a starting point: the model is an ordinary LightningModule whose layers sit in
-one ``nn.Sequential``.
+on SLURM. Copy it (with ``models.py``, which holds the model and the data) as a starting point: the
+model is an ordinary GPT (a ModuleList of blocks, head tied to the embedding) that knows nothing of
+the pipeline; PipelineStrategy traces its forward and splits it at the blocks. At the end rank 0 loads
+the consolidated checkpoint into a plain model and prints a short text sample.
+
+At the end, rank 0 prints a summary and writes it as JSON (``--summary``, default
+``<out>/summary.json``): final train and validation loss, samples per second, wall time, and where the
+log and the checkpoint went. Other scripts (``scaling_charlm.py``) read that file.
 
     python experiments/train_charlm.py                      # 2 processes, pipeline, a few minutes
     python experiments/train_charlm.py --strategy ddp       # 2 data-parallel processes
@@ -13,19 +19,18 @@ one ``nn.Sequential``.
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import os
-import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from models import CharLM, StdlibText
+from typing_extensions import override
 
 from lightning_parallel import (
     AllReducedMetrics,
@@ -33,127 +38,6 @@ from lightning_parallel import (
     PipelineStrategy,
     Rank0Checkpoint,
 )
-
-# ------------------------------------------------------------------------------------------- data
-
-
-def stdlib_text(max_bytes: int) -> bytes:
-    """The standard library's .py sources, concatenated in a fixed order, up to ``max_bytes``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out, size = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        out.append(data)
-        size += len(data)
-        if size >= max_bytes:
-            break
-    return b"".join(out)[:max_bytes]
-
-
-class ByteWindows(Dataset):
-    """Non-overlapping windows of ``seq_len + 1`` bytes: (input, next-byte target)."""
-
-    def __init__(self, data: torch.Tensor, seq_len: int) -> None:
-        self.data, self.seq_len = data, seq_len
-
-    def __len__(self) -> int:
-        return (len(self.data) - 1) // self.seq_len
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.data[i * self.seq_len : (i + 1) * self.seq_len + 1].long()
-        return chunk[:-1], chunk[1:]
-
-
-class StdlibText(L.LightningDataModule):
-    def __init__(self, seq_len: int, batch_size: int, max_bytes: int, val_fraction: float = 0.05) -> None:
-        super().__init__()
-        self.seq_len, self.batch_size, self.max_bytes, self.val_fraction = (
-            seq_len,
-            batch_size,
-            max_bytes,
-            val_fraction,
-        )
-
-    def setup(self, stage: str) -> None:
-        data = torch.frombuffer(bytearray(stdlib_text(self.max_bytes)), dtype=torch.uint8)
-        split = int(len(data) * (1 - self.val_fraction))
-        self.train_set = ByteWindows(data[:split], self.seq_len)
-        self.val_set = ByteWindows(data[split:], self.seq_len)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size)
-
-
-# ------------------------------------------------------------------------------------------ model
-
-
-class Embedding(nn.Module):
-    def __init__(self, vocab: int, dim: int, max_len: int) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, dim)
-        self.positions = nn.Embedding(max_len, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tokens(x) + self.positions(torch.arange(x.shape[1], device=x.device))
-
-
-class Block(nn.Module):
-    """A pre-norm causal transformer block."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
-
-
-class CharLM(L.LightningModule):
-    """A byte-level transformer LM; its layers sit in one nn.Sequential, the part a pipeline splits."""
-
-    def __init__(
-        self, dim: int = 128, depth: int = 4, heads: int = 4, seq_len: int = 64, lr: float = 1e-3
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        blocks = [Block(dim, heads) for _ in range(depth)]
-        self.layers = nn.Sequential(
-            Embedding(256, dim, seq_len), *blocks, nn.LayerNorm(dim), nn.Linear(dim, 256)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()), prog_bar=True)
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
-        steps = max(1, self.trainer.max_steps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
 
 # ---------------------------------------------------------------------------------------- running
 
@@ -165,20 +49,22 @@ class Throughput(Callback):
         self.global_batch_size = global_batch_size
         self.start = self.seconds = 0.0
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start = time.perf_counter()
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.seconds = time.perf_counter() - self.start
 
     def samples_per_second(self, steps: int) -> float:
         return steps * self.global_batch_size / max(self.seconds, 1e-9)
 
 
-def make_strategy(args: argparse.Namespace):
+def make_strategy(args: argparse.Namespace) -> Any:
     if args.strategy == "pipeline":
         return PipelineStrategy(
-            num_stages=args.stages, num_microbatches=args.microbatches, schedule=args.schedule
+            pipeline_size=args.stages, num_microbatches=args.microbatches, schedule=args.schedule
         )
     return args.strategy
 
@@ -223,6 +109,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--val-every", type=int, default=100, help="validate every N training batches (default 100)"
     )
     p.add_argument("--out", default="runs/charlm", help="where logs and checkpoints go (default runs/charlm)")
+    p.add_argument(
+        "--summary", type=Path, default=None, help="the JSON summary to write (default <out>/summary.json)"
+    )
+    p.add_argument(
+        "--sample-bytes",
+        type=int,
+        default=200,
+        help="bytes of text to generate at the end (0: none; default 200)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -234,7 +129,87 @@ def data_parallel_size(args: argparse.Namespace) -> int:
     return 1 if args.strategy in ("auto", "single_device") and args.devices == 1 else world
 
 
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Write the run's summary as JSON, whole or not at all (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def summarise(
+    args: argparse.Namespace, trainer: L.Trainer, throughput: Throughput, paths: dict[str, str], wall: float
+) -> dict[str, Any]:
+    """The run's numbers and files, as the JSON summary holds them."""
+    metrics = trainer.callback_metrics
+    return {
+        "strategy": args.strategy,
+        "processes": trainer.world_size,
+        "data_parallel": data_parallel_size(args),
+        "optimizer_steps": trainer.global_step,
+        "global_batch_size": args.global_batch_size,
+        "samples": trainer.global_step * args.global_batch_size,
+        "train_loss": float(metrics.get("train_loss", float("nan"))),
+        "val_loss": float(metrics.get("val_loss", float("nan"))),
+        "samples_per_s": throughput.samples_per_second(trainer.global_step),
+        "fit_seconds": throughput.seconds,
+        "wall_s": wall,
+        "threads_per_process": torch.get_num_threads(),
+        **paths,
+    }
+
+
+def print_summary(summary: dict[str, Any], path: Path) -> None:
+    print(
+        "\n=== run summary ===\n"
+        f"strategy            {summary['strategy']} on {summary['processes']} process(es), "
+        f"{summary['data_parallel']} data-parallel replica(s)\n"
+        f"optimizer steps     {summary['optimizer_steps']} x {summary['global_batch_size']} samples\n"
+        f"final train loss    {summary['train_loss']:.4f}\n"
+        f"final val loss      {summary['val_loss']:.4f}\n"
+        f"samples per second  {summary['samples_per_s']:.1f}\n"
+        f"CSV log             {summary['log_csv']}\n"
+        f"checkpoint          {summary['checkpoint']}\n"
+        f"summary (JSON)      {path}\n"
+    )
+    if summary.get("sample"):
+        print(f"=== a sample from the trained model (prompt {SAMPLE_PROMPT!r}) ===\n{summary['sample']}\n")
+
+
+SAMPLE_PROMPT = b"def "
+
+
+def sample_text(checkpoint: str, length: int) -> str:
+    """Text generated by the consolidated checkpoint, loaded into a plain (unsplit) model."""
+    if not checkpoint or length <= 0:
+        return ""
+    model = CharLM.load_from_checkpoint(checkpoint, map_location="cpu")
+    return model.generate(SAMPLE_PROMPT, length).decode("utf-8", errors="replace")
+
+
+def build_trainer(args: argparse.Namespace, logger: CSVLogger, callbacks: list[Callback]) -> L.Trainer:
+    """The Trainer of the main job: the package's callbacks for an exact global batch and metrics."""
+    return L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=make_strategy(args),
+        max_steps=args.max_steps,
+        val_check_interval=args.val_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=20,
+        logger=logger,
+        log_every_n_steps=10,
+        callbacks=[
+            GradientAccumulationScheduler(global_batch_size=args.global_batch_size),
+            AllReducedMetrics(),
+            *callbacks,
+        ],
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
+    started = time.perf_counter()
     args = parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
     dp = data_parallel_size(args)
@@ -249,39 +224,21 @@ def main(argv: list[str] | None = None) -> None:
         dirpath=os.path.join(args.out, "checkpoints"), monitor="val_loss", save_last=True, async_save=True
     )
     logger = CSVLogger(args.out, name="logs")
-    trainer = L.Trainer(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        strategy=make_strategy(args),
-        max_steps=args.max_steps,
-        val_check_interval=args.val_every,
-        check_val_every_n_epoch=None,
-        limit_val_batches=20,
-        logger=logger,
-        log_every_n_steps=10,
-        callbacks=[
-            GradientAccumulationScheduler(global_batch_size=args.global_batch_size),
-            AllReducedMetrics(),
-            checkpoint,
-            throughput,
-        ],
-    )
+    trainer = build_trainer(args, logger, [checkpoint, throughput])
     model = CharLM(dim=args.dim, depth=args.depth, seq_len=args.seq_len, lr=args.lr)
     trainer.fit(model, StdlibText(args.seq_len, per_device, args.text_bytes))
-    if trainer.is_global_zero:
-        metrics = trainer.callback_metrics
-        print(
-            "\n=== run summary ===\n"
-            f"strategy            {args.strategy} on {trainer.world_size} process(es), "
-            f"{dp} data-parallel replica(s)\n"
-            f"optimizer steps     {trainer.global_step} x {args.global_batch_size} samples\n"
-            f"final train loss    {float(metrics.get('train_loss', float('nan'))):.4f}\n"
-            f"final val loss      {float(metrics.get('val_loss', float('nan'))):.4f}\n"
-            f"samples per second  {throughput.samples_per_second(trainer.global_step):.1f}\n"
-            f"CSV log             {os.path.join(logger.log_dir, 'metrics.csv')}\n"
-            f"checkpoint          {checkpoint.last_model_path or checkpoint.best_model_path}\n"
-        )
+    if not trainer.is_global_zero:
+        return
+    paths = {
+        "log_csv": os.path.join(logger.log_dir, "metrics.csv"),
+        "checkpoint": checkpoint.last_model_path or checkpoint.best_model_path,
+        "out": str(args.out),
+    }
+    summary = summarise(args, trainer, throughput, paths, time.perf_counter() - started)
+    summary["sample"] = sample_text(paths["checkpoint"], args.sample_bytes)
+    summary_path = args.summary or Path(args.out) / "summary.json"
+    write_summary(summary_path, summary)
+    print_summary(summary, summary_path)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Importing the package registers its strategies in Lightning's ``StrategyRegistry
 from lightning_parallel.callbacks.accumulation import GradientAccumulationScheduler
 from lightning_parallel.callbacks.checkpoint import CheckpointWriteError, Rank0Checkpoint
 from lightning_parallel.callbacks.metrics import AllReducedMetrics
+from lightning_parallel.callbacks.watchdog import HangWatchdog
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
 from lightning_parallel.memory.estimate import estimate_memory
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointWriteError",
     "EvalDistributedSampler",
     "GradientAccumulationScheduler",
+    "HangWatchdog",
     "PipelineStrategy",
     "Rank0Checkpoint",
     "ResumableDistributedSampler",

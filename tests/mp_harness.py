@@ -104,12 +104,15 @@ def fit(
     devices: int = 1,
     strategy: Any = "auto",
     val_dataloaders: Any = None,
+    ckpt_path: Any = None,
     **trainer_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Fit ``model`` on ``devices`` CPU processes and return the records of every rank, by rank."""
     callbacks = [*trainer_kwargs.pop("callbacks", []), RankRecorder(out_dir)]
     trainer = quiet_trainer(devices=devices, strategy=strategy, callbacks=callbacks, **trainer_kwargs)
-    trainer.fit(model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders)
+    trainer.fit(
+        model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders, ckpt_path=ckpt_path
+    )
     return load_rank_results(out_dir, "fit")
 
 

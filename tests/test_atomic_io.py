@@ -1,5 +1,6 @@
 """Atomic, hashed checkpoint files and the background writer (no Lightning, no process group)."""
 
+import errno
 import os
 import random
 import signal
@@ -11,15 +12,29 @@ import time
 import pytest
 import torch
 
-from lightning_parallel.io import atomic
-from lightning_parallel.io.async_writer import AsyncWriter, snapshot
+from lightning_parallel.io import atomic, tempfiles
+from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers, snapshot
+from lightning_parallel.io.tempfiles import NAMED_TEMP_ENV
+
+METHODS = ["O_TMPFILE", "named"]
+
+
+def _use(method: str, directory, monkeypatch) -> None:
+    """Select the temp-file method for ``directory`` (skip O_TMPFILE where the filesystem lacks it)."""
+    if method == "named":
+        monkeypatch.setenv(NAMED_TEMP_ENV, "1")
+    elif atomic.temp_file_method(str(directory)) != "O_TMPFILE":
+        pytest.skip(f"{directory} does not support O_TMPFILE")
+    assert atomic.temp_file_method(str(directory)) == method
 
 
 def _state(n: int = 1000) -> dict:
     return {"model": {"w": torch.randn(n), "b": torch.arange(5)}, "step": 7, "names": ["a", "b"]}
 
 
-def test_save_is_loadable_and_verifies(tmp_path):
+@pytest.mark.parametrize("method", METHODS)
+def test_save_is_loadable_and_verifies(tmp_path, monkeypatch, method):
+    _use(method, tmp_path, monkeypatch)
     path = str(tmp_path / "a.ckpt")
     state = _state()
     digest = atomic.save_checkpoint_file(state, path, {"step": 7})
@@ -44,13 +59,51 @@ def test_corruption_and_truncation_are_detected(tmp_path):
     assert result.status == "untagged" and "truncated" in result.reason
 
 
-def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
+@pytest.mark.parametrize("method", METHODS)
+def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch, method):
+    _use(method, tmp_path, monkeypatch)
     path = str(tmp_path / "a.ckpt")
     atomic.save_checkpoint_file({"v": torch.ones(3)}, path)
     with pytest.raises(Exception, match=r"could not write checkpoint .*a\.ckpt"):
         atomic.save_checkpoint_file({"v": torch.zeros(3), "bad": lambda: 0}, path)
     assert torch.equal(torch.load(path)["v"], torch.ones(3))
     assert os.listdir(tmp_path) == ["a.ckpt"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_write_in_progress_has_a_name_only_with_the_named_fallback(tmp_path, monkeypatch, method):
+    _use(method, tmp_path, monkeypatch)
+    seen = []
+
+    def write(f):
+        f.write(b"new")
+        seen.append(sorted(os.listdir(tmp_path)))
+
+    atomic.atomic_write(str(tmp_path / "a.ckpt"), write)  # a new name
+    atomic.atomic_write(str(tmp_path / "a.ckpt"), write)  # replacing a file
+    assert (tmp_path / "a.ckpt").read_bytes() == b"new" and os.listdir(tmp_path) == ["a.ckpt"]
+    if method == "O_TMPFILE":
+        assert seen == [[], ["a.ckpt"]]
+    else:
+        assert [len(names) for names in seen] == [1, 2]
+        assert all(n.startswith(".a.ckpt.") and n.endswith(".partial") for n in seen[0])
+
+
+def test_a_failing_link_falls_back_to_a_named_copy(tmp_path, monkeypatch):
+    _use("O_TMPFILE", tmp_path, monkeypatch)
+    monkeypatch.setattr(tempfiles, "_link_methods", dict(tempfiles._link_methods))
+    real_link = tempfiles._link
+
+    def link(fd, dest, method):
+        if not os.path.basename(dest).startswith("."):  # the final name, not the probe
+            raise OSError(errno.EXDEV, "cross-device link", dest)
+        real_link(fd, dest, method)
+
+    monkeypatch.setattr(tempfiles, "_link", link)
+    atomic.save_checkpoint_file({"v": torch.arange(4)}, str(tmp_path / "a.ckpt"), {"step": 1})
+    assert atomic.verify_checkpoint(str(tmp_path / "a.ckpt")).ok
+    assert os.listdir(tmp_path) == ["a.ckpt"]
+    assert atomic.temp_file_method(str(tmp_path)) == "named"  # that filesystem is not linked into again
 
 
 def test_remove_orphans_keeps_live_writers(tmp_path):
@@ -95,6 +148,36 @@ def test_snapshot_copies_tensors_and_containers():
     assert snap["t"][0] is snap["w"]
 
 
+def test_snapshot_buffers_are_reused_while_the_layout_stays():
+    model = torch.nn.Linear(64, 64)
+    buffers = SnapshotBuffers()
+    first = buffers.snapshot({"model": model.state_dict(), "step": 1})
+    held = buffers.nbytes
+    assert held == sum(t.nbytes for t in model.state_dict().values())
+    with torch.no_grad():
+        model.weight.add_(1)
+    second = buffers.snapshot({"model": model.state_dict(), "step": 2})
+    # The same memory, now holding the new values (the previous snapshot was written by then).
+    assert second["model"]["weight"].data_ptr() == first["model"]["weight"].data_ptr()
+    torch.testing.assert_close(second["model"]["weight"], model.weight.detach())
+    assert second["model"]["weight"].data_ptr() != model.weight.data_ptr() and buffers.nbytes == held
+    # A new shape gets a new buffer; buffers the latest snapshot did not use are dropped.
+    third = buffers.snapshot({"model": {"weight": torch.zeros(3)}})
+    assert third["model"]["weight"].data_ptr() != first["model"]["weight"].data_ptr()
+    assert buffers.nbytes == 3 * 4
+    buffers.release()
+    assert buffers.nbytes == 0
+
+
+def test_snapshot_copies_two_views_of_one_memory_once():
+    w = torch.randn(4, 4)
+    state = {"a": w.detach(), "b": w.detach(), "t": w.t(), "sparse": torch.eye(3).to_sparse()}
+    for snap in (snapshot(state), SnapshotBuffers().snapshot(state)):
+        assert snap["a"] is snap["b"] and snap["a"].data_ptr() != w.data_ptr()
+        torch.testing.assert_close(snap["t"], w.t())
+        assert snap["sparse"].is_sparse and torch.equal(snap["sparse"].to_dense(), torch.eye(3))
+
+
 def test_async_writer_one_in_flight_followups_and_errors():
     writer = AsyncWriter()
     gate = threading.Event()
@@ -132,12 +215,21 @@ while True:
 """
 
 
+def _child_env(method: str) -> dict[str, str]:
+    return {**os.environ, NAMED_TEMP_ENV: "1" if method == "named" else "0"}
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.timeout(120)
-def test_sigkill_at_random_instants_leaves_only_complete_files(tmp_path):
+def test_sigkill_at_random_instants_leaves_only_complete_files(tmp_path, monkeypatch, method):
+    _use(method, tmp_path, monkeypatch)
     rng = random.Random(0)
-    for kill in range(4):
+    for kill in range(4 if method == "O_TMPFILE" else 2):
         proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _CHILD, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_child_env(method),
         )
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.05, 0.6))
@@ -151,3 +243,40 @@ def test_sigkill_at_random_instants_leaves_only_complete_files(tmp_path):
             assert torch.load(path)["w"].numel() == 1_000_000
         atomic.remove_orphans(str(tmp_path))
         assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
+
+
+_MID_WRITE_CHILD = """
+import os, sys, time
+from lightning_parallel.io import atomic
+
+def write(f):
+    f.write(b"x" * (1 << 20))
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(60)
+
+atomic.atomic_write(os.path.join(sys.argv[1], "new.ckpt"), write)
+"""
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.timeout(60)
+def test_a_kill_during_the_write_leaves_nothing_with_o_tmpfile(tmp_path, monkeypatch, method):
+    _use(method, tmp_path, monkeypatch)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MID_WRITE_CHILD, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_child_env(method),
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    left = os.listdir(tmp_path)
+    if method == "O_TMPFILE":
+        assert left == []
+    else:
+        assert len(left) == 1 and left[0].startswith(".new.ckpt.") and left[0].endswith(".partial")
+        assert atomic.remove_orphans(str(tmp_path)) == [str(tmp_path / left[0])]

@@ -1,26 +1,272 @@
-"""Smoke tests of the pipeline benchmarks: each script runs with its smallest settings, end to end.
+"""The experiments' harness and scripts, at their smallest: the logic, never a real benchmark.
 
-They check the outputs' layout and values that must hold whatever the machine's speed (the two
-loops of the overhead benchmark compute the same losses; a pipeline rank holds a fraction of DDP's
-parameter bytes; other stages stay on the meta device), never timings.
+- The method of every timing (``experiments/_repeats.py``): interleaving order, samples, per-repeat
+  ratios, medians and ranges, and the README's wording ("within noise").
+- The harness (``experiments/_harness.py``): CSV and PNG writing, the machine record, spawn-and-collect
+  (plain collectives and a Lightning fit on 2 processes, every rank's result back through files).
+- The scripts' row building from synthetic samples, ``train_charlm.py``'s JSON summary, and the two
+  pipeline benchmarks end to end at ``--quick`` (values that hold whatever the machine's speed: the
+  hand loop and the Trainer compute the same losses; a pipeline rank holds a fraction of DDP's bytes).
 """
 
+from __future__ import annotations
+
 import csv
+import importlib
+import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+
+
+@pytest.fixture(scope="module")
+def ex() -> ModuleType:
+    """The experiments' modules, imported as a script run from the repository root sees them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(EXPERIMENTS))
+        names = ("_repeats", "_harness", "bench_metric_sync", "bench_pipeline", "scaling_charlm")
+        yield _namespace({n: importlib.import_module(n) for n in names})
+
+
+def _namespace(modules: dict[str, ModuleType]) -> ModuleType:
+    ns = ModuleType("experiments_under_test")
+    for name, module in modules.items():
+        setattr(ns, name.lstrip("_"), module)
+    return ns
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------------------------ the method
+
+
+def test_order_alternates_two_variants_and_rotates_three(ex):
+    assert [ex.repeats.order(["a", "b"], r) for r in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert [ex.repeats.order(["a", "b", "c"], r) for r in range(3)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+    ]
+
+
+def test_interleave_runs_abab_with_warmup_and_before_each(ex):
+    calls: list[str] = []
+    lined_up: list[int] = []
+
+    def variant(name: str, value: float):
+        return lambda: calls.append(name) or {"ms": value}
+
+    variants = {"a": variant("a", 10.0), "b": variant("b", 5.0)}
+    samples = ex.repeats.interleave(variants, 5, before_each=lambda: lined_up.append(1), warmup=True)
+    warmup, timed = calls[:2], calls[2:]
+    assert warmup == ["a", "b"]
+    assert timed == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert len(lined_up) == len(calls)
+    assert [(s["repeat"], s["variant"], s["position"]) for s in samples[:4]] == [
+        (0, "a", 0),
+        (0, "b", 1),
+        (1, "b", 0),
+        (1, "a", 1),
+    ]
+    assert all(s["ms"] == (10.0 if s["variant"] == "a" else 5.0) for s in samples)
+    assert ex.repeats.interleave({"x": lambda: 2.5}, 1)[0]["value"] == 2.5
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        ex.repeats.interleave(variants, 0)
+
+
+def test_compare_takes_ratios_within_each_repeat(ex):
+    """A drift that slows both variants alike moves the absolute times, not the per-repeat ratio."""
+    drift = [1.0, 1.5, 0.8, 2.0, 1.2]
+    samples = [
+        {"repeat": r, "variant": v, "position": 0, "ms": base * d}
+        for r, d in enumerate(drift)
+        for v, base in (("base", 10.0), ("new", 5.0))
+    ]
+    base, new = ex.repeats.compare(samples, "ms", baseline="base")
+    assert (new["variant"], new["repeats"]) == ("new", 5)
+    assert (new["ms"], new["ms_min"], new["ms_max"]) == (6.0, 4.0, 10.0)
+    assert new["ratio"] == new["ratio_min"] == new["ratio_max"] == 0.5
+    assert base["ratio"] == 1.0
+    assert ex.repeats.spread([3.0, 1.0, 2.0]) == ex.repeats.Spread(2.0, 1.0, 3.0, 3)
+    with pytest.raises(ValueError, match="no values"):
+        ex.repeats.spread([])
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "kw", "expected"),
+    [
+        (0.89, 0.99, {"goal": 0.95}, "within noise"),
+        (0.97, 1.02, {"goal": 0.95}, "within noise"),
+        (0.96, 0.99, {"goal": 0.95}, "meets the goal in every repeat"),
+        (0.80, 0.90, {"goal": 0.95}, "misses the goal in every repeat"),
+        (0.90, 1.10, {}, "within noise"),
+        (1.20, 1.90, {}, "better in every repeat"),
+        (0.02, 0.06, {"higher_is_better": False, "words": ("cheaper", "dearer")}, "cheaper in every repeat"),
+        (1.10, 1.40, {"higher_is_better": False, "words": ("cheaper", "dearer")}, "dearer in every repeat"),
+    ],
+)
+def test_verdict_says_within_noise_when_the_range_crosses_parity_or_the_goal(ex, lo, hi, kw, expected):
+    assert ex.repeats.verdict(lo, hi, **kw) == expected
+
+
+# ---------------------------------------------------------------------------------- the harness
+
+
+def test_csv_png_and_machine_record(ex, tmp_path):
+    h = ex.harness
+    path = h.write_csv(tmp_path / "x.csv", [{"k": 1, "ms": 2.5}, {"k": 2, "ms": 3.5, "extra": "y"}])
+    assert h.read_csv(path) == [{"k": "1", "ms": "2.5", "extra": ""}, {"k": "2", "ms": "3.5", "extra": "y"}]
+    with pytest.raises(ValueError, match="no rows to write"):
+        h.write_csv(tmp_path / "empty.csv", [])
+    fig, ax = h.figure()
+    rows = [{"ms": 2.0, "ms_min": 1.0, "ms_max": 4.0}, {"ms": 3.0, "ms_min": 2.5, "ms_max": 3.5}]
+    h.errorbars(ax, [1, 2], rows, "ms", label="x")
+    assert h.save_figure(fig, tmp_path / "x.png").stat().st_size > 1000
+    h.record_machine("one", tmp_path, load="1.5")
+    h.record_machine("two", tmp_path)
+    h.record_machine("one", tmp_path, load="0.5")
+    machine = h.read_csv(tmp_path / "machine.csv")
+    assert (machine[0]["experiment"], machine[0]["load_avg_1min"]) == ("one", "0.5")
+    assert [r["experiment"] for r in machine] == ["one", "two"]
+    assert list(machine[0]) == h.MACHINE_FIELDS and machine[1]["cores"] == str(os.cpu_count())
+
+
+def test_parser_refuses_a_repeat_count_that_is_not_positive(ex, capsys):
+    args = ex.harness.parser("doc").parse_args(["--repeats", "7", "--quick"])
+    assert (args.repeats, args.quick, args.out_dir) == (7, True, ex.harness.RESULTS)
+    with pytest.raises(SystemExit):
+        ex.harness.parser("doc").parse_args(["--repeats", "0"])
+    assert "must be a positive whole number of repeats, got '0'" in capsys.readouterr().err
+    assert not hasattr(ex.harness.parser("doc", repeats=None).parse_args([]), "repeats")
+
+
+def _collectives_and_fit(rank: int, world: int, scale: float) -> dict:
+    """Runs on each spawned rank: a plain all_reduce, then a 2-process Lightning fit (DDP)."""
+    import _harness as h
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    t = torch.tensor([scale * (rank + 1)])
+    dist.all_reduce(t)
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    model, clock = Tiny(), h.StepClock()
+    trainer = h.quiet_trainer(devices=world, strategy="ddp", max_steps=3, callbacks=[clock])
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    return {
+        "rank": rank,
+        "sum": float(t),
+        "weight": model.net.weight.detach().clone(),
+        "steps": len(clock.ends),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_spawn_brings_back_every_rank_of_collectives_and_a_fit(ex):
+    results = ex.harness.spawn(_collectives_and_fit, 2, 1.5)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["sum"] for r in results] == [4.5, 4.5]
+    assert [r["steps"] for r in results] == [3, 3]
+    # DDP kept the replicas identical: the Trainer joined the harness's process group.
+    assert results[0]["weight"].equal(results[1]["weight"])
+
+
+# ------------------------------------------------------------------------- the scripts' logic
+
+
+def test_metric_sync_rows_take_overhead_and_ratios_per_repeat(ex):
+    fits = [
+        {"repeat": r, "variant": v, "position": 0, "k": 8, "step_ms": ms + r, "collectives_per_step": c}
+        for r in range(5)
+        for v, ms, c in (("none", 10.0, 0), ("all_reduced_metrics", 11.0, 1), ("sync_dist", 30.0, 16))
+    ]
+    rows = {r["mode"]: r for r in ex.bench_metric_sync.fit_rows(fits)}
+    assert set(rows) == {"all_reduced_metrics", "sync_dist"}
+    arm = rows["all_reduced_metrics"]
+    assert (arm["overhead_ms"], arm["overhead_ms_min"], arm["overhead_ms_max"]) == (1.0, 1.0, 1.0)
+    assert (arm["no_sync_step_ms"], arm["no_sync_step_ms_min"], arm["no_sync_step_ms_max"]) == (
+        12.0,
+        10.0,
+        14.0,
+    )
+    assert rows["sync_dist"]["collectives_per_step"] == 16 and arm["repeats"] == 5
+    reductions = [
+        {"repeat": r, "variant": v, "position": 0, "k": 8, "step_us": us, "per_metric_us": us / 8}
+        | {"collectives_per_step": c}
+        for r in range(5)
+        for v, us, c in (("all_reduced_metrics", 200.0, 1), ("sync_dist", 800.0, 16))
+    ]
+    red = {r["mode"]: r for r in ex.bench_metric_sync.reduce_rows(reductions)}
+    assert red["all_reduced_metrics"]["ratio_vs_sync_dist"] == 0.25
+    assert red["sync_dist"]["per_metric_us"] == 100.0
+
+
+def test_scaling_rows_read_the_ratio_within_each_repeat(ex):
+    sc = ex.scaling_charlm
+    samples = [
+        {"repeat": r, "variant": name, "position": 0, "samples_per_s": sps * (1 + r / 10), "wall_s": 10.0}
+        | {"train_loss": 2.5, "val_loss": 2.6, "optimizer_steps": 40, "global_batch_size": 32}
+        | {"threads_per_process": 1}
+        for r in range(5)
+        for name, sps in (("single", 100.0), ("ddp", 180.0))
+    ]
+    rows = sc.result_rows([sc.RUNS["single"], sc.RUNS["ddp"]], samples)
+    assert [r["run"] for r in rows] == ["1 process", "2 x DDP"]
+    ddp = rows[1]
+    assert ddp["ratio_vs_1_process"] == ddp["ratio_vs_1_process_min"] == ddp["ratio_vs_1_process_max"] == 1.8
+    assert (ddp["samples_per_s_min"], ddp["samples_per_s_max"], ddp["samples"]) == (180.0, 252.0, 1280)
+
+
+def test_train_charlm_writes_its_json_summary(tmp_path):
+    summary = tmp_path / "summary.json"
+    cmd = [sys.executable, str(EXPERIMENTS / "train_charlm.py"), "--devices", "1", "--strategy", "auto"]
+    cmd += ["--max-steps", "3", "--val-every", "3", "--dim", "16", "--depth", "1", "--seq-len", "16"]
+    cmd += ["--global-batch-size", "4", "--text-bytes", "40000", "--out", str(tmp_path / "run")]
+    cmd += ["--summary", str(summary)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(summary.read_text())
+    assert (data["optimizer_steps"], data["global_batch_size"], data["samples"]) == (3, 4, 12)
+    assert data["samples_per_s"] > 0 and data["wall_s"] >= data["fit_seconds"] > 0
+    assert math.isfinite(data["train_loss"]) and math.isfinite(data["val_loss"])
+    assert Path(data["log_csv"]).exists() and Path(data["checkpoint"]).exists()
+
+
+# ------------------------------------------------------------------- pipeline scripts, end to end
 
 
 def _run(script: str, out_dir: Path, *extra: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / script), "--quick", "--out-dir", str(out_dir), *extra],
+        [sys.executable, str(EXPERIMENTS / script), "--quick", "--out-dir", str(out_dir), *extra],
         capture_output=True,
         text=True,
         timeout=170,
@@ -31,24 +277,18 @@ def _run(script: str, out_dir: Path, *extra: str) -> str:
     return proc.stdout
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(175)
 def test_bench_pipeline_quick(tmp_path):
-    stdout = _run("bench_pipeline.py", tmp_path, "--overhead-repeats", "1")
+    stdout = _run("bench_pipeline.py", tmp_path, "--repeats", "2")
     overhead = _rows(tmp_path / "pipeline_overhead.csv")
-    assert len(overhead) == 1
-    row = overhead[0]
-    assert {"hand_samples_per_s", "trainer_samples_per_s", "ratio", "fast_ratio", "max_loss_diff"} <= set(row)
-    hand, trainer = float(row["hand_samples_per_s"]), float(row["trainer_samples_per_s"])
-    assert hand > 0 and trainer > 0
-    assert math.isclose(float(row["ratio"]), trainer / hand, rel_tol=1e-3)
-    # Same weights, same batches, same schedule: the hand loop and the Trainer train identically.
-    assert float(row["max_loss_diff"]) < 1e-4
+    assert [r["first"] for r in overhead] == ["hand", "trainer"]  # the order alternates
+    for row in overhead:
+        hand, trainer = float(row["hand_samples_per_s"]), float(row["trainer_samples_per_s"])
+        assert hand > 0 and trainer > 0
+        assert math.isclose(float(row["ratio"]), trainer / hand, rel_tol=1e-3)
+        # Same weights, same batches, same schedule: the hand loop and the Trainer train identically.
+        assert float(row["max_loss_diff"]) < 1e-4
 
     sweep = _rows(tmp_path / "pipeline_microbatches.csv")
     kinds = {(r["kind"], r["schedule"], int(r["num_microbatches"])) for r in sweep}
@@ -57,12 +297,13 @@ def test_bench_pipeline_quick(tmp_path):
     assert ("single_alone", "-", 1) in kinds
     for r in sweep:
         m = int(r["num_microbatches"])
-        assert float(r["samples_per_s"]) > 0
+        assert float(r["samples_per_s_min"]) <= float(r["samples_per_s"]) <= float(r["samples_per_s_max"])
         assert math.isclose(float(r["ideal_bubble_efficiency"]), m / (m + 1), rel_tol=1e-3)
         if r["kind"] == "pipeline":
-            assert 0 < float(r["efficiency"]) < 10
+            assert 0 < float(r["efficiency_min"]) <= float(r["efficiency"]) <= float(r["efficiency_max"]) < 10
     assert (tmp_path / "pipeline_microbatches.png").stat().st_size > 10_000
     assert "parallelism" in stdout
+    assert [r["experiment"] for r in _rows(tmp_path / "machine.csv")] == ["pipeline"]
 
 
 @pytest.mark.multiprocess

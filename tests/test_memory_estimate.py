@@ -225,7 +225,7 @@ def test_more_stages_than_layers_is_a_clear_error():
 
 def test_a_pipeline_strategy_is_read_through_its_attributes():
     strategy = PipelineStrategy(
-        num_stages=2, num_microbatches=8, schedule="gpipe", shard_optimizer_state=True,
+        pipeline_size=2, num_microbatches=8, schedule="gpipe", shard_optimizer_state=True,
         activation_checkpointing=["layers.1"],
     )  # fmt: skip
     config = resolve(strategy, devices=4, precision="bf16-mixed")

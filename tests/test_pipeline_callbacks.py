@@ -39,7 +39,7 @@ def test_accumulation_and_all_reduced_metrics_under_pipeline_x_data_parallel(tmp
         logger=CSVLogger(tmp_path / "ref", name="", version=""), **common,
     )[0]  # fmt: skip
     torch.manual_seed(0)
-    strategy = PipelineStrategy(num_stages=2, num_microbatches=4, start_method="spawn")
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, start_method="spawn")
     records = fit(
         SequentialRegressor(), loader(data, 8), tmp_path / "pp", devices=4, strategy=strategy,
         val_dataloaders=loader(val, 4), callbacks=callbacks(),

@@ -3,14 +3,14 @@
 import pytest
 import torch
 from mp_harness import quiet_trainer
-from tiny_models import SequentialRegressor, loader, regression_data
+from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 from torch import nn
 
 from lightning_parallel import PipelineStrategy
 
 
 def _fit(model, devices=1, max_steps=2, batch_size=8, **strategy_kwargs):
-    strategy_kwargs.setdefault("num_stages", 1 if devices == 1 else 2)
+    strategy_kwargs.setdefault("pipeline_size", 1 if devices == 1 else 2)
     trainer = quiet_trainer(
         devices=devices, strategy=PipelineStrategy(**strategy_kwargs), max_steps=max_steps
     )
@@ -26,23 +26,12 @@ def _fit(model, devices=1, max_steps=2, batch_size=8, **strategy_kwargs):
         (dict(schedule="1f1b", stages_per_rank=2), "stages_per_rank>=2 with the interleaved"),
         (dict(partition="random"), "unknown partition 'random'"),
         (dict(num_microbatches=0), "num_microbatches must be a positive int"),
-        (dict(num_stages=-1), "num_stages must be a positive int"),
+        (dict(pipeline_size=-1), "pipeline_size must be a positive int"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PipelineStrategy(**kwargs)
-
-
-class NoSequential(SequentialRegressor):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(self.layers)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 class TwoSequentials(SequentialRegressor):
@@ -66,33 +55,20 @@ class ManualOptimization(SequentialRegressor):
         self.automatic_optimization = False
 
 
-class TiedAcrossStages(SequentialRegressor):
-    def __init__(self):
-        super().__init__(d_in=16, hidden=16, d_out=16)
-        self.layers[-1].weight = self.layers[0][0].weight
-
-
 @pytest.mark.parametrize(
     ("model", "kwargs", "error", "match"),
     [
-        (NoSequential, {}, ValueError, r"no top-level nn.Sequential to pipeline: put the layers in one"),
         (TwoSequentials, {}, ValueError, r"several top-level nn.Sequential children \(layers, extra\)"),
         (TwoSequentials, dict(module_name="extra2"), ValueError, r"module_name='extra2' names a NoneType"),
         (ParameterOutside, {}, ValueError, r"parameters outside the pipelined Sequential `layers`: scale"),
-        (ManualOptimization, {}, RuntimeError, r"supports automatic optimization only"),
-        (SequentialRegressor, dict(num_stages=2), ValueError, r"num_stages \(2\) does not divide"),
+        (ManualOptimization, {}, ValueError, r"supports automatic optimization only"),
+        (SequentialRegressor, dict(pipeline_size=2), ValueError, r"pipeline_size \(2\) does not divide"),
         (SequentialRegressor, dict(num_microbatches=16), ValueError, r"batch of 8 samples cannot feed"),
         (
             SequentialRegressor,
             dict(schedule="interleaved_1f1b", stages_per_rank=8),
             ValueError,
-            r"num_stages x stages_per_rank \(1 x 8\) is larger than the number of layers in `layers` \(4\)",
-        ),
-        (
-            TiedAcrossStages,
-            dict(schedule="interleaved_1f1b", stages_per_rank=2),
-            ValueError,
-            r"tied weights across pipeline stages are not supported",
+            r"pipeline_size x stages_per_rank \(1 x 8\) is larger than the number of layers in `layers`",
         ),
     ],
 )
@@ -138,3 +114,73 @@ class FailsOnLastStage(SequentialRegressor):
 def test_a_failing_rank_ends_the_job_with_its_message(model, match):
     with pytest.raises(Exception, match=match):
         _fit(model(), devices=2, max_steps=4, start_method="spawn", partition=[2, 2])
+
+
+class BranchesOnValues(TinyGPT):
+    def forward(self, idx):
+        if idx.sum() > 0:  # a Python branch on a tensor value: torch.export cannot capture it
+            return super().forward(idx)
+        return super().forward(idx + 1)
+
+
+class WithBatchNorm(TinyGPT):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+
+
+def _fit_gpt(model, **strategy_kwargs):
+    strategy_kwargs.setdefault("pipeline_size", 1)
+    trainer = quiet_trainer(devices=1, strategy=PipelineStrategy(**strategy_kwargs), max_steps=1)
+    trainer.fit(model, loader(token_data(16), 8))
+
+
+TRACED_ERRORS = {
+    "unknown split point": (
+        TinyGPT(), dict(split_points=["h.9"]), ValueError,
+        r"TinyGPT has no submodule 'h.9'; the blocks are h.0 .. h.3",
+    ),
+    "split points do not match the stages": (
+        TinyGPT(), dict(split_points=["h.1"]), ValueError,
+        r"names 1 stage beginnings \(\['h.1'\]\), which make 2 stages, but the pipeline has 1",
+    ),
+    "split points out of order": (
+        TinyGPT(), dict(split_points=["h.2", "h.1"], stages_per_rank=3, schedule="looped_bfs"), ValueError,
+        "in the order forward calls them",
+    ),
+    "more stages than blocks": (
+        TinyGPT(depth=1), dict(stages_per_rank=2, schedule="interleaved_1f1b"), ValueError,
+        r"\(1 x 2\) is larger than the number of blocks in `h` \(1\)",
+    ),
+    "interleaved on one rank": (
+        TinyGPT(), dict(stages_per_rank=2, schedule="interleaved_1f1b"), ValueError,
+        "stages_per_rank=2 on one pipeline rank",
+    ),
+    "batch norm": (
+        WithBatchNorm(), {}, ValueError, "`norm` is a BatchNorm1d that updates its running statistics"
+    ),
+    "split points as a string": (
+        TinyGPT(), dict(split_points="h.1"), TypeError, "split_points must be a list of module paths"
+    ),
+    "split points and partition": (
+        TinyGPT(), dict(split_points=["h.1"], partition="parameters"), ValueError, "drop partition="
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "error", "match"), list(TRACED_ERRORS.values()), ids=list(TRACED_ERRORS)
+)
+def test_bad_traced_models_fail_at_setup(model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _fit_gpt(model, **kwargs)
+
+
+def test_a_forward_torch_export_cannot_capture_says_where_and_the_two_ways_out():
+    with pytest.raises(
+        RuntimeError, match=r"could not trace BranchesOnValues.forward with torch.export"
+    ) as info:
+        _fit_gpt(BranchesOnValues())
+    message = str(info.value)
+    assert "test_pipeline_errors.py:" in message  # where export stopped, in the user's code
+    assert "make forward exportable" in message and "top-level nn.Sequential" in message

@@ -4,7 +4,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from mp_harness import load_rank_results, quiet_trainer
-from tiny_models import SequentialRegressor, loader, regression_data
+from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
 
@@ -36,7 +36,7 @@ def test_meta_initialised_model_materialises_only_the_local_stage(tmp_path):
         devices=2,
         max_steps=1,
         callbacks=[RecordStageMemory(tmp_path)],
-        strategy=PipelineStrategy(num_stages=2, partition="parameters", start_method="spawn"),
+        strategy=PipelineStrategy(pipeline_size=2, partition="parameters", start_method="spawn"),
     )
     with trainer.init_module(empty_init=True):
         model = SequentialRegressor(d_in=64, hidden=64, depth=7)
@@ -57,3 +57,36 @@ def test_meta_initialised_model_materialises_only_the_local_stage(tmp_path):
     # the user's object in the main process gets real, trained weights back
     assert not any(p.is_meta for p in model.parameters())
     assert torch.isfinite(torch.cat([p.flatten() for p in model.parameters()])).all()
+
+
+class RecordTiedReplica(RecordStageMemory):
+    def on_train_start(self, trainer, pl_module):
+        super().on_train_start(trainer, pl_module)
+        record = torch.load(f"{self.out_dir}/fit-rank{trainer.global_rank}.pt", weights_only=False)
+        tied = dict(pl_module.named_parameters(remove_duplicate=False))
+        record["tied"] = next(tied[n].detach().clone() for n in ("wte.weight", "lm_head.weight") if n in tied)
+        torch.save(record, f"{self.out_dir}/fit-rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_meta_initialised_gpt_is_traced_on_meta_and_keeps_one_replica_per_stage(tmp_path):
+    trainer = quiet_trainer(
+        devices=2, max_steps=1, callbacks=[RecordTiedReplica(tmp_path)],
+        strategy=PipelineStrategy(pipeline_size=2, start_method="spawn"),
+    )  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        model = TinyGPT(dim=16, depth=4)
+    assert all(p.is_meta for p in model.parameters())
+    full = {n: p.numel() * 4 for n, p in model.named_parameters()}
+    trainer.fit(model, loader(token_data(16), 8))
+
+    first, last = load_rank_results(tmp_path)
+    assert first["meta"] == 0 and last["meta"] == 0
+    assert first["names"] == sorted(
+        ["wte.weight", "wpe.weight", *(n for n in full if n.startswith(("h.0.", "h.1.")))]
+    )
+    assert "lm_head.weight" in last["names"] and "wte.weight" not in last["names"]
+    # The tied weight was initialised by each rank, then every replica took the owner's (stage 0's) values.
+    assert torch.equal(first["tied"], last["tied"])
+    assert model.lm_head.weight is model.wte.weight and not model.wte.weight.is_meta

@@ -66,9 +66,9 @@ def _reference(tmp_path, name, epochs, **kwargs):
 
 def _pipeline(tmp_path, name, devices, epochs, **kwargs):
     torch.manual_seed(0)
-    strategy_kwargs = dict(num_stages=2, num_microbatches=4, start_method="spawn")
+    strategy_kwargs = dict(pipeline_size=2, num_microbatches=4, start_method="spawn")
     strategy_kwargs.update(kwargs.pop("strategy_kwargs", {}))
-    dp = devices // strategy_kwargs["num_stages"]
+    dp = devices // strategy_kwargs["pipeline_size"]
     return fit(
         ScheduledAdamW(), loader(regression_data(N_SAMPLES), GLOBAL_BATCH // dp), tmp_path / name,
         devices=devices, strategy=PipelineStrategy(**strategy_kwargs), max_epochs=epochs,
@@ -153,7 +153,7 @@ def test_activation_checkpointing_matches_one_device(tmp_path):
 def test_activation_checkpointing_names_are_checked_against_the_whole_sequential():
     trainer = quiet_trainer(
         devices=1, max_steps=1,
-        strategy=PipelineStrategy(num_stages=1, activation_checkpointing=["layers.1", "layers.9"]),
+        strategy=PipelineStrategy(pipeline_size=1, activation_checkpointing=["layers.1", "layers.9"]),
     )  # fmt: skip
     match = r"do not exist: \['layers.9'\]; the units are \['layers.0', 'layers.1'"
     with pytest.raises(ValueError, match=match):

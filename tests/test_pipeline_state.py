@@ -17,7 +17,7 @@ def _trainer(devices, strategy, tmp_path, **kw):
 
 
 def _pipeline(**kw):
-    kw.setdefault("num_stages", 2)
+    kw.setdefault("pipeline_size", 2)
     return PipelineStrategy(num_microbatches=4, schedule="1f1b", start_method="spawn", **kw)
 
 
@@ -102,7 +102,7 @@ def test_resume_at_another_shape_continues_exactly(tmp_path, resume_as):
     if resume_as == "single device":
         devices, strategy, batch = 1, "auto", reference_loader(DATA, 16)
     else:
-        devices, strategy, batch = 2, _pipeline(num_stages=1), loader(DATA, 8)
+        devices, strategy, batch = 2, _pipeline(pipeline_size=1), loader(DATA, 8)
     resumed = quiet_trainer(devices=devices, strategy=strategy, max_epochs=2)
     model = SequentialRegressor(adam=True)
     resumed.fit(model, batch, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
@@ -120,13 +120,13 @@ def test_resuming_with_a_mismatched_model_or_optimizer_is_a_clear_error(tmp_path
     )  # fmt: skip
     path = tmp_path / "ckpt" / "last.ckpt"
     with pytest.raises(Exception, match=r"resume with the same optimizer"):
-        _trainer(1, _pipeline(num_stages=1), tmp_path, max_epochs=2).fit(
+        _trainer(1, _pipeline(pipeline_size=1), tmp_path, max_epochs=2).fit(
             SequentialRegressor(adam=False), loader(DATA, 16), ckpt_path=path
         )
     mismatch = r"does not match SequentialRegressor: missing keys \['layers.3.0.bias'.*unexpected keys"
     with pytest.raises(Exception, match=mismatch + r" \['layers.3.bias'"):
         deeper = SequentialRegressor(adam=True, depth=5)
-        _trainer(1, _pipeline(num_stages=1), tmp_path, max_epochs=2).fit(
+        _trainer(1, _pipeline(pipeline_size=1), tmp_path, max_epochs=2).fit(
             deeper, loader(DATA, 16), ckpt_path=path
         )
 

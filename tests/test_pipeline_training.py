@@ -25,10 +25,10 @@ def _logged(log_dir, key):
 
 
 CASES = {
-    "gpipe-2x1": dict(devices=2, num_stages=2, schedule="gpipe"),
-    "1f1b-2x1": dict(devices=2, num_stages=2, schedule="1f1b"),
-    "interleaved-2x1x2": dict(devices=2, num_stages=2, schedule="interleaved_1f1b", stages_per_rank=2),
-    "1f1b-2x2": dict(devices=4, num_stages=2, schedule="1f1b"),
+    "gpipe-2x1": dict(devices=2, pipeline_size=2, schedule="gpipe"),
+    "1f1b-2x1": dict(devices=2, pipeline_size=2, schedule="1f1b"),
+    "interleaved-2x1x2": dict(devices=2, pipeline_size=2, schedule="interleaved_1f1b", stages_per_rank=2),
+    "1f1b-2x2": dict(devices=4, pipeline_size=2, schedule="1f1b"),
 }
 
 
@@ -38,7 +38,7 @@ CASES = {
 def test_training_matches_single_device(tmp_path, case):
     cfg = dict(CASES[case])
     devices = cfg.pop("devices")
-    dp = devices // cfg["num_stages"]
+    dp = devices // cfg["pipeline_size"]
     global_batch = 16
     data = regression_data(N_SAMPLES)
 
@@ -104,7 +104,7 @@ def test_changing_sequence_lengths_and_validation_batch_size(tmp_path):
     )[0]  # fmt: skip
     torch.manual_seed(0)
     model = TokenModel()
-    strategy = PipelineStrategy(num_stages=2, num_microbatches=4, schedule="1f1b", start_method="spawn")
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, schedule="1f1b", start_method="spawn")
     records = fit(
         model, loader(data, 8), tmp_path / "pp", devices=2, strategy=strategy,
         val_dataloaders=loader(val, 5), logger=CSVLogger(tmp_path / "pp" / "logs", name="", version=""), **kw,
@@ -117,3 +117,28 @@ def test_changing_sequence_lengths_and_validation_batch_size(tmp_path):
         )
         assert len(pp_values) == len(ref_values) > 0, key
         torch.testing.assert_close(torch.tensor(pp_values), torch.tensor(ref_values), rtol=1e-5, atol=1e-6)
+
+
+class TiedEnds(SequentialRegressor):
+    """The first and the last layer of the Sequential share one weight (they fall on different stages)."""
+
+    def __init__(self):
+        super().__init__(d_in=16, hidden=16, d_out=16, adam=True)
+        self.layers[-1].weight = self.layers[0][0].weight
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_weights_tied_across_stages_of_a_sequential_match_single_device(tmp_path):
+    data = regression_data(32, d_in=16, d_out=16)
+    torch.manual_seed(0)
+    ref = fit(TiedEnds(), reference_loader(data, 8), tmp_path / "ref", devices=1, gradient_clip_val=0.5)[0]
+    torch.manual_seed(0)
+    model = TiedEnds()
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method="spawn")
+    first, last = fit(
+        model, loader(data, 8), tmp_path / "pp", devices=2, strategy=strategy, gradient_clip_val=0.5
+    )
+    assert_close_dicts({**first["params"], **last["params"]}, ref["params"])
+    assert torch.equal(first["params"]["layers.0.0.weight"], last["params"]["layers.3.weight"])
+    assert model.layers[3].weight is model.layers[0][0].weight

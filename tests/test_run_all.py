@@ -2,14 +2,14 @@
 
 No benchmark runs here: the tables are built from the committed CSVs in experiments/results/ (copied to a
 temporary directory, so the test never writes into the repository), and the run loop is exercised with
-two stand-in scripts.
+stand-in scripts. Every number in the block must come from a CSV, and every timing must show its range.
 """
 
 from __future__ import annotations
 
 import bisect
 import csv
-import importlib.util
+import importlib
 import re
 import shutil
 import statistics
@@ -22,16 +22,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?")
+START, END = "<!-- results:start -->", "<!-- results:end -->"
 
-spec = importlib.util.spec_from_file_location("run_all", ROOT / "experiments" / "run_all.py")
-run_all = importlib.util.module_from_spec(spec)
-sys.modules["run_all"] = run_all  # dataclasses look their module up there
-spec.loader.exec_module(run_all)
+
+@pytest.fixture(scope="module")
+def run_all():
+    """experiments/run_all.py, imported as ``python experiments/run_all.py`` sees its neighbours."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(ROOT / "experiments"))
+        yield importlib.import_module("run_all")
+
 
 README_STUB = "# Project\n\nIntro text.\n\n## Results\n\n{start}\nstale\n{end}\n\n## After\n\nMore text.\n"
 
 
-def _readme_with_markers(tmp_path: Path) -> Path:
+def _readme_with_markers(run_all, tmp_path: Path) -> Path:
     """A copy of the real README, with the markers added at the end if it has none yet."""
     text = (ROOT / "README.md").read_text()
     if run_all.START not in text:
@@ -49,13 +54,18 @@ def _results_copy(tmp_path: Path) -> Path:
     return out
 
 
+def _read(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def _outside(text: str) -> tuple[str, str]:
-    head, rest = text.split(run_all.START)
-    return head, rest.split(run_all.END, 1)[1]
+    head, rest = text.split(START)
+    return head, rest.split(END, 1)[1]
 
 
 def _block(text: str) -> str:
-    return text.split(run_all.START)[1].split(run_all.END)[0]
+    return text.split(START)[1].split(END)[0]
 
 
 # ------------------------------------------------------- the test's own derivation of allowed numbers
@@ -134,8 +144,8 @@ def _unexplained_numbers(block: str, results: Path) -> list[str]:
 # -------------------------------------------------------------------------------------------- tests
 
 
-def test_skip_run_rewrites_only_the_block(tmp_path):
-    readme, results = _readme_with_markers(tmp_path), _results_copy(tmp_path)
+def test_skip_run_rewrites_only_the_block(run_all, tmp_path):
+    readme, results = _readme_with_markers(run_all, tmp_path), _results_copy(tmp_path)
     before = readme.read_text()
     cmd = [sys.executable, str(ROOT / "experiments" / "run_all.py"), "--skip-run"]
     cmd += ["--readme", str(readme), "--results", str(results)]
@@ -155,7 +165,7 @@ def test_skip_run_rewrites_only_the_block(tmp_path):
     assert readme.read_text() == after
 
 
-def test_every_number_in_the_block_comes_from_a_csv(tmp_path):
+def test_every_number_in_the_block_comes_from_a_csv(run_all, tmp_path):
     results = _results_copy(tmp_path)
     run_all.backfill_machines(results)
     block = run_all.build_block(results, tmp_path)
@@ -167,11 +177,42 @@ def test_every_number_in_the_block_comes_from_a_csv(tmp_path):
 
 # The key numbers each table must show: changing any one of these columns must change the table.
 KEY_COLUMNS = {
+    "watchdog": ["step_ms", "ratio"],
+    "watchdog_calls": ["call_us", "added_us"],
+    "gpt_pipeline": ["samples_per_s", "step_ms", "ratio", "tied_ms", "tied_share"],
+    "gpt_tracing": ["trace_s", "trace_s_min", "trace_s_max"],
     "pipeline_overhead": ["hand_samples_per_s", "trainer_samples_per_s", "ratio", "fast_ratio"],
-    "pipeline_microbatches": ["samples_per_s", "efficiency", "ideal_bubble_efficiency"],
+    "pipeline_microbatches": [
+        "samples_per_s",
+        "samples_per_s_min",
+        "samples_per_s_max",
+        "efficiency",
+        "efficiency_min",
+        "efficiency_max",
+        "ideal_bubble_efficiency",
+        "parallelism",
+    ],
     "pipeline_memory": ["ppo_bytes", "ppo_vs_ddp", "activation_peak_bytes", "max_rss_mb"],
-    "metric_sync": ["collectives_per_step", "step_ms", "no_sync_step_ms", "overhead_ms"],
-    "checkpoint_bench": ["stall_s", "total_s", "extra_mib"],
+    "metric_sync": [
+        "collectives_per_step",
+        "step_ms",
+        "step_ms_max",
+        "no_sync_step_ms",
+        "no_sync_step_ms_min",
+        "overhead_ms",
+        "overhead_ms_min",
+        "overhead_ms_max",
+    ],
+    "metric_sync_reduce": [
+        "collectives_per_step",
+        "per_metric_us",
+        "per_metric_us_min",
+        "per_metric_us_max",
+        "ratio_vs_sync_dist",
+        "ratio_vs_sync_dist_min",
+        "ratio_vs_sync_dist_max",
+    ],
+    "checkpoint_bench": ["stall_s", "total_s", "extra_mib", "stall_vs_model_checkpoint"],
     "checkpoint_kill": [
         "kills",
         "files_present",
@@ -181,7 +222,16 @@ KEY_COLUMNS = {
         "orphan_mib",
     ],
     "accumulation_equivalence": ["loss"],
-    "scaling_charlm": ["samples_per_s", "ratio_vs_1_process", "train_loss", "val_loss", "wall_s"],
+    "scaling_charlm": [
+        "samples_per_s",
+        "samples_per_s_min",
+        "ratio_vs_1_process",
+        "ratio_vs_1_process_max",
+        "train_loss",
+        "val_loss",
+        "wall_s",
+        "wall_s_min",
+    ],
 }
 
 
@@ -189,14 +239,14 @@ def _scaled(value: str) -> str:
     return f"{float(value) * 3 + 0.125:.6g}" if value else ""
 
 
-def test_each_table_follows_its_csv(tmp_path):
+def test_each_table_follows_its_csv(run_all, tmp_path):
     """Changing one key column of a CSV changes its table, and the new numbers come from the CSV."""
     results = _results_copy(tmp_path)
     builders = {b.__name__: b for q in run_all.QUESTIONS for b in q.tables}
     assert set(builders) == set(KEY_COLUMNS)
     for name, builder in builders.items():
         path = results / f"{name}.csv"
-        original = run_all.read_csv(path)
+        original = _read(path)
         for column in KEY_COLUMNS[name]:
             changed = [
                 r | {column: f"{float(r[column]) * 3 + 0.125:.6g}" if r[column] else ""} for r in original
@@ -205,12 +255,12 @@ def test_each_table_follows_its_csv(tmp_path):
                 writer = csv.DictWriter(f, fieldnames=list(original[0]))
                 writer.writeheader()
                 writer.writerows(changed)
-            table = builder(run_all.read_csv(path))
+            table = builder(_read(path))
             assert table != builder(original), (name, column)
             assert _unexplained_numbers(table, results) == [], (name, column)
 
 
-def test_missing_csv_and_missing_markers(tmp_path):
+def test_missing_csv_and_missing_markers(run_all, tmp_path):
     (tmp_path / "results").mkdir()
     block = run_all.build_block(tmp_path / "results", tmp_path)
     assert block.count("_No results yet: run `python experiments/run_all.py --only ") == sum(
@@ -224,7 +274,7 @@ def test_missing_csv_and_missing_markers(tmp_path):
     assert run_all.replace_block(text, "NEW") == text.replace("stale", "NEW")
 
 
-def test_a_layout_change_names_the_csv_and_the_function(tmp_path):
+def test_a_layout_change_names_the_csv_and_the_function(run_all, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     (results / "metric_sync.csv").write_text("k,mode\n1,sync_dist\n")
@@ -232,7 +282,7 @@ def test_a_layout_change_names_the_csv_and_the_function(tmp_path):
         run_all.build_block(results, tmp_path)
 
 
-def test_runs_stream_in_order_and_the_first_failure_stops_everything(tmp_path, monkeypatch, capfd):
+def test_runs_stream_in_order_and_the_first_failure_stops_everything(run_all, tmp_path, monkeypatch, capfd):
     scripts, results = tmp_path / "scripts", tmp_path / "results"
     scripts.mkdir()
     results.mkdir()
@@ -250,13 +300,120 @@ def test_runs_stream_in_order_and_the_first_failure_stops_everything(tmp_path, m
     out = capfd.readouterr().out
     assert "ok ran" in out and "bad ran" in out and "never ran" not in out
     assert readme.read_text() == before
-    assert [r["experiment"] for r in run_all.read_csv(results / "machine.csv")] == ["ok"]
-    # --only runs just that one, then rewrites the block.
+    assert [r["experiment"] for r in _read(results / "run_all.csv")] == ["ok"]
+    # --only runs just that one, records its time (no total: not a full run), rewrites the block.
     run_all.main(["--only", "never", "--readme", str(readme)])
     assert "never ran" in capfd.readouterr().out
     assert "stale" not in readme.read_text()
+    times = _read(results / "run_all.csv")
+    assert [r["experiment"] for r in times] == ["ok", "never"]
+    assert all(float(r["wall_s"]) >= 0 and r["load_avg_1min"] for r in times)
+    assert "`make experiments` took" not in readme.read_text()
     # Markers are checked before anything runs.
     readme.write_text("# no markers\n")
     with pytest.raises(SystemExit, match=r"README\.md: the README needs exactly one"):
         run_all.main(["--only", "ok", "--readme", str(readme)])
     assert "ok ran" not in capfd.readouterr().out
+
+
+def test_a_full_run_records_and_states_its_total_time(run_all, tmp_path, monkeypatch):
+    scripts, results = tmp_path / "scripts", tmp_path / "results"
+    scripts.mkdir()
+    results.mkdir()
+    (scripts / "ok.py").write_text("import time\ntime.sleep(0.2)\n")
+    monkeypatch.setattr(run_all, "HERE", scripts)
+    monkeypatch.setattr(run_all, "RESULTS", results)
+    monkeypatch.setattr(run_all, "EXPERIMENTS", {"ok": "ok.py"})
+    readme = tmp_path / "README.md"
+    readme.write_text(README_STUB.format(start=START, end=END))
+    run_all.main(["--readme", str(readme)])
+    times = {r["experiment"]: r for r in _read(results / "run_all.csv")}
+    assert list(times) == ["ok", run_all.ALL]
+    assert float(times[run_all.ALL]["wall_s"]) >= float(times["ok"]["wall_s"]) >= 0
+    total = times[run_all.ALL]
+    assert f"`make experiments` took {total['wall_min']} min in all on {total['date']}" in readme.read_text()
+
+
+# ------------------------------------------------------------------ every timing with its range
+
+# Headers of timing columns: throughputs, times, and ratios or efficiencies built from them.
+TIMING_HEADER = re.compile(
+    r"samples/s|\bms\b|\bus\b|(?<!')\bs\b|stall|efficiency|overhead|Trainer / hand|/ sync_dist|"
+    r"vs one process|vs ModelCheckpoint|vs no sync|ratio|wall",
+    re.IGNORECASE,
+)
+RANGED = re.compile(r"^-?\d+(?:\.\d+)? \(-?\d+(?:\.\d+)? \.\. -?\d+(?:\.\d+)?\)(?:, [a-z ]+)?$")
+TIMED_TABLES = {
+    "pipeline_overhead",
+    "pipeline_microbatches",
+    "metric_sync",
+    "metric_sync_reduce",
+    "checkpoint_bench",
+    "scaling_charlm",
+}
+
+
+def _tables_in(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """The markdown tables of ``text``: (header, rows of cells)."""
+    tables, lines = [], [ln.strip() for ln in text.splitlines()]
+    for i, line in enumerate(lines):
+        if line.startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            body = []
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                body.append([c.strip() for c in row.strip("|").split("|")])
+            tables.append(([c.strip() for c in line.strip("|").split("|")], body))
+    return tables
+
+
+def _unranged_timings(text: str) -> tuple[int, list[str]]:
+    """How many timing columns ``text``'s tables have, and each timing cell that lacks its range."""
+    columns, problems = 0, []
+    for header, body in _tables_in(text):
+        for j, name in enumerate(header):
+            if TIMING_HEADER.search(name):
+                columns += 1
+                problems += [
+                    f"{name}: {row[j]}" for row in body if row[j] != "-" and not RANGED.match(row[j])
+                ]
+    return columns, problems
+
+
+def test_every_timing_column_in_the_block_comes_with_its_range(run_all, tmp_path):
+    results = _results_copy(tmp_path)
+    block = run_all.build_block(results, tmp_path)
+    columns, problems = _unranged_timings(block)
+    assert problems == []
+    builders = {b.__name__: b for q in run_all.QUESTIONS for b in q.tables}
+    for name in TIMED_TABLES:  # every timing table has timing columns the check recognises
+        assert _unranged_timings(builders[name](_read(results / f"{name}.csv")))[0] > 0, name
+    assert columns >= 20
+    # The check itself catches a timing shown without its range.
+    bare = block + "\n\n| run | step ms |\n|---|---|\n| x | 12.5 |\n"
+    assert _unranged_timings(bare)[1] == ["step ms: 12.5"]
+
+
+def _with_column(rows: list[dict[str, str]], **columns: list[str]) -> list[dict[str, str]]:
+    return [r | {k: v[i % len(v)] for k, v in columns.items()} for i, r in enumerate(rows)]
+
+
+def test_a_range_across_parity_or_the_goal_is_within_noise(run_all):
+    tables = sys.modules["_tables"]
+    overhead = _read(RESULTS / "pipeline_overhead.csv")
+    noisy = tables.pipeline_overhead(_with_column(overhead, ratio=["0.90", "0.97", "1.02"], goal=["0.95"]))
+    assert "0.97 (0.90 .. 1.02), within noise" in noisy
+    clear = tables.pipeline_overhead(_with_column(overhead, ratio=["0.96", "0.97", "0.99"], goal=["0.95"]))
+    assert "0.97 (0.96 .. 0.99), meets the goal in every repeat" in clear
+    scaling = _read(RESULTS / "scaling_charlm.csv")
+    crossing = _with_column(scaling, ratio_vs_1_process_min=["0.8"], ratio_vs_1_process_max=["1.3"])
+    assert "within noise" in tables.scaling_charlm(crossing)
+    above = _with_column(scaling, ratio_vs_1_process_min=["1.1"], ratio_vs_1_process_max=["1.9"])
+    assert "faster in every repeat" in tables.scaling_charlm(above)
+    saves = _read(RESULTS / "checkpoint_bench.csv")
+    stalls = {"ModelCheckpoint (TorchCheckpointIO)": ["1.0"], "Rank0Checkpoint sync": ["0.7", "1.2"]}
+    mixed = [
+        r | {"stall_vs_model_checkpoint": (v := stalls.get(r["method"], ["0.1"]))[i % len(v)]}
+        for i, r in enumerate(saves)
+    ]
+    assert "within noise" in tables.checkpoint_bench(mixed)

@@ -110,3 +110,85 @@ class VariableLengthTokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.items[i]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention, the mask built in forward (as nanoGPT does without flash)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        # No bias: the key bias has an exactly-zero gradient (softmax ignores it), and AdamW would turn
+        # its rounding noise into updates that differ between any two ways of computing it.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, 2))
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+        y = att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(dim), CausalSelfAttention(dim, heads)
+        self.ln_2, self.mlp = (
+            nn.LayerNorm(dim),
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(L.LightningModule):
+    """A nanoGPT-shaped LM: wte + wpe, a ModuleList of blocks, ln_f, lm_head tied to wte. No Sequential."""
+
+    def __init__(self, vocab: int = 13, dim: int = 8, depth: int = 4, heads: int = 2, block_size: int = 8,
+                 lr: float = 0.05):  # fmt: skip
+        super().__init__()
+        self.lr = lr
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(block_size, dim)
+        self.h = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def token_data(n: int = 48, t: int = 8, vocab: int = 13, seed: int = 0) -> TensorDataset:
+    """Sequences with a learnable pattern (next token = token + 1 mod vocab, with noise)."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    seq = (start + torch.arange(t + 1)) % vocab
+    flip = torch.rand(n, t + 1, generator=g) < 0.1
+    seq = torch.where(flip, torch.randint(0, vocab, (n, t + 1), generator=g), seq)
+    return TensorDataset(seq[:, :-1], seq[:, 1:])

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.fit_loop import _FitLoop
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
+from lightning_parallel.callbacks._checkpoint_strategies import check_strategy_internals
+from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
 from lightning_parallel.io import atomic
 
 # --- Lightning internals (checked against Lightning 2.6.6) --------------------------------------------
@@ -40,6 +45,9 @@ def check_lightning_internals() -> None:
     loop_src = inspect.getsource(_FitLoop.setup_data)
     if "iter(self._data_fetcher)" not in loop_src or "combined_loader.limits" not in loop_src:
         problems.append("_FitLoop.setup_data no longer creates the iterator/limits as _restart_epoch expects")
+    if "isinstance(loader, _Stateful)" not in inspect.getsource(_TrainingEpochLoop.reset):
+        problems.append("_TrainingEpochLoop.reset no longer asks _Stateful before warning 'not resumable'")
+    problems += check_strategy_internals()
     if problems:
         raise RuntimeError(
             f"Rank0Checkpoint relies on Lightning 2.6.6 internals that changed: {problems}; "
@@ -95,3 +103,26 @@ def _restart_epoch(trainer: pl.Trainer, num_batches: int) -> None:
         trainer.val_check_batch = num_batches  # validation "at the end of the epoch" stays there
     loop.max_batches = num_batches  # trainer.num_training_batches
     iter(loop._data_fetcher)
+
+
+def _mark_loader_resumable(loader: Any, sampler: ResumableDistributedSampler) -> Callable[[], None]:
+    """Let Lightning 2.6.6 see that ``loader`` resumed exactly; return the undo function.
+
+    After a mid-epoch restart ``_TrainingEpochLoop.reset`` warns that "your dataloader is not
+    resumable" unless every train loader has ``state_dict``/``load_state_dict`` (``_Stateful``).
+    Rank0Checkpoint has just put the sampler at its exact position, so the loader carries the
+    sampler's methods for that check. They come off at the first batch: while they are on, the fit
+    loop would also save a loader state into checkpoints, which a resume without Rank0Checkpoint
+    could not load.
+    """
+    own = vars(loader)
+    if "state_dict" in own or "load_state_dict" in own or isinstance(loader, _Stateful):
+        return lambda: None  # stateful already: Lightning does not warn
+    loader.state_dict = sampler.state_dict
+    loader.load_state_dict = sampler.load_state_dict
+
+    def undo() -> None:
+        vars(loader).pop("state_dict", None)
+        vars(loader).pop("load_state_dict", None)
+
+    return undo

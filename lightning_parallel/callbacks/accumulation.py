@@ -17,12 +17,11 @@ Loss-weighting protocol (what other strategies can rely on):
 
 Window boundaries follow Lightning (``batch_idx % accumulate_grad_batches``) whenever the factor is fixed
 within an epoch; only a ``global_batch_size`` ramp keyed by optimizer step needs the override in
-:func:`_override_window_boundaries`.
+:func:`~lightning_parallel.callbacks._accumulation_internals._override_window_boundaries`.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,6 +34,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_parallel.callbacks._accumulation_internals import (
+    _install_loss_multiplier,
+    _install_stepping_estimate,
+    _override_window_boundaries,
+    _set_train_progress_total,
+)
 from lightning_parallel.data.batching import (
     AccumulationPlan,
     Window,
@@ -46,6 +51,7 @@ from lightning_parallel.data.batching import (
     plan_from_global_batch,
     validate_schedule,
 )
+from lightning_parallel.data.step_count import batches_until_step, count_optimizer_steps
 from lightning_parallel.distributed.agree import failing_together
 
 __all__ = ["GradientAccumulationScheduler"]
@@ -80,8 +86,10 @@ class GradientAccumulationScheduler(Callback):
         its samples over the window's samples and step at the window's end by hand. The loss Lightning
         passes to ``on_train_batch_end`` is the batch's weighted share (it sums over a window to the
         rank's mean for that step); values logged with ``self.log`` in ``training_step`` are unscaled.
-        ``trainer.estimated_stepping_batches`` is computed before the loader is known, so an LR schedule
-        sized from it in ``configure_optimizers`` does not see the factor this callback sets.
+        ``trainer.estimated_stepping_batches`` counts the optimizer steps of this plan, ramps included
+        (read in ``configure_optimizers`` it loads the train dataloader, as Lightning's does), so
+        ``OneCycleLR(total_steps=trainer.estimated_stepping_batches)`` ends with the run. With
+        ``Trainer(max_steps=...)`` the progress bar counts the batches those steps take.
 
     Example::
 
@@ -127,6 +135,7 @@ class GradientAccumulationScheduler(Callback):
         self._logged: tuple[int, int] | None = None
         self._restore: list[Callable[[], None]] = []
         self._warned = False
+        self._progress_total_due = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -150,15 +159,31 @@ class GradientAccumulationScheduler(Callback):
                 "(handles_gradient_accumulation=True), so GradientAccumulationScheduler cannot set its "
                 "windows: configure accumulation in the strategy instead"
             )
+        self._restore.append(
+            _install_stepping_estimate(trainer, lambda lightning: self._stepping_batches(trainer, lightning))
+        )
+
+    def _stepping_batches(self, trainer: pl.Trainer, lightning: Callable[[], int | float]) -> int | float:
+        """``trainer.estimated_stepping_batches`` under this plan (Lightning's where no factor matters)."""
+        if trainer.max_epochs == -1:
+            return lightning()
+        if trainer.train_dataloader is None:
+            trainer.fit_loop.setup_data()  # what Lightning's estimate does
+        if trainer.train_dataloader is None or trainer.num_training_batches == float("inf"):
+            return lightning()
+        plan = self._make_plan(_loader_layout(trainer.train_dataloader)[0], trainer)
+        epochs = max(trainer.max_epochs or 1, 1)
+        return count_optimizer_steps(plan, int(trainer.num_training_batches), epochs, trainer.max_steps)
+
+    def _make_plan(self, per_device: int, trainer: pl.Trainer) -> AccumulationPlan:
+        dp_size = _data_parallel_size(trainer.strategy)
+        if self.global_batch_size is not None:
+            return plan_from_global_batch(self.global_batch_size, per_device, dp_size)
+        return plan_from_factors(self.scheduling, per_device, dp_size)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        per_device = self._agreed_layout(trainer)
-        dp_size = _data_parallel_size(trainer.strategy)
-        if self.global_batch_size is not None:
-            self.plan = plan_from_global_batch(self.global_batch_size, per_device, dp_size)
-        else:
-            self.plan = plan_from_factors(self.scheduling, per_device, dp_size)
+        self.plan = self._make_plan(self._agreed_layout(trainer), trainer)
         rank_zero_info(f"GradientAccumulationScheduler plan:\n{self.plan.format_table()}")
         self._restore.append(_install_loss_multiplier(pl_module, lambda: self._multiplier))
         if self.plan.changes_mid_epoch:
@@ -184,6 +209,7 @@ class GradientAccumulationScheduler(Callback):
         per_device, num_samples, drop_last = _loader_layout(trainer.train_dataloader)
         self._batch_sizes = epoch_batch_sizes(num_samples, per_device, _num_batches(trainer), drop_last)
         self._window = None
+        self._progress_total_due = True  # the progress bar sets its total after this hook
         if self.plan is not None and self.plan.unit == "epoch":
             # Lightning's own callback sets the factor here; keep that for code reading it at epoch start.
             trainer.accumulate_grad_batches = self.plan.factor_at(trainer.current_epoch)
@@ -192,6 +218,9 @@ class GradientAccumulationScheduler(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._progress_total_due:
+            self._progress_total_due = False
+            self._fix_progress_total(trainer)
         if self._window is None or batch_idx not in self._window:
             self._start_window(trainer, batch_idx)
         window = self._window
@@ -223,6 +252,15 @@ class GradientAccumulationScheduler(Callback):
         trainer.accumulate_grad_batches = 1
         self._window = None
         self._multiplier = 1.0
+
+    def _fix_progress_total(self, trainer: pl.Trainer) -> None:
+        # Lightning's bar counts one batch per step up to max_steps when max_epochs=-1.
+        if trainer.max_epochs != -1 or trainer.max_steps <= 0 or self.plan is None:
+            return
+        total = batches_until_step(
+            self.plan, len(self._batch_sizes), trainer.current_epoch, trainer.global_step, trainer.max_steps
+        )
+        _set_train_progress_total(trainer, total)
 
     def _start_window(self, trainer: pl.Trainer, batch_idx: int) -> None:
         index = trainer.global_step if self.plan.unit == "step" else trainer.current_epoch
@@ -308,87 +346,3 @@ def _batch_samples(batch: Any) -> int | None:
             return extract_batch_size(batch)
     except Exception:
         return None
-
-
-def _scale(output: Any, multiplier: float) -> Any:
-    if multiplier == 1.0 or output is None:
-        return output
-    if isinstance(output, Mapping):
-        return {**output, "loss": output["loss"] * multiplier}
-    return output * multiplier
-
-
-def _install_loss_multiplier(
-    pl_module: pl.LightningModule, multiplier: Callable[[], float]
-) -> Callable[[], None]:
-    """Wrap ``pl_module.training_step`` on the instance to scale its loss; return the undo function."""
-    own = vars(pl_module)
-    had_own, previous = "training_step" in own, own.get("training_step")
-    inner = pl_module.training_step
-
-    @functools.wraps(inner)
-    def training_step(*args: Any, **kwargs: Any) -> Any:
-        return _scale(inner(*args, **kwargs), multiplier())
-
-    pl_module.training_step = training_step
-
-    def restore() -> None:
-        if had_own:
-            pl_module.training_step = previous
-        else:
-            vars(pl_module).pop("training_step", None)
-
-    return restore
-
-
-def _override_window_boundaries(
-    trainer: pl.Trainer,
-    is_window_end: Callable[[int], bool | None],
-    is_window_start: Callable[[int], bool | None],
-) -> Callable[[], None]:
-    """Make Lightning step and zero gradients at our windows' edges; return the undo function.
-
-    Lightning 2.6.6 decides both by modulo of the in-epoch batch index: ``TrainingEpochLoop.
-    _accumulated_batches_reached`` (``ready % accumulate_grad_batches == 0``, behind every
-    ``_should_accumulate``: DDP no_sync, optimizer step, LR scheduler step, logging) and
-    ``_AutomaticOptimization._make_zero_grad_fn`` (``batch_idx % accumulate_grad_batches == 0``). A ramp keyed
-    by optimizer step changes the factor mid-epoch, where windows no longer start at multiples of the
-    factor, and no public hook can move these decisions. Both are private (checked against 2.6.6):
-    test_accumulation.py fails loudly if they go away. Where our window is unknown (a restart before the
-    first batch), Lightning's own rule answers.
-    """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    automatic = epoch_loop.automatic_optimization
-    for owner, name in ((epoch_loop, "_accumulated_batches_reached"), (automatic, "_make_zero_grad_fn")):
-        if not callable(getattr(type(owner), name, None)):
-            raise RuntimeError(
-                f"{type(owner).__name__}.{name} is gone from this Lightning version ({pl.__version__}); "
-                "GradientAccumulationScheduler's step-keyed ramp was written against 2.6.6"
-            )
-    lightning_reached = epoch_loop._accumulated_batches_reached
-    lightning_zero_grad_fn = automatic._make_zero_grad_fn
-
-    def accumulated_batches_reached() -> bool:
-        answer = is_window_end(epoch_loop.batch_progress.current.ready - 1)
-        return lightning_reached() if answer is None else answer
-
-    def make_zero_grad_fn(batch_idx: int, optimizer: torch.optim.Optimizer) -> Callable[[], None] | None:
-        answer = is_window_start(batch_idx)
-        if answer is None:
-            return lightning_zero_grad_fn(batch_idx, optimizer)
-        if not answer:
-            return None
-        factor, trainer.accumulate_grad_batches = trainer.accumulate_grad_batches, 1
-        try:  # with a factor of 1 Lightning builds its zero-grad function (hooks included) for any batch
-            return lightning_zero_grad_fn(batch_idx, optimizer)
-        finally:
-            trainer.accumulate_grad_batches = factor
-
-    epoch_loop._accumulated_batches_reached = accumulated_batches_reached
-    automatic._make_zero_grad_fn = make_zero_grad_fn
-
-    def restore() -> None:
-        vars(epoch_loop).pop("_accumulated_batches_reached", None)
-        vars(automatic).pop("_make_zero_grad_fn", None)
-
-    return restore

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -12,17 +12,19 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_parallel.callbacks import _checkpoint_strategies as strategies
 from lightning_parallel.callbacks._checkpoint_internals import (
     _dump_checkpoint,
+    _mark_loader_resumable,
     _restart_epoch,
     _stat_key,
     _VerifyingCheckpointIO,
     check_lightning_internals,
 )
-from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
+from lightning_parallel.data.resumable_sampler import find_resumable_samplers, single_loader_batch_size
 from lightning_parallel.distributed.agree import agree, decide_on
 from lightning_parallel.io import atomic
-from lightning_parallel.io.async_writer import AsyncWriter, snapshot
+from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers
 
 __all__ = ["CheckpointWriteError", "Rank0Checkpoint", "check_lightning_internals"]
 
@@ -34,21 +36,29 @@ class CheckpointWriteError(RuntimeError):
 class Rank0Checkpoint(ModelCheckpoint):
     """``ModelCheckpoint`` with crash-safe files written once by global rank 0, and exact data resume.
 
-    Same arguments and behaviour as Lightning's ``ModelCheckpoint`` (monitor, top-k, ``save_last``,
-    ``every_n_*``, filename templates), plus:
+    Same arguments and behaviour as Lightning's ``ModelCheckpoint`` (monitor, top-k, ``save_last``
+    including ``"link"``, ``every_n_*``, filename templates), and the same ``state_key``: a run
+    started with either callback resumes with the other and keeps ``best_model_path``,
+    ``best_k_models`` and ``kth_value`` (the two in one Trainer with the same ``monitor``, ``mode``
+    and ``every_n_*`` share that key, which Lightning refuses when the Trainer is built). Plus:
 
     * the checkpoint dict is built on every rank (``dump_checkpoint``, as ``trainer.save_checkpoint``
-      does, so sharded strategies consolidate as usual); only global rank 0 writes it;
-    * each file is streamed to a temp file beside it, fsynced, renamed, and the directory fsynced;
-      temp files of a killed run are removed at the next start, and on resume the files a killed
-      run wrote after the resumed checkpoint (or failed to evict) are removed;
+      does, so strategies that consolidate the state on rank 0 do so as usual); only global rank 0
+      writes it. A strategy that leaves the state sharded (FSDP with ``state_dict_type="sharded"``,
+      DeepSpeed, ``ModelParallelStrategy``) is refused at setup, naming the alternative;
+    * each file is streamed into an unnamed ``O_TMPFILE`` file where the filesystem allows (else a
+      named temp file beside it), fsynced, put in place in one link or rename, and the directory
+      fsynced; a killed save leaves nothing (named temp files of a killed run are removed at the next
+      start), and on resume the files a killed run wrote after the resumed checkpoint (or failed to
+      evict) are removed;
     * each file carries its SHA-256 in the zip comment; ``ckpt_path="last"`` resumes from the newest
       file that verifies (warning about the ones that do not); an explicit corrupt ``ckpt_path`` is an
       error naming the file and the hash mismatch;
     * a failed write raises :class:`CheckpointWriteError` on every rank at once; an unwritable
       ``dirpath`` fails at setup;
-    * ``async_save=True`` copies the state to CPU memory and writes it on a background thread (one
-      save in flight; all complete before ``fit`` returns);
+    * ``async_save=True`` copies the state into CPU buffers (allocated at the first save and reused,
+      pinned for CUDA tensors: +1.0x the checkpoint's size in host memory while fitting) and writes
+      it on a background thread (one save in flight; all complete before ``fit`` returns);
     * a mid-epoch checkpoint records the data position of a :class:`ResumableDistributedSampler`,
       which then resumes exactly, also at another world size. Use it in the training loader:
       ``DataLoader(ds, batch_size=B, sampler=ResumableDistributedSampler(ds))``.
@@ -58,8 +68,10 @@ class Rank0Checkpoint(ModelCheckpoint):
         Others: as ``lightning.pytorch.callbacks.ModelCheckpoint``.
 
     Raises:
-        CheckpointWriteError: on every rank, when rank 0 could not write a checkpoint.
-        ValueError: at setup when ``dirpath`` cannot be created or written.
+        CheckpointWriteError: on every rank, when rank 0 could not write a checkpoint, or the state to
+            save holds a sharded tensor (DTensor, ShardedTensor).
+        ValueError: at setup when ``dirpath`` cannot be created or written, or the strategy saves
+            sharded state.
 
     Example::
 
@@ -109,19 +121,31 @@ class Rank0Checkpoint(ModelCheckpoint):
             raise TypeError(f"async_save must be True or False, got {async_save!r}")
         self.async_save = async_save
         self._writer = AsyncWriter()
+        self._snapshots = SnapshotBuffers()
         self._async_pending = False  # known on every rank: an async save was started and not yet confirmed
         self._verified: dict[str, tuple[int, int]] = {}
         self._resume_position: dict[str, Any] | None = None
         self._resume_batches = 0  # batches of the current epoch done before this run resumed it
         self._batches_done = 0  # batches of the current epoch done so far (including the resumed ones)
+        self._loader_unmark: Callable[[], None] = _nothing
 
     # --- setup: directory checks, orphan clean-up, verifying loads ------------------------------------
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # ModelCheckpoint's key (Lightning prefixes the class name): either callback resumes the other.
+        key, own = super().state_key, type(self).__qualname__
+        return ModelCheckpoint.__qualname__ + key[len(own) :] if key.startswith(own) else key
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        problem = strategies.sharded_strategy_problem(trainer.strategy)
+        if problem is not None:  # the same answer on every rank: no collective needed
+            raise ValueError(f"Rank0Checkpoint writes one file from global rank 0, but {problem}.")
         if self.save_top_k != 0 or self.save_last:
             decide_on(0, self._prepare_dir)
         strategy = trainer.strategy
@@ -139,6 +163,8 @@ class Rank0Checkpoint(ModelCheckpoint):
         removed = atomic.remove_orphans(str(self.dirpath))
         if removed:
             rank_zero_info(f"Rank0Checkpoint removed {len(removed)} temporary file(s) of a killed run")
+        method = atomic.temp_file_method(str(self.dirpath))
+        rank_zero_info(f"Rank0Checkpoint writes into {method} temporary files in {str(self.dirpath)!r}")
 
     # --- saving ----------------------------------------------------------------------------------------
 
@@ -164,6 +190,7 @@ class Rank0Checkpoint(ModelCheckpoint):
             "name": os.path.basename(filepath),
         }
         try:
+            strategies.refuse_sharded_tensors(checkpoint)
             os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
             if not self.async_save:
                 atomic.save_checkpoint_file(checkpoint, filepath, meta)
@@ -171,7 +198,7 @@ class Rank0Checkpoint(ModelCheckpoint):
             previous = self._writer.wait()
             if previous is not None:
                 return _describe(previous, "previous background save")
-            state = snapshot(checkpoint)
+            state = self._snapshots.snapshot(checkpoint)  # safe to overwrite: the previous write is done
             self._writer.submit(lambda: atomic.save_checkpoint_file(state, filepath, meta))
         except Exception as err:
             return _describe(err, filepath)
@@ -186,11 +213,32 @@ class Rank0Checkpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             self._writer.after(lambda: _remove_quietly(filepath))
 
+    @staticmethod
     @override
-    def _link_checkpoint(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]
+    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        """Point ``linkpath`` at ``filepath`` with one rename, once ``filepath`` is on disk."""
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            self._writer.after(lambda: atomic.atomic_symlink(filepath, linkpath))
+            # Static as in ModelCheckpoint: the caller is the callback whose last file is ``linkpath``.
+            owners = [
+                cb
+                for cb in trainer.checkpoint_callbacks
+                if isinstance(cb, Rank0Checkpoint) and cb.last_model_path == linkpath
+            ]
+            if owners:
+                owners[0]._writer.after(lambda: atomic.atomic_symlink(filepath, linkpath))
+            else:
+                atomic.atomic_symlink(filepath, linkpath)
         trainer.strategy.barrier()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._unmark_loader()  # Lightning's resume check is behind us
+
+    def _unmark_loader(self) -> None:
+        undo, self._loader_unmark = self._loader_unmark, _nothing
+        undo()
 
     @override
     def on_train_batch_end(
@@ -232,6 +280,7 @@ class Rank0Checkpoint(ModelCheckpoint):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        self._unmark_loader()
         if not isinstance(exception, CheckpointWriteError):
             super().on_exception(trainer, pl_module, exception)
 
@@ -239,6 +288,8 @@ class Rank0Checkpoint(ModelCheckpoint):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # After an exception no collective is safe; just make sure no write is left half-done.
         error = self._writer.wait()
+        self._snapshots.release()
+        self._unmark_loader()
         if error is not None:
             rank_zero_warn(f"Rank0Checkpoint: {_describe(error, 'background save')}")
 
@@ -299,8 +350,8 @@ class Rank0Checkpoint(ModelCheckpoint):
     def _resume_data(self, trainer: pl.Trainer) -> None:
         position, self._resume_position = self._resume_position, None
         self._resume_batches = self._batches_done = 0
-        samplers = list(_resumable_samplers(trainer.train_dataloader))
-        batch_size = _batch_size(trainer.train_dataloader)
+        samplers = list(find_resumable_samplers(trainer.train_dataloader))
+        batch_size = single_loader_batch_size(trainer.train_dataloader)
         if not position or len(samplers) != 1 or batch_size is None:
             return
         if position["sampler"]["epoch"] != trainer.current_epoch:
@@ -309,6 +360,7 @@ class Rank0Checkpoint(ModelCheckpoint):
         samplers[0].load_state_dict(position["sampler"], offset=batches * batch_size)
         self._resume_batches = self._batches_done = batches
         _restart_epoch(trainer, len(trainer.train_dataloader))
+        self._loader_unmark = _mark_loader_resumable(trainer.train_dataloader, samplers[0])
         rank_zero_info(
             f"Rank0Checkpoint resumes epoch {trainer.current_epoch} after {position['sampler']['consumed']}"
             f" samples ({batches} batches per replica before the restart)"
@@ -319,8 +371,8 @@ class Rank0Checkpoint(ModelCheckpoint):
         trainer = self._trainer_ref
         if trainer is None:
             return None
-        samplers = list(_resumable_samplers(trainer.train_dataloader))
-        batch_size = _batch_size(trainer.train_dataloader)
+        samplers = list(find_resumable_samplers(trainer.train_dataloader))
+        batch_size = single_loader_batch_size(trainer.train_dataloader)
         if len(samplers) != 1 or batch_size is None:
             return None
         per_replica = (self._batches_done - self._resume_batches) * batch_size
@@ -333,32 +385,8 @@ class Rank0Checkpoint(ModelCheckpoint):
     _trainer_ref: pl.Trainer | None = None
 
 
-def _resumable_samplers(loaders: Any) -> Iterator[ResumableDistributedSampler]:
-    for loader in _flatten(loaders):
-        sampler = getattr(loader, "sampler", None)
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        for s in (sampler, getattr(batch_sampler, "sampler", None)):
-            if isinstance(s, ResumableDistributedSampler):
-                yield s
-                break
-
-
-def _batch_size(loaders: Any) -> int | None:
-    flat = list(_flatten(loaders))
-    return getattr(flat[0], "batch_size", None) if len(flat) == 1 else None
-
-
-def _flatten(loaders: Any) -> Iterator[Any]:
-    if loaders is None:
-        return
-    if isinstance(loaders, dict):
-        for v in loaders.values():
-            yield from _flatten(v)
-    elif isinstance(loaders, list | tuple):
-        for v in loaders:
-            yield from _flatten(v)
-    else:
-        yield loaders
+def _nothing() -> None:
+    pass
 
 
 def _remove_quietly(path: str) -> None:

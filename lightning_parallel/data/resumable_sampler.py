@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-__all__ = ["ResumableDistributedSampler"]
+__all__ = ["ResumableDistributedSampler", "find_resumable_samplers", "single_loader_batch_size"]
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -173,3 +173,43 @@ class ResumableDistributedSampler(DistributedSampler):
             )
         self.epoch = state["epoch"]
         self.resume(state["consumed"], offset)
+
+
+def find_resumable_samplers(loaders: Any) -> Iterator[ResumableDistributedSampler]:
+    """The :class:`ResumableDistributedSampler` of each loader in ``loaders`` (a loader, dicts or lists).
+
+    Example::
+
+        samplers = list(find_resumable_samplers(trainer.train_dataloader))
+    """
+    for loader in _flatten(loaders):
+        sampler = getattr(loader, "sampler", None)
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for s in (sampler, getattr(batch_sampler, "sampler", None)):
+            if isinstance(s, ResumableDistributedSampler):
+                yield s
+                break
+
+
+def single_loader_batch_size(loaders: Any) -> int | None:
+    """The ``batch_size`` of ``loaders`` when it is one loader; None otherwise.
+
+    Example::
+
+        single_loader_batch_size(DataLoader(dataset, batch_size=32))  # 32
+    """
+    flat = list(_flatten(loaders))
+    return getattr(flat[0], "batch_size", None) if len(flat) == 1 else None
+
+
+def _flatten(loaders: Any) -> Iterator[Any]:
+    if loaders is None:
+        return
+    if isinstance(loaders, dict):
+        for v in loaders.values():
+            yield from _flatten(v)
+    elif isinstance(loaders, list | tuple):
+        for v in loaders:
+            yield from _flatten(v)
+    else:
+        yield loaders

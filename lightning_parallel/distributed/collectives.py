@@ -30,8 +30,11 @@ __all__ = [
     "all_gather_objects",
     "broadcast_object",
     "distributed_ready",
+    "gather_object_to",
     "match_reduce_op",
     "min_over_ranks",
+    "recv_object",
+    "send_object",
     "validate_reduce_map",
 ]
 
@@ -63,6 +66,27 @@ def broadcast_object(obj: Any, src: int = 0, group: Any | None = None) -> Any:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def gather_object_to(obj: Any, dst: int, group: Any | None = None) -> list[Any] | None:
+    """Every rank's ``obj`` on global rank ``dst`` (by rank in ``group``); ``None`` on the other ranks."""
+    if _world(group) == 1:
+        return [obj]
+    out: list[Any] | None = [None] * _world(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def send_object(obj: Any, dst: int, group: Any | None = None) -> None:
+    """Send a picklable ``obj`` to global rank ``dst`` (matched by :func:`recv_object` there)."""
+    dist.send_object_list([obj], dst=dst, group=group)
+
+
+def recv_object(src: int, group: Any | None = None) -> Any:
+    """Receive the object global rank ``src`` sends with :func:`send_object`."""
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=group)
     return box[0]
 
 

@@ -1,14 +1,17 @@
-"""Crash-safe checkpoint files: same-directory temp file, fsync, rename, fsync of the directory.
+"""Crash-safe checkpoint files: a temp file in the same directory, fsync, link or rename, fsync the directory.
 
-A checkpoint is written by ``torch.save`` straight into a temporary file beside its destination
-(streamed, never serialised into memory first) while a SHA-256 of the bytes is computed on the way.
+A checkpoint is written by ``torch.save`` straight into a temporary file in its destination's
+directory (streamed, never serialised into memory first) while a SHA-256 of the bytes is computed
+on the way. Where Linux ``O_TMPFILE`` works, that file has no name until it is complete (see
+:mod:`lightning_parallel.io.tempfiles`), so a killed write leaves nothing behind;
+:func:`temp_file_method` says which kind a directory gets.
 The digest and a little metadata go into the zip archive's end-of-central-directory *comment*, so
 the file stays an ordinary ``torch.load``-able checkpoint and carries its own integrity check: no
 sidecar file that could disagree with it after a crash. The file is then fsynced, renamed over the
 destination (atomic on POSIX within one filesystem) and the directory is fsynced, so at any instant
 of a SIGKILL the destination holds either the complete old file or the complete new one.
 
-Temporary files are named ``.<name>.<host>-<pid>-<token>.partial``; :func:`remove_orphans` deletes
+Named temporary files are ``.<name>.<host>-<pid>-<token>.partial``; :func:`remove_orphans` deletes
 the ones left by a killed process at the next start.
 """
 
@@ -18,15 +21,16 @@ import contextlib
 import hashlib
 import json
 import os
-import re
-import secrets
-import socket
+import shutil
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import torch
+
+from lightning_parallel.io import tempfiles
+from lightning_parallel.io.tempfiles import temp_file_method, temp_path_for
 
 __all__ = [
     "FORMAT",
@@ -42,6 +46,7 @@ __all__ = [
     "remove_file",
     "remove_orphans",
     "save_checkpoint_file",
+    "temp_file_method",
     "temp_path_for",
     "verify_checkpoint",
 ]
@@ -50,22 +55,11 @@ FORMAT = "lightning_parallel.rank0ckpt/1"
 _EOCD_SIG = b"PK\x05\x06"
 _EOCD_SIZE = 22
 _MAX_COMMENT = 0xFFFF
-_PARTIAL_RE = re.compile(r"^\..+\.(?P<host>[^.]+)-(?P<pid>\d+)-[0-9a-f]{8}\.partial$")
 _CHUNK = 8 << 20
 
 
 class CheckpointFileError(RuntimeError):
     """Writing a checkpoint file failed; the message names the file and the cause."""
-
-
-def _hostname() -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
-
-
-def temp_path_for(path: str) -> str:
-    """A fresh temporary name in ``path``'s directory that :func:`remove_orphans` recognises."""
-    directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.{_hostname()}-{os.getpid()}-{secrets.token_hex(4)}.partial")
 
 
 def fsync_dir(directory: str) -> None:
@@ -83,11 +77,34 @@ def fsync_dir(directory: str) -> None:
 
 
 def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> Any:
-    """Call ``write(file)`` on a temp file beside ``path``; fsync, rename over ``path``, fsync the directory.
+    """Call ``write(file)`` on a temp file beside ``path``; fsync, put it in place, fsync the directory.
 
-    Returns what ``write`` returns. On any error the temp file is removed and the error re-raised
-    with the destination in its message; ``path`` is left as it was.
+    The temp file is unnamed (``O_TMPFILE``) where :func:`temp_file_method` says so, else named
+    and renamed over ``path``. Returns what ``write`` returns. On any error no temp file is left and
+    the error is re-raised with the destination in its message; ``path`` is left as it was.
     """
+    directory = os.path.dirname(os.path.abspath(path))
+    method = tempfiles.link_method(directory)
+    try:
+        result = _write_named(path, write) if method is None else _write_unnamed(path, write, method)
+    except Exception as err:
+        message = f"could not write checkpoint {path!r}: {type(err).__name__}: {err}"
+        raise CheckpointFileError(message) from err
+    fsync_dir(directory)
+    return result
+
+
+def _write_unnamed(path: str, write: Callable[[BinaryIO], Any], method: Any) -> Any:
+    # A failure or a kill before the link leaves no name to clean up: the kernel frees the inode.
+    with os.fdopen(tempfiles.open_unnamed(os.path.dirname(os.path.abspath(path))), "r+b") as f:
+        result = write(f)
+        f.flush()
+        os.fsync(f.fileno())
+        tempfiles.link_into_place(f.fileno(), path, method)
+    return result
+
+
+def _write_named(path: str, write: Callable[[BinaryIO], Any]) -> Any:
     tmp = temp_path_for(path)
     try:
         with open(tmp, "x+b") as f:
@@ -95,15 +112,10 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> Any:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException as err:
+    except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        if isinstance(err, Exception):
-            raise CheckpointFileError(
-                f"could not write checkpoint {path!r}: {type(err).__name__}: {err}"
-            ) from err
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
     return result
 
 
@@ -270,34 +282,12 @@ def list_tagged_checkpoints(directory: str, suffix: str = ".ckpt") -> list[tuple
     return found
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_orphans(directory: str) -> list[str]:
-    """Delete temporary files left in ``directory`` by killed writers; return their paths.
+    """Delete named temporary files left in ``directory`` by killed writers; return their paths.
 
     A temp file of a process still alive on this host is kept (it may be writing right now).
     """
-    removed = []
-    if not os.path.isdir(directory):
-        return removed
-    host = _hostname()
-    for name in os.listdir(directory):
-        match = _PARTIAL_RE.match(name)
-        if match is None:
-            continue
-        if match["host"] == host and _pid_alive(int(match["pid"])):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
+    removed = tempfiles.remove_orphans(directory)
     if removed:
         fsync_dir(directory)
     return removed
@@ -311,16 +301,28 @@ def remove_file(path: str) -> None:
 
 
 def atomic_symlink(target: str, linkpath: str) -> None:
-    """Point ``linkpath`` at ``target`` (relative link) with one rename: never a moment without a link."""
+    """Point ``linkpath`` at ``target`` (relative link) with one rename: never a moment without a link.
+
+    As in Lightning's ``ModelCheckpoint._link_checkpoint``, a directory at ``linkpath`` is removed
+    first, and where no symbolic link can be made the file is copied instead (atomically).
+    """
+    directory = os.path.dirname(os.path.abspath(linkpath))
+    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+        shutil.rmtree(linkpath)
     tmp = temp_path_for(linkpath)
-    os.symlink(os.path.relpath(target, os.path.dirname(os.path.abspath(linkpath))), tmp)
+    try:
+        os.symlink(os.path.relpath(target, directory), tmp)
+    except OSError:
+        with open(target, "rb") as src:
+            atomic_write(linkpath, lambda f: shutil.copyfileobj(src, f, _CHUNK))
+        return
     try:
         os.replace(tmp, linkpath)
     except OSError:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(linkpath)))
+    fsync_dir(directory)
 
 
 def check_writable_dir(directory: str) -> str | None:

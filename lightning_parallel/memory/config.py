@@ -27,7 +27,7 @@ class ParallelConfig:
     Args:
         strategy: ``"ddp"`` (every rank holds the whole model) or ``"pipeline"``.
         devices: ranks in all.
-        pipeline_size: pipeline ranks per replica (``num_stages`` of PipelineStrategy).
+        pipeline_size: pipeline ranks per replica (as PipelineStrategy's).
         num_microbatches, schedule, stages_per_rank, partition: as PipelineStrategy.
         activation_checkpointing: ``True``, a list of unit names, or a callable ``(name, module) -> bool``.
         shard_optimizer_state: ZeRO-1 over each stage's replicas.
@@ -100,7 +100,7 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
 
     Example::
 
-        resolve(PipelineStrategy(num_stages=2, num_microbatches=8), devices=4, precision="bf16-mixed")
+        resolve(PipelineStrategy(pipeline_size=2, num_microbatches=8), devices=4, precision="bf16-mixed")
     """
     if isinstance(strategy, ParallelConfig):
         return replace(strategy, devices=devices, precision=precision)
@@ -116,7 +116,7 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
         return ParallelConfig(
             "pipeline",
             devices=devices,
-            pipeline_size=getattr(strategy, "num_stages", None) or devices,
+            pipeline_size=_pipeline_size(strategy) or devices,
             num_microbatches=strategy.num_microbatches,
             schedule=strategy.schedule,
             stages_per_rank=getattr(strategy, "stages_per_rank", 1),
@@ -129,3 +129,11 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
         f"strategy must be 'ddp', 'pipeline', a ParallelConfig or a PipelineStrategy, got {strategy!r}; "
         f"the schedules are {', '.join(SCHEDULES)}"
     )
+
+
+def _pipeline_size(strategy: Any) -> int | None:
+    """The pipeline size a PipelineStrategy was given (None: all devices), before any Trainer set it up."""
+    config = getattr(strategy, "config", None)  # PipelineStrategy keeps its settings there
+    if config is not None and hasattr(config, "pipeline_size"):
+        return config.pipeline_size
+    return getattr(strategy, "num_stages", None)

@@ -67,7 +67,7 @@ class MemoryEstimate:
 
     Example::
 
-        est = estimate_memory(model, batch, devices=4, strategy=PipelineStrategy(num_stages=2))
+        est = estimate_memory(model, batch, devices=4, strategy=PipelineStrategy(pipeline_size=2))
         print(est.format_table()); est.peak       # bytes on the fullest rank
     """
 
@@ -119,7 +119,7 @@ def estimate_memory(
     Example::
 
         est = estimate_memory(LM(), (x, y), devices=4, precision="bf16-mixed",
-                              strategy=PipelineStrategy(num_stages=4, num_microbatches=8))
+                              strategy=PipelineStrategy(pipeline_size=4, num_microbatches=8))
         print(est.format_table())
     """
     config = resolve(strategy, devices, precision)

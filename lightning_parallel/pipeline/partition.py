@@ -57,19 +57,25 @@ def partition_balanced(costs: Sequence[float], num_stages: int) -> list[int]:
     return counts[::-1]
 
 
-def check_explicit(layers_per_stage: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    """Validate an explicit list of layer counts per stage and return it as a list."""
+def check_explicit(
+    layers_per_stage: Sequence[int],
+    num_layers: int,
+    num_stages: int,
+    unit: str = "layers",
+    owner: str = "the Sequential",
+) -> list[int]:
+    """Validate an explicit list of layer (or block) counts per stage and return it as a list."""
     counts = list(layers_per_stage)
     if len(counts) != num_stages:
         raise ValueError(
             f"partition lists {len(counts)} stages ({counts}) but the pipeline has {num_stages}: "
-            f"give one layer count per stage"
+            f"give one {unit[:-1]} count per stage"
         )
     if any(not isinstance(c, int) or c < 1 for c in counts):
-        raise ValueError(f"every stage needs at least one layer, got partition={counts}")
+        raise ValueError(f"every stage needs at least one {unit[:-1]}, got partition={counts}")
     if sum(counts) != num_layers:
         raise ValueError(
-            f"partition={counts} places {sum(counts)} layers but the Sequential has {num_layers}: "
+            f"partition={counts} places {sum(counts)} {unit} but {owner} has {num_layers}: "
             f"the counts must add up to {num_layers}"
         )
     return counts

@@ -1,45 +1,54 @@
-"""StagePlan: which layers each pipeline stage holds and which ranks run it; prints the stage table."""
+"""StagePlan: what each pipeline stage holds and which ranks run it; prints the stage table."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from lightning_parallel._table import format_table
+from lightning_parallel.pipeline.mesh import RankLayout
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    """One pipeline stage: a contiguous run of the Sequential's children and the ranks that hold it."""
+    """One stage: the units it runs, the parameters they use, and the ranks that hold it.
+
+    ``units`` are the nn.Sequential's child names on the Sequential path, or the module paths the
+    stage's part of ``forward`` calls on the traced path (``"h.2"``). ``parameters`` are canonical
+    parameter names (the unsplit module's ``named_parameters()``), so a tied weight has one name.
+    """
 
     index: int
-    layer_names: tuple[str, ...]
-    layer_types: tuple[str, ...]
+    units: tuple[str, ...]
+    holds: str
     num_parameters: int
     ranks: tuple[int, ...]
     cost: float | None = None
+    parameters: frozenset[str] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True)
 class StagePlan:
     """The whole pipeline layout, the same on every rank.
 
-    Ranks are laid out pipeline-outermost (as torchtitan does): global rank = ``pp_rank * dp_size +
-    dp_rank``, so the replicas of one stage are neighbours (their gradient all-reduce is the heavy
-    traffic) and global rank 0 holds stage 0 of replica 0. With ``stages_per_rank`` > 1 the stages
-    loop over the pipeline ranks: stage ``s`` runs on pipeline rank ``s % pp_size``.
+    With ``stages_per_rank`` > 1 the stages loop over the pipeline ranks: stage ``s`` runs on
+    pipeline rank ``s % pp_size`` (the order of torch's interleaved and looped schedules).
 
     Example::
 
-        plan = make_plan(["0", "1", "2", "3"], ["Linear"] * 4, [10, 10, 10, 10], [2, 2], pp_size=2, dp_size=1)
+        plan = make_plan([("0",), ("1", "2")], ["0  (Linear)", "1-2  (Linearx2)"], [10, 20],
+                         RankLayout(pp_size=2, dp_size=1))
         print(plan.format_table())
     """
 
     stages: tuple[StageSpec, ...]
-    pp_size: int
-    dp_size: int
+    layout: RankLayout
     cost_unit: str = ""
+    source: str = "the pipelined module"
+    notes: tuple[str, ...] = ()
+    shared_sizes: tuple[tuple[str, int], ...] = ()  # (canonical name, elements) of tied parameters
 
     @property
     def num_stages(self) -> int:
@@ -47,80 +56,101 @@ class StagePlan:
 
     @property
     def stages_per_rank(self) -> int:
-        return self.num_stages // self.pp_size
+        return self.num_stages // self.layout.pp_size
 
-    def global_rank(self, pp_rank: int, dp_rank: int) -> int:
-        return pp_rank * self.dp_size + dp_rank
-
-    def coordinates(self, global_rank: int) -> tuple[int, int]:
-        """(pp_rank, dp_rank) of a global rank."""
-        return divmod(global_rank, self.dp_size)
+    def pp_rank_of(self, stage_index: int) -> int:
+        return stage_index % self.layout.pp_size
 
     def local_stages(self, pp_rank: int) -> list[StageSpec]:
-        return [s for s in self.stages if s.index % self.pp_size == pp_rank]
+        return [s for s in self.stages if self.pp_rank_of(s.index) == pp_rank]
 
     def format_table(self) -> str:
         """The stage table printed by global rank 0 at start."""
-        headers = ["stage", "ranks", "layers", "parameters"]
+        headers = ["stage", "ranks", "holds", "parameters"]
         has_cost = any(s.cost is not None for s in self.stages)
         if has_cost:
             headers.append(f"cost{f' ({self.cost_unit})' if self.cost_unit else ''}")
         rows = []
         for s in self.stages:
-            row = [
-                str(s.index),
-                ",".join(map(str, s.ranks)),
-                f"{_span(s.layer_names)}  {_summarise(s.layer_types)}",
-                f"{s.num_parameters:,}",
-            ]
+            row = [str(s.index), ",".join(map(str, s.ranks)), s.holds, f"{s.num_parameters:,}"]
             if has_cost:
                 row.append("" if s.cost is None else f"{s.cost:.3g}")
             rows.append(row)
-        total = sum(s.num_parameters for s in self.stages)
-        out = [format_table(headers, rows)]
-        out.append(
-            f"{self.num_stages} stages on {self.pp_size} pipeline ranks x {self.dp_size} data-parallel "
-            f"replicas; {total:,} parameters in the pipelined Sequential"
-        )
-        return "\n".join(out)
+        layout = self.layout
+        lines = [
+            format_table(headers, rows),
+            f"{self.num_stages} stages on {layout.pp_size} pipeline ranks x {layout.dp_size} data-parallel "
+            f"replicas; {self.total_parameters():,} parameters in {self.source}",
+            *self.notes,
+        ]
+        return "\n".join(lines)
+
+    def total_parameters(self) -> int:
+        """Parameters of the whole model: a tied weight, held by several stages, counts once."""
+        counts = Counter(n for s in self.stages for n in s.parameters)
+        excess = sum(size * (counts[name] - 1) for name, size in self.shared_sizes if counts[name] > 1)
+        return sum(s.num_parameters for s in self.stages) - excess
 
 
 def make_plan(
-    layer_names: Sequence[str],
-    layer_types: Sequence[str],
-    layer_params: Sequence[int],
-    counts: Sequence[int],
-    pp_size: int,
-    dp_size: int,
+    stage_units: Sequence[Sequence[str]],
+    holds: Sequence[str],
+    num_parameters: Sequence[int],
+    layout: RankLayout,
     costs: Sequence[float] | None = None,
     cost_unit: str = "",
+    source: str = "the pipelined module",
+    stage_parameters: Sequence[frozenset[str]] | None = None,
+    shared_sizes: Mapping[str, int] | None = None,
+    notes: Sequence[str] = (),
 ) -> StagePlan:
-    """Build the plan from per-layer facts and the number of layers per (virtual) stage."""
-    if len(counts) % pp_size:
-        raise ValueError(f"{len(counts)} stages do not loop evenly over {pp_size} pipeline ranks")
-    stages, start = [], 0
-    for index, count in enumerate(counts):
-        span = slice(start, start + count)
-        pp_rank = index % pp_size
-        stages.append(
-            StageSpec(
-                index=index,
-                layer_names=tuple(layer_names[span]),
-                layer_types=tuple(layer_types[span]),
-                num_parameters=int(sum(layer_params[span])),
-                ranks=tuple(pp_rank * dp_size + d for d in range(dp_size)),
-                cost=None if costs is None else float(sum(costs[span])),
-            )
+    """Build the plan from what each stage runs; stage ``s`` goes to pipeline rank ``s % pp_size``."""
+    if len(stage_units) % layout.pp_size:
+        raise ValueError(f"{len(stage_units)} stages do not loop evenly over {layout.pp_size} pipeline ranks")
+    stages = tuple(
+        StageSpec(
+            index=index,
+            units=tuple(units),
+            holds=holds[index],
+            num_parameters=int(num_parameters[index]),
+            ranks=layout.replicas_of(index % layout.pp_size),
+            cost=None if costs is None else float(costs[index]),
+            parameters=frozenset(stage_parameters[index]) if stage_parameters else frozenset(),
         )
-        start += count
-    return StagePlan(tuple(stages), pp_size, dp_size, cost_unit)
+        for index, units in enumerate(stage_units)
+    )
+    shared = tuple(sorted((shared_sizes or {}).items()))
+    return StagePlan(stages, layout, cost_unit, source, tuple(notes), shared)
 
 
-def _span(names: Sequence[str]) -> str:
-    return names[0] if len(names) == 1 else f"{names[0]}-{names[-1]}"
-
-
-def _summarise(types: Sequence[str]) -> str:
+def describe_layers(names: Sequence[str], types: Sequence[str]) -> str:
+    """``"1-3  (Blockx2, Linear)"``: a run of a Sequential's children and their classes."""
+    span = names[0] if len(names) == 1 else f"{names[0]}-{names[-1]}"
     counts = Counter(types)
-    parts = [f"{t}x{n}" if n > 1 else t for t, n in counts.items()]
-    return "(" + ", ".join(parts) + ")"
+    return f"{span}  (" + ", ".join(f"{t}x{n}" if n > 1 else t for t, n in counts.items()) + ")"
+
+
+def describe_paths(paths: Sequence[str]) -> str:
+    """``"wte, wpe, h.0-1"``: module paths in call order, runs of numbered siblings collapsed."""
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None  # (parent, first index, last index)
+    for path in paths:
+        match = re.fullmatch(r"(.*)\.(\d+)", path)
+        if match and run and run[0] == match[1] and int(match[2]) == run[2] + 1:
+            run = (run[0], run[1], int(match[2]))
+            continue
+        if run:
+            out.append(_run_text(run))
+            run = None
+        if match:
+            run = (match[1], int(match[2]), int(match[2]))
+        else:
+            out.append(path)
+    if run:
+        out.append(_run_text(run))
+    return ", ".join(out)
+
+
+def _run_text(run: tuple[str, int, int]) -> str:
+    parent, first, last = run
+    return f"{parent}.{first}" if first == last else f"{parent}.{first}-{last}"

@@ -1,9 +1,10 @@
-"""Measure each layer's forward+backward time on an example input (for partition="time")."""
+"""Measure each layer's (or block's) forward+backward time on an example input (for partition="time")."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -66,3 +67,56 @@ def _to(x: Any, device: torch.device) -> Any:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def block_times(
+    module: nn.Module, args: tuple[Any, ...], block_paths: Sequence[str], repeats: int = 3
+) -> list[float]:
+    """Median seconds of forward + backward of each block, timed inside whole-model runs with hooks.
+
+    For modules whose blocks are not a chain of layers one can feed alone (they take a mask, a
+    rotary cache...): the model runs as written, where it is, and module hooks time each block's
+    forward and backward.
+
+    Example::
+
+        costs = block_times(gpt, (tokens,), [f"h.{i}" for i in range(len(gpt.h))])
+    """
+    samples: dict[str, list[float]] = {p: [] for p in block_paths}
+    started: dict[tuple[str, str], float] = {}
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+
+    def start(path: str, phase: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            _sync(device)
+            started[(path, phase)] = time.perf_counter()
+
+        return hook
+
+    def stop(path: str, phase: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            _sync(device)
+            samples[path].append(time.perf_counter() - started.pop((path, phase)))
+
+        return hook
+
+    handles = []
+    for path in block_paths:
+        block = module.get_submodule(path)
+        handles += [
+            block.register_forward_pre_hook(start(path, "fwd")),
+            block.register_forward_hook(stop(path, "fwd")),
+            block.register_full_backward_pre_hook(start(path, "bwd")),
+            block.register_full_backward_hook(stop(path, "bwd")),
+        ]
+    try:
+        for _ in range(repeats + 1):  # the first run warms up
+            out = module(*args)
+            floats = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
+            torch.autograd.backward([t.sum() for t in floats])
+            module.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+    # Each run gives every block a forward then a backward sample; the warm-up run's pair is dropped.
+    return [statistics.median(s[i] + s[i + 1] for i in range(2, len(s) - 1, 2)) for s in samples.values()]

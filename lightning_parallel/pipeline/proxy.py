@@ -1,9 +1,10 @@
-"""The stand-in for the pipelined Sequential inside the user's module after the split.
+"""The stand-in for the pipelined call inside the user's module: capture its input, replay its output.
 
-It holds this rank's layers under their original names (so ``state_dict`` keys stay those of the
-unsplit module: ``layers.3.weight``) and, instead of computing, either captures the input the user's
-step passes to the Sequential (on the first stage) or hands back the output the pipeline computed
-(on the last stage). The user's ``training_step`` therefore runs unchanged around the pipeline.
+After the split, the user's step still calls the model as before: ``self.layers(x)`` on the Sequential
+path, ``self(x)`` (the module's ``forward``) on the traced path. The stand-in, instead of computing,
+either captures the input of that call (on the first stage, to feed the schedule) or hands back the
+output the pipeline computed (on the last stage). The user's ``training_step`` runs unchanged around
+the pipeline.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 
 class CapturedInput(BaseException):
-    """Raised by the proxy to stop the user's step at the Sequential's input.
+    """Raised by the stand-in to stop the user's step at the pipelined call's input.
 
     A BaseException so that a broad ``except Exception`` in user code does not swallow it.
     """
@@ -26,22 +27,24 @@ class CapturedInput(BaseException):
         self.args = args
 
 
-class PipelinedSequential(nn.Module):
-    """This rank's layers of a split ``nn.Sequential``, keyed by their original child names.
+class PipelinedCall:
+    """Capture or replay one call per step of the pipelined part of the model.
+
+    Args:
+        what: how messages name the call, e.g. ``"the pipelined Sequential `self.layers`"``.
+        held: what this rank holds, for the message when the call is made outside a step.
 
     Example::
 
-        proxy = PipelinedSequential({"2": block2, "3": block3}, name="layers")
-        module.layers = proxy            # state_dict keys: layers.2.*, layers.3.*
-        with proxy.replaying(output):
-            loss = module.training_step(batch, 0)   # self.layers(x) returns `output`
+        call = PipelinedCall("`self.forward`", "stages 0-1")
+        module.forward = call                     # self(x) now goes through the stand-in
+        args = call.capture(module.training_step, batch, 0)
+        with call.replaying(output):
+            loss = module.training_step(batch, 0)   # self(x) returns `output`
     """
 
-    def __init__(self, layers: Mapping[str, nn.Module], name: str = "layers") -> None:
-        super().__init__()
-        for child_name, layer in layers.items():
-            self.add_module(child_name, layer)
-        self._name = name
+    def __init__(self, what: str, held: str = "") -> None:
+        self.what, self.held = what, held
         self._mode: str | None = None
         self._output: Any = None
         self._replayed = False
@@ -61,37 +64,37 @@ class PipelinedSequential(nn.Module):
             self._output = None
 
     def capture(self, step: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
-        """Run ``step(*args)`` up to its call of the Sequential and return that call's arguments."""
+        """Run ``step(*args)`` up to its pipelined call and return that call's arguments."""
         with self.capturing():
             try:
                 step(*args)
             except CapturedInput as captured:
                 return captured.args
         raise RuntimeError(
-            f"{getattr(step, '__name__', step)} returned without calling the pipelined Sequential "
-            f"`self.{self._name}`: under PipelineStrategy every step must run the model through it"
+            f"{getattr(step, '__name__', step)} returned without calling {self.what}: under "
+            f"PipelineStrategy every step must run the model through it"
         )
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise TypeError(
-                f"the pipelined Sequential `self.{self._name}` takes positional inputs only "
-                f"(got keyword arguments {sorted(kwargs)})"
+                f"{self.what} takes positional inputs only under PipelineStrategy (got keyword "
+                f"arguments {sorted(kwargs)}): pass them positionally"
             )
         if self._mode == "capture":
             raise CapturedInput(args)
         if self._mode == "replay":
             if self._replayed:
                 raise RuntimeError(
-                    f"`self.{self._name}` was called twice in one step: under PipelineStrategy the "
-                    f"pipelined Sequential may run once per step"
+                    f"{self.what} was called twice in one step: under PipelineStrategy the pipelined "
+                    f"part of the model may run once per step"
                 )
             self._replayed = True
             return self._output
         raise RuntimeError(
-            f"`self.{self._name}` holds only this rank's pipeline stage ({list(self._modules)}) and runs "
-            f"inside the strategy's training/validation/test/predict steps. For inference outside "
-            f"them, load the consolidated checkpoint into an unsplit module"
+            f"{self.what} holds only this rank's pipeline stage ({self.held}) and runs inside the "
+            f"strategy's training/validation/test/predict steps. For inference outside them, load the "
+            f"consolidated checkpoint into an unsplit module"
         )
 
     @contextmanager
@@ -101,3 +104,27 @@ class PipelinedSequential(nn.Module):
             yield
         finally:
             self._mode = previous
+
+
+class PipelinedSequential(nn.Module):
+    """This rank's layers of a split ``nn.Sequential``, keyed by their original child names.
+
+    State-dict keys stay those of the unsplit module (``layers.3.weight``); calling it goes through
+    a :class:`PipelinedCall`.
+
+    Example::
+
+        proxy = PipelinedSequential({"2": block2, "3": block3}, name="layers")
+        module.layers = proxy            # state_dict keys: layers.2.*, layers.3.*
+        with proxy.call.replaying(output):
+            loss = module.training_step(batch, 0)   # self.layers(x) returns `output`
+    """
+
+    def __init__(self, layers: Mapping[str, nn.Module], name: str = "layers") -> None:
+        super().__init__()
+        for child_name, layer in layers.items():
+            self.add_module(child_name, layer)
+        self.call = PipelinedCall(f"the pipelined Sequential `self.{name}`", f"layers {list(layers)}")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)

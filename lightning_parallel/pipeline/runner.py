@@ -8,13 +8,11 @@ fails and takes the peer rank down), so each distinct batch shape, micro-batch c
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     ScheduleGPipe,
@@ -46,37 +44,25 @@ class PipelineRunner:
     """This rank's stages and the cached schedules that run them.
 
     Args:
-        stage_modules: this rank's stage modules, in stage order.
-        stage_indices: their global stage indices.
+        stages: where this rank's torch stages come from (:class:`~lightning_parallel.pipeline.split.
+            SequentialStages` or :class:`~lightning_parallel.pipeline.trace.TracedStages`): its
+            ``stage_indices``, and ``build(mode, num_microbatches, example)`` for each new shape.
         num_stages: stages in the whole pipeline.
-        device: where the stage modules live.
-        group: the pipeline process group (the stages of one replica).
         schedule: a name from :data:`SCHEDULES`.
         num_microbatches: micro-batches per batch (fewer for a batch it does not divide).
 
     Example::
 
-        runner = PipelineRunner([stage_mod], [rank], 2, torch.device("cpu"), pp_group, "1f1b", 4)
+        runner = PipelineRunner(SequentialStages([stage_mod], [rank], 2, device, pp_group), 2, "1f1b", 4)
         runner.train_step(key, m, args_or_none, loss_fn)   # forward + backward of every micro-batch
     """
 
     max_cached = 8
 
-    def __init__(
-        self,
-        stage_modules: Sequence[nn.Module],
-        stage_indices: Sequence[int],
-        num_stages: int,
-        device: torch.device,
-        group: dist.ProcessGroup | None,
-        schedule: str,
-        num_microbatches: int,
-    ) -> None:
-        self.stage_modules = list(stage_modules)
-        self.stage_indices = list(stage_indices)
+    def __init__(self, stages: Any, num_stages: int, schedule: str, num_microbatches: int) -> None:
+        self.stages = stages
+        self.stage_indices = list(stages.stage_indices)
         self.num_stages = num_stages
-        self.device = device
-        self.group = group
         self.schedule_cls = schedule_class(schedule)
         self.num_microbatches = num_microbatches
         self.has_first = 0 in self.stage_indices
@@ -85,6 +71,12 @@ class PipelineRunner:
         self._loss_fn: Callable[[Any, int], torch.Tensor] | None = None
         self._metadata_call_pending = False
         self._seen: list[int] = []
+
+    def needs_input(self, key: Hashable, num_microbatches: int, train: bool) -> bool:
+        """Whether this rank needs the pipelined call's input (to feed the schedule, or to build one)."""
+        if self.has_first:
+            return True
+        return self.stages.needs_example and (_mode(train), key, num_microbatches) not in self._cache
 
     def clear(self) -> None:
         """Drop every cached stage and schedule (they hold process-group state and buffers)."""
@@ -111,11 +103,13 @@ class PipelineRunner:
     ) -> None:
         """Forward and backward of every micro-batch; ``loss_fn(output_chunk, index)`` on the last stage."""
         cache_key = ("train", key, num_microbatches)
-        # torch 2.13 infers a new stage's metadata at its first step by calling loss_fn once on a
-        # dummy output of micro-batch 0, before the real micro-batches: that call must not reach
-        # the user's training_step (it would log or update metrics with garbage).
-        self._metadata_call_pending = self.has_last and cache_key not in self._cache
-        schedule = self._schedule(cache_key, num_microbatches, train=True)
+        new = cache_key not in self._cache
+        schedule = self._schedule(cache_key, num_microbatches, args, train=True)
+        # torch 2.13 infers a new manual PipelineStage's metadata at its first step by calling loss_fn
+        # once on a dummy output of micro-batch 0, before the real micro-batches: that call must not
+        # reach the user's training_step (it would log or update metrics with garbage). Traced stages
+        # take their metadata from the graph and make no such call.
+        self._metadata_call_pending = self.has_last and new and not self.stages.needs_example
         target = torch.arange(num_microbatches) if self.has_last else None
         self._loss_fn, self._seen = loss_fn, []
         try:
@@ -131,7 +125,7 @@ class PipelineRunner:
 
     def forward(self, key: Hashable, num_microbatches: int, args: tuple[Any, ...] | None) -> Any:
         """Forward only; returns the merged output of the whole batch on the last stage, else None."""
-        schedule = self._schedule(("eval", key, num_microbatches), num_microbatches, train=False)
+        schedule = self._schedule(("eval", key, num_microbatches), num_microbatches, args, train=False)
         return schedule.step(*(args if self.has_first else ()))
 
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
@@ -143,14 +137,16 @@ class PipelineRunner:
         self._seen.append(int(index.item()))
         return self._loss_fn(output, self._seen[-1])
 
-    def _schedule(self, key: Hashable, num_microbatches: int, train: bool) -> Any:
+    def _schedule(self, key: Hashable, num_microbatches: int, args: Any, train: bool) -> Any:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        stages = [
-            PipelineStage(module, index, self.num_stages, self.device, group=self.group)
-            for module, index in zip(self.stage_modules, self.stage_indices)
-        ]
+        example = None
+        if self.stages.needs_example:
+            if args is None:
+                raise RuntimeError("internal error: a new traced schedule needs the input on every rank")
+            example = first_microbatch(args, num_microbatches)
+        stages = self.stages.build(_mode(train), num_microbatches, example)
         loss_fn = self._loss if train else None
         cls = self.schedule_cls
         if not is_multi_stage(cls) and num_microbatches < self.num_stages and cls is not ScheduleGPipe:
@@ -165,6 +161,16 @@ class PipelineRunner:
         if len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)
         return schedule
+
+
+def _mode(train: bool) -> str:
+    return "train" if train else "eval"
+
+
+def first_microbatch(args: tuple[Any, ...], num_microbatches: int) -> tuple[Any, ...]:
+    """The first micro-batch of ``args``, as the schedule will split them (tensors along dim 0)."""
+    chunks, _ = split_args_kwargs_into_chunks(tuple(args), None, num_microbatches)
+    return tuple(chunks[0])
 
 
 def _metadata_loss(output: Any) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Find the pipelined nn.Sequential in a module, check it can be split, and keep only this rank's stages."""
+"""The Sequential path: find the module's nn.Sequential, plan its stages, keep only this rank's layers."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
-from lightning_parallel.pipeline.plan import StagePlan
+from lightning_parallel.pipeline.plan import StagePlan, describe_layers
 from lightning_parallel.pipeline.proxy import PipelinedSequential
+from lightning_parallel.pipeline.shared import alias_table, retie
 
 
-def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential]:
-    """The attribute name and the ``nn.Sequential`` that the pipeline splits.
+def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential] | None:
+    """The attribute name and the top-level ``nn.Sequential`` that the pipeline splits, or None.
 
     Raises:
-        ValueError: none found, several found without ``module_name``, or ``module_name`` is no Sequential.
+        ValueError: several found without ``module_name``, or ``module_name`` is no Sequential.
     """
     if module_name is not None:
         target = getattr(module, module_name, None)
@@ -28,17 +30,12 @@ def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[
             )
         return module_name, target
     found = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Sequential)]
-    if not found:
-        raise ValueError(
-            f"{type(module).__name__} has no top-level nn.Sequential to pipeline: put the layers in one, "
-            f"e.g. `self.layers = nn.Sequential(embedding, *blocks, norm, head)`"
-        )
     if len(found) > 1:
         raise ValueError(
             f"{type(module).__name__} has several top-level nn.Sequential children "
             f"({', '.join(n for n, _ in found)}): pass PipelineStrategy(module_name=...) to pick one"
         )
-    return found[0]
+    return found[0] if found else None
 
 
 def check_parameters_inside(module: nn.Module, seq_name: str) -> None:
@@ -48,25 +45,9 @@ def check_parameters_inside(module: nn.Module, seq_name: str) -> None:
         shown = ", ".join(outside[:5]) + (" ..." if len(outside) > 5 else "")
         raise ValueError(
             f"parameters outside the pipelined Sequential `{seq_name}`: {shown}. Under PipelineStrategy "
-            f"every parameter must belong to a stage: move these layers inside `self.{seq_name}`"
+            f"every parameter must belong to a stage: move these layers inside `self.{seq_name}`, or "
+            f"pass PipelineStrategy(split_points=[...]) to split the module's forward instead"
         )
-
-
-def check_no_shared_parameters(seq: nn.Sequential, counts: Sequence[int]) -> None:
-    """Refuse parameters shared between stages (tied weights): each stage owns its own tensors."""
-    owner: dict[int, tuple[int, str]] = {}
-    names = list(seq._modules)
-    stage_of_layer = [s for s, c in enumerate(counts) for _ in range(c)]
-    for layer_pos, layer_name in enumerate(names):
-        for pname, p in seq[layer_pos].named_parameters(remove_duplicate=False):
-            stage = stage_of_layer[layer_pos]
-            first = owner.setdefault(id(p), (stage, f"{layer_name}.{pname}"))
-            if first[0] != stage:
-                raise ValueError(
-                    f"parameter {first[1]} (stage {first[0]}) is shared with {layer_name}.{pname} "
-                    f"(stage {stage}): tied weights across pipeline stages are not supported; untie them, "
-                    f"or choose a partition that keeps both layers in one stage"
-                )
 
 
 def layer_facts(seq: nn.Sequential) -> tuple[list[str], list[str], list[int]]:
@@ -75,6 +56,35 @@ def layer_facts(seq: nn.Sequential) -> tuple[list[str], list[str], list[int]]:
     types = [type(seq[i]).__name__ for i in range(len(seq))]
     params = [sum(p.numel() for p in seq[i].parameters()) for i in range(len(seq))]
     return names, types, params
+
+
+def stage_descriptions(seq: nn.Sequential, counts: Sequence[int]) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The child names each stage runs and the table's description of them."""
+    names, types, _ = layer_facts(seq)
+    units, holds, start = [], [], 0
+    for count in counts:
+        span = slice(start, start + count)
+        units.append(tuple(names[span]))
+        holds.append(describe_layers(names[span], types[span]))
+        start += count
+    return units, holds
+
+
+def stage_parameters(
+    module: nn.Module, seq_name: str, stage_units: Sequence[Sequence[str]]
+) -> list[frozenset[str]]:
+    """The canonical names of the parameters each stage uses (a tied weight has one name)."""
+    aliases = alias_table(module)
+    seq = getattr(module, seq_name)
+    out = []
+    for units in stage_units:
+        names = {
+            aliases[f"{seq_name}.{unit}.{pname}"]
+            for unit in units
+            for pname, _ in seq._modules[unit].named_parameters(remove_duplicate=False)
+        }
+        out.append(frozenset(names))
+    return out
 
 
 class StageModule(nn.Sequential):
@@ -98,38 +108,67 @@ class StageModule(nn.Sequential):
         return x
 
 
-def split(
-    module: nn.Module,
-    seq_name: str,
-    seq: nn.Sequential,
-    plan: StagePlan,
-    pp_rank: int,
-    device: torch.device,
+class SequentialStages:
+    """This rank's stage modules of a split Sequential; the runner builds torch stages from them per shape.
+
+    Example::
+
+        stages = SequentialStages([stage_module], [0], num_stages=2, device=device, group=pp_group)
+        stages.build("train", 4, None)      # [PipelineStage(stage_module, 0, 2, ...)]
+    """
+
+    needs_example = False  # manual PipelineStages infer their shapes from the first micro-batch
+
+    def __init__(
+        self,
+        modules: Sequence[StageModule],
+        indices: Sequence[int],
+        num_stages: int,
+        device: torch.device,
+        group: Any,
+    ) -> None:
+        self.modules, self.stage_indices = list(modules), list(indices)
+        self.num_stages, self.device, self.group = num_stages, device, group
+
+    def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
+        return [
+            PipelineStage(m, i, self.num_stages, self.device, group=self.group)
+            for m, i in zip(self.modules, self.stage_indices)
+        ]
+
+    def units(self) -> list[tuple[str, nn.Module]]:
+        """The layers of this rank's stages (what activation checkpointing may wrap)."""
+        return [(name, layer) for m in self.modules for name, layer in m.named_children()]
+
+
+def split_sequential(
+    module: nn.Module, seq_name: str, seq: nn.Sequential, plan: StagePlan, pp_rank: int, device: torch.device
 ) -> tuple[PipelinedSequential, list[StageModule], list[int]]:
-    """Keep this rank's layers: install the proxy in ``module`` and return the stage modules.
+    """Keep this rank's layers: install the stand-in in ``module`` and return the stage modules.
 
     The other stages' layers are dropped here, so a model built on the meta device never
     materialises them; this rank's layers are materialised on ``device``.
     """
     local = plan.local_stages(pp_rank)
+    aliases = alias_table(module)
     stage_modules, kept = [], OrderedDict()
     for spec in local:
-        layers = OrderedDict((name, seq._modules[name]) for name in spec.layer_names)
-        for layer in layers.values():
-            materialize(layer, device)
+        layers = OrderedDict((name, seq._modules[name]) for name in spec.units)
         stage_modules.append(StageModule(layers, spec.index))
         kept.update(layers)
     proxy = PipelinedSequential(kept, name=seq_name)
     setattr(module, seq_name, proxy)
-    materialize(module, device)
+    materialize(module, device, aliases)
     return proxy, stage_modules, [s.index for s in local]
 
 
-def materialize(module: nn.Module, device: torch.device) -> None:
-    """Allocate meta tensors on ``device`` and initialise them with the layers' reset_parameters()."""
+def materialize(module: nn.Module, device: torch.device, aliases: dict[str, str] | None = None) -> None:
+    """Allocate meta tensors on ``device``, re-tie shared weights, initialise with ``reset_parameters()``."""
     if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
         return
+    aliases = alias_table(module) if aliases is None else aliases
     module.to_empty(device=device)
+    retie(module, aliases)
     for sub in module.modules():
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):

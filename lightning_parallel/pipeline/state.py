@@ -1,4 +1,4 @@
-"""Local stage state <-> the unsplit module's state: gather to one rank, reshard on load.
+"""Local stage state <-> the unsplit module's state: merge the stages' parts, reshard on load.
 
 Model state needs no renaming: the proxy keeps the original child names, so a stage's
 ``state_dict`` keys are already the unsplit keys. Optimizer state is keyed by parameter name in
@@ -8,21 +8,11 @@ the receiving rank, so a plain single-device optimizer loads it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-
-
-def gather_to(obj: Any, dst: int, group: dist.ProcessGroup | None) -> list[Any] | None:
-    """``dist.gather_object`` to global rank ``dst`` within ``group``; only the destination gets the list."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [obj]
-    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
-    return out
 
 
 def to_cpu(tree: Any) -> Any:
@@ -66,29 +56,39 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[nn.Pa
     }
 
 
-def merge_optimizer_states(parts: Iterable[dict]) -> dict:
-    """Join the named states of the stages (in stage order) into torch's single-device layout."""
+def merge_optimizer_states(parts: Iterable[dict], order: Sequence[str] | None = None) -> dict:
+    """Join the stages' named states into torch's single-device layout.
+
+    A tied weight held by several stages appears once (its replicas' states are identical). With
+    ``order`` (the unsplit module's parameter names in ``parameters()`` order), parameters are numbered
+    in that order, so a plain single-device optimizer loads the state by position.
+    """
     parts = list(parts)
     num_groups = {len(p["param_groups"]) for p in parts}
     if len(num_groups) != 1:
         raise RuntimeError(f"stages disagree on the number of optimizer param groups: {sorted(num_groups)}")
-    groups: list[dict] = []
-    state: dict[int, Any] = {}
-    next_id = 0
-    for g in range(num_groups.pop()):
-        merged = {k: v for k, v in parts[0]["param_groups"][g].items() if k != "params"}
-        merged["params"], merged["param_names"] = [], []
-        for part in parts:
-            for name in part["param_groups"][g]["params"]:
-                if name in part["state"]:
-                    state[next_id] = part["state"][name]
-                merged["params"].append(next_id)
-                merged["param_names"].append(name)
-                next_id += 1
-        groups.append(merged)
     types = {p["type"] for p in parts}
     if len(types) != 1:
         raise RuntimeError(f"stages use different optimizer types: {sorted(types)}")
+    rank = {name: i for i, name in enumerate(order or [])}
+    groups: list[dict] = []
+    state: dict[int, Any] = {}
+    seen: set[str] = set()
+    next_id = 0
+    for g in range(num_groups.pop()):
+        merged = {k: v for k, v in parts[0]["param_groups"][g].items() if k != "params"}
+        names = [
+            n for part in parts for n in part["param_groups"][g]["params"] if not (n in seen or seen.add(n))
+        ]
+        names.sort(key=lambda n: rank.get(n, len(rank)))
+        states = {n: part["state"][n] for part in reversed(parts) for n in part["state"]}
+        merged["params"] = list(range(next_id, next_id + len(names)))
+        merged["param_names"] = names
+        for i, name in zip(merged["params"], names):
+            if name in states:
+                state[i] = states[name]
+        next_id += len(names)
+        groups.append(merged)
     return {"state": state, "param_groups": groups, "optimizer_type": types.pop()}
 
 

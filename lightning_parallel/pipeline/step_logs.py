@@ -87,3 +87,27 @@ class LogRecorder:
 
     def entries(self) -> list[LoggedValue]:
         return list(self._entries.values())
+
+
+def to_record(entries: list[LoggedValue], *leading: float) -> tuple[tuple, list[float]]:
+    """``(layout, values)`` of combined log entries, to send to the other stages: see :func:`from_record`.
+
+    The layout (names and options) changes rarely; the values (``leading`` numbers such as the loss,
+    then each entry's value and sample count) change every step.
+    """
+    layout = tuple((e.name, e.kwargs, "batch_size" in e.replay_kwargs()) for e in entries)
+    values = list(leading)
+    for e in entries:
+        values += [e.combined(), float(sum(e.weights))]
+    return layout, values
+
+
+def from_record(layout: tuple, values: list[float], leading: int = 0) -> tuple[list[float], list[tuple]]:
+    """The ``leading`` numbers and ``(name, value, log kwargs)`` per entry, from :func:`to_record`."""
+    logs = []
+    for i, (name, kwargs, with_batch_size) in enumerate(layout):
+        value, samples = values[leading + 2 * i], values[leading + 2 * i + 1]
+        logs.append(
+            (name, value, {**kwargs, "batch_size": int(samples)} if with_batch_size else dict(kwargs))
+        )
+    return values[:leading], logs

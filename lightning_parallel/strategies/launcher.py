@@ -10,6 +10,8 @@ import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from typing_extensions import override
 
+from lightning_parallel.pipeline.shared import alias_table, retie
+
 
 class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
     """Destroy the process group at the end of each spawned or forked worker.
@@ -63,5 +65,7 @@ class PipelineMultiProcessingLauncher(CleanExitMultiProcessingLauncher):
         # load_state_dict would silently copy nothing: give it storage to receive the weights.
         module = trainer.lightning_module
         if worker_output.weights_path is not None and any(p.is_meta for p in module.parameters()):
+            aliases = alias_table(module)
             module.to_empty(device="cpu")
+            retie(module, aliases)  # to_empty gives each name of a tied weight its own tensor
         super()._recover_results_in_main_process(worker_output, trainer)

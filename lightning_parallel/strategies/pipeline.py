@@ -27,135 +27,154 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from lightning_parallel.distributed.collectives import all_gather_objects, gather_object_to
 from lightning_parallel.pipeline import state as stage_state
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
-from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh, check_world
-from lightning_parallel.pipeline.partition import PARTITION_METHODS
+from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout
 from lightning_parallel.pipeline.plan import StagePlan
-from lightning_parallel.pipeline.proxy import PipelinedSequential
 from lightning_parallel.pipeline.recompute import Selection, check_selection
-from lightning_parallel.pipeline.runner import PipelineRunner, is_multi_stage, schedule_class
-from lightning_parallel.pipeline.split import find_sequential, split
 from lightning_parallel.pipeline.zero import consolidate
-from lightning_parallel.strategies._pipeline_memory import (
-    checkpoint_stages,
-    checkpointed_layers,
-    shard_optimizers,
+from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
+from lightning_parallel.strategies._pipeline_config import (
+    check_fit_supported,
+    checked_config,
+    renamed_num_stages,
 )
-from lightning_parallel.strategies._pipeline_setup import plan_for_module
+from lightning_parallel.strategies._pipeline_memory import (
+    install_checkpointing,
+    shard_optimizers,
+    unit_naming,
+)
 from lightning_parallel.strategies._pipeline_step import batch_size, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
 
 class PipelineStrategy(DDPStrategy):
-    """Split the module's ``nn.Sequential`` into stages, one (or more) per rank, run by a torch schedule.
+    """Pipeline (x data) parallel training of an ordinary LightningModule on ``torch.distributed.pipelining``.
 
-    World size = ``num_stages x`` data-parallel replicas. Each rank builds and keeps only its own
-    stage(s); the user's ``training_step`` / ``validation_step`` / ``test_step`` / ``predict_step``
-    run unchanged (on the last stage, once per micro-batch in training); what they log reaches the
-    logger on global rank 0. Gradients are all-reduced over the replicas once per optimizer step.
+    The model is cut into stages, one (or more) per pipeline rank; world size = ``pipeline_size x``
+    data-parallel replicas. How it is cut:
+
+    * a module that holds its layers in one top-level ``nn.Sequential`` has that Sequential split
+      between its children;
+    * any other module (a GPT with ``nn.ModuleList`` blocks, embeddings, a head tied to the embedding)
+      has its ``forward`` traced with torch.export and split at the blocks of its main ModuleList, or at
+      ``split_points``. Weights used by several stages (tied) are replicated and kept identical.
+
+    Each rank builds and keeps only its own stage(s); the user's ``training_step`` /
+    ``validation_step`` / ``test_step`` / ``predict_step`` run unchanged (on the last stage, once per
+    micro-batch in training); what they log reaches the logger on global rank 0. Gradients are
+    all-reduced over the replicas once per optimizer step.
 
     Args:
-        num_stages: pipeline ranks per replica (default: all devices form one pipeline); with
-            ``stages_per_rank`` > 1 the model is cut into ``num_stages x stages_per_rank`` stages.
+        pipeline_size: pipeline ranks per replica (default: all devices form one pipeline).
         num_microbatches: micro-batches per batch (a batch it does not divide uses the largest
             divisor of its size: equal micro-batches, exact mean loss).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"`` or
             ``"interleaved_zero_bubble"`` (the schedules of ``torch.distributed.pipelining``).
-        stages_per_rank: stages each rank runs (> 1 for the interleaved and looped schedules).
-        partition: ``"uniform"`` (layer counts), ``"parameters"`` (balanced parameter counts),
-            ``"time"`` (balanced forward+backward time measured on the first batch), or a list of
-            layer counts per stage.
+        stages_per_rank: stages each pipeline rank runs (> 1 for the interleaved and looped
+            schedules); the model is cut into ``pipeline_size x stages_per_rank`` stages.
+        partition: how to balance the stages: ``"uniform"`` (layer or block counts), ``"parameters"``,
+            ``"time"`` (forward+backward time measured on the first batch), or a list of layer (or
+            block) counts per stage.
         module_name: the attribute holding the ``nn.Sequential`` (default: the module's only one).
-        activation_checkpointing: recompute layers in backward instead of keeping their activations:
-            ``True`` (every layer), a list of layer paths (``["layers.1", "layers.2"]``) or a callable
-            ``(path, layer) -> bool``. Numbers are unchanged; the activation memory of a stage falls.
+        split_points: module paths where stages 1, 2, ... begin (e.g. ``["h.2"]``); traces forward
+            even when the module has a top-level Sequential.
+        activation_checkpointing: recompute units in backward instead of keeping their activations:
+            ``True`` (every layer of the Sequential, or every block the traced stages call), a list of
+            module paths (``["layers.1"]``, ``["h.2", "h.3"]``) or a callable ``(path, module) -> bool``.
+            Numbers are unchanged; the activation memory of a stage falls.
         shard_optimizer_state: shard each stage's optimizer state over the stage's replicas (ZeRO-1,
             torch's ``ZeroRedundancyOptimizer``); checkpoints still hold the full state.
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
+        num_stages: deprecated name of ``pipeline_size``.
 
     Example::
 
         trainer = L.Trainer(accelerator="gpu", devices=8,
-                            strategy=PipelineStrategy(num_stages=4, num_microbatches=8, schedule="1f1b"))
-        trainer.fit(LM(), datamodule)      # 4 stages x 2 data-parallel replicas
+                            strategy=PipelineStrategy(pipeline_size=4, num_microbatches=8, schedule="1f1b"))
+        trainer.fit(GPT(), datamodule)      # 4 pipeline stages x 2 data-parallel replicas
     """
 
     strategy_name = "pipeline"
 
     def __init__(
         self,
-        num_stages: int | None = None,
+        pipeline_size: int | None = None,
         num_microbatches: int = 4,
         schedule: str = "1f1b",
         stages_per_rank: int = 1,
         partition: str | list[int] = "uniform",
         module_name: str | None = None,
+        split_points: list[str] | None = None,
         activation_checkpointing: Selection = False,
         shard_optimizer_state: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: timedelta | None = default_pg_timeout,
+        num_stages: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(start_method=start_method, timeout=timeout, **kwargs)
-        cls = schedule_class(schedule)
-        _check_positive_int("num_microbatches", num_microbatches)
-        _check_positive_int("stages_per_rank", stages_per_rank)
-        if num_stages is not None:
-            _check_positive_int("num_stages", num_stages)
-        if is_multi_stage(cls) != (stages_per_rank > 1):
-            raise ValueError(
-                f"schedule={schedule!r} runs {'several stages' if is_multi_stage(cls) else 'one stage'} per "
-                f"rank but stages_per_rank={stages_per_rank}: use stages_per_rank>=2 with the interleaved "
-                f"and looped schedules and 1 with 'gpipe' and '1f1b'"
-            )
-        if isinstance(partition, str) and partition not in PARTITION_METHODS:
-            raise ValueError(
-                f"unknown partition {partition!r}: use one of {', '.join(PARTITION_METHODS)} or a list of "
-                f"layer counts per stage"
-            )
-        self.num_stages = num_stages
-        self.num_microbatches = num_microbatches
-        self.schedule = schedule
-        self.stages_per_rank = stages_per_rank
-        self.partition = partition
-        self.module_name = module_name
+        pipeline_size = renamed_num_stages(pipeline_size, num_stages)
+        self.config = checked_config(
+            pipeline_size, num_microbatches, schedule, stages_per_rank, partition, module_name, split_points
+        )
+        self.parts: PipelineParts | None = None
         # --- memory options (issue 15) ---
         check_selection(activation_checkpointing)
         self.activation_checkpointing = activation_checkpointing
         self.shard_optimizer_state = bool(shard_optimizer_state)
-        self.plan: StagePlan | None = None
-        self.mesh: PipelineMesh | None = None
-        self._runner: PipelineRunner | None = None
-        self._proxy: PipelinedSequential | None = None
-        self._param_names: dict[torch.nn.Parameter, str] = {}
-        self._model_param_order: list[str] = []
-        self._model_keys: list[str] = []
-        self._held_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
-        self._first_batch_checked = False
         self._release_registered = False
-        self._predict_batches: list[int] | None = None
+        self._first_batch_checked = False
 
     # ----------------------------------------------------------------------------------- layout
     @property
     def pipeline_size(self) -> int:
-        return self.num_stages or self.world_size
+        return self.config.pipeline_size or self.world_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.config.num_microbatches
+
+    @property
+    def schedule(self) -> str:
+        return self.config.schedule
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.config.stages_per_rank
+
+    @property
+    def partition(self) -> str | list[int]:
+        return self.config.partition
+
+    @property
+    def layout(self) -> RankLayout:
+        return RankLayout.for_world(self.world_size, self.pipeline_size)
 
     @property
     def data_parallel_size(self) -> int:
-        return check_world(self.world_size, self.pipeline_size)
+        return self.layout.dp_size
+
+    @property
+    def plan(self) -> StagePlan | None:
+        """The stage plan (which stage holds what, on which ranks), once the strategy is set up."""
+        return self.parts.plan if self.parts is not None else None
+
+    @property
+    def mesh(self) -> PipelineMesh | None:
+        return self.parts.mesh if self.parts is not None else None
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """The replicas of this rank's stage (metrics and gradients are reduced over it)."""
-        return self.mesh.dp_group if self.mesh is not None else None
+        return self.parts.mesh.dp_group if self.parts is not None else None
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shard the data by replica: the stages of one replica must see the same batch.
-        dp_rank = self.global_rank % self.data_parallel_size
-        return {"num_replicas": self.data_parallel_size, "rank": dp_rank}
+        return {"num_replicas": self.data_parallel_size, "rank": self.layout.coordinates(self.global_rank)[1]}
 
     @override
     def _configure_launcher(self) -> None:
@@ -173,10 +192,20 @@ class PipelineStrategy(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            _check_fit_supported(trainer, self)
-        if self._runner is None:
-            self._split(trainer)
+            check_fit_supported(trainer, self)
+        if self.parts is None:
+            naming = unit_naming(self.lightning_module, self.config)  # memory (issue 15), before the split
+            self.parts = build_pipeline(
+                self.config, trainer, self.lightning_module, self.layout, self.root_device
+            )
+            install_checkpointing(self.parts, self.activation_checkpointing, naming)  # memory (issue 15)
+            rank_zero_info(
+                f"PipelineStrategy stage plan ({self.config.schedule}):\n{self.parts.plan.format_table()}"
+            )
+            self._register_release()
         self.precision_plugin.convert_module(self.model)
+        if self.parts.twin is not None:
+            self.parts.twin = self.precision_plugin.convert_module(self.parts.twin)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -186,41 +215,11 @@ class PipelineStrategy(DDPStrategy):
             self._install_global_clipping()
         self.setup_precision_plugin()
 
-    def _split(self, trainer: pl.Trainer) -> None:
-        module = self.lightning_module
-        seq_name, seq = find_sequential(module, self.module_name)
-        pp = self.pipeline_size
-        if pp * self.stages_per_rank > len(seq):
-            # Checked before any collective so every rank raises the same error.
-            raise ValueError(
-                f"num_stages x stages_per_rank ({pp} x {self.stages_per_rank}) is larger than the number of "
-                f"layers in `{seq_name}` ({len(seq)}): use fewer stages or split the model into more layers"
-            )
-        recomputed = checkpointed_layers(seq_name, seq, self.activation_checkpointing)  # memory (issue 15)
-        dp = self.data_parallel_size
-        self.mesh = build_mesh(self.root_device.type, pp, dp)
-        self._model_keys = list(module.state_dict().keys())
-        self._model_param_order = [n for n, _ in module.named_parameters()]
-        self.plan = plan_for_module(self, trainer, module, seq_name, seq)
-        rank_zero_info(f"PipelineStrategy stage plan ({self.schedule}):\n{self.plan.format_table()}")
-        self._proxy, stage_modules, indices = split(
-            module, seq_name, seq, self.plan, self.mesh.pp_rank, self.root_device
-        )
-        checkpoint_stages(stage_modules, seq_name, recomputed)  # memory (issue 15)
-        self._param_names = {p: n for n, p in module.named_parameters()}
+    def _register_release(self) -> None:
         if not self._release_registered:
             # Runs before Lightning's own atexit destroy (handlers run last-registered first).
             atexit.register(_release_at_exit, weakref.ref(self))
             self._release_registered = True
-        self._runner = PipelineRunner(
-            stage_modules,
-            indices,
-            self.plan.num_stages,
-            self.root_device,
-            self.mesh.pp_group,
-            self.schedule,
-            self.num_microbatches,
-        )
 
     def _release_process_groups(self) -> None:
         """At interpreter exit: drop the stages, schedules and mesh, then destroy the process group.
@@ -229,9 +228,9 @@ class PipelineStrategy(DDPStrategy):
         were destroyed after the runtime they need, and 1 in 16 script runs ended in SIGABRT
         ("terminate called without an active exception") after a successful job.
         """
-        if self._runner is not None:
-            self._runner.clear()
-        self.mesh = None
+        if self.parts is not None:
+            self.parts.runner.clear()
+        self.parts = None
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -240,11 +239,14 @@ class PipelineStrategy(DDPStrategy):
         # Lightning's Precision.clip_grad_by_norm clips by this rank's norm only; a stage holds a
         # slice of the model, so the norm must be reduced over the pipeline. No public hook exists
         # below configure_gradient_clipping, hence this instance-level override (Lightning 2.6.6).
-        group = self.mesh.pp_group if self.mesh is not None else None
-        plugin = self.precision_plugin
+        parts, plugin = self.parts, self.precision_plugin
+        assert parts is not None
 
         def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-            clip_grad_norm_across(plugin.main_params(optimizer), float(clip_val), group)
+            params = plugin.main_params(optimizer)
+            clip_grad_norm_across(
+                params, float(clip_val), parts.mesh.pp_group, not_counted=parts.shared.not_counted
+            )
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
 
@@ -270,17 +272,17 @@ class PipelineStrategy(DDPStrategy):
             return self._pipelined_step("predict_step", args, train=False)
 
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], train: bool) -> Any:
+        assert self.parts is not None
         if train and not self._first_batch_checked:
             # Later batches may be short (an epoch's last); the first one shows the configured size.
             self._first_batch_checked = True
-            n = batch_size(args[0])
-            if n < self.num_microbatches:
+            n, m = batch_size(args[0]), self.config.num_microbatches
+            if n < m:
                 raise ValueError(
-                    f"a training batch of {n} samples cannot feed num_microbatches={self.num_microbatches}: "
-                    f"use a per-replica batch size of at least {self.num_microbatches} (ideally a multiple "
-                    f"of it), or fewer micro-batches"
+                    f"a training batch of {n} samples cannot feed num_microbatches={m}: use a per-replica "
+                    f"batch size of at least {m} (ideally a multiple of it), or fewer micro-batches"
                 )
-        return run_step(self, step_name, args, train)
+        return run_step(self.parts, self.lightning_module, step_name, args, train)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -294,52 +296,36 @@ class PipelineStrategy(DDPStrategy):
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self._predict_batches = None
-        if self.mesh is not None and self.mesh.dp_size > 1:
+        parts = self.parts
+        if parts is not None and parts.mesh.dp_size > 1:
             # How many batches each replica predicts (the sampler does not pad): rank 0 must know
             # which replicas send it predictions at each step.
-            counts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(counts, int(sum(self.lightning_module.trainer.num_predict_batches)))
-            last = self.mesh.pp_size - 1
-            self._predict_batches = [counts[self.mesh.global_rank(last, r)] for r in range(self.mesh.dp_size)]
-
-    @contextmanager
-    def _grads_held_for_backward(self) -> Generator[None, None, None]:
-        """Keep the gradients the schedule computes aside until Lightning's backward call.
-
-        The schedule runs backward inside training_step, but Lightning zeroes the gradients between
-        training_step and backward (on the first batch of each accumulation window). Holding this
-        batch's gradients aside and adding them in :meth:`backward` keeps Lightning's order exact.
-        """
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        earlier = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            yield
-        finally:
-            self._held_grads = [(p, p.grad) for p in params]
-            for p, g in zip(params, earlier):
-                p.grad = g
+            counts = all_gather_objects(int(sum(self.lightning_module.trainer.num_predict_batches)))
+            last = parts.mesh.pp_size - 1
+            parts.predict_batches = [
+                counts[parts.mesh.global_rank(last, r)] for r in range(parts.mesh.dp_size)
+            ]
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # The schedule already ran backward for every micro-batch inside training_step: add the
         # gradients it held aside, between Lightning's before/after-backward hooks.
-        assert self.lightning_module is not None
+        assert self.lightning_module is not None and self.parts is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        for p, g in self._held_grads:
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
-        self._held_grads = []
+        self.parts.held.add_to_grads()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        parts = self.parts
+        assert parts is not None
+
         def closure_then_sync() -> Any:
             result = closure()
-            # One all-reduce per stage per optimizer step, before clipping and the step itself.
-            all_reduce_gradients(self.lightning_module.parameters(), self.data_parallel_group)
+            # Once per optimizer step, before clipping and the step itself: the tied weights'
+            # replicas sum their gradients, then every stage averages over its replicas.
+            parts.shared.sum_gradients()
+            all_reduce_gradients(self.lightning_module.parameters(), parts.mesh.dp_group)
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -349,27 +335,31 @@ class PipelineStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unsplit module's state dict on global rank 0 (replica 0's stages send theirs there)."""
         local = self.lightning_module.state_dict()
-        if self.mesh is None or self.mesh.pp_size == 1 or not _distributed_is_initialized():
+        parts = self.parts
+        if parts is None or parts.mesh.pp_size == 1 or not _distributed_is_initialized():
             return local
-        if self.mesh.dp_rank != 0:
+        if parts.mesh.dp_rank != 0:
             return {}
-        parts = stage_state.gather_to(stage_state.to_cpu(dict(local)), 0, self.mesh.pp_group)
-        if parts is None:
+        gathered = gather_object_to(stage_state.to_cpu(dict(local)), 0, parts.mesh.pp_group)
+        if gathered is None:
             return {}
-        merged = {k: v for part in parts for k, v in part.items()}
-        return {k: merged[k] for k in self._model_keys if k in merged}
+        merged = {k: v for part in gathered for k, v in part.items()}
+        return {k: merged[k] for k in parts.model_keys if k in merged}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self.mesh is None or not self._param_names:
+        parts = self.parts
+        if parts is None:
             return optimizer.state_dict()
         consolidate(optimizer)  # memory (issue 15): ZeRO gathers on replica 0; every replica calls it
-        if self.mesh.dp_rank != 0:
+        if parts.mesh.dp_rank != 0:
             return {}
-        named = stage_state.named_optimizer_state(optimizer, self._param_names)
-        parts = stage_state.gather_to(named, 0, self.mesh.pp_group)
-        return stage_state.merge_optimizer_states(parts) if parts is not None else {}
+        named = stage_state.named_optimizer_state(optimizer, parts.param_names)
+        gathered = gather_object_to(named, 0, parts.mesh.pp_group)
+        if gathered is None:
+            return {}
+        return stage_state.merge_optimizer_states(gathered, parts.model_param_order)
 
     @property
     @override
@@ -381,8 +371,8 @@ class PipelineStrategy(DDPStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         full = checkpoint["state_dict"]
-        if strict and self._model_keys:
-            stage_state.check_keys(self._model_keys, full, type(self.lightning_module).__name__)
+        if strict and self.parts is not None:
+            stage_state.check_keys(self.parts.model_keys, full, type(self.lightning_module).__name__)
         local_keys = self.lightning_module.state_dict().keys()
         self.lightning_module.load_state_dict(
             {k: v for k, v in full.items() if k in local_keys}, strict=strict
@@ -396,9 +386,10 @@ class PipelineStrategy(DDPStrategy):
                 f"the checkpoint holds {len(states)} optimizer states but configure_optimizers returned "
                 f"{len(self.optimizers)}: resume with the same optimizers"
             )
+        assert self.parts is not None
         for optimizer, full in zip(self.optimizers, states):
             local = stage_state.reshard_optimizer_state(
-                full, optimizer, self._param_names, self._model_param_order
+                full, optimizer, self.parts.param_names, self.parts.model_param_order
             )
             optimizer.load_state_dict(local)
         _optimizers_to_device(self.optimizers, self.root_device)
@@ -441,22 +432,3 @@ def _release_at_exit(strategy_ref: weakref.ref) -> None:
     strategy = strategy_ref()  # a weak reference: registering must not keep the model alive
     if strategy is not None:
         strategy._release_process_groups()
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _check_fit_supported(trainer: pl.Trainer, strategy: PipelineStrategy) -> None:
-    if not trainer.lightning_module.automatic_optimization:
-        raise RuntimeError(
-            "PipelineStrategy runs forward and backward inside its schedule and supports automatic "
-            "optimization only: remove `self.automatic_optimization = False` (manual optimization is "
-            "not supported)"
-        )
-    if getattr(strategy.precision_plugin, "scaler", None) is not None:
-        raise ValueError(
-            "PipelineStrategy does not support precision='16-mixed' (its GradScaler scales the loss outside "
-            "the schedule): use 'bf16-mixed', 'bf16-true' or '32-true'"
-        )

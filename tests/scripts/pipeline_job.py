@@ -41,7 +41,7 @@ def main() -> None:
     model = FailingRegressor(args.fail_rank) if args.fail_rank is not None else SequentialRegressor()
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
-        strategy=PipelineStrategy(num_stages=2, num_microbatches=4), max_epochs=1, logger=False,
+        strategy=PipelineStrategy(pipeline_size=2, num_microbatches=4), max_epochs=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[RankRecorder(args.out)],
     )  # fmt: skip

@@ -1,0 +1,389 @@
+"""The experiments' one harness: results directory, CSV and PNG writing, the machine record,
+multi-process runs, and (from ``_repeats``) interleaved repeats with medians and min-max ranges.
+
+Every benchmark script in ``experiments/`` uses it; scripts never import each other or the tests, and
+read each other's results from files. Run scripts from the repository root (``python experiments/x.py``):
+Python puts the script's own directory on ``sys.path``, so ``import _harness as h`` just works, also in
+the processes :func:`spawn` starts. Nothing here runs at import time beyond definitions.
+
+**The method (issue 16).** A timing is never one run against another run. Variants run interleaved
+inside one invocation (``A B, B A, ...``, at least :data:`MIN_REPEATS` of each): :func:`interleave`.
+:func:`compare` reports the median of the per-repeat ratios against a baseline with their min-max range,
+beside the absolute medians; :func:`verdict` words it for the README ("within noise" when the range
+crosses parity or the goal).
+
+**A new benchmark in ~20 lines** (say ``experiments/bench_watchdog.py``)::
+
+    import _harness as h
+
+    def timed_fit(watchdog: bool, steps: int) -> dict:   # one measurement: plain numbers
+        clock = h.StepClock()
+        trainer = h.quiet_trainer(devices=2, strategy="ddp", max_steps=steps, callbacks=[clock])
+        trainer.fit(make_model(watchdog), make_loader())
+        return {"step_ms": clock.median_step_ms(warmup=3)}
+
+    def worker(rank: int, world: int, args: dict) -> list[dict]:   # runs on every rank
+        variants = {"off": lambda: timed_fit(False, args["steps"]),
+                    "on": lambda: timed_fit(True, args["steps"])}
+        return h.interleave(variants, repeats=args["repeats"], before_each=h.barrier)
+
+    def main(argv: list[str] | None = None) -> None:
+        p = h.parser(__doc__)                        # --out-dir, --repeats, --quick
+        p.add_argument("--steps", type=int, default=30)
+        args = p.parse_args(argv)
+        h.record_machine("watchdog", args.out_dir)
+        samples = h.spawn(worker, 2, vars(args))[0]              # rank 0's clock
+        rows = h.compare(samples, "step_ms", baseline="off")     # medians, ratios, min-max ranges
+        h.write_csv(args.out_dir / "watchdog.csv", rows)
+        fig, ax = h.figure()
+        h.errorbars(ax, [r["variant"] for r in rows], rows, "step_ms", label="step")
+        h.save_figure(fig, args.out_dir / "watchdog.png")
+
+Then tell ``run_all.py`` about it: ``"watchdog": "bench_watchdog.py"`` in ``run_all.EXPERIMENTS`` (the
+run order), and in ``_tables.py`` one table function per CSV, named after the CSV (``def watchdog(rows)
+-> str``; every timing cell through ``timed_col``/``timed_rows``, so its range shows; ratios with
+``_verdict``), plus ``Question("Watchdog: ...", "watchdog", (watchdog,))`` in ``QUESTIONS``. The PNG of
+the same name is linked under the table; ``tests/test_run_all.py`` then checks its numbers and ranges
+(add the CSV's key columns to ``KEY_COLUMNS`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import logging
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _repeats import MIN_REPEATS, Spread, compare, interleave, order, per_repeat_ratios, spread, verdict
+from typing_extensions import override
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+"""Where every script writes its CSVs and PNGs unless told ``--out-dir``."""
+MACHINE_FIELDS = ["experiment", "date", "load_avg_1min", "cpu_model", "cores", "python", "torch", "lightning"]
+
+__all__ = [  # the method, re-exported: a script needs only ``import _harness as h``
+    "MIN_REPEATS",
+    "RESULTS",
+    "Spread",
+    "StepClock",
+    "barrier",
+    "compare",
+    "errorbars",
+    "figure",
+    "interleave",
+    "order",
+    "parser",
+    "per_repeat_ratios",
+    "quiet",
+    "quiet_trainer",
+    "read_csv",
+    "record_machine",
+    "save_figure",
+    "spawn",
+    "spread",
+    "this_machine",
+    "verdict",
+    "write_csv",
+]
+
+# -------------------------------------------------------------------------------------- arguments
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number of repeats, got {text!r}")
+    return int(text)
+
+
+def parser(doc: str | None, repeats: int | None = MIN_REPEATS) -> argparse.ArgumentParser:
+    """An argument parser with the options the scripts share: ``--out-dir``, ``--quick``, and
+    ``--repeats`` (default ``repeats``; ``None`` for a script that measures no timing).
+
+    Example::
+
+        args = h.parser(__doc__, repeats=6).parse_args(argv)
+        args.out_dir / "x.csv"
+    """
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help=f"where results go (default {RESULTS})")
+    p.add_argument("--quick", action="store_true", help="the smallest setting: checks that it runs")
+    if repeats is not None:
+        p.add_argument(
+            "--repeats",
+            type=_positive,
+            default=repeats,
+            help=f"interleaved repeats of each variant (default {repeats}; the README needs {MIN_REPEATS}+)",
+        )
+    return p
+
+
+# ------------------------------------------------------------------------------------ files
+
+
+def write_csv(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> Path:
+    """Write ``rows`` to ``path`` (parents created); columns: ``columns`` or the keys in first-seen order.
+
+    Example::
+
+        h.write_csv(out / "x.csv", [{"k": 1, "ms": 2.5}])
+    """
+    if not rows:
+        raise ValueError(f"no rows to write to {path}: the benchmark measured nothing")
+    names = list(columns) if columns is not None else list(dict.fromkeys(k for r in rows for k in r))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    """The rows of a CSV as dicts of strings.
+
+    Example::
+
+        rows = h.read_csv(h.RESULTS / "metric_sync.csv")
+    """
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def figure(
+    ncols: int = 1, nrows: int = 1, size: tuple[float, float] | None = None, **kw: Any
+) -> tuple[Any, Any]:
+    """A matplotlib figure (headless Agg backend) and its axes, sized by the number of panels;
+    ``kw`` goes to ``plt.subplots`` (``sharex=True``, ...).
+
+    Example::
+
+        fig, (left, right) = h.figure(2)
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(nrows, ncols, figsize=size or (5.5 * ncols, 4.2 * nrows), **kw)
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
+    """Lay out, write and close ``fig``.
+
+    Example::
+
+        h.save_figure(fig, out / "x.png")
+    """
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def errorbars(ax: Any, xs: Sequence[Any], rows: Sequence[Mapping[str, Any]], key: str, **kw: Any) -> None:
+    """Plot the medians ``rows[i][key]`` with their min-max range (``key_min``, ``key_max``) as error bars.
+
+    Example::
+
+        h.errorbars(ax, [1, 2, 4], rows, "samples_per_s", label="1f1b", marker="o")
+    """
+    med = [float(r[key]) for r in rows]
+    lo = [m - float(r[f"{key}_min"]) for m, r in zip(med, rows)]
+    hi = [float(r[f"{key}_max"]) - m for m, r in zip(med, rows)]
+    ax.errorbar(xs, med, yerr=[lo, hi], capsize=3, **kw)
+
+
+# ------------------------------------------------------------------------------- the machine
+
+
+def this_machine() -> dict[str, str]:
+    """CPU model, core count and the Python / torch / Lightning versions of this machine.
+
+    Example::
+
+        h.this_machine()["cores"]
+    """
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
+    return dict(
+        cpu_model=names[0] if names else platform.processor() or platform.machine(),
+        cores=str(os.cpu_count()),
+        python=platform.python_version(),
+        torch=version("torch"),
+        lightning=version("lightning"),
+    )
+
+
+def record_machine(
+    experiment: str, out_dir: Path = RESULTS, load: str | None = None, date: datetime.date | None = None
+) -> None:
+    """Set ``experiment``'s row of ``out_dir/machine.csv``: the date (today), the 1-minute load average
+    (now: call it first thing in ``main()``, so it is the load at the start), and this machine.
+
+    Example::
+
+        h.record_machine("metric_sync", args.out_dir)
+    """
+    path = out_dir / "machine.csv"
+    rows = {r["experiment"]: r for r in read_csv(path)} if path.exists() else {}
+    load = f"{os.getloadavg()[0]:.1f}" if load is None else load
+    day = (date or datetime.date.today()).isoformat()
+    rows[experiment] = dict(experiment=experiment, date=day, load_avg_1min=load) | this_machine()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=MACHINE_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows.values())
+
+
+# ------------------------------------------------------------------------ multi-process runs
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for the gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def quiet() -> None:
+    """One thread, and none of Lightning's start-up chatter or warnings (in a worker, or a script's main)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def _rank_entry(rank: int, target: Callable, world: int, port: int, out_dir: str, args: tuple) -> None:
+    # The variables a launcher like torchrun sets: Lightning then takes the processes as launched
+    # externally and joins the process group initialised here, so a target can mix Trainer fits
+    # (devices=world) with plain torch.distributed code on the same ranks.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    quiet()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = target(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(target: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    """Run ``target(rank, world, *args)`` on ``world`` fresh processes (spawn, gloo initialised, one
+    thread each); return what each rank returned, by rank, brought back through files.
+
+    Inside ``target`` a ``Trainer(accelerator="cpu", devices=world, strategy=...)`` joins these processes
+    instead of launching its own. ``target`` must be a module-level function and return plain data
+    (numbers, strings, lists, dicts, tensors): a class defined in a script would not unpickle here.
+    A failure on any rank ends every rank and raises here.
+
+    Example::
+
+        def worker(rank, world, n):
+            return {"rank": rank, "sum": n * rank}
+
+        h.spawn(worker, 2, 10)   # [{"rank": 0, "sum": 0}, {"rank": 1, "sum": 10}]
+    """
+    with tempfile.TemporaryDirectory(prefix="lp-experiment-") as tmp:
+        mp.start_processes(
+            _rank_entry, (target, world, free_port(), tmp, args), nprocs=world, start_method="spawn"
+        )
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def barrier() -> None:
+    """``dist.barrier()`` when a process group exists (a no-op in one process): line the ranks up."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def quiet_trainer(**kwargs: Any) -> L.Trainer:
+    """A CPU ``Trainer`` without logger, checkpoints, progress bar, summary or sanity check, unless asked.
+
+    Example::
+
+        h.quiet_trainer(devices=2, strategy="ddp", max_steps=20).fit(model, loader)
+    """
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return L.Trainer(**(defaults | kwargs))
+
+
+class StepClock(L.Callback):
+    """Records when each training step starts and ends (and its loss) inside ``Trainer.fit``.
+
+    Example::
+
+        clock = h.StepClock()
+        h.quiet_trainer(max_steps=20, callbacks=[clock]).fit(model, loader)
+        clock.median_step_ms(warmup=3)
+    """
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.losses: list[float] = []
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *_: Any
+    ) -> None:
+        self.ends.append(time.perf_counter())
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
+        self.losses.append(float(loss) if loss is not None else float("nan"))
+
+    def median_step_ms(self, warmup: int) -> float:
+        """Median milliseconds from a step's start to its end, after ``warmup`` steps."""
+        return 1e3 * statistics.median(e - s for s, e in zip(self.starts[warmup:], self.ends[warmup:]))
+
+    def cycle_quantile_s(self, warmup: int, q: float = 0.5) -> float:
+        """A quantile of the step cycles (start to the next start: data, step, hooks), in seconds.
+
+        The median is the typical step; a low quantile the steps that other jobs did not slow down.
+        """
+        cycles = [b - a for a, b in zip(self.starts[warmup:], self.starts[warmup + 1 :])]
+        cycles.append(self.ends[-1] - self.starts[-1])
+        if q == 0.5:
+            return statistics.median(cycles)
+        return sorted(cycles)[min(len(cycles) - 1, int(q * len(cycles)))]

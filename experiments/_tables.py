@@ -1,0 +1,343 @@
+"""The README's results tables: one function per CSV in ``experiments/results/``, named after it
+(``metric_sync()`` reads ``metric_sync.csv``), and :data:`QUESTIONS`, which groups them under a title.
+
+A table shows CSV values, or medians / minima / maxima / counts of a CSV column, or byte counts in MiB:
+``tests/test_run_all.py`` checks every number. Every timing goes through :func:`timed` (median and
+min-max range; the test checks that each timing column has its range), and a ratio's cell ends with
+``_harness.verdict``'s words ("within noise" when its range crosses parity or the goal).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import _harness as h
+
+Rows = list[dict[str, str]]
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def _f(value: str | float, digits: int) -> str:
+    return f"{float(value):.{digits}f}"
+
+
+def _groups(rows: Rows, key: str) -> dict[str, Rows]:
+    out: dict[str, Rows] = {}
+    for r in rows:
+        out.setdefault(r[key], []).append(r)
+    return out
+
+
+def _mib(value: float) -> str:
+    return _f(value / 2**20, 1)
+
+
+def timed(median: str | float, lo: str | float, hi: str | float, digits: int, verdict: str = "") -> str:
+    """A timing cell: the median, its min-max range over the repeats, and the verdict if any.
+
+    Every timing in the block goes through here (``tests/test_run_all.py`` checks that each timing
+    column has its range).
+    """
+    cell = f"{_f(median, digits)} ({_f(lo, digits)} .. {_f(hi, digits)})"
+    return f"{cell}, {verdict}" if verdict else cell
+
+
+def timed_col(row: dict[str, str], key: str, digits: int, verdict: str = "") -> str:
+    """:func:`timed` of the CSV columns ``key``, ``key_min``, ``key_max`` of one row."""
+    return timed(row[key], row[f"{key}_min"], row[f"{key}_max"], digits, verdict)
+
+
+def timed_rows(rows: Rows, key: str, digits: int, verdict: str = "") -> str:
+    """:func:`timed` of one column over per-repeat rows: their median and range."""
+    s = h.spread(float(r[key]) for r in rows)
+    return timed(s.median, s.lo, s.hi, digits, verdict)
+
+
+def _verdict(row: dict[str, str], key: str, **kw: object) -> str:
+    return h.verdict(float(row[f"{key}_min"]), float(row[f"{key}_max"]), **kw)
+
+
+def pipeline_overhead(rows: Rows) -> str:
+    r0, goal = rows[0], float(rows[0]["goal"])
+    ratios = h.spread(float(r["ratio"]) for r in rows)
+    worst = max(rows, key=lambda r: float(r["max_loss_diff"]))["max_loss_diff"]
+    cells = [r0["schedule"], r0["num_microbatches"], r0["batch_size"], len(rows)]
+    cells += [timed_rows(rows, k, 1) for k in ("hand_samples_per_s", "trainer_samples_per_s")]
+    cells += [timed_rows(rows, "ratio", 2, h.verdict(ratios.lo, ratios.hi, goal=goal))]
+    cells += [timed_rows(rows, "fast_ratio", 2), worst]
+    header = ["schedule", "micro-batches", "batch", "repeats", "hand samples/s", "Trainer samples/s"]
+    header += [f"Trainer / hand (goal {r0['goal']})", "Trainer / hand, fastest steps", "max loss diff"]
+    return _table(header, [cells]) + (
+        "\n\nMedians over the repeats, (min .. max) beside them; the ratio is taken within each repeat."
+    )
+
+
+def pipeline_microbatches(rows: Rows) -> str:
+    at = {(r["kind"], r["schedule"], r["num_microbatches"]): r for r in rows}
+    ms = sorted({r["num_microbatches"] for r in rows if r["kind"] == "pipeline"}, key=int)
+    body = []
+    for m in ms:
+        gpipe, f1b = at[("pipeline", "gpipe", m)], at[("pipeline", "1f1b", m)]
+        body.append(
+            [m, f1b["repeats"], _f(f1b["ideal_bubble_efficiency"], 3)]
+            + [timed_col(x, "efficiency", 3) for x in (f1b, gpipe)]
+            + [timed_col(x, "samples_per_s", 1) for x in (f1b, gpipe, at[("single", "-", m)])]
+        )
+    header = ["micro-batches m", "repeats", "ideal (bubble only)", "1f1b efficiency", "gpipe efficiency"]
+    header += ["1f1b samples/s", "gpipe samples/s", "one process samples/s"]
+    alone = at[("single_alone", "-", "1")]
+    note = (
+        f"\n\nEfficiency: pipeline throughput over p x one process with the same micro-batches, in the "
+        f"same repeat. Parallelism of the two processes (one process's throughput with both busy over "
+        f"alone; near one when each really has a core): {timed_col(alone, 'parallelism', 2)}."
+    )
+    return _table(header, body) + note
+
+
+def pipeline_memory(rows: Rows) -> str:
+    body = []
+    for run, ranks in _groups(rows, "run").items():
+        r0 = ranks[0]
+        on_meta = all(r["other_stage_params"] == r["other_stage_params_meta"] for r in ranks)
+        body.append(
+            [
+                run,
+                r0["world_size"],
+                f"{r0['model_dim']} x {r0['model_depth']}",
+                _mib(max(float(r["ppo_bytes"]) for r in ranks)),
+                _f(max(float(r["ppo_vs_ddp"]) for r in ranks), 3),
+                " / ".join(_mib(float(r["activation_peak_bytes"])) for r in ranks),
+                "yes" if r0["strategy"] == "pipeline" and on_meta else "-",
+                _f(max(float(r["max_rss_mb"]) for r in ranks), 1),
+            ]
+        )
+    header = ["run", "ranks", "width x blocks", "params+grads+AdamW MiB (worst rank)", "vs DDP"]
+    header += ["activation peak MiB, rank by rank", "other stages stay on meta", "max RSS MB"]
+    return _table(header, body) + "\n\nByte counts: one run each, they do not depend on the load."
+
+
+def metric_sync(rows: Rows) -> str:
+    at = {(r["k"], r["mode"]): r for r in rows}
+    body = []
+    for k in sorted({r["k"] for r in rows}, key=int):
+        arm, sync = at[(k, "all_reduced_metrics")], at[(k, "sync_dist")]
+        words = {"higher_is_better": False, "words": ("below no sync", "above no sync")}
+        body.append(
+            [k, arm["repeats"], _f(arm["collectives_per_step"], 0), _f(sync["collectives_per_step"], 0)]
+            + [
+                timed_col(arm, "no_sync_step_ms", 1),
+                timed_col(arm, "step_ms", 1),
+                timed_col(sync, "step_ms", 1),
+            ]
+            + [timed_col(x, "overhead_ms", 1, _verdict(x, "ratio_vs_no_sync", **words)) for x in (arm, sync)]
+        )
+    header = ["metrics K", "repeats", "collectives/step AllReducedMetrics", "collectives/step sync_dist"]
+    header += ["step ms, no sync", "step ms AllReducedMetrics", "step ms sync_dist"]
+    header += ["overhead ms AllReducedMetrics", "overhead ms sync_dist"]
+    return "In a fit (step cycle, overhead against no sync in the same repeat):\n\n" + _table(header, body)
+
+
+def metric_sync_reduce(rows: Rows) -> str:
+    at = {(r["k"], r["mode"]): r for r in rows}
+    body = []
+    for k in sorted({r["k"] for r in rows}, key=int):
+        arm, sync = at[(k, "all_reduced_metrics")], at[(k, "sync_dist")]
+        words = {"higher_is_better": False, "words": ("cheaper", "dearer")}
+        body.append(
+            [
+                k,
+                arm["repeats"],
+                _f(arm["collectives_per_step"], 0),
+                _f(sync["collectives_per_step"], 0),
+                timed_col(arm, "per_metric_us", 1),
+                timed_col(sync, "per_metric_us", 1),
+                timed_col(arm, "ratio_vs_sync_dist", 2, _verdict(arm, "ratio_vs_sync_dist", **words)),
+            ]
+        )
+    header = ["metrics K", "repeats", "collectives/step AllReducedMetrics", "collectives/step sync_dist"]
+    header += ["us per metric AllReducedMetrics", "us per metric sync_dist", "AllReducedMetrics / sync_dist"]
+    intro = "The reduction path alone (same process group, no training), cost per logged metric per step:"
+    return f"{intro}\n\n" + _table(header, body)
+
+
+def checkpoint_bench(rows: Rows) -> str:
+    body = []
+    for method, saves in _groups(rows, "method").items():
+        ratio = h.spread(float(r["stall_vs_model_checkpoint"]) for r in saves)
+        baseline = ratio.lo == ratio.hi == 1.0
+        verdict = h.verdict(ratio.lo, ratio.hi, higher_is_better=False, words=("shorter", "longer"))
+        body.append(
+            [method, len(saves)]
+            + [timed_rows(saves, k, 2) for k in ("stall_s", "total_s")]
+            + [timed_rows(saves, "extra_mib", 1)]
+            + ["-" if baseline else timed_rows(saves, "stall_vs_model_checkpoint", 2, verdict)]
+        )
+    header = ["method", "saves", "training stall s", "save done s", "extra memory MiB"]
+    return _table([*header, "stall vs ModelCheckpoint"], body)
+
+
+def checkpoint_kill(rows: Rows) -> str:
+    body = [
+        [
+            r["method"],
+            os.path.dirname(r["tmpdir"]),
+            r["kills"],
+            r["files_present"],
+            r["files_loadable"],
+            r["files_unloadable"],
+            r["orphans"],
+            _f(r["orphan_mib"], 1),
+        ]
+        for r in rows
+    ]
+    header = ["writer", "TMPDIR on", "kills", "files present", "loadable", "unloadable", "orphan temp files"]
+    return _table([*header, "orphan MiB"], body)
+
+
+def accumulation_equivalence(rows: Rows) -> str:
+    runs = _groups(rows, "run")
+    body = []
+    for run, steps in runs.items():
+        # Compare with the 1-device run of the same batch schedule: "2dev-ramp" -> "1dev-ramp".
+        ref = runs.get("1dev-" + run.split("-", 1)[-1])
+        diff = max(abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(steps, ref or steps))
+        batch = f"{steps[0]['global_batch_size']} .. {steps[-1]['global_batch_size']}"
+        body.append(
+            [
+                run,
+                steps[0]["devices"],
+                len(steps),
+                batch,
+                _f(steps[0]["loss"], 4),
+                _f(steps[-1]["loss"], 4),
+                f"{diff:.1e}" if ref is not None and ref is not steps else "-",
+            ]
+        )
+    header = ["run", "devices", "optimizer steps", "global batch", "first loss", "final loss"]
+    return _table([*header, "max loss diff vs one device (CSV's 8-digit losses)"], body)
+
+
+def scaling_charlm(rows: Rows) -> str:
+    body = []
+    for r in rows:
+        single = r["processes"] == "1"
+        verdict = "" if single else _verdict(r, "ratio_vs_1_process", words=("faster", "slower"))
+        body.append(
+            [
+                *(r[k] for k in ("run", "processes", "threads_per_process", "samples", "repeats")),
+                timed_col(r, "samples_per_s", 1),
+                "-" if single else timed_col(r, "ratio_vs_1_process", 2, verdict),
+                *(_f(r[k], 3) for k in ("train_loss", "val_loss")),
+                timed_col(r, "wall_s", 1),
+            ]
+        )
+    header = ["run", "processes", "threads each", "samples", "repeats", "samples/s", "vs one process"]
+    return _table([*header, "final train loss", "val loss", "wall s (incl. start-up)"], body)
+
+
+# ------------------------------------------------------------------------------ the questions
+
+
+@dataclass(frozen=True)
+class Question:
+    """One README subsection: its experiment and its tables, one builder per CSV, named after the CSV.
+
+    The plot of a CSV, when there is one, is the PNG of the same name.
+    """
+
+    title: str
+    experiment: str
+    tables: tuple[Callable[[Rows], str], ...]
+
+
+def gpt_pipeline(rows: Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    seq, traced = by["sequential"], by["traced"]
+    verdict = _verdict(traced, "ratio", goal=0.97)
+    header = ["path", "repeats", "samples/s", "step ms", "traced / Sequential (goal 0.97)", "max loss diff"]
+    header += ["tied-gradient sum ms", "share of the step"]
+    table = [
+        ["Sequential (`SequentialCharLM`)", seq["repeats"], timed_col(seq, "samples_per_s", 1),
+         timed_col(seq, "step_ms", 1), "1 (baseline)", seq["max_loss_diff"], "-", "-"],
+        ["traced (`CharLM`, the GPT as written)", traced["repeats"], timed_col(traced, "samples_per_s", 1),
+         timed_col(traced, "step_ms", 1), timed_col(traced, "ratio", 3, verdict), traced["max_loss_diff"],
+         timed_col(traced, "tied_ms", 3), timed_col(traced, "tied_share", 4)],
+    ]  # fmt: skip
+    return _table(header, table) + (
+        "\n\nSame weights, same stage boundaries (embeddings + 2 blocks | 2 blocks + norm + tied head), "
+        "interleaved in the same 2 processes; medians with (min .. max) over the repeats."
+    )
+
+
+def gpt_tracing(rows: Rows) -> str:
+    table = [[r["seq_len"], r["repeats"], timed_col(r, "trace_s", 2)] for r in rows]
+    return _table(["sequence length", "repeats", "seconds to trace forward at that shape"], table) + (
+        "\n\nPaid once per new input shape (the short last batch, another sequence length), then cached."
+    )
+
+
+def watchdog(rows: Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    off, on, goal = by["off"], by["on"], float(rows[0]["goal"])
+    verdict = _verdict(on, "ratio", goal=goal, higher_is_better=False)
+    header = ["repeats", "step ms, no watchdog", "step ms, HangWatchdog", f"with / without (goal <= {goal})"]
+    cells = [on["repeats"], timed_col(off, "step_ms", 1), timed_col(on, "step_ms", 1)]
+    return _table(header, [[*cells, timed_col(on, "ratio", 3, verdict)]]) + (
+        "\n\nThe main job (GPT, 2 pipeline stages); the ratio is taken within each repeat."
+    )
+
+
+def watchdog_calls(rows: Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    off, on = by["off"], by["on"]
+    header = ["repeats", "all_reduce µs, untracked", "all_reduce µs, tracked", "added µs per call"]
+    cells = [
+        on["repeats"],
+        timed_col(off, "call_us", 1),
+        timed_col(on, "call_us", 1),
+        timed_col(on, "added_us", 2),
+    ]
+    return (
+        _table(header, [cells])
+        + "\n\nOne number all-reduced over a one-rank gloo group (no waiting on the peer), "
+        "thousands of calls per repeat."
+    )
+
+
+QUESTIONS = (
+    Question(
+        "Pipeline overhead: the Trainer against a hand-driven schedule",
+        "pipeline",
+        (pipeline_overhead,),
+    ),
+    Question("Pipeline bubble against the number of micro-batches", "pipeline", (pipeline_microbatches,)),
+    Question("Memory per rank: DDP against PipelineStrategy", "pipeline_memory", (pipeline_memory,)),
+    Question(
+        "Metric sync: AllReducedMetrics against sync_dist=True",
+        "metric_sync",
+        (metric_sync, metric_sync_reduce),
+    ),
+    Question(
+        "Checkpoints: Rank0Checkpoint against ModelCheckpoint (stall, memory, SIGKILL)",
+        "checkpoint",
+        (checkpoint_bench, checkpoint_kill),
+    ),
+    Question(
+        "Gradient accumulation: one device against several at the same global batch",
+        "accumulation_equivalence",
+        (accumulation_equivalence,),
+    ),
+    Question("Scaling the main job: one process against two", "scaling_charlm", (scaling_charlm,)),
+    Question("HangWatchdog: what it costs", "watchdog", (watchdog, watchdog_calls)),
+    Question(
+        "Pipelining a GPT: its forward traced against its layers in a Sequential",
+        "gpt_pipeline",
+        (gpt_pipeline, gpt_tracing),
+    ),
+)

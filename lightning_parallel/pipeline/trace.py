@@ -1,0 +1,209 @@
+"""The traced path: split a module's ``forward`` with torch's tracing frontend (``pipeline()``, torch.export).
+
+For models that are not one ``nn.Sequential`` (nanoGPT, litgpt, Hugging Face decoders: embeddings, a
+ModuleList of blocks, a head, maybe tied to the embedding). Tracing runs on a *meta twin* of the module
+(same structure and ties, parameters on the meta device), so it costs no memory, leaves the user's
+module untouched, and can be repeated for each new input shape (export specialises on shapes). The
+stage modules it yields are then pointed at this rank's real tensors and wrapped in torch's traced
+pipeline stages.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.pipelining import Pipe, SplitPoint, pipeline
+from torch.export.unflatten import InterpreterModule
+
+
+class PipelineTraceError(RuntimeError):
+    """torch.export could not capture the module's forward as one graph."""
+
+
+def meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (ties kept).
+
+    Each submodule is a shallow copy (its other attributes are shared), so building it costs no
+    memory and tracing it never touches the user's module.
+
+    Example::
+
+        twin = meta_twin(gpt)
+        twin.lm_head.weight is twin.wte.weight      # True when gpt ties them
+    """
+    tensors: dict[int, torch.Tensor] = {}
+    modules: dict[int, nn.Module] = {}
+
+    def twin_tensor(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in tensors:
+            meta = torch.empty_like(t, device="meta")
+            tensors[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        return tensors[id(t)]
+
+    def twin_module(m: nn.Module) -> nn.Module:
+        if id(m) not in modules:
+            copy = m.__class__.__new__(m.__class__)
+            copy.__dict__.update(m.__dict__)
+            modules[id(m)] = copy
+            copy._parameters = {k: None if v is None else twin_tensor(v) for k, v in m._parameters.items()}
+            copy._buffers = {k: None if v is None else twin_tensor(v) for k, v in m._buffers.items()}
+            copy._modules = {k: None if v is None else twin_module(v) for k, v in m._modules.items()}
+        return modules[id(m)]
+
+    return twin_module(module)
+
+
+def to_meta(tree: Any) -> Any:
+    """The same structure with every tensor replaced by an empty meta tensor of its shape and dtype."""
+    return torch.utils._pytree.tree_map(
+        lambda t: torch.empty_like(t, device="meta") if torch.is_tensor(t) else t, tree
+    )
+
+
+def call_order(module: nn.Module, args: tuple[Any, ...]) -> list[str]:
+    """Module paths in the order ``module(*args)`` first calls them (run it on a meta twin: free).
+
+    Raises:
+        ValueError: the forward fails on these inputs (a batch the model rejects).
+    """
+    order: dict[str, None] = {}
+    handles = [
+        sub.register_forward_pre_hook(lambda _m, _a, path=path: order.setdefault(path))
+        for path, sub in module.named_modules()
+        if path
+    ]
+    try:
+        with torch.no_grad():
+            module(*args)
+    except Exception as err:
+        shapes = [tuple(a.shape) for a in args if torch.is_tensor(a)]
+        raise ValueError(
+            f"{type(module).__name__}.forward failed on inputs of shapes {shapes} (run on the meta device "
+            f"to find the stages): {type(err).__name__}: {err}"
+        ) from err
+    finally:
+        for h in handles:
+            h.remove()
+    return list(order)
+
+
+def trace(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str], train: bool) -> Pipe:
+    """``torch.distributed.pipelining.pipeline`` on the twin, split before each of ``split_points``.
+
+    ``pipeline()`` marks a split point by patching the module's ``forward`` in place; the patches
+    are undone here so the twin can be traced again at another shape.
+    """
+    twin.train(train)
+    targets = [twin.get_submodule(p) for p in split_points]
+    saved = [(m, m.__dict__.get("forward")) for m in targets]
+    try:
+        with warnings.catch_warnings():
+            # torch 2.13's export warns about its own pytree internals on every trace: not the user's concern.
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            return run_generated_code(
+                pipeline(twin, example, split_spec={p: SplitPoint.BEGINNING for p in split_points})
+            )
+    except RuntimeError as err:
+        raise _trace_error(twin, err) from None
+    finally:
+        for m, forward in saved:
+            m.__dict__.pop("_orig_forward", None)
+            if forward is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = forward
+
+
+def run_generated_code(pipe: Pipe) -> Pipe:
+    """Make the traced stage modules run their graphs as generated Python code, not node by node.
+
+    torch 2.13's unflattener builds ``InterpreterModule``s that execute their graph with
+    ``torch.fx.Interpreter`` (one Python dispatch per node) unless their private
+    ``_run_with_interpreter`` flag is off; off, they run the ``GraphModule`` code generated from the
+    same graph: the same ops, without the per-node overhead (the traced GPT's steps measured ~1.4x
+    slower with the interpreter in ``bench_gpt_pipeline.py``). test_trace.py fails loudly if the flag goes.
+    """
+    for module in pipe.split_gm.modules():
+        if isinstance(module, InterpreterModule):
+            if not hasattr(module, "_run_with_interpreter"):
+                raise RuntimeError("torch's InterpreterModule lost `_run_with_interpreter` (checked on 2.13)")
+            module._run_with_interpreter = False
+    return pipe
+
+
+def _trace_error(twin: nn.Module, err: RuntimeError) -> PipelineTraceError:
+    cause = err.__cause__ or err
+    text = str(cause).strip()
+    where = re.findall(r'File "([^"]+)", line (\d+)', text)
+    user = [f"{f}:{n}" for f, n in where if "site-packages" not in f and "/torch/" not in f]
+    lines = text.splitlines()
+    reported = "\n    ".join(lines[:12]) + ("\n    ..." if len(lines) > 12 else "")
+    return PipelineTraceError(
+        f"PipelineStrategy could not trace {type(twin).__name__}.forward with torch.export"
+        f"{f' (at {user[-1]})' if user else ''}. torch.export reported:\n    {type(cause).__name__}: "
+        f"{reported}\nTwo ways out: make forward exportable (no Python branches on tensor values: use "
+        f"torch.where / torch.cond; see https://pytorch.org/docs/stable/export.html), or hold the layers "
+        f"in a top-level nn.Sequential, which PipelineStrategy splits without tracing"
+    )
+
+
+@dataclass(frozen=True)
+class StageContents:
+    """What one traced stage runs: the module paths its graph calls and the tensors it reads."""
+
+    calls: tuple[str, ...]
+    tensors: frozenset[str]  # paths of the parameters and buffers its graph reads (the module's own names)
+
+
+def stage_contents(pipe: Pipe) -> list[StageContents]:
+    """The contents of every stage of a traced pipe, in stage order."""
+    out = []
+    for index in range(pipe.num_stages):
+        gm = pipe.get_stage_module(index)
+        calls = tuple(n.target for n in gm.graph.nodes if n.op == "call_module")
+        out.append(StageContents(calls, frozenset(_tensors_read(gm))))
+    return out
+
+
+def _tensors_read(gm: nn.Module) -> list[str]:
+    """Every ``get_attr`` target in the stage graph and the graphs nested in it, as a full path."""
+    found, stack = [], [("", gm)]
+    while stack:
+        scope, mod = stack.pop()
+        # Plain nn.Module containers hold only the aliases the tracer copies around: nothing reads them.
+        if isinstance(mod, (fx.GraphModule, InterpreterModule)):
+            found += [
+                f"{scope}.{n.target}" if scope else n.target for n in mod.graph.nodes if n.op == "get_attr"
+            ]
+        stack += [(f"{scope}.{name}" if scope else name, child) for name, child in mod.named_children()]
+    return found
+
+
+def point_at(stage_module: nn.Module, real: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
+    """Replace the twin's meta tensors in a stage module by this rank's real ones, by canonical name.
+
+    Tensors the stage graph does not read (aliases the tracer leaves behind) are dropped.
+    """
+    read = set(_tensors_read(stage_module))
+    named = [
+        *stage_module.named_parameters(remove_duplicate=False),
+        *stage_module.named_buffers(remove_duplicate=False),
+    ]
+    for path, _ in named:
+        owner_path, _, leaf = path.rpartition(".")
+        owner = stage_module.get_submodule(owner_path)
+        slot = owner._parameters if leaf in owner._parameters else owner._buffers
+        tensor = real.get(aliases.get(path, path))
+        if tensor is not None:
+            slot[leaf] = tensor
+        elif path in read:
+            raise RuntimeError(f"internal error: stage reads {path}, which this rank does not hold")
+        else:
+            del slot[leaf]

@@ -1,0 +1,201 @@
+"""Stages of a traced forward: split points on the model's blocks, and this rank's part of the module.
+
+By default a stage begins at a block of the module's main ``nn.ModuleList`` (the one holding most
+parameters): the modules ``forward`` calls before the first block (embeddings) go with the first stage,
+those after the last block (final norm, head) with the last one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_parallel.pipeline.trace import point_at, to_meta, trace
+
+
+def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
+    """The ``nn.ModuleList`` (or nested ``nn.Sequential``) holding most parameters: its path and children.
+
+    Raises:
+        ValueError: the module has no such list to split at.
+    """
+    lists = [
+        (sum(p.numel() for p in m.parameters()), path, list(m._modules))
+        for path, m in module.named_modules()
+        if path and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0
+    ]
+    if not lists:
+        raise ValueError(
+            f"{type(module).__name__} has no nn.ModuleList of blocks to split at: pass "
+            f"PipelineStrategy(split_points=[...]) with the module paths where stages begin, or hold the "
+            f"layers in a top-level nn.Sequential"
+        )
+    _, path, names = max(lists, key=lambda entry: entry[0])
+    return path, names
+
+
+def check_split_points(
+    module: nn.Module, points: Sequence[str], order: Sequence[str], num_stages: int
+) -> list[str]:
+    """Validate user-given split points against the module and the order forward calls modules in."""
+    points = list(points)
+    position = {path: i for i, path in enumerate(order)}
+    for p in points:
+        if not isinstance(p, str):
+            raise TypeError(f"split_points must be module paths (str), got {p!r}")
+        try:
+            module.get_submodule(p)
+        except AttributeError:
+            raise ValueError(
+                f"split_points: {type(module).__name__} has no submodule {p!r}; the blocks are "
+                f"{_blocks_hint(module)}"
+            ) from None
+        if p not in position:
+            raise ValueError(f"split_points: {p!r} is never called by {type(module).__name__}.forward")
+    if len(points) + 1 != num_stages:
+        raise ValueError(
+            f"split_points names {len(points)} stage beginnings ({points}), which make {len(points) + 1} "
+            f"stages, but the pipeline has {num_stages} (pipeline_size x stages_per_rank): give "
+            f"{num_stages - 1} split points"
+        )
+    if [position[p] for p in points] != sorted(position[p] for p in points) or len(set(points)) < len(points):
+        raise ValueError(f"split_points must be distinct and in the order forward calls them, got {points}")
+    return points
+
+
+def _blocks_hint(module: nn.Module) -> str:
+    try:
+        path, names = find_block_list(module)
+    except ValueError:
+        return "(no nn.ModuleList found)"
+    return f"{path}.{names[0]} .. {path}.{names[-1]}"
+
+
+def block_extras(module: nn.Module, order: Sequence[str], block_path: str) -> tuple[int, int]:
+    """Parameters of the modules called before the first block and after the last (each counted once)."""
+    blocks = [p for p in order if p.startswith(f"{block_path}.")]
+    first, last = order.index(blocks[0]), order.index(blocks[-1])
+    seen: set[int] = {id(p) for p in module.get_submodule(block_path).parameters()}
+
+    def params_of(paths: Sequence[str]) -> int:
+        total = 0
+        for path in paths:
+            if path.startswith(f"{block_path}.") or path == block_path:
+                continue
+            for p in module.get_submodule(path).parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+        return total
+
+    return params_of(order[:first]), params_of(order[last + 1 :])
+
+
+def keep_only(module: nn.Module, keep: set[str]) -> None:
+    """Drop from ``module`` every parameter and buffer outside ``keep``, and the submodules left empty.
+
+    Submodules without parameters or buffers stay (they cost nothing); state-dict keys of what stays
+    are unchanged, so checkpoints keep the unsplit module's names.
+    """
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        tensors = [n for n, _ in [*child.named_parameters(remove_duplicate=False), *child.named_buffers()]]
+        if tensors and not any(f"{name}.{t}" in keep for t in tensors):
+            del module._modules[name]
+        elif tensors:
+            keep_only(child, {k[len(name) + 1 :] for k in keep if k.startswith(f"{name}.")})
+    for slot in (module._parameters, module._buffers):
+        for leaf in [k for k, v in slot.items() if v is not None and k not in keep]:
+            del slot[leaf]  # (an unset slot such as ``bias=None`` stays: reset_parameters reads it)
+
+
+class TracedStages:
+    """This rank's traced stages; traces the meta twin again for each new input shape.
+
+    Args:
+        twin: the module's meta twin (:func:`~lightning_parallel.pipeline.trace.meta_twin`).
+        split_points: module paths where stages 1.. begin.
+        stage_indices: this rank's stages.
+        module: the user's module, pruned to this rank's tensors (the real parameters and buffers).
+        aliases: the unsplit module's alias table (name -> canonical name).
+        device, group: where the stages run, and the pipeline process group.
+
+    Example::
+
+        stages = TracedStages(meta_twin(gpt), ["h.2"], [0], gpt, alias_table(gpt), device, pp_group)
+        stages.build("train", 4, example_microbatch)     # [torch _PipelineStage for stage 0]
+    """
+
+    needs_example = True  # a new shape is traced again on every rank from the call's input
+
+    def __init__(
+        self,
+        twin: nn.Module,
+        split_points: Sequence[str],
+        stage_indices: Sequence[int],
+        module: nn.Module,
+        aliases: Mapping[str, str],
+        device: torch.device,
+        group: Any,
+    ) -> None:
+        self.twin, self.split_points = twin, list(split_points)
+        self.stage_indices, self.module, self.aliases = list(stage_indices), module, dict(aliases)
+        self.device, self.group = device, group
+        self.num_stages = len(self.split_points) + 1
+        self.wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None
+        self.traces = 0  # how many times forward was traced (tests and benchmarks read it)
+        self._pipes: dict[Any, Any] = {}
+
+    def pipe_for(self, train: bool, example: tuple[Any, ...]) -> Any:
+        """The traced pipe for this input shape (a trace done for planning is used once more)."""
+        key = (train, _spec(example), tuple(t.dtype for t in self.twin.parameters()))
+        pipe = self._pipes.pop(key, None)
+        if pipe is None:
+            pipe = trace(self.twin, example, self.split_points, train)
+            self.traces += 1
+        return pipe
+
+    def keep_for_later(self, train: bool, example: tuple[Any, ...], pipe: Any) -> None:
+        self._pipes[(train, _spec(example), tuple(t.dtype for t in self.twin.parameters()))] = pipe
+
+    def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
+        pipe = self.pipe_for(mode == "train", to_meta(example))
+        if pipe.num_stages != self.num_stages:
+            raise RuntimeError(
+                f"tracing at a new input shape gave {pipe.num_stages} stages instead of {self.num_stages}: "
+                f"forward calls other modules at this shape"
+            )
+        real = _real_tensors(self.module, self.aliases)
+        stages = []
+        for index in self.stage_indices:
+            stage_module = pipe.get_stage_module(index)
+            point_at(stage_module, real, self.aliases)
+            if self.wrap_units is not None:
+                self.wrap_units(called_units(stage_module))
+            stages.append(pipe.build_stage(index, self.device, self.group))
+        return stages
+
+
+def called_units(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules a traced stage's graph calls, by their paths in the user's module ("h.2")."""
+    return [
+        (n.target, stage_module.get_submodule(n.target))
+        for n in stage_module.graph.nodes
+        if n.op == "call_module"
+    ]
+
+
+def _real_tensors(module: nn.Module, aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return {aliases.get(name, name): t for name, t in named}
+
+
+def _spec(example: tuple[Any, ...]) -> tuple:
+    return tuple(
+        (tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t)
+        for t in torch.utils._pytree.tree_leaves(example)
+    )

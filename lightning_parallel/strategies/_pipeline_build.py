@@ -1,0 +1,78 @@
+"""Build this rank's pipeline for PipelineStrategy: the plan, the split, the runner, the shared weights.
+
+Two ways to split, one result (:class:`PipelineParts`):
+
+* the **Sequential path** (:mod:`._pipeline_sequential`), when the module holds its layers in one
+  top-level ``nn.Sequential``: the Sequential's children are partitioned into stages;
+* the **traced path** (:mod:`._pipeline_traced`) otherwise, or with ``split_points``: ``forward`` is
+  split with torch's tracing frontend on a meta twin of the module.
+
+Every collective here is reached by every rank: the local work that may fail on one rank runs under
+``failing_together``, so all ranks raise its error together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_parallel.distributed.agree import failing_together
+from lightning_parallel.distributed.record_broadcast import RecordBroadcast
+from lightning_parallel.pipeline.grads import HeldGradients
+from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
+from lightning_parallel.pipeline.plan import StagePlan
+from lightning_parallel.pipeline.proxy import PipelinedCall
+from lightning_parallel.pipeline.runner import PipelineRunner
+from lightning_parallel.pipeline.shared import SharedReplicas, alias_table, find_shared
+from lightning_parallel.pipeline.split import find_sequential
+from lightning_parallel.strategies._pipeline_config import PipelineConfig
+from lightning_parallel.strategies._pipeline_sequential import sequential_path
+from lightning_parallel.strategies._pipeline_traced import traced_path
+
+
+@dataclass
+class PipelineParts:
+    """This rank's pipeline: what the strategy's steps, backward and state code work with."""
+
+    mesh: PipelineMesh
+    plan: StagePlan
+    runner: PipelineRunner
+    call: PipelinedCall  # the stand-in the user's step calls (``self.layers(x)`` or ``self(x)``)
+    shared: SharedReplicas
+    param_names: dict[nn.Parameter, str]  # this rank's parameters -> canonical names
+    model_keys: list[str]  # the unsplit module's state-dict keys
+    model_param_order: list[str]  # the unsplit module's parameter names, in parameters() order
+    twin: nn.Module | None = None  # the traced path's meta twin (precision is applied to it too)
+    held: HeldGradients = field(default_factory=HeldGradients)
+    predict_batches: list[int] | None = None
+    channels: dict[str, RecordBroadcast] = field(
+        default_factory=dict
+    )  # last stage -> others, per step method
+
+
+def build_pipeline(
+    config: PipelineConfig,
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    layout: RankLayout,
+    device: torch.device,
+) -> PipelineParts:
+    """Plan and split ``module`` on this rank; every rank calls it (it creates process groups)."""
+    mesh = build_mesh(device.type, layout)
+    model_keys = list(module.state_dict().keys())
+    model_param_order = [n for n, _ in module.named_parameters()]
+    aliases = alias_table(module)
+    with failing_together():
+        found = find_sequential(module, config.module_name) if config.split_points is None else None
+    if found is not None:
+        plan, runner, call, twin = sequential_path(config, trainer, module, found, mesh, device)
+    else:
+        plan, runner, call, twin = traced_path(config, trainer, module, mesh, aliases, device)
+    local = {aliases[n]: p for n, p in module.named_parameters(remove_duplicate=False)}
+    shared = SharedReplicas(find_shared([s.parameters for s in plan.stages], layout.pp_size), mesh, local)
+    shared.broadcast_from_owners()
+    param_names = {p: aliases[n] for n, p in module.named_parameters()}
+    return PipelineParts(mesh, plan, runner, call, shared, param_names, model_keys, model_param_order, twin)

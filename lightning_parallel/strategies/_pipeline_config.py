@@ -1,0 +1,105 @@
+"""PipelineStrategy's settings: validated once at construction, with the values and the fix in each error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
+
+from lightning_parallel.pipeline.partition import PARTITION_METHODS
+from lightning_parallel.pipeline.runner import is_multi_stage, schedule_class
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The strategy's pipeline settings, validated in ``PipelineStrategy.__init__``."""
+
+    pipeline_size: int | None
+    num_microbatches: int
+    schedule: str
+    stages_per_rank: int
+    partition: str | list[int]
+    module_name: str | None
+    split_points: tuple[str, ...] | None
+
+
+def renamed_num_stages(pipeline_size: int | None, num_stages: int | None) -> int | None:
+    if num_stages is None:
+        return pipeline_size
+    if pipeline_size is not None:
+        raise ValueError(
+            f"pass pipeline_size only (got pipeline_size={pipeline_size} and its old name "
+            f"num_stages={num_stages})"
+        )
+    rank_zero_deprecation(
+        "PipelineStrategy(num_stages=...) is deprecated: it counts pipeline ranks, so it is now called "
+        f"pipeline_size. Use PipelineStrategy(pipeline_size={num_stages}) (the model is cut into "
+        "pipeline_size x stages_per_rank stages)"
+    )
+    return num_stages
+
+
+def checked_config(
+    pipeline_size: int | None,
+    num_microbatches: int,
+    schedule: str,
+    stages_per_rank: int,
+    partition: str | list[int],
+    module_name: str | None,
+    split_points: list[str] | None,
+) -> PipelineConfig:
+    cls = schedule_class(schedule)
+    _check_positive_int("num_microbatches", num_microbatches)
+    _check_positive_int("stages_per_rank", stages_per_rank)
+    if pipeline_size is not None:
+        _check_positive_int("pipeline_size", pipeline_size)
+    if is_multi_stage(cls) != (stages_per_rank > 1):
+        raise ValueError(
+            f"schedule={schedule!r} runs {'several stages' if is_multi_stage(cls) else 'one stage'} per "
+            f"rank but stages_per_rank={stages_per_rank}: use stages_per_rank>=2 with the interleaved "
+            f"and looped schedules and 1 with 'gpipe' and '1f1b'"
+        )
+    if isinstance(partition, str) and partition not in PARTITION_METHODS:
+        raise ValueError(
+            f"unknown partition {partition!r}: use one of {', '.join(PARTITION_METHODS)} or a list of "
+            f"layer counts per stage"
+        )
+    if split_points is not None:
+        if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
+            raise TypeError(f"split_points must be a list of module paths, got {split_points!r}")
+        if partition != "uniform" or module_name is not None:
+            raise ValueError(
+                "split_points names the stage beginnings itself: drop partition= and module_name=, or drop "
+                "split_points"
+            )
+        split_points = tuple(split_points)
+    return PipelineConfig(
+        pipeline_size,
+        num_microbatches,
+        schedule.lower(),
+        stages_per_rank,
+        partition,
+        module_name,
+        split_points,
+    )
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_fit_supported(trainer: pl.Trainer, strategy: Any) -> None:
+    if not trainer.lightning_module.automatic_optimization:
+        raise ValueError(
+            "PipelineStrategy runs forward and backward inside its schedule and supports automatic "
+            "optimization only: remove `self.automatic_optimization = False` (manual optimization is "
+            "not supported)"
+        )
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            "PipelineStrategy does not support precision='16-mixed' (its GradScaler scales the loss outside "
+            "the schedule): use 'bf16-mixed', 'bf16-true' or '32-true'"
+        )

@@ -1,0 +1,173 @@
+"""The traced path: ``forward`` is traced with torch.export on a meta twin and split at the blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_parallel.distributed.agree import failing_together
+from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.pipeline.partition import stage_costs
+from lightning_parallel.pipeline.plan import StagePlan, describe_paths
+from lightning_parallel.pipeline.profile import block_times
+from lightning_parallel.pipeline.proxy import PipelinedCall
+from lightning_parallel.pipeline.runner import PipelineRunner, first_microbatch
+from lightning_parallel.pipeline.split import materialize
+from lightning_parallel.pipeline.trace import call_order, meta_twin, stage_contents, to_meta, trace
+from lightning_parallel.pipeline.traced_split import (
+    TracedStages,
+    block_extras,
+    check_split_points,
+    find_block_list,
+    keep_only,
+)
+from lightning_parallel.strategies._pipeline_config import PipelineConfig
+from lightning_parallel.strategies._pipeline_input import example_input, microbatches
+from lightning_parallel.strategies._pipeline_plan import measured, stage_plan, units_per_stage
+
+
+def traced_path(
+    config: PipelineConfig,
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    mesh: PipelineMesh,
+    aliases: dict[str, str],
+    device: torch.device,
+) -> tuple[StagePlan, PipelineRunner, PipelinedCall, nn.Module]:
+    num_stages = mesh.pp_size * config.stages_per_rank
+    with failing_together():
+        found = _traceable(config, trainer, module, mesh.pp_size, num_stages)
+    costs, unit = None, ""
+    if found.blocks and config.partition in ("parameters", "time"):
+        costs, unit = _block_costs(config, module, found)
+    with failing_together():
+        points, stage_cost = found.points, None
+        if found.blocks:
+            what = ("blocks", f"`{found.block_path}`")
+            counts = units_per_stage(config.partition, costs, len(found.blocks), num_stages, what)
+            points = [f"{found.block_path}.{found.blocks[sum(counts[:s])]}" for s in range(1, num_stages)]
+            stage_cost = costs and stage_costs(costs, counts)
+        if mesh.pp_size == 1 and config.stages_per_rank > 1:
+            # torch 2.13's traced stages warm up their links by sending to the neighbouring stage's
+            # rank, which is this rank itself here: gloo refuses that ("Pair is not connected").
+            raise ValueError(
+                f"stages_per_rank={config.stages_per_rank} on one pipeline rank is not supported for a "
+                f"traced forward: use pipeline_size >= 2 to interleave, or stages_per_rank=1"
+            )
+        plan, stages = _traced_split(module, found, points, mesh, aliases, device, stage_cost, unit)
+    runner = PipelineRunner(stages, plan.num_stages, config.schedule, config.num_microbatches)
+    return plan, runner, found.call, found.twin
+
+
+@dataclass
+class _Traceable:
+    """What the traced path learns before it splits: the twin, the example input, where stages may begin."""
+
+    twin: nn.Module
+    call: PipelinedCall
+    args: tuple[Any, ...]  # the real input of self(...) on this rank's first batch
+    example: tuple[Any, ...]  # its first micro-batch, on the meta device
+    order: list[str]  # module paths in the order forward calls them
+    points: list[str]  # user-given split points ([] when derived from the blocks)
+    block_path: str = ""
+    blocks: list[str] = field(default_factory=list)
+
+
+def _traceable(
+    config: PipelineConfig, trainer: pl.Trainer, module: pl.LightningModule, pp_size: int, num_stages: int
+) -> _Traceable:
+    _check_traceable(module)
+    twin = meta_twin(module)
+    call = PipelinedCall(f"`self(...)` ({type(module).__name__}.forward)")
+    args = example_input(trainer, module, call)
+    example = to_meta(first_microbatch(args, microbatches(args, config.num_microbatches)))
+    order = _call_order(twin, example)
+    found = _Traceable(twin, call, args, example, order, [])
+    if config.split_points is not None:
+        found.points = check_split_points(module, config.split_points, order, num_stages)
+    elif num_stages > 1:
+        found.block_path, found.blocks = find_block_list(twin)
+        if num_stages > len(found.blocks):
+            raise ValueError(
+                f"pipeline_size x stages_per_rank ({pp_size} x {config.stages_per_rank}) is larger than the "
+                f"number of blocks in `{found.block_path}` ({len(found.blocks)}): use fewer stages, or name "
+                f"the stage beginnings with split_points=[...]"
+            )
+    return found
+
+
+def _traced_split(
+    module: pl.LightningModule,
+    found: _Traceable,
+    points: list[str],
+    mesh: PipelineMesh,
+    aliases: dict[str, str],
+    device: torch.device,
+    costs: list[float] | None,
+    unit: str,
+) -> tuple[StagePlan, TracedStages]:
+    """Trace at the split points, plan, keep this rank's tensors, and put the stand-in in ``forward``."""
+    pipe = trace(found.twin, found.example, points, train=True)
+    contents = stage_contents(pipe)
+    params = [frozenset(aliases[t] for t in c.tensors if _is_parameter(module, t)) for c in contents]
+    units, holds = [c.calls for c in contents], [describe_paths(c.calls) for c in contents]
+    source = f"{type(module).__name__}.forward (traced)"
+    plan = stage_plan(module, units, holds, params, mesh.layout, costs, unit, source)
+    indices = [s.index for s in plan.local_stages(mesh.pp_rank)]
+    keep_only(module, set().union(*(contents[i].tensors for i in indices)))
+    materialize(module, device, aliases)
+    found.call.held = f"stages {', '.join(plan.stages[i].holds for i in indices)}"
+    module.forward = found.call  # self(x) in the user's steps now goes through the pipeline
+    stages = TracedStages(found.twin, points, indices, module, aliases, device, mesh.pp_group)
+    stages.keep_for_later(True, found.example, pipe)
+    return plan, stages
+
+
+def _call_order(twin: nn.Module, example: tuple[Any, ...]) -> list[str]:
+    try:
+        return call_order(twin, example)
+    except ValueError:
+        # A forward that cannot run on meta tensors (a branch on a value) cannot be exported either;
+        # export's own error says more about why, so it goes first when there is one.
+        trace(twin, example, [], train=True)
+        raise
+
+
+def _check_traceable(module: nn.Module) -> None:
+    for path, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
+            raise ValueError(
+                f"`{path}` is a {type(sub).__name__} that updates its running statistics in forward, which "
+                f"the traced split of forward cannot carry back into the module: hold the layers in a "
+                f"top-level nn.Sequential (split without tracing), or use track_running_stats=False"
+            )
+
+
+def _is_parameter(module: nn.Module, path: str) -> bool:
+    owner, _, leaf = path.rpartition(".")
+    return leaf in module.get_submodule(owner)._parameters
+
+
+def _block_costs(
+    config: PipelineConfig, module: pl.LightningModule, found: _Traceable
+) -> tuple[list[float], str]:
+    paths = [f"{found.block_path}.{b}" for b in found.blocks]
+    if config.partition == "parameters":
+        costs = [float(sum(p.numel() for p in found.twin.get_submodule(p).parameters())) for p in paths]
+        before, after = block_extras(found.twin, found.order, found.block_path)
+        costs[0], costs[-1] = costs[0] + before, costs[-1] + after
+        return costs, "parameters"
+
+    def measure() -> list[float]:
+        if any(p.is_meta for p in module.parameters()):
+            raise ValueError(
+                'partition="time" times the real blocks, but the model is on the meta device: use '
+                'partition="parameters" or split_points=[...] with empty_init / configure_model'
+            )
+        return [1000.0 * t for t in block_times(module, found.args, paths)]
+
+    return measured(measure), "ms fwd+bwd"

@@ -1,0 +1,27 @@
+"""mesh.py: the pipeline-outermost rank layout (pure logic; groups are built in multi-process tests)."""
+
+import pytest
+
+from lightning_parallel.pipeline.mesh import RankLayout, build_mesh
+
+
+def test_layout_puts_the_replicas_of_a_pipeline_rank_next_to_each_other():
+    layout = RankLayout(pp_size=2, dp_size=3)
+    assert [layout.global_rank(p, d) for p in range(2) for d in range(3)] == list(range(6))
+    assert layout.coordinates(4) == (1, 1) and layout.replicas_of(1) == (3, 4, 5)
+    assert all(layout.global_rank(*layout.coordinates(r)) == r for r in range(6))
+    assert RankLayout.for_world(8, 4) == RankLayout(4, 2)
+
+
+def test_a_pipeline_size_that_does_not_divide_the_world_is_refused_with_choices():
+    with pytest.raises(
+        ValueError, match=r"pipeline_size \(4\) does not divide devices x nodes \(6\).*4 or 8"
+    ):
+        RankLayout.for_world(6, 4)
+
+
+def test_one_rank_needs_no_process_group():
+    mesh = build_mesh("cpu", RankLayout(1, 1))
+    assert mesh.pp_group is None and mesh.is_last_pipeline_rank and mesh.global_rank(0) == 0
+    with pytest.raises(RuntimeError, match="needs an initialised process group"):
+        build_mesh("cpu", RankLayout(2, 1))

@@ -1,0 +1,124 @@
+"""A nanoGPT-shaped module (ModuleList blocks, tied embedding/head, no Sequential) against one device.
+
+The traced path: forward is split with torch.export at the blocks; the tied weight is replicated on the
+first and last stage, its gradients summed, and the replicas stay bit-identical.
+"""
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader
+from test_pipeline_state import WritePredictions
+from tiny_models import TinyGPT, loader, token_data
+
+from lightning_parallel import GradientAccumulationScheduler, PipelineStrategy
+
+# 44 sequences: the epoch ends on a short batch, which is traced again at its shape.
+DATA = token_data(44)
+VAL = token_data(13, seed=1)
+
+CASES = {
+    "gpipe-2x1": dict(devices=2, pipeline_size=2, schedule="gpipe"),
+    "1f1b-2x1": dict(devices=2, pipeline_size=2, schedule="1f1b"),
+    "interleaved-2x1x2": dict(devices=2, pipeline_size=2, schedule="interleaved_1f1b", stages_per_rank=2),
+    "1f1b-2x2-accumulation": dict(devices=4, pipeline_size=2, schedule="1f1b", accumulate=True),
+}
+
+
+def _tied_replicas(records):
+    """The tied weight as held by each rank that holds it (under either of its names)."""
+    return [r["params"].get("wte.weight", r["params"].get("lm_head.weight")) for r in records]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpt_training_matches_single_device(tmp_path, case):
+    cfg = dict(CASES[case])
+    devices, accumulate = cfg.pop("devices"), cfg.pop("accumulate", False)
+    dp = devices // cfg["pipeline_size"]
+    global_batch = 16 if accumulate else 8  # accumulation: 2 batches of 8 per step, over the replicas
+
+    def extra():
+        return dict(callbacks=[GradientAccumulationScheduler(global_batch_size=16)]) if accumulate else {}
+
+    torch.manual_seed(0)
+    ref = fit(
+        TinyGPT(), reference_loader(DATA, 8), tmp_path / "ref", devices=1, max_epochs=2,
+        gradient_clip_val=0.5, **extra(),
+    )[0]  # fmt: skip
+    torch.manual_seed(0)
+    model = TinyGPT()
+    strategy = PipelineStrategy(num_microbatches=4, start_method="spawn", **cfg)
+    records = fit(
+        model, loader(DATA, 8 // dp), tmp_path / "pp", devices=devices, strategy=strategy, max_epochs=2,
+        gradient_clip_val=0.5, **extra(),
+    )  # fmt: skip
+    assert global_batch in (8, 16)
+
+    merged = {}
+    for r in records:
+        merged.update(r["params"])
+    assert_close_dicts(merged, ref["params"], rtol=1e-5, atol=1e-6)
+    # The spawn launcher brings every stage's weights back, tie intact, into the user's module.
+    assert_close_dicts(dict(model.state_dict()), ref["params"], rtol=1e-5, atol=1e-6)
+    assert model.lm_head.weight is model.wte.weight
+    # Every replica of the tied weight took the same updates: bit-identical on every rank.
+    replicas = _tied_replicas(records)
+    assert len(replicas) == devices and all(torch.equal(t, replicas[0]) for t in replicas)
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_gpt_checkpoint_keeps_the_tie_and_resumes_on_one_device_and_at_another_stage_count(tmp_path):
+    kw = dict(max_epochs=1, enable_checkpointing=True)
+    torch.manual_seed(0)
+    ref_model = TinyGPT()
+    ref = fit(ref_model, reference_loader(DATA, 8), tmp_path / "ref", devices=1, **kw)[0]
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    pp = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method="spawn")
+    fit(TinyGPT(), loader(DATA, 8), tmp_path / "pp", devices=2, strategy=pp, callbacks=[ckpt], **kw)
+
+    # One file with the module's own keys, both names of the tied weight; a plain module loads it tied.
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert list(saved["state_dict"]) == list(ref_model.state_dict())
+    plain = TinyGPT.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert plain.lm_head.weight is plain.wte.weight
+    assert_close_dicts(dict(plain.state_dict()), ref["params"])
+    names = saved["optimizer_states"][0]["param_groups"][0]["param_names"]
+    assert names == [n for n, _ in ref_model.named_parameters()]  # the tied weight once, in model order
+
+    # A second epoch: on one device (no pipeline), and as 1 stage x 2 replicas; both as if never stopped.
+    torch.manual_seed(0)
+    ref2 = fit(TinyGPT(), reference_loader(DATA, 8), tmp_path / "ref2", devices=1, max_epochs=2)[0]
+    one = fit(TinyGPT(), reference_loader(DATA, 8), tmp_path / "one", devices=1, max_epochs=2,
+              ckpt_path=tmp_path / "ckpt" / "last.ckpt")[0]  # fmt: skip
+    assert_close_dicts(one["params"], ref2["params"])
+    dp = PipelineStrategy(pipeline_size=1, num_microbatches=2, start_method="spawn")
+    records = fit(TinyGPT(), loader(DATA, 4), tmp_path / "dp", devices=2, strategy=dp, max_epochs=2,
+                  ckpt_path=tmp_path / "ckpt" / "last.ckpt")  # fmt: skip
+    assert_close_dicts(records[0]["params"], ref2["params"])
+    assert records[0]["params"]["lm_head.weight"].equal(records[1]["params"]["lm_head.weight"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_gpt_validation_and_predictions_match_one_device(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    expected = quiet_trainer(devices=1).validate(model, loader(VAL, 4), verbose=False)[0]
+    with torch.no_grad():
+        expected_tokens = model(VAL.tensors[0]).argmax(-1)
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method="spawn")
+    got = quiet_trainer(devices=2, strategy=strategy).validate(model, loader(VAL, 4), verbose=False)[0]
+    torch.testing.assert_close(
+        torch.tensor(got["val_loss"]), torch.tensor(expected["val_loss"]), rtol=1e-5, atol=1e-6
+    )
+    out = tmp_path / "pred.pt"
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method="spawn")
+    trainer = quiet_trainer(devices=2, strategy=strategy, callbacks=[WritePredictions(out)])
+    trainer.predict(model, loader(VAL, 4), return_predictions=False)
+    assert torch.equal(torch.load(out), expected_tokens)

@@ -1,0 +1,41 @@
+"""distributed/record_broadcast.py: the layout travels when it changes, the numbers in one broadcast."""
+
+import os
+
+import pytest
+import torch
+from mp_harness import spawn_gloo
+
+from lightning_parallel.distributed.record_broadcast import RecordBroadcast
+
+
+def test_one_process_returns_the_record():
+    assert RecordBroadcast(src=0).broadcast((("a",), [1.5])) == (("a",), [1.5])
+
+
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    channel = RecordBroadcast(src=1)
+    records = [
+        (("loss",), [0.5]),
+        (("loss",), [0.25]),
+        (("loss", "acc"), [0.1, 0.9]),
+        (("loss", "acc"), [0.2, 0.8]),
+    ]
+    records.append((("many",), [float(i) for i in range(40)]))  # more values than the agreed capacity
+    got = [channel.broadcast(record if rank == 1 else None) for record in records]
+    torch.save({"got": got, "objects": channel.object_broadcasts}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_numbers_arrive_exactly_and_the_layout_travels_only_when_it_changes(tmp_path):
+    r0, r1 = spawn_gloo(_worker, 2, tmp_path)
+    assert r0["got"] == r1["got"]
+    assert r0["got"][:4] == [
+        (("loss",), [0.5]),
+        (("loss",), [0.25]),
+        (("loss", "acc"), [0.1, 0.9]),
+        (("loss", "acc"), [0.2, 0.8]),
+    ]
+    assert r0["got"][4] == (("many",), [float(i) for i in range(40)])
+    assert r0["objects"] == r1["objects"] == 3  # first record, new layout, too many values
