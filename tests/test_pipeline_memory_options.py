@@ -4,7 +4,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from mp_harness import RankRecorder, assert_close_dicts, load_rank_results, quiet_trainer, reference_loader
-from tiny_models import SequentialRegressor, loader, regression_data
+from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.pipeline.recompute import is_checkpointed
@@ -150,6 +150,46 @@ def test_activation_checkpointing_matches_one_device(tmp_path):
     assert [r["extra"]["checkpointed"] for r in records] == [["0", "1", "2"], ["3", "4"]]
 
 
+class RecordRecomputed(Callback):
+    """The traced stages' units this rank wrapped (the stage modules are built at the first step)."""
+
+    def on_train_start(self, trainer, pl_module):
+        stages = trainer.strategy.parts.runner.stages
+        wrap, wrapped = stages.wrap_units, set()
+
+        def spy(units):
+            wrap(units)
+            wrapped.update(n for n, m in units if is_checkpointed(m))
+            pl_module.recorded = {"wrapped": sorted(wrapped), "sharded": is_sharded(trainer.optimizers[0])}
+
+        stages.wrap_units = spy
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_traced_gpt_with_recomputed_blocks_and_sharded_state_matches_one_device(tmp_path):
+    """The traced path: a GPT with a tied head, 2 stages x 2 replicas, both memory options at once."""
+    data = token_data(48)
+    torch.manual_seed(0)
+    ref = fit(TinyGPT(), reference_loader(data, 8), tmp_path / "ref", devices=1, max_epochs=1,
+              gradient_clip_val=0.5)[0]  # fmt: skip
+    torch.manual_seed(0)
+    strategy = PipelineStrategy(
+        pipeline_size=2, num_microbatches=2, start_method="spawn", activation_checkpointing=True,
+        shard_optimizer_state=True,
+    )  # fmt: skip
+    records = fit(
+        TinyGPT(), loader(data, 4), tmp_path / "pp", devices=4, strategy=strategy, max_epochs=1,
+        gradient_clip_val=0.5, callbacks=[RecordRecomputed()],
+    )  # fmt: skip
+    assert_close_dicts(_merged(records), ref["params"], rtol=1e-5, atol=1e-6)
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    # True recomputes the blocks each stage calls, not the embeddings or the tied head.
+    assert [r["extra"]["wrapped"] for r in records] == [["h.0", "h.1"]] * 2 + [["h.2", "h.3"]] * 2
+    assert all(r["extra"]["sharded"] for r in records)
+
+
 def test_activation_checkpointing_names_are_checked_against_the_whole_sequential():
     trainer = quiet_trainer(
         devices=1, max_steps=1,
@@ -158,6 +198,15 @@ def test_activation_checkpointing_names_are_checked_against_the_whole_sequential
     match = r"do not exist: \['layers.9'\]; the units are \['layers.0', 'layers.1'"
     with pytest.raises(ValueError, match=match):
         trainer.fit(ScheduledAdamW(), loader(regression_data(N_SAMPLES), 8))
+
+
+def test_activation_checkpointing_names_are_checked_against_the_traced_units():
+    strategy = PipelineStrategy(pipeline_size=1, num_microbatches=2, activation_checkpointing=["h.1", "h.9"])
+    trainer = quiet_trainer(devices=1, max_steps=1, strategy=strategy)
+    units = "'wte', 'wpe', 'h.0', 'h.1', 'h.2', 'h.3', 'ln_f', 'lm_head'"
+    match = rf"do not exist: \['h.9'\]; the units are \[{units}\]"
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(TinyGPT(), loader(token_data(16), 8))
 
 
 @pytest.mark.parametrize("bad", ["layers.1", 3, [1, 2]])
