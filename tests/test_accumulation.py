@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Te
 
 from lightning_parallel import GradientAccumulationScheduler
 from lightning_parallel.callbacks import accumulation
-from lightning_parallel.data.batching import epoch_batch_sizes, epoch_windows, plan_from_global_batch
+from lightning_parallel.data.accumulation_plan import epoch_batch_sizes, epoch_windows, plan_from_global_batch
 
 LR, DECAY = 0.1, 0.9
 
@@ -235,7 +235,13 @@ class Stream(IterableDataset):
             dict(accumulate_grad_batches=2),
             r"Trainer\(accumulate_grad_batches=2\).*remove accumulate_grad_batches",
         ),
-        (ManualModel, _data(32), dict(global_batch_size=16), {}, "automatic_optimization = False"),
+        (
+            ManualModel,
+            _data(32),
+            dict(global_batch_size=16),
+            {},
+            r"supports automatic optimization only .*ManualModel sets `self\.automatic_optimization = False`",
+        ),
         (
             Regressor,
             _data(32),
@@ -283,6 +289,20 @@ def test_the_data_parallel_size_is_the_samplers_replicas_not_the_world_size():
 
     assert accumulation._data_parallel_size(Strategy()) == 2
     assert accumulation._data_parallel_size(object()) == 1
+
+
+def test_a_batch_that_differs_from_the_loader_layout_is_warned_about_once(tmp_path):
+    def drop_one_of_the_first(items):
+        batch = torch.utils.data.default_collate(items)
+        short = len(items) == 8 and float(batch[0][0, 0]) == float(dataset.tensors[0][0, 0])
+        return [t[:-1] for t in batch] if short else batch
+
+    dataset = _data(32)
+    callback = GradientAccumulationScheduler(global_batch_size=16)
+    trainer = quiet_trainer(callbacks=[callback], max_steps=2, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="batch 0 has 7 samples where the loader's layout says 8") as seen:
+        trainer.fit(Regressor(), DataLoader(dataset, batch_size=8, collate_fn=drop_one_of_the_first))
+    assert len([w for w in seen if "samples where the loader's layout" in str(w.message)]) == 1
 
 
 # One 2-process run records everything: 1000 samples, 8 per device; 64 a step for 10 steps, then 192.

@@ -210,6 +210,8 @@ def test_lightning_internals_are_where_we_expect():
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
     loops = [trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop]
     assert all(isinstance(loop._results, _ResultCollection) for loop in [*loops, trainer.test_loop])
+    results = _ResultCollection(training=True)
+    assert results.batch is None and results.batch_size is None  # read by _lightning_batch_size
     assert callable(trainer.fit_loop._should_accumulate)
     assert isinstance(trainer._logger_connector.should_update_logs, bool)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_parallel.data.batching import epoch_windows, plan_from_factors, plan_from_global_batch
+from lightning_parallel.data.accumulation_plan import epoch_windows, plan_from_factors, plan_from_global_batch
 from lightning_parallel.data.step_count import batches_until_step, count_optimizer_steps
 
 

@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning as L
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, SequentialSampler
 
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler
 
-if TYPE_CHECKING:
-    from lightning_parallel.callbacks.metrics import AllReducedMetrics
+
+class _SyncHooks(Protocol):
+    """What the wrapped Lightning methods call back into: AllReducedMetrics provides it.
+
+    Declared here, so this module does not import the callback's module (which imports this one).
+    """
+
+    exact_eval: bool
+    _epoch_synced: bool
+
+    def _step_sync_due(self, trainer: L.Trainer) -> bool: ...
+
+    def _sync(self, trainer: L.Trainer, views: tuple[str, ...]) -> None: ...
+
+    def _record(self, results: Any, storage_key: str, value: Any, batch_size: int | None) -> None: ...
+
+    def _overlay(self, results: Any, on_step: bool, out: dict[str, dict[str, Any]]) -> None: ...
+
+    def _forget(self, results: Any, metrics: bool | None, fx: str | None) -> None: ...
 
 
 def _no_sync(value: Any, *args: Any, **kwargs: Any) -> Any:
@@ -32,11 +50,28 @@ def _no_sync(value: Any, *args: Any, **kwargs: Any) -> Any:
 #     ``update_eval_epoch_metrics``: the sync points, reached by every rank in the same order;
 #   * ``LightningModule.on_train_epoch_end`` (the instance's): a sync point after the user's epoch-end
 #     logging and before EarlyStopping / ModelCheckpoint read ``callback_metrics``;
-#   * ``_DataConnector._prepare_dataloader``: the evaluation sampler without padding.
+#   * ``_DataConnector._prepare_dataloader``: the evaluation sampler without padding;
+#   * read only: ``_ResultCollection.batch`` / ``batch_size``, the step's samples (``_lightning_batch_size``).
 
 
 def _current_results(trainer: L.Trainer) -> Any:
     return trainer._results
+
+
+def _lightning_batch_size(results: Any) -> int:
+    """The samples behind this step's values, found as ``_ResultCollection._extract_batch_size`` does.
+
+    ``self.log(batch_size=...)`` of this step if given, else the size Lightning infers from the batch,
+    else 1: a rank's step value then weighs in the mean over ranks as it does in Lightning's epoch mean.
+    """
+    if results.batch_size is not None:
+        return results.batch_size
+    if results.batch is None:
+        return 1
+    try:
+        return extract_batch_size(results.batch)
+    except Exception:  # Lightning raises MisconfigurationException when it finds no tensor
+        return 1
 
 
 def _train_step_is_logged(trainer: L.Trainer) -> bool:
@@ -47,7 +82,7 @@ def _train_step_is_logged(trainer: L.Trainer) -> bool:
 
 
 def _attach_to_lightning_internals(
-    trainer: L.Trainer, pl_module: L.LightningModule, cb: AllReducedMetrics
+    trainer: L.Trainer, pl_module: L.LightningModule, cb: _SyncHooks
 ) -> Callable[[], None]:
     """Wrap the private methods listed above on this trainer's objects; return the undo function."""
     undo: list[Callable[[], None]] = []
@@ -106,7 +141,7 @@ def _after(orig: Callable, then: Callable[[], Any]) -> Callable:
     return run
 
 
-def _epoch_sync(trainer: L.Trainer, cb: AllReducedMetrics) -> None:
+def _epoch_sync(trainer: L.Trainer, cb: _SyncHooks) -> None:
     """Once per epoch end: the first of the epoch-end sync points that is reached syncs."""
     if trainer.sanity_checking or cb._epoch_synced:
         return
@@ -114,7 +149,7 @@ def _epoch_sync(trainer: L.Trainer, cb: AllReducedMetrics) -> None:
     cb._epoch_synced = True
 
 
-def _wrapped_log(orig: Callable, results: Any, cb: AllReducedMetrics) -> Callable:
+def _wrapped_log(orig: Callable, results: Any, cb: _SyncHooks) -> Callable:
     def log(fx: str, name: str, value: Any, **kwargs: Any) -> None:
         kwargs.update(sync_dist=True, sync_dist_fn=_no_sync, sync_dist_group=None)
         orig(fx, name, value, **kwargs)
@@ -126,7 +161,7 @@ def _wrapped_log(orig: Callable, results: Any, cb: AllReducedMetrics) -> Callabl
     return log
 
 
-def _wrapped_metrics(orig: Callable, results: Any, cb: AllReducedMetrics) -> Callable:
+def _wrapped_metrics(orig: Callable, results: Any, cb: _SyncHooks) -> Callable:
     def metrics(on_step: bool) -> Any:
         out = orig(on_step)
         cb._overlay(results, on_step, out)
@@ -135,7 +170,7 @@ def _wrapped_metrics(orig: Callable, results: Any, cb: AllReducedMetrics) -> Cal
     return metrics
 
 
-def _wrapped_reset(orig: Callable, results: Any, cb: AllReducedMetrics) -> Callable:
+def _wrapped_reset(orig: Callable, results: Any, cb: _SyncHooks) -> Callable:
     def reset(metrics: bool | None = None, fx: str | None = None) -> None:
         orig(metrics, fx)
         cb._forget(results, metrics, fx)

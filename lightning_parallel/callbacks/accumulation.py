@@ -29,7 +29,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -40,7 +39,7 @@ from lightning_parallel.callbacks._accumulation_internals import (
     _override_window_boundaries,
     _set_train_progress_total,
 )
-from lightning_parallel.data.batching import (
+from lightning_parallel.data.accumulation_plan import (
     AccumulationPlan,
     Window,
     check_equal_across_replicas,
@@ -51,6 +50,7 @@ from lightning_parallel.data.batching import (
     plan_from_global_batch,
     validate_schedule,
 )
+from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.data.step_count import batches_until_step, count_optimizer_steps
 from lightning_parallel.distributed.agree import failing_together
 
@@ -143,9 +143,11 @@ class GradientAccumulationScheduler(Callback):
             return
         if not pl_module.automatic_optimization:
             raise ValueError(
-                "GradientAccumulationScheduler needs automatic optimization, and this LightningModule sets "
-                "automatic_optimization = False: remove the callback, or accumulate by hand in "
-                "training_step (scale each loss by its samples / the window's samples, step every k batches)"
+                "GradientAccumulationScheduler supports automatic optimization only (it weights each "
+                "batch's loss and decides when Lightning steps the optimizer), and "
+                f"{type(pl_module).__name__} sets `self.automatic_optimization = False`: remove the "
+                "callback, or accumulate by hand in training_step (scale each loss by its samples / the "
+                "window's samples, step every k batches)"
             )
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -225,7 +227,7 @@ class GradientAccumulationScheduler(Callback):
             self._start_window(trainer, batch_idx)
         window = self._window
         expected = self._batch_sizes[batch_idx] if batch_idx < len(self._batch_sizes) else None
-        actual = _batch_samples(batch)
+        actual = samples_in(batch)
         if actual is not None and actual != expected and not self._warned:
             self._warned = True
             warnings.warn(
@@ -337,12 +339,3 @@ def _loader_layout(loader: Any) -> tuple[int, int, bool]:
             "needs to know each batch's samples ahead; use a map-style dataset"
         ) from None
     return batch_size, num_samples, bool(getattr(batch_sampler, "drop_last", loader.drop_last))
-
-
-def _batch_samples(batch: Any) -> int | None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return extract_batch_size(batch)
-    except Exception:
-        return None

@@ -197,11 +197,11 @@ class Rank0Checkpoint(ModelCheckpoint):
                 return None
             previous = self._writer.wait()
             if previous is not None:
-                return _describe(previous, "previous background save")
+                return _describe_error(previous, "previous background save")
             state = self._snapshots.snapshot(checkpoint)  # safe to overwrite: the previous write is done
             self._writer.submit(lambda: atomic.save_checkpoint_file(state, filepath, meta))
         except Exception as err:
-            return _describe(err, filepath)
+            return _describe_error(err, filepath)
         return None
 
     def _raise_on_all_ranks(self, trainer: pl.Trainer, error: str | None) -> None:
@@ -256,7 +256,7 @@ class Rank0Checkpoint(ModelCheckpoint):
             done, err = self._writer.poll()
             if err is not None:
                 raise CheckpointWriteError(
-                    f"Rank0Checkpoint failed on global rank 0: {_describe(err, 'background save')}"
+                    f"Rank0Checkpoint failed on global rank 0: {_describe_error(err, 'background save')}"
                 )
             return done
 
@@ -272,7 +272,7 @@ class Rank0Checkpoint(ModelCheckpoint):
         error = None
         if trainer.is_global_zero:
             err = self._writer.wait()
-            error = _describe(err, "background save") if err else None
+            error = _describe_error(err, "background save") if err else None
         self._async_pending = False
         self._raise_on_all_ranks(trainer, error)
 
@@ -291,7 +291,7 @@ class Rank0Checkpoint(ModelCheckpoint):
         self._snapshots.release()
         self._unmark_loader()
         if error is not None:
-            rank_zero_warn(f"Rank0Checkpoint: {_describe(error, 'background save')}")
+            rank_zero_warn(f"Rank0Checkpoint: {_describe_error(error, 'background save')}")
 
     # --- resuming --------------------------------------------------------------------------------------
 
@@ -396,6 +396,7 @@ def _remove_quietly(path: str) -> None:
         rank_zero_warn(f"Rank0Checkpoint could not remove old checkpoint {path!r}: {err}")
 
 
-def _describe(err: BaseException, where: str) -> str:
+def _describe_error(err: BaseException, where: str) -> str:
+    """A failed write as a message: ``where: Type: text``, or the error's own text if it names ``where``."""
     text = str(err)
     return text if where in text else f"{where}: {type(err).__name__}: {text}"

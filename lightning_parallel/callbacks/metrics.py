@@ -11,12 +11,12 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_parallel.callbacks._metrics_internals import (
     _attach_to_lightning_internals,
     _current_results,
+    _lightning_batch_size,
     _train_step_is_logged,
 )
 from lightning_parallel.distributed.collectives import (
@@ -222,7 +222,7 @@ class AllReducedMetrics(Callback):
         key = id(results)
         if key not in self._states:
             reducer = ScalarReducer(
-                self._group, self._device, allow_nonfinite=self.allow_nonfinite, label=_describe
+                self._group, self._device, allow_nonfinite=self.allow_nonfinite, label=_describe_metric
             )
             self._states[key] = _CollectionSync(reducer)
         return self._states[key]
@@ -234,7 +234,7 @@ class AllReducedMetrics(Callback):
             return
         weight = 1.0
         if metric.meta.is_mean_reduction:
-            weight = float(batch_size if batch_size is not None else _batch_size(results))
+            weight = float(batch_size if batch_size is not None else _lightning_batch_size(results))
         self._state(results).pending[storage_key] = (torch.as_tensor(value).detach(), weight)
 
     def _sync(self, trainer: L.Trainer, views: tuple[str, ...]) -> None:
@@ -330,7 +330,8 @@ def _layout_key(results: Any, metric: Any, storage_key: str, view: str) -> str:
     return _SEP.join([view, storage_key, name, forked, f"{int(m.logger)}{int(m.prog_bar)}", m.fx, dl])
 
 
-def _describe(key: str) -> str:
+def _describe_metric(key: str) -> str:
+    """How the reducer's errors name a metric: ``metric 'loss' (step value, logged in training_step)``."""
     view, _, _, forked, _, fx, _ = key.split(_SEP)
     return f"metric {forked!r} ({view} value, logged in {fx})"
 
@@ -347,15 +348,3 @@ def _parse_layout_key(key: str, value: float) -> _Shown:
         fx,
         int(dl) if dl else None,
     )
-
-
-def _batch_size(results: Any) -> int:
-    """The batch size Lightning would infer for this step (1 when it cannot tell)."""
-    if results.batch_size is not None:
-        return results.batch_size
-    if results.batch is None:
-        return 1
-    try:
-        return extract_batch_size(results.batch)
-    except Exception:  # Lightning raises MisconfigurationException when it finds no tensor
-        return 1

@@ -3,14 +3,14 @@
 The windows are those :class:`~lightning_parallel.GradientAccumulationScheduler` makes: consecutive
 batches of one epoch, ``factor`` at a time, the epoch's last window possibly short, a factor change
 of a step-keyed ramp taking effect at the next window. Pure Python, like
-:mod:`lightning_parallel.data.batching`.
+:mod:`lightning_parallel.data.accumulation_plan`.
 """
 
 from __future__ import annotations
 
 import math
 
-from lightning_parallel.data.batching import AccumulationPlan
+from lightning_parallel.data.accumulation_plan import AccumulationPlan
 
 __all__ = ["batches_until_step", "count_optimizer_steps"]
 

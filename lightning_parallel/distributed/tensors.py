@@ -33,6 +33,11 @@ def all_reduce_coalesced(
     size = world_size(group)
     if size == 1 or not tensors:
         return
+    if average and any(not (t.is_floating_point() or t.is_complex()) for t in tensors):
+        # Checked before the collective, so every rank raises instead of each failing after it.
+        raise TypeError(
+            "all_reduce_coalesced(average=True) needs floating tensors: an integer mean is not exact"
+        )
     for same_dtype in _by_dtype(tensors):
         flat = _flatten_dense_tensors(same_dtype)
         dist.all_reduce(flat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)

@@ -2,7 +2,7 @@
 
 A weight tied between the embedding and the head (``lm_head.weight is wte.weight``) is used by the
 first and the last stage. Every pipeline rank whose stages use it keeps a replica; the replicas start
-from the owner's values (the rank of the lowest stage that uses it), and after backward their gradients
+from the owner's values (the lowest pipeline rank among them), and after backward their gradients
 are summed over exactly the ranks that hold them, so every replica takes the same update. Stages on one
 rank share one tensor, as in the unsplit module. Gradient-norm clipping counts the weight once.
 """

@@ -138,13 +138,30 @@ def reshard_optimizer_state(
             if gid not in saved["params"]:
                 raise ValueError(f"parameter {name} is in another optimizer param group in the checkpoint")
             if gid in full["state"]:
-                state[local_id] = full["state"][gid]
+                state[local_id] = _checked_shapes(full["state"][gid], p, name)
             ids.append(local_id)
             local_id += 1
         groups.append(
             {**{k: v for k, v in saved.items() if k not in ("params", "param_names")}, "params": ids}
         )
     return {"state": state, "param_groups": groups}
+
+
+def _checked_shapes(param_state: Mapping[str, Any], param: torch.Tensor, name: str) -> Mapping[str, Any]:
+    """A parameter's saved state, refused when its per-element tensors (Adam's moments) do not fit it.
+
+    A checkpoint without ``param_names`` is matched to the model's parameters by position; an optimizer
+    built over another order or subset would otherwise hand one parameter another's state.
+    """
+    for key, value in param_state.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+            raise ValueError(
+                f"the checkpoint's optimizer state {key!r} for {name} has shape {tuple(value.shape)} but the "
+                f"parameter has {tuple(param.shape)}: the saved optimizer listed its parameters in another "
+                f"order; resume with the same optimizer, or build it with named parameters "
+                f"(torch.optim.AdamW(self.named_parameters())) so the checkpoint carries the names"
+            )
+    return param_state
 
 
 def _checkpoint_param_names(saved_groups: list[dict], model_param_order: list[str]) -> dict[int, str]:

@@ -94,9 +94,9 @@ def _check_positive_int(name: str, value: Any) -> None:
 def check_fit_supported(trainer: pl.Trainer, strategy: Any) -> None:
     if not trainer.lightning_module.automatic_optimization:
         raise ValueError(
-            "PipelineStrategy runs forward and backward inside its schedule and supports automatic "
-            "optimization only: remove `self.automatic_optimization = False` (manual optimization is "
-            "not supported)"
+            "PipelineStrategy supports automatic optimization only (it runs forward and backward inside "
+            f"its schedule), and {type(trainer.lightning_module).__name__} sets "
+            "`self.automatic_optimization = False`: remove that line"
         )
     if getattr(strategy.precision_plugin, "scaler", None) is not None:
         raise ValueError(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
+from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.collectives import broadcast_object, recv_object, send_object
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.pipeline.mesh import PipelineMesh
@@ -159,10 +160,12 @@ def replay_logs(
 
 def batch_size(batch: Any) -> int:
     """The size of dim 0 of the first batched tensor in ``batch``."""
-    for leaf in torch.utils._pytree.tree_leaves(batch):
-        if torch.is_tensor(leaf) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise TypeError(f"PipelineStrategy could not find a batched tensor in the batch ({type(batch).__name__})")
+    n = samples_in(batch)
+    if n is None:
+        raise TypeError(
+            f"PipelineStrategy could not find a batched tensor in the batch ({type(batch).__name__})"
+        )
+    return n
 
 
 def shape_key(batch: Any) -> tuple:

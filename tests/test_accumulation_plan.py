@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.data.batching import (
+from lightning_parallel.data.accumulation_plan import (
     AccumulationPlan,
     Window,
     check_equal_across_replicas,

@@ -1,0 +1,78 @@
+"""The package's floors, read from the source: the ground floor never imports Lightning, no module cycles.
+
+Pure ``ast`` (nothing is imported), milliseconds. Imports under ``if TYPE_CHECKING:`` count too: a cycle
+that only type checkers follow still makes two modules one concept.
+"""
+
+import ast
+from pathlib import Path
+
+import lightning_parallel
+
+PACKAGE = Path(lightning_parallel.__file__).parent
+GROUND_FLOOR = ("pipeline", "distributed", "io", "data")
+UPPER_FLOOR = ("lightning_parallel.callbacks", "lightning_parallel.strategies")
+
+
+def _module_name(path: Path) -> str:
+    parts = ["lightning_parallel", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute (``from a import b`` gives ``a`` and ``a.b``)."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    imports = {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+    return {m: {d for d in deps if d in imports and d != m} for m, deps in imports.items()}
+
+
+def _cycle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    stack = [(start, [start])]
+    seen = set()
+    while stack:
+        node, path = stack.pop()
+        for dep in sorted(graph[node]):
+            if dep == start:
+                return [*path, start]
+            if dep not in seen and dep != "lightning_parallel":  # the package root re-exports all
+                seen.add(dep)
+                stack.append((dep, [*path, dep]))
+    return None
+
+
+def test_the_ground_floor_imports_neither_lightning_nor_the_upper_floor():
+    offending = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] not in GROUND_FLOOR:
+            continue
+        bad = sorted(
+            d
+            for d in _imports(path)
+            if d.split(".")[0] == "lightning" or d == "lightning_parallel" or d.startswith(UPPER_FLOOR)
+        )
+        if bad:
+            offending[_module_name(path)] = bad
+    assert not offending, f"ground-floor modules import Lightning or the upper floor: {offending}"
+
+
+def test_no_two_modules_import_each_other():
+    graph = _graph()
+    assert "lightning_parallel.callbacks._metrics_internals" in graph  # the walk found the package
+    cycles = [
+        cycle for m in sorted(graph) if m != "lightning_parallel" and (cycle := _cycle_through(graph, m))
+    ]
+    assert not cycles, f"import cycles: {cycles[:3]}"

@@ -1,0 +1,193 @@
+"""pipeline/trace.py and traced_split.py: a module's forward traced on a meta twin and split at its blocks.
+
+One process. torch.export takes ~1 s per trace here, so the tests share one traced pipe.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from tiny_models import TinyGPT
+from torch import nn
+
+from lightning_parallel.pipeline.shared import alias_table
+from lightning_parallel.pipeline.trace import call_order, meta_twin, point_at, stage_contents, to_meta, trace
+from lightning_parallel.pipeline.traced_split import (
+    TracedStages,
+    block_extras,
+    check_split_points,
+    find_block_list,
+    keep_only,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch.export, inside torch
+TOKENS = torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    model = TinyGPT(depth=4)
+    twin = meta_twin(model)
+    example = to_meta((TOKENS,))
+    return model, twin, example, call_order(twin, example)
+
+
+@pytest.fixture(scope="module")
+def contents(gpt):
+    _, twin, example, _ = gpt
+    return stage_contents(trace(twin, example, ["h.2"], train=False))
+
+
+def _tensors(module):
+    return [*module.parameters(), *module.buffers()]
+
+
+def test_meta_twin_keeps_the_structure_and_ties_and_shares_no_tensor():
+    model = TinyGPT(depth=2)
+    model.h[0].register_buffer("scale", torch.ones(3))
+    model.h[1].register_buffer(
+        "scale", model.h[0].scale
+    )  # a buffer reached twice: the twin keeps one tensor too
+    model.wpe.weight.requires_grad_(False)
+    twin = meta_twin(model)
+    assert type(twin) is TinyGPT and twin is not model and twin.h[0] is not model.h[0]
+    assert twin.lm_head.weight is twin.wte.weight and twin.h[1].scale is twin.h[0].scale
+    assert isinstance(twin.wte.weight, nn.Parameter) and not twin.wpe.weight.requires_grad
+    assert all(t.is_meta for t in _tensors(twin)) and not any(t.is_meta for t in _tensors(model))
+    assert not {id(t) for t in _tensors(twin)} & {id(t) for t in _tensors(model)}
+    assert [n for n, _ in twin.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [(t.shape, t.dtype) for t in twin.state_dict().values()] == [
+        (t.shape, t.dtype) for t in model.state_dict().values()
+    ]
+    twin.eval()
+    assert model.training  # each submodule is a copy: switching the twin's mode leaves the model's
+
+
+def test_to_meta_replaces_tensors_by_shape_and_dtype_only():
+    out = to_meta({"ids": (TOKENS, 3), "mask": torch.ones(2, dtype=torch.bool), "name": "x"})
+    ids, three = out["ids"]
+    assert ids.is_meta and ids.shape == TOKENS.shape and ids.dtype == torch.long and three == 3
+    assert out["mask"].is_meta and out["mask"].dtype == torch.bool and out["name"] == "x"
+    assert not TOKENS.is_meta
+
+
+def test_call_order_lists_modules_as_forward_first_calls_them(gpt):
+    _, twin, _, order = gpt
+    assert order[:4] == ["wte", "wpe", "h.0", "h.0.ln_1"] and order[-3:] == ["h.3.mlp.2", "ln_f", "lm_head"]
+    assert order.index("h.1") < order.index("h.2") and len(order) == len(set(order))
+    with pytest.raises(
+        ValueError, match=r"TinyGPT\.forward failed on inputs of shapes \[\(4,\)\] .*IndexError: tuple index"
+    ):
+        call_order(twin, to_meta((TOKENS[0, :4],)))
+    assert not any(m._forward_pre_hooks for m in twin.modules())  # the hooks go, also after a failure
+
+
+def test_stage_contents_name_calls_and_the_tensors_each_stage_reads(gpt, contents):
+    model = gpt[0]
+    assert [c.calls for c in contents] == [("wte", "wpe", "h.0", "h.1"), ("h.2", "h.3", "ln_f", "lm_head")]
+    first, last = (c.tensors for c in contents)
+    assert {"wte.weight", "wpe.weight", "h.1.mlp.2.bias"} <= first and "lm_head.weight" not in first
+    # The head reads the tied weight under its own name; alias_table maps it to wte.weight.
+    assert {"lm_head.weight", "ln_f.bias", "h.2.attn.qkv.weight"} <= last and "wte.weight" not in last
+    all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert first | last == all_names and not first & last
+    assert model.training  # the twin was traced in eval mode: the model's own mode is untouched
+
+
+def test_tracing_again_undoes_the_patches_and_point_at_uses_the_real_tensors(gpt, contents):
+    _, twin, example, _ = gpt
+    assert not {"forward", "_orig_forward"} & set(vars(twin.h[2]))
+    pipe = trace(twin, example, ["h.1", "h.3"], train=True)
+    assert pipe.num_stages == 3 and not {"forward", "_orig_forward"} & set(vars(twin.h[1]))
+    assert [c.calls for c in stage_contents(pipe)] == [
+        ("wte", "wpe", "h.0"), ("h.1", "h.2"), ("h.3", "ln_f", "lm_head"),
+    ]  # fmt: skip
+
+    model = TinyGPT(depth=4)
+    aliases = alias_table(model)
+    real = {aliases[n]: t for n, t in model.named_parameters()}
+    last = pipe.get_stage_module(2)
+    point_at(last, real, aliases)
+    assert last.get_submodule("lm_head").weight is model.wte.weight  # found by its canonical name
+    assert last.get_submodule("h.3.attn.qkv").weight is model.h[3].attn.qkv.weight
+    assert not any(t.is_meta for t in _tensors(last))
+    without_h1 = {k: v for k, v in real.items() if not k.startswith("h.1.")}
+    with pytest.raises(RuntimeError, match=r"stage reads h\.1\.\S+, which this rank does not hold"):
+        point_at(pipe.get_stage_module(1), without_h1, aliases)
+
+
+def test_the_block_list_with_most_parameters_is_where_stages_begin():
+    class TwoLists(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = nn.ModuleList(nn.Linear(1, 1) for _ in range(6))
+            self.big = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    assert find_block_list(TwoLists()) == ("big", ["0", "1"])
+    assert find_block_list(TinyGPT(depth=3)) == ("h", ["0", "1", "2"])
+    with pytest.raises(
+        ValueError, match=r"Linear has no nn\.ModuleList of blocks to split at: pass .*split_points"
+    ):
+        find_block_list(nn.Linear(2, 2))
+
+
+def test_split_points_are_checked_against_the_module_and_the_call_order(gpt):
+    model, _, _, order = gpt
+    assert check_split_points(model, ["h.1", "h.3"], order, 3) == ["h.1", "h.3"]
+    with pytest.raises(TypeError, match=r"split_points must be module paths \(str\), got 2"):
+        check_split_points(model, [2], order, 2)
+    with pytest.raises(ValueError, match=r"TinyGPT has no submodule 'h\.9'; the blocks are h\.0 \.\. h\.3"):
+        check_split_points(model, ["h.9"], order, 2)
+    with pytest.raises(
+        ValueError, match=r"Linear has no submodule 'x'; the blocks are \(no nn\.ModuleList found\)"
+    ):
+        check_split_points(nn.Linear(2, 2), ["x"], [], 2)
+    unused = TinyGPT(depth=4)
+    unused.spare = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"'spare' is never called by TinyGPT\.forward"):
+        check_split_points(unused, ["spare"], order, 2)
+    with pytest.raises(
+        ValueError, match=r"names 1 stage beginnings \(\['h\.2'\]\), which make 2 stages, .*has 3"
+    ):
+        check_split_points(model, ["h.2"], order, 3)
+    for points in (["h.3", "h.1"], ["h.1", "h.1"]):
+        with pytest.raises(ValueError, match="must be distinct and in the order forward calls them"):
+            check_split_points(model, points, order, 3)
+
+
+def test_block_extras_count_the_parameters_before_and_after_the_blocks_once(gpt):
+    _, twin, _, order = gpt
+    vocab, dim, block_size = 13, 8, 8
+    # Before: wte + wpe. After: ln_f; lm_head's weight is wte's, counted already.
+    assert block_extras(twin, order, "h") == (vocab * dim + block_size * dim, 2 * dim)
+
+
+def test_keep_only_drops_the_other_stages_and_keeps_the_keys(contents):
+    model = TinyGPT(depth=4)
+    before = model.state_dict(keep_vars=True)
+    last = contents[1].tensors
+    keep_only(model, set(last))
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == [k for k in before if k in last]
+    assert all(after[k] is before[k] for k in after)  # the real tensors, not copies
+    assert list(model.h._modules) == ["2", "3"] and not hasattr(model, "wte") and hasattr(model, "lm_head")
+    assert isinstance(model.h.get_submodule("2.mlp.1"), nn.GELU)  # no tensors, nothing to drop: it stays
+    keep_only(model, set())
+    assert list(model.state_dict()) == []
+
+
+def test_a_single_stage_is_built_around_the_real_tensors():
+    """torch's _PipelineStage asks the process group its rank: an in-process group of one (no spawn)."""
+    model = TinyGPT(depth=2)
+    twin = meta_twin(model)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    stages = TracedStages(twin, [], [0], model, alias_table(model), torch.device("cpu"), None)
+    pipe = trace(twin, to_meta((TOKENS,)), [], train=True)
+    stages.keep_for_later(True, to_meta((TOKENS,)), pipe)
+    [stage] = stages.build("train", 2, (TOKENS,))
+    assert stages.traces == 0  # the pipe traced for planning is used, not traced again
+    assert stage.stage_index == 0 and stage.num_stages == 1
+    assert stage.submod.get_submodule("lm_head").weight is model.wte.weight
+    torch.testing.assert_close(stage.submod(TOKENS), model(TOKENS))
+    stages.build("eval", 2, (TOKENS,))
+    assert stages.traces == 1
