@@ -20,9 +20,11 @@ from lightning_parallel.pipeline.traced_split import find_block_list
 from lightning_parallel.pipeline.zero import shard_optimizer_state
 
 if TYPE_CHECKING:
+    import torch
+
+    from lightning_parallel.pipeline.mesh import PipelineMesh
     from lightning_parallel.strategies._pipeline_build import PipelineParts
     from lightning_parallel.strategies._pipeline_config import PipelineConfig
-    from lightning_parallel.strategies.pipeline import PipelineStrategy
 
 
 @dataclass(frozen=True)
@@ -83,15 +85,20 @@ def _local(select: Selection, units: Sequence[tuple[str, Any]], naming: UnitNami
     return [n for n in select if n in here]
 
 
-def shard_optimizers(strategy: PipelineStrategy) -> None:
-    """Replace each optimizer by a ZeroRedundancyOptimizer over this stage's replicas (after creation)."""
-    mesh = strategy.mesh
+def shard_optimizers(
+    optimizers: list[torch.optim.Optimizer], scheduler_configs: list[Any], mesh: PipelineMesh | None
+) -> list[torch.optim.Optimizer]:
+    """Each optimizer as a ZeroRedundancyOptimizer over this stage's replicas (right after creation).
+
+    The LR schedulers of ``scheduler_configs`` (Lightning's ``LRSchedulerConfig``) follow the new optimizers.
+    """
     if mesh is None or mesh.dp_size == 1:
         rank_zero_info("PipelineStrategy(shard_optimizer_state=True): one replica per stage, none to shard")
-        return
-    schedulers = [config.scheduler for config in strategy.lr_scheduler_configs]
-    strategy.optimizers = [shard_optimizer_state(o, mesh.dp_group, schedulers) for o in strategy.optimizers]
+        return optimizers
+    schedulers = [config.scheduler for config in scheduler_configs]
+    sharded = [shard_optimizer_state(o, mesh.dp_group, schedulers) for o in optimizers]
     rank_zero_info(
         f"PipelineStrategy: optimizer state sharded over the {mesh.dp_size} replicas of each stage "
         f"(ZeroRedundancyOptimizer)"
     )
+    return sharded

@@ -210,7 +210,7 @@ class PipelineStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.shard_optimizer_state:  # memory (issue 15): ZeRO-1 over the stage's replicas
-                shard_optimizers(self)
+                self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh)
             _optimizers_to_device(self.optimizers, self.root_device)
             self._install_global_clipping()
         self.setup_precision_plugin()
