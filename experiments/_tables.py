@@ -241,6 +241,20 @@ def scaling_charlm(rows: Rows) -> str:
     return _table([*header, "final train loss", "val loss", "wall s (incl. start-up)"], body)
 
 
+def memory_validation(rows: Rows) -> str:
+    body = []
+    for config, ranks in _groups(rows, "config").items():
+        worst = next(r for r in ranks if r["worst_rank"] == "True")
+        furthest = max(ranks, key=lambda r: abs(float(r["error"])))
+        mib = [_mib(float(worst[k])) for k in ("measured_bytes", "predicted_bytes")]
+        body.append([config, len(ranks), *mib, _f(worst["error"], 3), _f(furthest["error"], 3)])
+    header = ["run", "ranks", "measured MiB, worst rank (MemTracker)", "predicted MiB", "error"]
+    return _table([*header, "error, furthest rank"], body) + (
+        f"\n\nerror = predicted / measured - 1, target |error| <= {rows[0]['tolerance']} on the worst rank "
+        "(the rank with the largest measured peak). Byte counts do not depend on the load: measured once."
+    )
+
+
 # ------------------------------------------------------------------------------ the questions
 
 
@@ -318,6 +332,11 @@ QUESTIONS = (
     ),
     Question("Pipeline bubble against the number of micro-batches", "pipeline", (pipeline_microbatches,)),
     Question("Memory per rank: DDP against PipelineStrategy", "pipeline_memory", (pipeline_memory,)),
+    Question(
+        "Will it fit? The memory planner's prediction against MemTracker, rank by rank",
+        "memory_validation",
+        (memory_validation,),
+    ),
     Question(
         "Metric sync: AllReducedMetrics against sync_dist=True",
         "metric_sync",

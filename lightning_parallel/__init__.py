@@ -10,6 +10,7 @@ from lightning_parallel.callbacks.metrics import AllReducedMetrics
 from lightning_parallel.callbacks.watchdog import HangWatchdog
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
+from lightning_parallel.memory.estimate import estimate_memory
 from lightning_parallel.strategies import PipelineStrategy, register_strategies
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "Rank0Checkpoint",
     "ResumableDistributedSampler",
     "__version__",
+    "estimate_memory",
 ]
 
 register_strategies()

@@ -32,11 +32,18 @@ from lightning_parallel.pipeline import state as stage_state
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout
 from lightning_parallel.pipeline.plan import StagePlan
+from lightning_parallel.pipeline.recompute import Selection, check_selection
+from lightning_parallel.pipeline.zero import consolidate
 from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
 from lightning_parallel.strategies._pipeline_config import (
     check_fit_supported,
     checked_config,
     renamed_num_stages,
+)
+from lightning_parallel.strategies._pipeline_memory import (
+    install_checkpointing,
+    shard_optimizers,
+    unit_naming,
 )
 from lightning_parallel.strategies._pipeline_step import batch_size, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
@@ -73,6 +80,12 @@ class PipelineStrategy(DDPStrategy):
         module_name: the attribute holding the ``nn.Sequential`` (default: the module's only one).
         split_points: module paths where stages 1, 2, ... begin (e.g. ``["h.2"]``); traces forward
             even when the module has a top-level Sequential.
+        activation_checkpointing: recompute units in backward instead of keeping their activations:
+            ``True`` (every layer of the Sequential, or every block the traced stages call), a list of
+            module paths (``["layers.1"]``, ``["h.2", "h.3"]``) or a callable ``(path, module) -> bool``.
+            Numbers are unchanged; the activation memory of a stage falls.
+        shard_optimizer_state: shard each stage's optimizer state over the stage's replicas (ZeRO-1,
+            torch's ``ZeroRedundancyOptimizer``); checkpoints still hold the full state.
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         num_stages: deprecated name of ``pipeline_size``.
 
@@ -94,6 +107,8 @@ class PipelineStrategy(DDPStrategy):
         partition: str | list[int] = "uniform",
         module_name: str | None = None,
         split_points: list[str] | None = None,
+        activation_checkpointing: Selection = False,
+        shard_optimizer_state: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: timedelta | None = default_pg_timeout,
         num_stages: int | None = None,
@@ -105,6 +120,10 @@ class PipelineStrategy(DDPStrategy):
             pipeline_size, num_microbatches, schedule, stages_per_rank, partition, module_name, split_points
         )
         self.parts: PipelineParts | None = None
+        # --- memory options (issue 15) ---
+        check_selection(activation_checkpointing)
+        self.activation_checkpointing = activation_checkpointing
+        self.shard_optimizer_state = bool(shard_optimizer_state)
         self._release_registered = False
         self._first_batch_checked = False
 
@@ -175,9 +194,11 @@ class PipelineStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             check_fit_supported(trainer, self)
         if self.parts is None:
+            naming = unit_naming(self.lightning_module, self.config)  # memory (issue 15), before the split
             self.parts = build_pipeline(
                 self.config, trainer, self.lightning_module, self.layout, self.root_device
             )
+            install_checkpointing(self.parts, self.activation_checkpointing, naming)  # memory (issue 15)
             rank_zero_info(
                 f"PipelineStrategy stage plan ({self.config.schedule}):\n{self.parts.plan.format_table()}"
             )
@@ -188,6 +209,8 @@ class PipelineStrategy(DDPStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.shard_optimizer_state:  # memory (issue 15): ZeRO-1 over the stage's replicas
+                self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh)
             _optimizers_to_device(self.optimizers, self.root_device)
             self._install_global_clipping()
         self.setup_precision_plugin()
@@ -329,9 +352,10 @@ class PipelineStrategy(DDPStrategy):
         parts = self.parts
         if parts is None:
             return optimizer.state_dict()
-        named = stage_state.named_optimizer_state(optimizer, parts.param_names)
+        consolidate(optimizer)  # memory (issue 15): ZeRO gathers on replica 0; every replica calls it
         if parts.mesh.dp_rank != 0:
             return {}
+        named = stage_state.named_optimizer_state(optimizer, parts.param_names)
         gathered = gather_object_to(named, 0, parts.mesh.pp_group)
         if gathered is None:
             return {}

@@ -1,0 +1,346 @@
+"""Does the memory planner predict what torch measures? Every prediction against MemTracker, rank by rank.
+
+For each configuration (DDP; pipelines with p = 2 and 4; gpipe, 1f1b, interleaved; m in {2, 4, 8};
+with and without recomputation; optimizer state sharded or not; fp32 and bf16-mixed; the main job's
+GPT through the traced split and the same network as an ``nn.Sequential``), the same model, seed and
+batch are
+
+- **predicted** by ``lightning_parallel.memory`` in this process (no training), and
+- **measured** on every rank by torch's own meter, ``torch.distributed._tools.mem_tracker.MemTracker``,
+  around one training step after a warm-up step (the optimizer state exists by then), under the real
+  ``Trainer`` with gloo on CPU. The tracker counts every tensor an operator creates inside it, plus
+  the tensors it is told of (``track_external``): the model, its gradients, the optimizer state (for a
+  sharded one, the local optimizer it wraps), the batch, and the pipeline's receive buffers (allocated
+  at the first step, outside the tracked one).
+
+The tracker's module hooks are turned off (see ``blind_to_modules``): they refuse a module called once
+per micro-batch, as a pipeline stage is ("does not support ... multiple iterative calls", torch 2.13),
+and only attribute memory to modules; the peak is counted by the dispatch mode either way. Byte counts
+do not depend on the machine's load: each configuration is measured once (no repeats).
+
+Models: ``models.CharLM`` (the main job: a GPT with its head tied to the embedding, split by tracing)
+and ``models.SequentialCharLM`` (the same network in one ``nn.Sequential``), width 128, 8 blocks, 64
+bytes per sample, AdamW (``configure_optimizers`` needs a Trainer for its schedule, so the planner is
+given the AdamW it builds); batch 16 per replica, 8 per rank under DDP.
+
+Writes ``memory_validation.csv`` (one row per rank, each predicted component beside the measured peak)
+and ``memory_validation.png`` (predicted against measured) under ``--out-dir``.
+
+Usage::
+
+    python experiments/memory_validation.py            # 19 configurations, ~4-10 minutes on 2 cores
+    python experiments/memory_validation.py --quick    # 2 small configurations, ~1 minute
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import _harness as h
+import lightning as L
+import torch
+from models import CharLM, SequentialCharLM
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lightning_parallel import PipelineStrategy
+from lightning_parallel.memory.config import ParallelConfig
+from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
+from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.pipeline.zero import local_state_bytes
+
+TOLERANCE = 0.15
+
+# ---------------------------------------------------------------------------------- configurations
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: a ParallelConfig plus the model, its shape and the per-replica batch."""
+
+    name: str
+    strategy: str
+    devices: int
+    pipeline_size: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    checkpointing: bool = False
+    sharded: bool = False
+    precision: str = "32-true"
+    model: str = "gpt"  # "gpt": CharLM (traced split); "seq": SequentialCharLM (Sequential split)
+    batch: int = 16  # per replica
+    dim: int = 128
+    depth: int = 8
+    seq_len: int = 64
+
+    def config(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.strategy, self.devices, self.pipeline_size, self.num_microbatches, self.schedule,
+            self.stages_per_rank, "uniform", self.checkpointing, self.sharded, self.precision,
+        )  # fmt: skip
+
+
+def cases(quick: bool) -> list[Case]:
+    if quick:
+        return [
+            Case("ddp x2", "ddp", 2, batch=8, depth=4),
+            Case("pp 2x1 1f1b m=4 +ac", "pipeline", 2, 2, 4, checkpointing=True, depth=4),
+        ]
+    pp = "pipeline"
+    return [
+        Case("ddp x2", "ddp", 2, batch=8),
+        Case("ddp x2 bf16", "ddp", 2, batch=8, precision="bf16-mixed"),
+        Case("ddp x2 (Sequential)", "ddp", 2, batch=8, model="seq"),
+        Case("pp 2x1 gpipe m=4", pp, 2, 2, 4, "gpipe"),
+        Case("pp 2x1 1f1b m=2", pp, 2, 2, 2),
+        Case("pp 2x1 1f1b m=4", pp, 2, 2, 4),
+        Case("pp 2x1 1f1b m=8", pp, 2, 2, 8),
+        Case("pp 2x1 1f1b m=4 +ac", pp, 2, 2, 4, checkpointing=True),
+        Case("pp 2x1 1f1b m=4 bf16", pp, 2, 2, 4, precision="bf16-mixed"),
+        Case("pp 2x1 interleaved m=4", pp, 2, 2, 4, "interleaved_1f1b", 2),
+        Case("pp 4x1 1f1b m=8", pp, 4, 4, 8),
+        Case("pp 4x1 gpipe m=4", pp, 4, 4, 4, "gpipe"),
+        Case("pp 4x1 1f1b m=8 +ac bf16", pp, 4, 4, 8, checkpointing=True, precision="bf16-mixed"),
+        Case("pp 2x2 1f1b m=4", pp, 4, 2, 4),
+        Case("pp 2x2 1f1b m=4 +zero", pp, 4, 2, 4, sharded=True),
+        Case("pp 1x4 1f1b m=4 +zero", pp, 4, 1, 4, sharded=True),
+        Case("pp 2x1 1f1b m=4 (Sequential)", pp, 2, 2, 4, model="seq"),
+        Case(
+            "pp 2x1 interleaved m=8 +ac (Sequential)", pp, 2, 2, 8, "interleaved_1f1b", 2, True, model="seq"
+        ),
+        Case(
+            "pp 2x2 1f1b m=4 +ac +zero (Sequential)",
+            pp,
+            4,
+            2,
+            4,
+            checkpointing=True,
+            sharded=True,
+            model="seq",
+        ),
+    ]
+
+
+def batch_for(case: Case, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (case.batch, case.seq_len + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def build_model(case: Case) -> L.LightningModule:
+    torch.manual_seed(0)
+    cls = CharLM if case.model == "gpt" else SequentialCharLM
+    return cls(dim=case.dim, depth=case.depth, seq_len=case.seq_len)
+
+
+# ------------------------------------------------------------------------------------ measuring
+
+
+def blind_to_modules(tracker: MemTracker) -> MemTracker:
+    """Turn off MemTracker's per-module attribution; its dispatch-mode byte counting stays as it is.
+
+    torch 2.13's MemTracker attributes memory to modules through a ModTracker whose hooks raise on a
+    module called more than once per iteration ("multiple iterative calls"): a pipeline stage runs
+    once per micro-batch. The peak (``get_tracker_snapshot("peak")["Total"]``) is computed in
+    ``__torch_dispatch__`` from every tensor created, and reads only ``parents`` and ``is_bw`` of the
+    module tracker, which this stand-in provides. No public switch exists; if the attribute moves,
+    this raises (``tests/test_memory_validation.py`` runs it).
+    """
+    if not hasattr(tracker, "_mod_tracker"):
+        raise RuntimeError("MemTracker has no _mod_tracker: torch changed it (checked against 2.13)")
+
+    class _NoModules:
+        parents = {"Global"}
+
+        @property
+        def is_bw(self) -> bool:
+            return torch._C._current_graph_task_id() != -1
+
+        def register_user_hooks(self, *hooks: Any) -> None: ...
+        def clear_user_hooks(self) -> None: ...
+        def __enter__(self) -> _NoModules:
+            return self
+
+        def __exit__(self, *exc: Any) -> None: ...
+
+    tracker._mod_tracker = _NoModules()
+    return tracker
+
+
+def pipeline_buffers(strategy: Any) -> list[torch.Tensor]:
+    """The receive buffers of this rank's cached pipeline stages (allocated at the warm-up step).
+
+    torch 2.13 keeps them in a stage's ``args_recv_info`` / ``grad_recv_info`` (one ``_RecvInfo`` per
+    micro-batch, with a ``buffer``); the runner caches its schedules in ``_cache``. Both private: read
+    here only to tell the meter about tensors that exist outside the tracked step.
+    """
+    parts = getattr(strategy, "parts", None)
+    if parts is None:
+        return []
+    out = []
+    for schedule in parts.runner._cache.values():
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        for stage in stages:
+            for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+                out += [i.buffer for i in infos if torch.is_tensor(getattr(i, "buffer", None))]
+    return out
+
+
+class StepMeter(L.Callback):
+    """MemTracker around training step ``step`` (after warm-up); the peak total bytes of this rank."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        self.peak = self.start = 0
+        self.tracker: MemTracker | None = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx != self.step:
+            return
+        self.tracker = blind_to_modules(MemTracker())
+        # A ZeroRedundancyOptimizer keeps its shard's state in the local optimizer it wraps (.optim).
+        optimizers = [getattr(o, "optim", o) for o in trainer.optimizers]
+        self.tracker.track_external(pl_module, *optimizers, batch, *pipeline_buffers(trainer.strategy))
+        self.start = _total(self.tracker.get_tracker_snapshot("current"))
+        self.tracker.__enter__()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx != self.step or self.tracker is None:
+            return
+        self.tracker.__exit__(None, None, None)
+        self.peak = _total(self.tracker.get_tracker_snapshot("peak"))
+
+
+def _total(snapshot: dict) -> int:
+    return int(sum(dev.get("Total", 0) for dev in snapshot.values()))
+
+
+def worker(rank: int, world: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """Two training steps on this rank, the second one tracked; this rank's measured bytes."""
+    case = Case(**fields)
+    meter = StepMeter()
+    trainer = h.quiet_trainer(
+        devices=world, strategy=_strategy(case), precision=case.precision, max_steps=2, callbacks=[meter]
+    )
+    x, y = batch_for(case)
+    # Every rank reads the same batch each step, so the prediction's batch is each rank's batch.
+    data = TensorDataset(x.repeat(2 * world, 1), y.repeat(2 * world, 1))
+    trainer.fit(build_model(case), DataLoader(data, batch_size=case.batch))
+    optimizer_state = local_state_bytes(trainer.optimizers[0])
+    return {"rank": rank, "measured": meter.peak, "start": meter.start, "optimizer_state": optimizer_state}
+
+
+def _strategy(case: Case) -> Any:
+    if case.strategy == "ddp":
+        return "ddp"
+    return PipelineStrategy(
+        pipeline_size=case.pipeline_size, num_microbatches=case.num_microbatches, schedule=case.schedule,
+        stages_per_rank=case.stages_per_rank, activation_checkpointing=case.checkpointing,
+        shard_optimizer_state=case.sharded,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ comparing
+
+
+def predicted(case: Case) -> MemoryEstimate:
+    model = build_model(case)
+    # configure_optimizers reads trainer.estimated_stepping_batches for its LR schedule: give the
+    # planner the AdamW it builds instead (the state it keeps does not depend on the schedule).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return predict(measure_model(model, batch_for(case), case.precision, optimizer), case.config())
+
+
+def rows_for(case: Case, estimate: MemoryEstimate, measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    dp = case.config().data_parallel_size
+    rows = []
+    for record in measured:
+        rank = record["rank"]
+        mine = estimate.ranks[0 if case.strategy == "ddp" else rank // dp]
+        rows.append(
+            dict(
+                config=case.name, **{k: v for k, v in asdict(case).items() if k != "name"},
+                rank=rank, measured_bytes=record["measured"], predicted_bytes=mine.peak,
+                error=round(mine.peak / record["measured"] - 1, 4),
+                predicted_parameters=mine.parameters, predicted_gradients=mine.gradients,
+                predicted_optimizer=mine.optimizer, predicted_activations=mine.activations,
+                predicted_buffers=mine.buffers, in_flight=",".join(map(str, mine.in_flight)),
+                measured_optimizer_state=record["optimizer_state"], tracked_at_start=record["start"],
+                tolerance=TOLERANCE,
+            )
+        )  # fmt: skip
+    worst = max(rows, key=lambda r: r["measured_bytes"])
+    for r in rows:
+        r["worst_rank"] = r is worst
+    return rows
+
+
+def plot(path: Any, rows: list[dict[str, Any]]) -> None:
+    fig, ax = h.figure(size=(7.5, 6.5))
+    measured = [r["measured_bytes"] / 2**20 for r in rows]
+    predicted_mib = [r["predicted_bytes"] / 2**20 for r in rows]
+    top = max(measured + predicted_mib) * 1.08
+    line = [0, top]
+    ax.plot(line, line, color="black", lw=1, label="predicted = measured")
+    low, high = [0, top * (1 - TOLERANCE)], [0, top * (1 + TOLERANCE)]
+    ax.fill_between(line, low, high, color="tab:green", alpha=0.12, label=f"within +/-{TOLERANCE:.0%}")
+    for worst, colour, size, label in ((False, "tab:blue", 18, "other ranks"),
+                                       (True, "tab:red", 34, "worst rank of a configuration")):  # fmt: skip
+        pts = [(m, p) for m, p, r in zip(measured, predicted_mib, rows) if r["worst_rank"] == worst]
+        ax.scatter([m for m, _ in pts], [p for _, p in pts], s=size, color=colour, alpha=0.8, label=label)
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured peak, MemTracker (MiB)",
+           ylabel="predicted peak, estimate_memory (MiB)",
+           title="Per-rank peak memory of one training step: predicted vs measured")  # fmt: skip
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    h.save_figure(fig, path)
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'configuration':<42} {'ranks':>5} {'measured':>11} {'predicted':>11} {'error':>7}  "
+             f"{'furthest rank':>13}"]  # fmt: skip
+    for name in dict.fromkeys(r["config"] for r in rows):
+        ranks = [r for r in rows if r["config"] == name]
+        w = next(r for r in ranks if r["worst_rank"])
+        furthest = max(ranks, key=lambda r: abs(r["error"]))["error"]
+        lines.append(
+            f"{name:<42} {len(ranks):>5} {format_bytes(w['measured_bytes']):>11} "
+            f"{format_bytes(w['predicted_bytes']):>11} {w['error']:>+7.1%}  {furthest:>+13.1%}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = h.parser(__doc__, repeats=None)
+    p.add_argument("--only", nargs="*", help="run only the configurations with these names")
+    args = p.parse_args(argv)
+    h.record_machine("memory_validation", args.out_dir)
+    h.quiet()
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for case in cases(args.quick):
+        if args.only and case.name not in args.only:
+            continue
+        print(f"measuring {case.name} ...", flush=True)
+        rows += rows_for(case, predicted(case), h.spawn(worker, case.devices, asdict(case)))
+    h.write_csv(args.out_dir / "memory_validation.csv", rows)
+    plot(args.out_dir / "memory_validation.png", rows)
+    print(summary(rows))
+    bad = [r for r in rows if r["worst_rank"] and abs(r["error"]) > TOLERANCE]
+    print(f"{len(rows)} ranks in {time.perf_counter() - start:.0f} s; worst-rank errors beyond "
+          f"+/-{TOLERANCE:.0%}: {len(bad)}")  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""One parallel configuration to size: DDP, or a pipeline shape with its schedule and memory options."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from lightning_parallel.pipeline.runner import SCHEDULES, is_multi_stage, schedule_class
+
+PRECISIONS = {
+    "32-true": (None, None),
+    "bf16-mixed": (None, torch.bfloat16),
+    "16-mixed": (None, torch.float16),
+    "bf16-true": (torch.bfloat16, None),
+    "16-true": (torch.float16, None),
+}
+"""precision -> (parameter dtype, autocast dtype); ``None``: the model's own dtype / no autocast."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A training configuration to size, the same knobs as ``PipelineStrategy`` (or plain DDP).
+
+    Args:
+        strategy: ``"ddp"`` (every rank holds the whole model) or ``"pipeline"``.
+        devices: ranks in all.
+        pipeline_size: pipeline ranks per replica (as PipelineStrategy's).
+        num_microbatches, schedule, stages_per_rank, partition: as PipelineStrategy.
+        activation_checkpointing: ``True``, a list of unit names, or a callable ``(name, module) -> bool``.
+        shard_optimizer_state: ZeRO-1 over each stage's replicas.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"`` or ``"16-true"``.
+
+    Example::
+
+        ParallelConfig("pipeline", devices=4, pipeline_size=2, num_microbatches=8, schedule="1f1b",
+                       activation_checkpointing=True, shard_optimizer_state=True)
+    """
+
+    strategy: str = "ddp"
+    devices: int = 1
+    pipeline_size: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    partition: str | tuple[int, ...] = "uniform"
+    activation_checkpointing: bool | tuple[str, ...] | Callable[[str, Any], bool] = False
+    shard_optimizer_state: bool = False
+    precision: str = "32-true"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("ddp", "pipeline"):
+            raise ValueError(
+                f"strategy must be 'ddp' or 'pipeline' (or a PipelineStrategy), got {self.strategy!r}"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        for name in ("devices", "pipeline_size", "num_microbatches", "stages_per_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.devices % self.pipeline_size:
+            raise ValueError(
+                f"pipeline_size ({self.pipeline_size}) does not divide devices ({self.devices}): use a "
+                f"multiple of {self.pipeline_size} devices"
+            )
+        if self.strategy == "pipeline":
+            multi = is_multi_stage(schedule_class(self.schedule))
+            if multi != (self.stages_per_rank > 1):
+                raise ValueError(
+                    f"schedule={self.schedule!r} needs stages_per_rank {'>= 2' if multi else '= 1'}, got "
+                    f"{self.stages_per_rank}"
+                )
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.devices // (self.pipeline_size if self.strategy == "pipeline" else 1)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_size * self.stages_per_rank if self.strategy == "pipeline" else 1
+
+    def label(self) -> str:
+        """A short name: ``"ddp x4"``, ``"pp 2x2 1f1b m=8 +ac +zero"`` (pipeline x replicas)."""
+        if self.strategy == "ddp":
+            return f"ddp x{self.devices}"
+        v = f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        flags = " +ac" if self.activation_checkpointing else ""
+        flags += " +zero" if self.shard_optimizer_state else ""
+        shape = f"{self.pipeline_size}x{self.data_parallel_size}"
+        return f"pp {shape} {self.schedule}{v} m={self.num_microbatches}{flags}"
+
+
+def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
+    """A :class:`ParallelConfig` from ``"ddp"``, ``"pipeline"``, a config, or a ``PipelineStrategy``.
+
+    A PipelineStrategy is read through its attributes (this package does not import Lightning).
+
+    Example::
+
+        resolve(PipelineStrategy(pipeline_size=2, num_microbatches=8), devices=4, precision="bf16-mixed")
+    """
+    if isinstance(strategy, ParallelConfig):
+        return replace(strategy, devices=devices, precision=precision)
+    if strategy in ("ddp", "auto", "single_device", None):
+        return ParallelConfig("ddp", devices=devices, precision=precision)
+    if strategy == "pipeline":
+        return ParallelConfig("pipeline", devices, devices, 4, precision=precision)
+    if hasattr(strategy, "num_microbatches") and hasattr(strategy, "schedule"):
+        checkpointing = getattr(strategy, "activation_checkpointing", False)
+        if isinstance(checkpointing, list):
+            checkpointing = tuple(checkpointing)
+        partition = strategy.partition
+        return ParallelConfig(
+            "pipeline",
+            devices=devices,
+            pipeline_size=_pipeline_size(strategy) or devices,
+            num_microbatches=strategy.num_microbatches,
+            schedule=strategy.schedule,
+            stages_per_rank=getattr(strategy, "stages_per_rank", 1),
+            partition=tuple(partition) if isinstance(partition, list) else partition,
+            activation_checkpointing=checkpointing,
+            shard_optimizer_state=bool(getattr(strategy, "shard_optimizer_state", False)),
+            precision=precision,
+        )
+    raise ValueError(
+        f"strategy must be 'ddp', 'pipeline', a ParallelConfig or a PipelineStrategy, got {strategy!r}; "
+        f"the schedules are {', '.join(SCHEDULES)}"
+    )
+
+
+def _pipeline_size(strategy: Any) -> int | None:
+    """The pipeline size a PipelineStrategy was given (None: all devices), before any Trainer set it up."""
+    config = getattr(strategy, "config", None)  # PipelineStrategy keeps its settings there
+    if config is not None and hasattr(config, "pipeline_size"):
+        return config.pipeline_size
+    return getattr(strategy, "num_stages", None)

@@ -1,0 +1,266 @@
+"""Predict the peak memory of each rank for one training step: ``estimate_memory``.
+
+The model of a step (what is alive when):
+
+- **persistent**: parameters, the optimizer state (a 1/replicas share with ZeRO), the previous step's
+  gradients (Lightning zeroes them only after ``training_step``; DDP frees them before its backward,
+  the pipeline runs its whole schedule inside ``training_step`` and keeps them until then), and the
+  communication buffers: DDP's gradient buckets (one gradient-sized copy); the pipeline's receive
+  buffers (one per micro-batch for the stage input and for the gradient of its output);
+- **per micro-batch in flight** (a forward done, its backward not yet): what the stage's units save
+  for backward (measured, see :mod:`~lightning_parallel.memory.probe`), the stage output it keeps
+  for its backward (the last stage keeps every output until the step ends). With recomputation a
+  unit keeps only its input, and one unit at a time is recomputed in backward;
+- **at a stage's first backward**: its new gradients; during any backward a transient of gradient
+  tensors (twice the stage's largest saved tensor plus its output, a documented approximation);
+- **the optimizer step**: parameters + gradients + state, plus a gradient-sized flat buffer for
+  the replicas' all-reduce.
+
+The micro-batches in flight come from walking torch's own schedule order (plain data, see
+:mod:`~lightning_parallel.memory.schedule`); the peak is the largest total over that walk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_parallel._table import format_table
+from lightning_parallel.memory.config import ParallelConfig, resolve
+from lightning_parallel.memory.facts import ModelFacts, measure_model
+from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
+from lightning_parallel.memory.schedule import Action, peak_in_flight, rank_actions
+from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
+from lightning_parallel.pipeline.zero import shard_owners
+
+COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's predicted peak, split into what is alive at that moment.
+
+    ``gradients`` may exceed the parameter bytes: the previous step's and the new ones coexist.
+    ``activations`` includes the backward transient; ``buffers``: communication buffers and kept outputs.
+    """
+
+    rank: int
+    stages: tuple[int, ...]
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: int
+    in_flight: tuple[int, ...]
+
+    @property
+    def peak(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The prediction for each pipeline rank of a configuration (the replicas of a stage are alike).
+
+    Example::
+
+        est = estimate_memory(model, batch, devices=4, strategy=PipelineStrategy(pipeline_size=2))
+        print(est.format_table()); est.peak       # bytes on the fullest rank
+    """
+
+    config: ParallelConfig
+    ranks: tuple[RankMemory, ...]
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    @property
+    def peak(self) -> int:
+        return self.worst.peak
+
+    def format_table(self) -> str:
+        headers = ["rank", "stages", "in flight", *COMPONENTS, "peak"]
+        rows = [
+            [str(r.rank), ",".join(map(str, r.stages)), ",".join(map(str, r.in_flight)),
+             *(format_bytes(getattr(r, c)) for c in COMPONENTS), format_bytes(r.peak)]
+            for r in self.ranks
+        ]  # fmt: skip
+        return f"{self.config.label()} ({self.config.precision})\n" + format_table(headers, rows, align=">")
+
+
+def estimate_memory(
+    module: nn.Module,
+    batch: Any,
+    devices: int = 1,
+    strategy: Any = "ddp",
+    precision: str = "32-true",
+    optimizer: torch.optim.Optimizer | None = None,
+    step: StepFn = default_step,
+) -> MemoryEstimate:
+    """Predict the peak bytes of each rank for one training step of ``module`` on ``batch``.
+
+    Args:
+        module: the LightningModule (or any ``nn.Module``); on the meta device its activations are
+            measured on meta tensors (attention kernels may differ from the real device's).
+        batch: one batch as one rank's dataloader yields it (per replica for a pipeline).
+        devices: ranks in all.
+        strategy: ``"ddp"``, ``"pipeline"``, a ``PipelineStrategy`` or a :class:`ParallelConfig`.
+        precision: as the Trainer's (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
+        optimizer: the optimizer(s), when ``configure_optimizers`` cannot run without a Trainer.
+        step: ``step(module, batch)`` runs one training forward (default: ``training_step(batch, 0)``).
+
+    Raises:
+        ValueError: a bad strategy, precision or stage count, or a batch the model rejects.
+
+    Example::
+
+        est = estimate_memory(LM(), (x, y), devices=4, precision="bf16-mixed",
+                              strategy=PipelineStrategy(pipeline_size=4, num_microbatches=8))
+        print(est.format_table())
+    """
+    config = resolve(strategy, devices, precision)
+    return predict(measure_model(module, batch, precision, optimizer, step), config)
+
+
+def predict(facts: ModelFacts, config: ParallelConfig, samples: int | None = None) -> MemoryEstimate:
+    """The estimate for ``config`` from measured :class:`ModelFacts` (cheap: no forward pass).
+
+    ``samples``: the batch one rank (one replica) gets, if not the measured batch's size.
+
+    Example::
+
+        facts = measure_model(model, batch)
+        [predict(facts, c).peak for c in configs]
+    """
+    if config.precision != facts.precision:
+        raise ValueError(
+            f"the facts were measured in {facts.precision!r} but the config asks {config.precision!r}: "
+            f"measure again with precision={config.precision!r}"
+        )
+    if config.strategy == "ddp":
+        return MemoryEstimate(config, (_ddp_rank(facts, samples or facts.samples),))
+    costs = stage_costs(facts, config, samples)
+    ranks = [_pipeline_rank(facts, costs, config, r) for r in range(config.pipeline_size)]
+    return MemoryEstimate(config, tuple(ranks))
+
+
+def _ddp_rank(facts: ModelFacts, n: int) -> RankMemory:
+    keys = list(facts.tensors)
+    params = sum(facts.tensors[k].nbytes for k in keys)
+    grads = sum(facts.tensors[k].grad for k in keys)
+    state = facts.state_of(keys)
+    acts = sum(u.saved.at(n) + u.after.at(n) + u.weight_copies for u in facts.probe.units.values())
+    largest = max((u.largest.at(n) for u in facts.probe.units.values()), default=0)
+    # Forward end: the previous gradients are still alive (zeroed after training_step), and DDP's
+    # gradient buckets (a gradient-sized copy: gradient_as_bucket_view=False, Lightning's default).
+    return RankMemory(0, (0,), params, grads, state, acts + 2 * largest, grads, (1,))
+
+
+def _pipeline_rank(
+    facts: ModelFacts, costs: list[StageCosts], config: ParallelConfig, rank: int
+) -> RankMemory:
+    local = [c for c in costs if c.index % config.pipeline_size == rank]
+    params = list(dict.fromkeys(k for c in local for k in c.param_keys))  # a tied weight once per rank
+    p_bytes = sum(facts.tensors[k].nbytes for k in params)
+    g_bytes = sum(facts.tensors[k].grad for k in params)
+    state = _state_bytes(facts, params, config)
+    buffers = sum(c.recv_buffers for c in local)
+    actions = rank_actions(
+        config.schedule, config.pipeline_size, config.stages_per_rank, config.num_microbatches
+    )
+    walk = _walk(actions[rank], {c.index: c for c in local}, g_bytes)
+    in_flight = peak_in_flight(actions[rank])
+    return RankMemory(
+        rank,
+        tuple(c.index for c in local),
+        p_bytes,
+        g_bytes + walk.new_grads,  # the previous step's, held through the schedule, and the new ones
+        state,
+        walk.activations,
+        buffers + walk.kept,
+        tuple(in_flight.get(c.index, 0) for c in local),
+    )
+
+
+@dataclass
+class _Walk:
+    activations: int = 0
+    kept: int = 0
+    new_grads: int = 0
+
+
+def _walk(actions: list[Action], stages: dict[int, StageCosts], all_grads: int) -> _Walk:
+    """Walk the rank's actions; return the components at the moment of the largest total.
+
+    A stage's first backward frees its micro-batch's activations while its gradients appear, so
+    its peak is either just before (no new gradients yet) or just after (that micro-batch freed).
+    """
+    live = kept = grads = 0
+    started: set[int] = set()
+    backward_seen: set[int] = set()
+    best = _Walk()
+
+    def consider(activations: int, kept_now: int, grads_now: int) -> None:
+        nonlocal best
+        now = _Walk(activations, kept_now, min(grads_now, all_grads))
+        if now.activations + now.kept + now.new_grads > best.activations + best.kept + best.new_grads:
+            best = now
+
+    for a in actions:
+        c = stages[a.stage]
+        if a.kind == "F":
+            if a.stage not in started:
+                started.add(a.stage)
+                live += c.weight_copies
+            live += c.per_microbatch
+            kept += c.kept_output
+            consider(live + c.forward_transient, kept, grads)
+            continue
+        consider(live + c.backward_transient, kept, grads)
+        if a.stage not in backward_seen:
+            backward_seen.add(a.stage)
+            grads += c.grads
+            consider(live - c.per_microbatch + c.backward_transient, kept, grads)
+        if a.kind in ("B", "W"):
+            live -= c.per_microbatch
+            kept -= c.freed_output
+    # The last stage ends the step by concatenating every micro-batch's output (the schedule's return).
+    merged = sum(c.merged_output for c in stages.values())
+    consider(live, kept + merged, grads)
+    return best
+
+
+def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelConfig) -> int:
+    """Optimizer state on the fullest replica of this rank's stage(s) (ZeRO splits it as torch does)."""
+    dp = config.data_parallel_size
+    if not config.shard_optimizer_state or dp == 1:
+        return facts.state_of(keys)
+    mine = set(keys)
+    groups = [[k for k in group if k in mine] for group in facts.group_order]
+    owners = shard_owners([[facts.tensors[k].numel for k in g] for g in groups], dp)
+    per_replica = [0] * dp
+    for group, group_owners in zip(groups, owners):
+        for k, owner in zip(group, group_owners):
+            per_replica[owner] += facts.state_of([k])
+    return max(per_replica)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps 1-4 digits before the point.
+
+    Example::
+
+        >>> format_bytes(3 * 2**30)
+        '3.00 GiB'
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+__all__ = ["BEFORE", "MemoryEstimate", "RankMemory", "estimate_memory", "format_bytes", "predict"]

@@ -1,0 +1,154 @@
+"""What the planner measures once per model and batch: units, parameters, optimizer state, activations."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_parallel.memory.config import PRECISIONS
+from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
+from lightning_parallel.memory.probe import (
+    BEFORE,
+    Probe,
+    StepFn,
+    default_step,
+    probe_activations,
+    probe_sizes,
+)
+from lightning_parallel.memory.units import UnitLayout, find_units, order_extras
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter as the planner sees it: bytes, gradient bytes, optimizer state and group."""
+
+    key: int
+    numel: int
+    nbytes: int
+    grad: int
+    state: StateSize | None
+    group: int  # optimizer param group (ZeRO shards group by group); -1: not optimized
+
+
+@dataclass
+class ModelFacts:
+    """What :func:`measure_model` found; :func:`~lightning_parallel.memory.estimate.predict` sizes configs.
+
+    Example::
+
+        facts = measure_model(model, batch, precision="bf16-mixed")
+        predict(facts, ParallelConfig("pipeline", devices=4, pipeline_size=4, num_microbatches=8))
+    """
+
+    layout: UnitLayout
+    probe: Probe
+    samples: int
+    precision: str
+    tensors: dict[int, Tensor]  # by id of the parameter
+    unit_params: dict[str, list[int]]  # unit name -> parameter keys (a tied weight under each unit using it)
+    loose_params: list[int]
+    group_order: list[list[int]]  # per optimizer param group: parameter keys in group order
+
+    def state_of(self, keys: list[int]) -> int:
+        return sum(self.tensors[k].state.of(self.tensors[k].numel) for k in keys if self.tensors[k].state)
+
+
+def measure_model(
+    module: nn.Module,
+    batch: Any,
+    precision: str = "32-true",
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+    step: StepFn = default_step,
+) -> ModelFacts:
+    """Find the units, run the probe forwards, and size parameters, gradients and optimizer state.
+
+    Raises:
+        ValueError: unknown precision; a batch the model rejects; no optimizer to size.
+
+    Example::
+
+        facts = measure_model(CharLM(), (x, y))
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    param_dtype, autocast_dtype = PRECISIONS[precision]
+    optimizers = _optimizers(module, optimizer)
+    layout = find_units(module)
+    samples = _samples(batch)
+    probed = module if param_dtype is None else _converted(module, param_dtype)
+    probe_layout = layout if probed is module else find_units(probed)
+    probe = probe_activations(probed, probe_layout, batch, probe_sizes(samples), autocast_dtype, step)
+    order_extras(layout, probe.first_call)
+    sizes = state_sizes(optimizers, param_dtype)
+    tensors, groups = _tensors(module, optimizers, sizes, param_dtype)
+    unit_params = {u.name: [id(p) for p in u.module.parameters()] for u in layout.units}
+    loose = [id(p) for p in layout.loose]
+    return ModelFacts(layout, probe, samples, precision, tensors, unit_params, loose, groups)
+
+
+def _optimizers(module: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer]:
+    if optimizer is not None:
+        found = optimizers_from(optimizer)
+    else:
+        configure: Callable[[], Any] | None = getattr(module, "configure_optimizers", None)
+        if configure is None:
+            raise ValueError(
+                f"{type(module).__name__} has no configure_optimizers: pass optimizer= (e.g. "
+                f"torch.optim.AdamW(model.parameters())) to size the optimizer state"
+            )
+        try:
+            found = optimizers_from(configure())
+        except Exception as err:
+            raise ValueError(
+                f"{type(module).__name__}.configure_optimizers() failed outside a Trainer "
+                f"({type(err).__name__}: {err}): pass optimizer= with the optimizer it builds (on the "
+                f"command line: --optimizer AdamW, or another torch.optim class)"
+            ) from err
+    if not found:
+        raise ValueError("no optimizer found: configure_optimizers (or optimizer=) returned none")
+    return found
+
+
+def _tensors(
+    module: nn.Module, optimizers: list, sizes: dict[int, StateSize], dtype: torch.dtype | None
+) -> tuple[dict[int, Tensor], list[list[int]]]:
+    group_of: dict[int, int] = {}
+    groups: list[list[int]] = []
+    for optimizer in optimizers:
+        for group in getattr(optimizer, "_optimizer", optimizer).param_groups:
+            groups.append([id(p) for p in group["params"]])
+            for p in group["params"]:
+                group_of[id(p)] = len(groups) - 1
+    out = {}
+    for p in module.parameters():
+        size = torch.empty((), dtype=dtype or p.dtype).element_size()
+        nbytes = p.numel() * size
+        out[id(p)] = Tensor(
+            id(p),
+            p.numel(),
+            nbytes,
+            nbytes if p.requires_grad else 0,
+            sizes.get(id(p)),
+            group_of.get(id(p), -1),
+        )
+    return out, groups
+
+
+def _converted(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    return copy.deepcopy(module).to(dtype)
+
+
+def _samples(batch: Any) -> int:
+    for t in tree_leaves(batch):
+        if torch.is_tensor(t) and t.dim() > 0:
+            return int(t.shape[0])
+    raise ValueError(f"the batch holds no tensor with a batch dimension ({type(batch).__name__})")
+
+
+__all__ = ["BEFORE", "ModelFacts", "Tensor", "measure_model"]

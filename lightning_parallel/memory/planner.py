@@ -1,0 +1,168 @@
+"""Which configurations fit a memory budget on N devices, and which of those is fastest.
+
+Every candidate (DDP, and each pipeline shape x schedule x micro-batches x recomputation x sharded
+optimizer state) is sized by :func:`~lightning_parallel.memory.estimate.predict` from one measurement
+of the model. They are ranked by a simple cost model, the estimated step time relative to perfect
+scaling (1.0 = N devices each doing 1/N of the work, no waiting):
+
+    time = imbalance / (1 - bubble) x (1 + recompute / 3) x (1 + 0.01 (v m - 1)) x (1.02 if sharded)
+
+- ``bubble`` = (p - 1) / (v m + p - 1): the idle share of a pipeline of p ranks, m micro-batches,
+  v stages per rank (0 for DDP);
+- ``imbalance`` = the slowest stage's work / the mean stage's work, work measured by the bytes a
+  stage saves per micro-batch (a proxy for its FLOPs; 1 for DDP);
+- ``recompute``: the share of that work whose forward runs twice (a forward is ~1/3 of forward +
+  backward);
+- each micro-batch beyond the first costs 1% (Python and kernel launches per micro-batch and stage;
+  ``bench_pipeline.py`` measured about 1.5% per micro-batch for one process on CPU);
+- a sharded optimizer state broadcasts each updated parameter once per step: a flat 2%.
+
+Ties go to DDP (Lightning's own strategy, whose all-reduce overlaps the backward), then to the
+smaller peak. Communication (DDP's all-reduce of every gradient against a pipeline's activations) is
+not modelled; the ranking is a first guess to try, the memory column is the prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_parallel._table import format_table
+from lightning_parallel.memory.config import ParallelConfig
+from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
+from lightning_parallel.memory.facts import ModelFacts
+from lightning_parallel.memory.stage_costs import stage_costs
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One sized configuration: its estimate, the per-replica batch, and the cost model's time."""
+
+    config: ParallelConfig
+    estimate: MemoryEstimate
+    batch: int
+    time: float
+    bubble: float
+
+    @property
+    def peak(self) -> int:
+        return self.estimate.peak
+
+
+def candidate_configs(
+    devices: int,
+    num_blocks: int,
+    global_batch: int,
+    precision: str = "32-true",
+    pipeline_sizes: list[int] | None = None,
+    schedules: tuple[str, ...] = SCHEDULES,
+) -> list[ParallelConfig]:
+    """DDP and every pipeline shape the model and batch allow, with and without each memory option.
+
+    Micro-batches m in {p, 2p, 4p} (1, 2, 4 for p = 1) that divide the per-replica batch.
+
+    Raises:
+        ValueError: a requested pipeline size does not divide ``devices`` or exceeds the blocks.
+
+    Example::
+
+        candidate_configs(devices=4, num_blocks=10, global_batch=32)
+    """
+    sizes = pipeline_sizes or [p for p in range(1, devices + 1) if devices % p == 0]
+    for p in sizes:
+        if devices % p or p > num_blocks:
+            raise ValueError(
+                f"pipeline size {p} does not fit: it must divide the devices ({devices}) and be at most "
+                f"the number of blocks ({num_blocks})"
+            )
+    out = [ParallelConfig("ddp", devices, precision=precision)] if global_batch % devices == 0 else []
+    for p in sizes:
+        dp = devices // p
+        if global_batch % dp:
+            continue
+        per_replica = global_batch // dp
+        for schedule, v in _schedules(p, num_blocks, schedules):
+            for m in _microbatches(p, per_replica):
+                for ac in (False, True):
+                    for zero in (False, True) if dp > 1 else (False,):
+                        out.append(
+                            ParallelConfig(
+                                "pipeline", devices, p, m, schedule, v, "uniform", ac, zero, precision
+                            )
+                        )
+    return out
+
+
+def plan(facts: ModelFacts, configs: list[ParallelConfig], global_batch: int) -> list[Candidate]:
+    """Size and rank ``configs`` (fastest first by the cost model).
+
+    Example::
+
+        ranked = plan(measure_model(model, batch), candidate_configs(4, 10, 32), 32)
+    """
+    out = []
+    for config in configs:
+        batch = global_batch // config.data_parallel_size
+        estimate = predict(facts, config, samples=batch)
+        bubble, time = _time(facts, config, batch)
+        out.append(Candidate(config, estimate, batch, time, bubble))
+    return sorted(out, key=lambda c: (round(c.time, 6), c.config.strategy != "ddp", c.peak))
+
+
+def fastest_fit(candidates: list[Candidate], budget: int) -> Candidate | None:
+    """The first (fastest) candidate whose worst rank fits ``budget`` bytes, or None."""
+    return next((c for c in candidates if c.peak <= budget), None)
+
+
+def format_plan(candidates: list[Candidate], budget: int) -> str:
+    """The table: one row per candidate, ``fits`` against ``budget``, the fastest fit marked ``<-``."""
+    best = fastest_fit(candidates, budget)
+    headers = [
+        "configuration",
+        "batch/replica",
+        "micro-batch",
+        "peak (worst rank)",
+        "fits",
+        "bubble",
+        "est. time",
+        "",
+    ]
+    rows = []
+    for c in candidates:
+        mb = c.batch // c.config.num_microbatches if c.config.strategy == "pipeline" else c.batch
+        fits = "yes" if c.peak <= budget else "no"
+        mark = "<- fastest that fits" if c is best else ""
+        rows.append([c.config.label(), str(c.batch), str(mb), format_bytes(c.peak), fits, f"{c.bubble:.2f}",
+                     f"{c.time:.2f}", mark])  # fmt: skip
+    return format_table(headers, rows)
+
+
+def _schedules(p: int, num_blocks: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
+    if p == 1:
+        return [("1f1b", 1)]
+    out = [(s, 1) for s in schedules if s in ("gpipe", "1f1b")]
+    if "interleaved_1f1b" in schedules and 2 * p <= num_blocks:
+        out.append(("interleaved_1f1b", 2))
+    return out
+
+
+def _microbatches(p: int, per_replica: int) -> list[int]:
+    wanted = (1, 2, 4) if p == 1 else (p, 2 * p, 4 * p)
+    return [m for m in wanted if m <= per_replica and per_replica % m == 0]
+
+
+def _time(facts: ModelFacts, config: ParallelConfig, batch: int) -> tuple[float, float]:
+    if config.strategy == "ddp":
+        return 0.0, 1.0
+    p, v, m = config.pipeline_size, config.stages_per_rank, config.num_microbatches
+    bubble = (p - 1) / (v * m + p - 1)
+    costs = stage_costs(facts, config, samples=batch)
+    work = [c.work for c in costs]
+    per_rank = [sum(w for c, w in zip(costs, work) if c.index % p == r) for r in range(p)]
+    imbalance = max(per_rank) / (sum(per_rank) / p) if sum(per_rank) else 1.0
+    recomputed = sum(c.recomputed_work for c in costs) / max(sum(work), 1)
+    overhead = 1 + 0.01 * (v * m - 1)
+    time = imbalance / (1 - bubble) * (1 + recomputed / 3) * overhead
+    time *= 1.02 if config.shard_optimizer_state else 1.0
+    return bubble, time

@@ -1,0 +1,149 @@
+"""Activation checkpointing of a stage's units: recompute each selected unit's forward in backward.
+
+A *unit* is a named submodule a stage calls: a layer of the split ``nn.Sequential`` (``"layers.3"``)
+or a block the traced stage graph calls (``"h.2"``). Wrapping replaces the unit's ``forward`` on
+the instance only, so parameter names, ``state_dict`` keys and hooks are untouched, and
+:func:`remove_activation_checkpointing` restores it. Recomputation uses torch's non-reentrant
+``torch.utils.checkpoint`` (it works with ``torch.autograd.grad``, which the pipeline stages call,
+and restores the RNG state, so dropout draws the same mask twice).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+Selection = bool | Callable[[str, nn.Module], bool] | Sequence[str]
+Units = Sequence[tuple[str, nn.Module]]
+
+# Marks a wrapped forward; its value is the forward the unit had before.
+_ORIGINAL = "_lightning_parallel_original_forward"
+
+
+def select_units(units: Units, select: Selection) -> list[str]:
+    """The names of the units ``select`` chooses, in the order of ``units``.
+
+    Args:
+        units: ``(name, module)`` pairs, e.g. a stage's layers.
+        select: ``True`` (all), ``False`` (none), a callable ``(name, module) -> bool``, or a list of
+            unit names.
+
+    Raises:
+        ValueError: a listed name matches no unit (the message names the unknown and the available ones).
+        TypeError: ``select`` is none of the above.
+
+    Example::
+
+        >>> layers = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> select_units(list(layers.named_children()), ["0"])
+        ['0']
+    """
+    check_selection(select)
+    names = [name for name, _ in units]
+    if isinstance(select, bool):
+        return list(names) if select else []
+    if callable(select):
+        return [name for name, module in units if select(name, module)]
+    unknown = [n for n in select if n not in names]
+    if unknown:
+        raise ValueError(
+            f"activation_checkpointing names units that do not exist: {unknown}; the units are {names}"
+        )
+    chosen = set(select)
+    return [name for name in names if name in chosen]
+
+
+def check_selection(select: Any) -> None:
+    """Raise a TypeError unless ``select`` is a bool, a callable or a list of names.
+
+    Example::
+
+        check_selection(["layers.1", "layers.2"])   # fine
+    """
+    if isinstance(select, bool) or callable(select):
+        return
+    names_ok = isinstance(select, Sequence) and all(isinstance(n, str) for n in select)
+    if isinstance(select, str) or not names_ok:
+        raise TypeError(
+            f"activation_checkpointing must be True/False, a callable (name, module) -> bool or a list of "
+            f"unit names, got {select!r}"
+        )
+
+
+def apply_activation_checkpointing(units: Units, select: Selection = True) -> list[str]:
+    """Recompute the forward of each selected unit in backward instead of keeping its activations.
+
+    Only the unit's inputs are saved; the activations inside it are recomputed when backward
+    reaches it. Losses and gradients are those of the unwrapped module. Applying twice is a no-op
+    for units already wrapped.
+
+    Args:
+        units: ``(name, module)`` pairs the caller owns (a stage's layers or blocks).
+        select: which units: see :func:`select_units`.
+
+    Returns:
+        The names of the units wrapped (including those already wrapped), in unit order.
+
+    Raises:
+        ValueError: ``select`` lists a name that is not a unit.
+
+    Example::
+
+        blocks = [(f"h.{i}", block) for i, block in enumerate(model.h)]
+        apply_activation_checkpointing(blocks, ["h.1", "h.2"])   # -> ["h.1", "h.2"]
+        remove_activation_checkpointing(blocks)
+    """
+    chosen = select_units(units, select)
+    modules = dict(units)
+    for name in chosen:
+        _wrap(modules[name])
+    return chosen
+
+
+def remove_activation_checkpointing(units: Units) -> list[str]:
+    """Restore the original forward of every wrapped unit; returns the names restored.
+
+    Example::
+
+        remove_activation_checkpointing(list(stage.named_children()))
+    """
+    restored = []
+    for name, module in units:
+        if is_checkpointed(module):
+            original = module.__dict__.pop(_ORIGINAL)
+            if original is None:
+                del module.forward  # the class's forward shows through again
+            else:
+                module.forward = original
+            restored.append(name)
+    return restored
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`apply_activation_checkpointing` wrapped this module's forward.
+
+    Example::
+
+        assert is_checkpointed(model.h[1])
+    """
+    return _ORIGINAL in module.__dict__
+
+
+def _wrap(module: nn.Module) -> None:
+    if is_checkpointed(module):
+        return
+    # An instance-level forward (set by the user or another wrapper) is kept and restored as is.
+    module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
+    # A bound method, not a closure: a deep copy of the module then recomputes its own forward.
+    module.forward = types.MethodType(_recomputed_forward, module)
+
+
+def _recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = self.__dict__[_ORIGINAL]
+    forward = original if original is not None else functools.partial(type(self).forward, self)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

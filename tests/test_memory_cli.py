@@ -1,0 +1,113 @@
+"""``python -m lightning_parallel.memory``: the table, the fastest fit, and clear errors."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lightning_parallel.memory.__main__ import main, parse_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODEL = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class TinyLM(nn.Module):
+        def __init__(self, dim=16, depth=4):
+            super().__init__()
+            wide = lambda: nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            blocks = [wide() for _ in range(depth)]
+            self.layers = nn.Sequential(nn.Embedding(64, dim), *blocks, nn.Linear(dim, 64))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.layers(x).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+    """
+)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "tiny_lm.py"
+    path.write_text(MODEL)
+    return f"{path}:TinyLM"
+
+
+def test_table_marks_the_fits_and_names_the_fastest(model_file, capsys):
+    code = main([model_file, "--init", "dim=32", "--batch", "long:16", "long:16", "--global-batch-size", "16",
+                 "--devices", "2", "--memory", "600KiB"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "TinyLM: " in out and "6 pipeline units (sequential `layers`)" in out
+    assert "ddp x2" in out and "pp 2x1 1f1b m=2" in out and "pp 1x2 1f1b m=4 +ac +zero" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("ddp", "pp "))]
+    fits = [ln for ln in rows if "  yes  " in ln]
+    assert fits and len(fits) < len(rows)  # the budget splits the candidates
+    assert sum("<- fastest that fits" in ln for ln in rows) == 1
+    best = next(ln for ln in rows if "<- fastest that fits" in ln)
+    assert best in fits and rows.index(best) == min(rows.index(ln) for ln in fits)  # ranked fastest first
+    assert "fastest that fits 600.00 KiB:" in out and "peak" in out
+
+
+def test_nothing_fits(model_file, capsys):
+    code = main([model_file, "--batch", "long:16", "long:16", "--devices", "2", "--memory", "1KiB"])
+    assert code == 1
+    assert "nothing fits 1.00 KiB: the smallest peak is" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--batch", "long:16"], r"TinyLM rejected the batch .*training_step"),
+        (["--batch", "long:16", "long:16", "--pipeline-sizes", "8"], "pipeline size 8 does not fit: it must"),
+        (["--batch", "cplx:16"], "unknown dtype 'cplx'"),
+        (["--batch", "long:16", "long:16", "--memory", "lots"], "cannot read the memory size 'lots'"),
+        (["--batch", "long:16", "long:16", "--optimizer", "Adamm"], "torch.optim has no optimizer 'Adamm'"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(model_file, capsys, extra, match):
+    argv = [model_file, "--devices", "2", "--memory", "1GiB", *extra]
+    if "--memory" in extra:
+        argv = [model_file, "--devices", "2", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert re.search(match, err), err
+
+
+def test_a_model_without_units_and_a_missing_model(capsys):
+    assert main(["torch.nn:Linear", "--init", "in_features=4", "out_features=2", "--batch", "float32:4",
+                 "--devices", "1", "--memory", "1GiB", "--optimizer", "SGD"]) == 2  # fmt: skip
+    assert "Linear has no pipeline units" in capsys.readouterr().err
+    assert main(["no_such.module:Model", "--batch", "long:4", "--devices", "1", "--memory", "1GiB"]) == 2
+    assert "cannot import 'no_such.module'" in capsys.readouterr().err
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("512") == 512
+
+
+def test_the_module_runs_as_a_command(model_file):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_parallel.memory", model_file, "--batch", "long:16", "long:16",
+         "--devices", "4", "--memory", "24GiB", "--precision", "bf16-mixed"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fastest that fits 24.00 GiB: ddp x4" in proc.stdout
+    assert "pp 4x1 interleaved_1f1b v=2 m=8" not in proc.stdout  # 4 blocks: no room for 8 stages
+    assert "pp 2x2 interleaved_1f1b v=2 m=4" in proc.stdout

@@ -1,0 +1,260 @@
+"""The memory planner's logic without processes: units, probe, optimizer state, per-rank arithmetic."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import SequentialRegressor
+from torch import nn
+
+from lightning_parallel import PipelineStrategy, estimate_memory
+from lightning_parallel.memory.config import ParallelConfig, resolve
+from lightning_parallel.memory.estimate import format_bytes, predict
+from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
+from lightning_parallel.memory.planner import candidate_configs, fastest_fit, format_plan, plan
+from lightning_parallel.memory.probe import probe_activations, probe_sizes
+from lightning_parallel.memory.units import find_units
+from lightning_parallel.pipeline.zero import shard_sizes
+
+
+class TinyGPT(nn.Module):
+    """GPT-shaped: embeddings, a ModuleList of blocks, final norm and a head tied to the embedding."""
+
+    def __init__(self, vocab=32, dim=16, depth=4, seq=8):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.h = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU()) for _ in range(depth)
+        )
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = x + block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _gpt_batch(n=8):
+    x = torch.randint(0, 32, (n, 9))
+    return x[:, :-1], x[:, 1:]
+
+
+# ------------------------------------------------------------------------------------------ units
+
+
+def test_units_of_a_sequential_are_its_layers():
+    layout = find_units(SequentialRegressor(depth=4))
+    assert layout.kind == "sequential"
+    assert [u.name for u in layout.units] == ["layers.0", "layers.1", "layers.2", "layers.3"]
+
+
+def test_a_gpt_shaped_model_puts_embeddings_first_and_the_head_last():
+    facts = measure_model(TinyGPT(), _gpt_batch())
+    roles = [(u.name, u.role) for u in facts.layout.units]
+    assert roles == [("wte", "pre"), ("wpe", "pre"), *[(f"h.{i}", "block") for i in range(4)],
+                     ("ln_f", "post"), ("lm_head", "post")]  # fmt: skip
+
+
+def test_a_model_without_units_is_refused():
+    with pytest.raises(ValueError, match=r"Linear has no pipeline units: put its layers in one top-level"):
+        find_units(nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------------------------------ probe
+
+
+def test_probe_charges_each_saved_tensor_to_its_layer_and_scales_with_the_batch():
+    model = _mlp()
+    probe = probe_activations(model, find_units(model), torch.randn(32, 8), probe_sizes(32))
+    # Linear saves its input (8 floats a sample); Tanh its output (16); the second Linear's input is
+    # that same output, already counted.
+    assert probe.unit("0").saved.at(32) == 32 * 8 * 4
+    assert probe.unit("1").saved.at(32) == 32 * 16 * 4
+    assert probe.unit("2").saved.at(32) == 0
+    assert probe.unit("1").saved_output.at(32) == 32 * 16 * 4  # Tanh saved its own output
+    assert probe.unit("0").saved_input.at(32) == 32 * 8 * 4
+    assert probe.unit("2").outputs.at(10) == 10 * 4 * 4
+
+
+def test_a_batch_the_model_rejects_gets_a_clear_error():
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"Sequential rejected the batch \(tensor shapes \[\(2, 5\)\]"):
+        estimate_memory(model, torch.randn(8, 5), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_the_probe_leaves_the_model_as_it_was():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    estimate_memory(model, torch.randn(8, 4), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+# ------------------------------------------------------------------------------------ optimizer
+
+
+def test_optimizer_state_is_learnt_from_the_optimizer():
+    p = [nn.Parameter(torch.zeros(10))]
+    assert state_sizes([torch.optim.AdamW(p)])[id(p[0])] == StateSize(8, 4)  # 2 fp32 moments + step
+    assert state_sizes([torch.optim.SGD(p, lr=0.1, momentum=0.9)])[id(p[0])] == StateSize(4, 0)
+    assert state_sizes([torch.optim.SGD(p, lr=0.1)])[id(p[0])] == StateSize(0, 0)
+    assert state_sizes([torch.optim.Adam(p)], torch.bfloat16)[id(p[0])] == StateSize(4, 4)
+
+
+def test_configure_optimizers_return_shapes():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    for config in (opt, [opt], ([opt], [sched]), {"optimizer": opt, "lr_scheduler": sched}):
+        assert optimizers_from(config) == [opt]
+
+
+def test_a_module_whose_configure_optimizers_needs_a_trainer_asks_for_optimizer():
+    class NeedsTrainer(TinyGPT):
+        def configure_optimizers(self):
+            raise RuntimeError("TinyGPT is not attached to a `Trainer`.")
+
+    with pytest.raises(
+        ValueError, match=r"configure_optimizers\(\) failed outside a Trainer .*pass optimizer="
+    ):
+        estimate_memory(NeedsTrainer(), _gpt_batch())
+
+
+# ------------------------------------------------------------------------------------- arithmetic
+
+
+def test_ddp_rank_holds_parameters_gradients_state_buckets_and_activations():
+    model = _mlp()
+    est = estimate_memory(
+        model, torch.randn(32, 8), devices=4, optimizer=torch.optim.AdamW(model.parameters())
+    )
+    rank = est.worst
+    n_params = 8 * 16 + 16 + 16 * 4 + 4
+    assert rank.parameters == rank.gradients == rank.buffers == 4 * n_params  # buffers: DDP's buckets
+    assert rank.optimizer == 8 * n_params + 4 * 4
+    saved = 32 * (8 + 16) * 4
+    assert rank.activations == saved + 2 * 32 * 16 * 4  # + the backward transient (2 x largest saved)
+    assert est.peak == rank.parameters + rank.gradients + rank.optimizer + rank.activations + rank.buffers
+
+
+def _deep_facts(precision="32-true"):
+    torch.manual_seed(0)
+    model = SequentialRegressor(d_in=16, hidden=64, depth=8, adam=True)
+    return measure_model(model, (torch.randn(32, 16), torch.randn(32, 4)), precision)
+
+
+def test_pipeline_in_flight_follows_the_schedule_and_gpipe_holds_more():
+    facts = _deep_facts()
+    one_f_one_b = predict(facts, ParallelConfig("pipeline", 4, 4, 8, "1f1b"))
+    gpipe = predict(facts, ParallelConfig("pipeline", 4, 4, 8, "gpipe"))
+    assert [r.in_flight for r in one_f_one_b.ranks] == [(4,), (3,), (2,), (1,)]
+    assert [r.in_flight for r in gpipe.ranks] == [(8,)] * 4
+    assert gpipe.ranks[0].activations > 1.5 * one_f_one_b.ranks[0].activations
+    # Each stage holds its parameters only: together the model, once.
+    assert sum(r.parameters for r in gpipe.ranks) == sum(t.nbytes for t in facts.tensors.values())
+
+
+def _wide_facts():
+    """Blocks much wider inside than at their boundary: what recomputation is for."""
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(16, 128), nn.GELU(), nn.Linear(128, 16))  # noqa: E731
+    model = nn.Sequential(*[block() for _ in range(8)])
+    return measure_model(model, torch.randn(32, 16), optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_recomputation_and_sharding_shrink_their_components():
+    facts = _wide_facts()
+    base = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b"))
+    ac = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b", activation_checkpointing=True))
+    zero = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b", shard_optimizer_state=True))
+    assert ac.ranks[0].activations < 0.6 * base.ranks[0].activations
+    assert (ac.ranks[0].parameters, ac.ranks[0].optimizer) == (
+        base.ranks[0].parameters,
+        base.ranks[0].optimizer,
+    )
+    assert zero.ranks[0].activations == base.ranks[0].activations
+    # ZeRO: the fuller of the two replicas, tensors placed as torch places them.
+    stage0 = [facts.tensors[k] for unit in ("0", "1", "2", "3") for k in facts.unit_params[unit]]
+    shares = shard_sizes([[t.numel for t in stage0]], 2)
+    assert zero.ranks[0].optimizer == 8 * max(shares) + 4 * len(stage0) // 2
+    assert zero.ranks[0].optimizer < 0.6 * base.ranks[0].optimizer
+
+
+def test_bf16_mixed_saves_smaller_activations_and_counts_weight_copies():
+    fp32, bf16 = _deep_facts(), _deep_facts("bf16-mixed")
+    config = ParallelConfig("pipeline", 2, 2, 4, "1f1b")
+    a32 = predict(fp32, config).ranks[0]
+    a16 = predict(bf16, ParallelConfig("pipeline", 2, 2, 4, "1f1b", precision="bf16-mixed")).ranks[0]
+    assert a16.parameters == a32.parameters  # fp32 master weights
+    assert sum(u.weight_copies for u in bf16.probe.units.values()) > 0  # autocast's bf16 copies
+    assert sum(u.weight_copies for u in fp32.probe.units.values()) == 0
+    with pytest.raises(ValueError, match="measured in '32-true' but the config asks 'bf16-mixed'"):
+        predict(fp32, ParallelConfig("pipeline", 2, 2, 4, precision="bf16-mixed"))
+
+
+def test_tied_weights_are_held_by_every_stage_that_uses_them():
+    model = TinyGPT()
+    facts = measure_model(model, _gpt_batch())
+    est = predict(facts, ParallelConfig("pipeline", 2, 2, 2, "1f1b"))
+    embedding = model.wte.weight.numel() * 4
+    assert est.ranks[0].parameters >= embedding and est.ranks[1].parameters >= embedding
+    held = est.ranks[0].parameters + est.ranks[1].parameters
+    assert held == sum(t.nbytes for t in facts.tensors.values()) + embedding
+
+
+def test_more_stages_than_layers_is_a_clear_error():
+    facts = measure_model(_mlp(), torch.randn(8, 8), optimizer=torch.optim.SGD(_mlp().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"4 pipeline stages .* the model has 3 layers in ``: use at most 3"):
+        predict(facts, ParallelConfig("pipeline", 4, 4, 4))
+
+
+def test_a_pipeline_strategy_is_read_through_its_attributes():
+    strategy = PipelineStrategy(
+        pipeline_size=2, num_microbatches=8, schedule="gpipe", shard_optimizer_state=True,
+        activation_checkpointing=["layers.1"],
+    )  # fmt: skip
+    config = resolve(strategy, devices=4, precision="bf16-mixed")
+    assert (config.pipeline_size, config.data_parallel_size, config.num_microbatches) == (2, 2, 8)
+    assert config.activation_checkpointing == ("layers.1",) and config.shard_optimizer_state
+    assert config.label() == "pp 2x2 gpipe m=8 +ac +zero"
+    with pytest.raises(ValueError, match=r"pipeline_size \(3\) does not divide devices \(4\)"):
+        ParallelConfig("pipeline", 4, 3)
+
+
+# ---------------------------------------------------------------------------------------- planner
+
+
+def test_planner_table_marks_what_fits_and_the_fastest():
+    facts = _deep_facts()
+    configs = candidate_configs(devices=4, num_blocks=8, global_batch=32)
+    assert configs[0].label() == "ddp x4"
+    assert {c.pipeline_size for c in configs} == {1, 2, 4}
+    ranked = plan(facts, configs, 32)
+    assert ranked[0].config.label() == "ddp x4"  # no bubble, no recomputation: the cost model's best
+    budget = sorted(c.peak for c in ranked)[len(ranked) // 2]
+    best = fastest_fit(ranked, budget)
+    assert best is not None and best.peak <= budget
+    assert all(c.time >= best.time for c in ranked if c.peak <= budget)
+    table = format_plan(ranked, budget)
+    assert table.count("<- fastest that fits") == 1 and "no" in table and "yes" in table
+    assert fastest_fit(ranked, 1) is None
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (512, 2048, 3 * 2**20, 24 * 2**30)] == ["512 B", "2.00 KiB", "3.00 MiB",
+                                                                            "24.00 GiB"]  # fmt: skip
