@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
 from lightning_parallel.pipeline.partition import PARTITION_METHODS
+from lightning_parallel.pipeline.recompute import Selection, check_selection
 from lightning_parallel.pipeline.runner import is_multi_stage, schedule_class
 
 
@@ -23,6 +24,8 @@ class PipelineConfig:
     partition: str | list[int]
     module_name: str | None
     split_points: tuple[str, ...] | None
+    activation_checkpointing: Selection = False
+    shard_optimizer_state: bool = False
 
 
 def renamed_num_stages(pipeline_size: int | None, num_stages: int | None) -> int | None:
@@ -49,8 +52,14 @@ def checked_config(
     partition: str | list[int],
     module_name: str | None,
     split_points: list[str] | None,
+    activation_checkpointing: Selection = False,
+    shard_optimizer_state: bool = False,
 ) -> PipelineConfig:
+    """Every setting checked, with the value and the fix in each error; the config all ranks share."""
     cls = schedule_class(schedule)
+    check_selection(activation_checkpointing)
+    if not isinstance(shard_optimizer_state, bool):
+        raise TypeError(f"shard_optimizer_state must be True or False, got {shard_optimizer_state!r}")
     _check_positive_int("num_microbatches", num_microbatches)
     _check_positive_int("stages_per_rank", stages_per_rank)
     if pipeline_size is not None:
@@ -83,6 +92,8 @@ def checked_config(
         partition,
         module_name,
         split_points,
+        activation_checkpointing,
+        shard_optimizer_state,
     )
 
 

@@ -17,7 +17,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -27,13 +26,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_parallel.distributed.collectives import all_gather_objects, gather_object_to
-from lightning_parallel.pipeline import state as stage_state
+from lightning_parallel.distributed.collectives import all_gather_objects
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout
 from lightning_parallel.pipeline.plan import StagePlan
-from lightning_parallel.pipeline.recompute import Selection, check_selection
-from lightning_parallel.pipeline.zero import consolidate
+from lightning_parallel.pipeline.recompute import Selection
 from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
 from lightning_parallel.strategies._pipeline_config import (
     check_fit_supported,
@@ -44,6 +41,12 @@ from lightning_parallel.strategies._pipeline_memory import (
     install_checkpointing,
     shard_optimizers,
     unit_naming,
+)
+from lightning_parallel.strategies._pipeline_state import (
+    consolidated_optimizer_state,
+    consolidated_state_dict,
+    load_stage_optimizer_states,
+    load_stage_state,
 )
 from lightning_parallel.strategies._pipeline_step import batch_size, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
@@ -117,13 +120,17 @@ class PipelineStrategy(DDPStrategy):
         super().__init__(start_method=start_method, timeout=timeout, **kwargs)
         pipeline_size = renamed_num_stages(pipeline_size, num_stages)
         self.config = checked_config(
-            pipeline_size, num_microbatches, schedule, stages_per_rank, partition, module_name, split_points
+            pipeline_size,
+            num_microbatches,
+            schedule,
+            stages_per_rank,
+            partition,
+            module_name,
+            split_points,
+            activation_checkpointing,
+            shard_optimizer_state,
         )
         self.parts: PipelineParts | None = None
-        # --- memory options (issue 15) ---
-        check_selection(activation_checkpointing)
-        self.activation_checkpointing = activation_checkpointing
-        self.shard_optimizer_state = bool(shard_optimizer_state)
         self._release_registered = False
         self._first_batch_checked = False
 
@@ -132,21 +139,16 @@ class PipelineStrategy(DDPStrategy):
     def pipeline_size(self) -> int:
         return self.config.pipeline_size or self.world_size
 
-    @property
-    def num_microbatches(self) -> int:
-        return self.config.num_microbatches
-
-    @property
-    def schedule(self) -> str:
-        return self.config.schedule
-
-    @property
-    def stages_per_rank(self) -> int:
-        return self.config.stages_per_rank
-
-    @property
-    def partition(self) -> str | list[int]:
-        return self.config.partition
+    num_microbatches = property(lambda self: self.config.num_microbatches, doc="Micro-batches per batch.")
+    schedule = property(lambda self: self.config.schedule, doc="The torch schedule's name.")
+    stages_per_rank = property(lambda self: self.config.stages_per_rank, doc="Stages per pipeline rank.")
+    partition = property(lambda self: self.config.partition, doc="How the stages are balanced.")
+    activation_checkpointing = property(
+        lambda self: self.config.activation_checkpointing, doc="Which units recompute in backward."
+    )
+    shard_optimizer_state = property(
+        lambda self: self.config.shard_optimizer_state, doc="Whether optimizer state is sharded (ZeRO-1)."
+    )
 
     @property
     def layout(self) -> RankLayout:
@@ -194,11 +196,11 @@ class PipelineStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             check_fit_supported(trainer, self)
         if self.parts is None:
-            naming = unit_naming(self.lightning_module, self.config)  # memory (issue 15), before the split
+            naming = unit_naming(self.lightning_module, self.config)  # read on the unsplit module
             self.parts = build_pipeline(
                 self.config, trainer, self.lightning_module, self.layout, self.root_device
             )
-            install_checkpointing(self.parts, self.activation_checkpointing, naming)  # memory (issue 15)
+            install_checkpointing(self.parts, self.config.activation_checkpointing, naming)
             rank_zero_info(
                 f"PipelineStrategy stage plan ({self.config.schedule}):\n{self.parts.plan.format_table()}"
             )
@@ -209,7 +211,7 @@ class PipelineStrategy(DDPStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.shard_optimizer_state:  # memory (issue 15): ZeRO-1 over the stage's replicas
+            if self.config.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
                 self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh)
             _optimizers_to_device(self.optimizers, self.root_device)
             self._install_global_clipping()
@@ -334,32 +336,12 @@ class PipelineStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unsplit module's state dict on global rank 0 (replica 0's stages send theirs there)."""
-        local = self.lightning_module.state_dict()
-        parts = self.parts
-        if parts is None or parts.mesh.pp_size == 1 or not _distributed_is_initialized():
-            return local
-        if parts.mesh.dp_rank != 0:
-            return {}
-        gathered = gather_object_to(stage_state.to_cpu(dict(local)), 0, parts.mesh.pp_group)
-        if gathered is None:
-            return {}
-        merged = {k: v for part in gathered for k, v in part.items()}
-        return {k: merged[k] for k in parts.model_keys if k in merged}
+        return consolidated_state_dict(self.lightning_module, self.parts)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        parts = self.parts
-        if parts is None:
-            return optimizer.state_dict()
-        consolidate(optimizer)  # memory (issue 15): ZeRO gathers on replica 0; every replica calls it
-        if parts.mesh.dp_rank != 0:
-            return {}
-        named = stage_state.named_optimizer_state(optimizer, parts.param_names)
-        gathered = gather_object_to(named, 0, parts.mesh.pp_group)
-        if gathered is None:
-            return {}
-        return stage_state.merge_optimizer_states(gathered, parts.model_param_order)
+        """The unsplit model's optimizer state on global rank 0, keyed as a single-device one."""
+        return consolidated_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.parts)
 
     @property
     @override
@@ -370,28 +352,11 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        full = checkpoint["state_dict"]
-        if strict and self.parts is not None:
-            stage_state.check_keys(self.parts.model_keys, full, type(self.lightning_module).__name__)
-        local_keys = self.lightning_module.state_dict().keys()
-        self.lightning_module.load_state_dict(
-            {k: v for k, v in full.items() if k in local_keys}, strict=strict
-        )
+        load_stage_state(self.lightning_module, self.parts, checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(
-                f"the checkpoint holds {len(states)} optimizer states but configure_optimizers returned "
-                f"{len(self.optimizers)}: resume with the same optimizers"
-            )
-        assert self.parts is not None
-        for optimizer, full in zip(self.optimizers, states):
-            local = stage_state.reshard_optimizer_state(
-                full, optimizer, self.parts.param_names, self.parts.model_param_order
-            )
-            optimizer.load_state_dict(local)
+        load_stage_optimizer_states(self.optimizers, self.parts, checkpoint["optimizer_states"])
         _optimizers_to_device(self.optimizers, self.root_device)
 
     # ----------------------------------------------------------------------- meta-device init
