@@ -186,6 +186,7 @@ def checkpoint_kill(rows: Rows) -> str:
     body = [
         [
             r["method"],
+            r.get("temp_file", ""),
             os.path.dirname(r["tmpdir"]),
             r["kills"],
             r["files_present"],
@@ -196,8 +197,11 @@ def checkpoint_kill(rows: Rows) -> str:
         ]
         for r in rows
     ]
-    header = ["writer", "TMPDIR on", "kills", "files present", "loadable", "unloadable", "orphan temp files"]
-    return _table([*header, "orphan MiB"], body)
+    header = ["writer", "temp file", "TMPDIR on", "kills", "files present", "loadable", "unloadable"]
+    return _table([*header, "temp files left by the kills", "their MiB"], body) + (
+        "\n\nLeft behind counts each kill's leftovers before any clean-up (Rank0Checkpoint removes a named "
+        "temp file at its next start; an unnamed O_TMPFILE one never appears)."
+    )
 
 
 def accumulation_equivalence(rows: Rows) -> str:

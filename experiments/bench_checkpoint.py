@@ -40,7 +40,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_parallel.io import atomic
-from lightning_parallel.io.async_writer import AsyncWriter, snapshot
+from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers
 
 BASELINE = "ModelCheckpoint (TorchCheckpointIO)"
 
@@ -99,8 +99,10 @@ def save_methods(state: dict, directory: str, writer: AsyncWriter) -> dict[str, 
             writer.wait()
         return {"stall_s": stall, "total_s": stall + time.perf_counter() - t0, "extra_mib": extra}
 
+    buffers = SnapshotBuffers()  # what Rank0Checkpoint(async_save=True) keeps: allocated once, reused
+
     def async_save() -> None:
-        copy = snapshot(state)
+        copy = buffers.snapshot(state)
         writer.submit(lambda: atomic.save_checkpoint_file(copy, path, {"step": 0}))
 
     return {
@@ -184,6 +186,13 @@ def _orphans(directory: str, tmpdir: str) -> tuple[int, float]:
     return len(paths), size / (1 << 20)
 
 
+def _clear(directory: str, keep: str | None = None) -> None:
+    for name in os.listdir(directory):
+        if keep is None or not name.endswith(keep):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+
+
 def kill_test(method: str, kills: int, size_mb: int, tmp_root: str, seed: int) -> dict[str, Any]:
     """SIGKILL a saving child ``kills`` times at random instants; count what it leaves behind."""
     rng = random.Random(seed)
@@ -192,7 +201,7 @@ def kill_test(method: str, kills: int, size_mb: int, tmp_root: str, seed: int) -
     # fork, not spawn: the child is saving within milliseconds, so the random kill instants fall in
     # the saves rather than in a fresh interpreter's imports.
     context = multiprocessing.get_context("fork")
-    counts = [0, 0, 0]
+    counts, orphans, orphan_mib = [0, 0, 0], 0, 0.0
     for _ in range(kills):
         ready = context.Event()
         child = context.Process(target=save_loop, args=(method, directory, size_mb, tmpdir, ready))
@@ -204,12 +213,19 @@ def kill_test(method: str, kills: int, size_mb: int, tmp_root: str, seed: int) -
         child.kill()
         child.join()
         counts = [a + b for a, b in zip(counts, _count_files(directory))]
+        # What this kill left behind, before any clean-up (Rank0Checkpoint's next start removes a
+        # named temp file; an unnamed O_TMPFILE one never appears).
+        left, left_mib = _orphans(directory, tmpdir)
+        orphans, orphan_mib = orphans + left, orphan_mib + left_mib
         if method == "rank0":
             atomic.remove_orphans(directory)  # what Rank0Checkpoint.setup does at the next start
-    orphans, orphan_mib = _orphans(directory, tmpdir)
+        _clear(directory, keep=".ckpt")  # counted once: the next kill's leftovers are its own
+        _clear(tmpdir)
+    temp_file = atomic.temp_file_method(directory) if method == "rank0" else "named, in TMPDIR"
     shutil.rmtree(directory, ignore_errors=True)
     shutil.rmtree(tmpdir, ignore_errors=True)
     row = dict(method=method, tmpdir=tmpdir, kills=kills, files_present=counts[0], files_loadable=counts[1])
+    row["temp_file"] = temp_file
     row |= dict(files_unloadable=counts[2], orphans=orphans, orphan_mib=round(orphan_mib, 3))
     print(row, flush=True)
     return row
