@@ -7,7 +7,7 @@
     first, then Trainer first, ...), ``--repeats`` times each; the result is the median of the
     per-repeat Trainer / hand ratios with their range. Both start from the same weights and see the
     same batches, so their losses must agree: the CSV shows the largest difference.
-(b) **Micro-batches.** Throughput under PipelineStrategy for num_microbatches in 1, 2, 4, 8, 16, for
+(b) **Micro-batches.** Throughput under PipelineStrategy for num_microbatches in 1, 2, 4, 8, for
     gpipe and 1f1b, divided by p x the throughput of one process training the whole model with the
     same micro-batches (gradient accumulation), both processes busy at once, in the same repeat:
     that efficiency is compared with the ideal bubble efficiency m / (m + p - 1). The three run
@@ -65,7 +65,7 @@ class Config:
     overhead_microbatches: int = 4
     sweep_repeats: int = 5
     sweep_steps: int = 8
-    microbatches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    microbatches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b"])
     seed: int = 0
 

@@ -203,7 +203,7 @@ def plot(path: Path, rows: list[dict[str, Any]], curves: list[dict[str, Any]]) -
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = h.parser(__doc__)
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="runs (default all)")
-    p.add_argument("--max-steps", type=int, default=40, help="optimizer steps per run (default 40)")
+    p.add_argument("--max-steps", type=int, default=30, help="optimizer steps per run (default 30)")
     p.add_argument(
         "--global-batch-size", type=int, default=32, help="samples per optimizer step (default 32)"
     )

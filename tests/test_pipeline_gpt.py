@@ -11,7 +11,7 @@ from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader
 from test_pipeline_state import WritePredictions
 from tiny_models import TinyGPT, loader, token_data
 
-from lightning_parallel import GradientAccumulationScheduler, PipelineStrategy
+from lightning_parallel import AllReducedMetrics, GradientAccumulationScheduler, PipelineStrategy
 
 # 44 sequences: the epoch ends on a short batch, which is traced again at its shape.
 DATA = token_data(44)
@@ -40,7 +40,9 @@ def test_gpt_training_matches_single_device(tmp_path, case):
     global_batch = 16 if accumulate else 8  # accumulation: 2 batches of 8 per step, over the replicas
 
     def extra():
-        return dict(callbacks=[GradientAccumulationScheduler(global_batch_size=16)]) if accumulate else {}
+        if not accumulate:
+            return {}
+        return dict(callbacks=[GradientAccumulationScheduler(global_batch_size=16), AllReducedMetrics()])
 
     torch.manual_seed(0)
     ref = fit(
@@ -68,6 +70,9 @@ def test_gpt_training_matches_single_device(tmp_path, case):
     assert len(replicas) == devices and all(torch.equal(t, replicas[0]) for t in replicas)
     losses = torch.tensor([r["losses"] for r in records]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    if accumulate:  # AllReducedMetrics: what rank 0 logs is the value over every replica
+        logged, expected = records[0]["callback_metrics"]["train_loss"], ref["callback_metrics"]["train_loss"]
+        assert logged == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.multiprocess
