@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         mine = [s for s in samples if s["variant"] == row["variant"]]
         row |= h.spread(s["step_ms"] for s in mine).cells("step_ms", 2)
         row["max_loss_diff"] = max(abs(a - b) for s in mine for a, b in zip(s["losses"], seq_losses))
+        row["goal"] = GOAL
         if row["variant"] == "traced":
             row |= h.spread(s["tied_ms"] for s in mine).cells("tied_ms", 3)
             row |= h.spread(s["tied_share"] for s in mine).cells("tied_share", 4)
