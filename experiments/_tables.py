@@ -171,7 +171,15 @@ def checkpoint_bench(rows: Rows) -> str:
     for method, saves in _groups(rows, "method").items():
         ratio = h.spread(float(r["stall_vs_model_checkpoint"]) for r in saves)
         baseline = ratio.lo == ratio.hi == 1.0
-        verdict = h.verdict(ratio.lo, ratio.hi, higher_is_better=False, words=("shorter", "longer"))
+        goal = saves[0].get("goal") or None
+        verdict = h.verdict(
+            ratio.lo,
+            ratio.hi,
+            None if goal is None else float(goal),
+            higher_is_better=False,
+            words=("shorter", "longer"),
+        )
+        verdict += f" (goal {goal})" if goal else ""
         body.append(
             [method, len(saves)]
             + [timed_rows(saves, k, 2) for k in ("stall_s", "total_s")]
