@@ -82,6 +82,7 @@ __all__ = [  # the method, re-exported: a script needs only ``import _harness as
     "RESULTS",
     "Spread",
     "StepClock",
+    "add_model_args",
     "barrier",
     "compare",
     "errorbars",
@@ -134,6 +135,14 @@ def parser(doc: str | None, repeats: int | None = MIN_REPEATS) -> argparse.Argum
 
 
 # ------------------------------------------------------------------------------------ files
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The main job's model size and batch, as the benchmarks that train it take them on the command line."""
+    p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
+    p.add_argument("--depth", type=int, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--seq-len", type=int, default=64, help="bytes per sample (default 64)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per step (default 32)")
 
 
 def write_csv(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> Path:

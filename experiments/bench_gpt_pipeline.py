@@ -144,10 +144,7 @@ def tracing_times(args: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     p = h.parser(__doc__)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32)
+    h.add_model_args(p)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)

@@ -80,10 +80,7 @@ def worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[dict[s
 
 def main(argv: list[str] | None = None) -> None:
     p = h.parser(__doc__)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32)
+    h.add_model_args(p)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--calls", type=int, default=2000)

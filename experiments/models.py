@@ -164,7 +164,21 @@ def _next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-class SequentialCharLM(L.LightningModule):
+class NextByteLM(L.LightningModule):
+    """The steps both forms of the byte-level LM share: next-byte cross-entropy, logged."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = _next_byte_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", _next_byte_loss(self(x), y), prog_bar=True)
+
+
+class SequentialCharLM(NextByteLM):
     """The byte-level LM with its layers in one ``nn.Sequential`` (what PipelineStrategy splits), AdamW.
 
     Example::
@@ -204,21 +218,11 @@ class SequentialCharLM(L.LightningModule):
         sizes = [sum(p.numel() for p in layer.parameters()) for layer in self.layers]
         return partition_balanced(sizes, num_stages)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = _next_byte_loss(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", _next_byte_loss(self(x), y), prog_bar=True)
-
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
 
 
-class CharLM(L.LightningModule):
+class CharLM(NextByteLM):
     """The main job's model: a GPT in the usual layout, head tied to the token embedding, cosine LR decay.
 
     ``forward`` is what PipelineStrategy pipelines (traced with torch.export, split at the blocks of
@@ -249,16 +253,6 @@ class CharLM(L.LightningModule):
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = _next_byte_loss(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", _next_byte_loss(self(x), y), prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         return adamw_with_cosine_decay(self)

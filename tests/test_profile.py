@@ -3,19 +3,12 @@
 import itertools
 
 import torch
+from test_partition import _best_max_cost
 from tiny_models import TinyGPT
 from torch import nn
 
 from lightning_parallel.pipeline.partition import partition_balanced, stage_costs
 from lightning_parallel.pipeline.profile import block_times, layer_times
-
-
-def _best_max_cost(costs, stages):
-    best = float("inf")
-    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
-        bounds = [0, *cuts, len(costs)]
-        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
-    return best
 
 
 def uneven_layers() -> nn.Sequential:
