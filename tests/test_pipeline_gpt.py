@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader
 from test_pipeline_state import WritePredictions
-from tiny_models import TinyGPT, loader, token_data
+from tiny_models import SkipGPT, TinyGPT, loader, masked_token_data, token_data
 
 from lightning_parallel import AllReducedMetrics, GradientAccumulationScheduler, PipelineStrategy
 
@@ -88,6 +88,36 @@ def test_gpt_training_matches_single_device(tmp_path, case):
         logged, expected = _logged(tmp_path / "pp", "train_loss"), _logged(tmp_path / "ref", "train_loss")
         assert len(logged) == len(expected) > 0
         torch.testing.assert_close(torch.tensor(logged), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_values_read_past_the_next_stage_train_and_validate_as_on_one_device(tmp_path):
+    """The litgpt / Hugging Face shape: forward(idx, keep) hands a padding mask (a root input first read
+    by h.2) and the embeddings (read by every block) past the next stage; 4 stages on 2 ranks."""
+    data, val = masked_token_data(24), masked_token_data(8, seed=1)
+    kw = dict(max_epochs=1, gradient_clip_val=0.5)
+    torch.manual_seed(0)
+    ref = fit(SkipGPT(), reference_loader(data, 8), tmp_path / "ref", devices=1,
+              val_dataloaders=loader(val, 4), **kw)[0]  # fmt: skip
+    torch.manual_seed(0)
+    strategy = PipelineStrategy(
+        pipeline_size=2, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=4,
+        start_method="spawn",
+    )  # fmt: skip
+    records = fit(SkipGPT(), loader(data, 8), tmp_path / "pp", devices=2, strategy=strategy,
+                  val_dataloaders=loader(val, 4), **kw)  # fmt: skip
+
+    merged = {}
+    for r in records:
+        merged.update(r["params"])
+    assert_close_dicts(merged, ref["params"], rtol=1e-5, atol=1e-6)
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    for r in records:
+        torch.testing.assert_close(
+            r["callback_metrics"]["val_loss"], ref["callback_metrics"]["val_loss"], rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.multiprocess

@@ -184,6 +184,57 @@ class TinyGPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class SkipBlock(Block):
+    """A block that also reads a padding mask (bool) and the embeddings x0 (a value residual)."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        keep = keep.unsqueeze(-1).to(x.dtype)
+        x = x + self.attn(self.ln_1(x)) * keep + 0.5 * x0
+        return x + self.mlp(self.ln_2(x)) * keep
+
+
+class SkipGPT(TinyGPT):
+    """TinyGPT whose ``forward(idx, keep)`` hands values past the next stage, as litgpt and HF decoders do.
+
+    The padding mask ``keep`` is a root input read only from ``h.mask_from`` on (so the first stage does not
+    read it), and the embeddings ``x0`` reach every block (a skip whose gradient flows back to stage 0).
+    Batches are ``(idx, keep, targets)``.
+    """
+
+    def __init__(self, depth: int = 4, mask_from: int = 2):
+        super().__init__(depth=depth)
+        self.mask_from = mask_from
+        self.h = nn.ModuleList(SkipBlock(8, 2) for _ in range(depth))
+
+    def forward(self, idx: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x0 = x = self.wte(idx) + self.wpe(pos)
+        everything = torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
+        for i, block in enumerate(self.h):
+            x = block(x, keep if i >= self.mask_from else everything, x0)
+        return self.lm_head(self.ln_f(x))
+
+    def training_step(self, batch, batch_idx):
+        idx, keep, y = batch
+        loss = F.cross_entropy(self(idx, keep).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        idx, keep, y = batch
+        self.log("val_loss", F.cross_entropy(self(idx, keep).flatten(0, 1), y.flatten()))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0], batch[1]).argmax(-1)
+
+
+def masked_token_data(n: int = 32, t: int = 8, vocab: int = 13, seed: int = 0) -> TensorDataset:
+    """``(idx, keep, targets)``: token_data with a padding mask that keeps about 80% of the positions."""
+    idx, targets = token_data(n, t, vocab, seed).tensors
+    keep = torch.rand(n, t, generator=torch.Generator().manual_seed(seed + 1)) > 0.2
+    return TensorDataset(idx, keep, targets)
+
+
 def token_data(n: int = 48, t: int = 8, vocab: int = 13, seed: int = 0) -> TensorDataset:
     """Sequences with a learnable pattern (next token = token + 1 mod vocab, with noise)."""
     g = torch.Generator().manual_seed(seed)

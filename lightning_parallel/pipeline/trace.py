@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.pipelining import Pipe, SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
+from lightning_parallel.pipeline.relay import relay_skips
+
 
 class PipelineTraceError(RuntimeError):
     """torch.export could not capture the module's forward as one graph."""
@@ -107,9 +109,7 @@ def trace(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str]
         with warnings.catch_warnings():
             # torch 2.13's export warns about its own pytree internals on every trace: not the user's concern.
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            return run_generated_code(
-                pipeline(twin, example, split_spec={p: SplitPoint.BEGINNING for p in split_points})
-            )
+            pipe = pipeline(twin, example, split_spec={p: SplitPoint.BEGINNING for p in split_points})
     except RuntimeError as err:
         raise _trace_error(twin, err) from None
     finally:
@@ -119,6 +119,8 @@ def trace(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str]
                 m.__dict__.pop("forward", None)
             else:
                 m.forward = forward
+    relay_skips(pipe)  # a value made before the blocks and read by every block reaches the later stages
+    return run_generated_code(pipe)
 
 
 def run_generated_code(pipe: Pipe) -> Pipe:
