@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from typing_extensions import override
 
 from lightning_parallel.pipeline.shared import alias_table, retie
+from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
 
 
 class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -22,7 +24,16 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
     group explicitly, once the worker's results are on the queue, removes that exit path.
     ``_wrapping_function`` is private to Lightning (checked against 2.6.6); test_launcher.py fails
     loudly if it goes away.
+
+    A spawn or forkserver launch from a script without ``if __name__ == "__main__":`` is refused in
+    the main process, before any worker starts (see ``_main_guard``: otherwise it can hang).
     """
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if self._start_method in ("spawn", "forkserver"):
+            refuse_unguarded_launch(self._start_method)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
