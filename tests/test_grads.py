@@ -108,6 +108,27 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     )
 
 
+def test_earlier_gradients_dropped_before_the_schedule_or_added_into():
+    a = torch.nn.Parameter(torch.ones(2))
+    a.grad = torch.full((2,), 10.0)  # the previous step's: Lightning zeroes them after this training_step
+    earlier = a.grad
+    held = HeldGradients()
+    with held.collecting([a], earlier="drop"):
+        assert a.grad is None  # released: one gradient's worth of memory during the schedule
+        (3 * a).sum().backward()
+    assert a.grad is None and torch.equal(earlier, torch.full((2,), 10.0))  # not reused for the new ones
+    held.add_to_grads()
+    torch.testing.assert_close(a.grad, torch.full((2,), 3.0))
+
+    with held.collecting([a], earlier="add"):  # inside a window: Lightning does not zero in between
+        (2 * a).sum().backward()
+        torch.testing.assert_close(a.grad, torch.full((2,), 5.0))
+    held.add_to_grads()  # nothing was held: the schedule added in place
+    torch.testing.assert_close(a.grad, torch.full((2,), 5.0))
+    with pytest.raises(ValueError, match="earlier must be one of"), held.collecting([a], earlier="discard"):
+        pass
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_two_gloo_ranks_average_gradients_and_clip_by_the_norm_over_both(tmp_path):

@@ -169,6 +169,20 @@ def test_pipeline_in_flight_follows_the_schedule_and_gpipe_holds_more():
     assert sum(r.parameters for r in gpipe.ranks) == sum(t.nbytes for t in facts.tensors.values())
 
 
+
+def test_a_pipeline_rank_holds_one_gradient_and_all_of_it_inside_an_accumulation_window():
+    facts = _deep_facts()
+    step = predict(facts, ParallelConfig("pipeline", 4, 4, 8, "1f1b"))
+    window = predict(facts, ParallelConfig("pipeline", 4, 4, 8, "1f1b", accumulate_grad_batches=4))
+    for one, acc in zip(step.ranks, window.ranks):
+        # The previous step's gradients are released before the schedule: never more than the stage's.
+        assert 0 < one.gradients <= one.parameters
+        # Inside a window the schedule adds into the window's gradients, there from the start.
+        assert acc.gradients == acc.parameters and acc.peak >= one.peak
+        assert acc.activations + acc.buffers <= one.activations + one.buffers + one.gradients
+    with pytest.raises(ValueError, match="accumulate_grad_batches must be a positive int"):
+        ParallelConfig("pipeline", 4, 4, 8, "1f1b", accumulate_grad_batches=0)
+
 def _wide_facts():
     """Blocks much wider inside than at their boundary: what recomputation is for."""
     torch.manual_seed(0)

@@ -32,6 +32,8 @@ class ParallelConfig:
         activation_checkpointing: ``True``, a list of unit names, or a callable ``(name, module) -> bool``.
         shard_optimizer_state: ZeRO-1 over each stage's replicas.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"`` or ``"16-true"``.
+        accumulate_grad_batches: batches per optimizer step (as the Trainer's). Inside a window a
+            pipeline rank holds the accumulated gradients through the whole schedule.
 
     Example::
 
@@ -49,6 +51,7 @@ class ParallelConfig:
     activation_checkpointing: bool | tuple[str, ...] | Callable[[str, Any], bool] = False
     shard_optimizer_state: bool = False
     precision: str = "32-true"
+    accumulate_grad_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "pipeline"):
@@ -57,7 +60,9 @@ class ParallelConfig:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
-        for name in ("devices", "pipeline_size", "num_microbatches", "stages_per_rank"):
+        counts = ["devices", "pipeline_size", "num_microbatches", "stages_per_rank"]
+        counts.append("accumulate_grad_batches")
+        for name in counts:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

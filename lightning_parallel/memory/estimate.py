@@ -2,9 +2,10 @@
 
 The model of a step (what is alive when):
 
-- **persistent**: parameters, the optimizer state (a 1/replicas share with ZeRO), the previous step's
-  gradients (Lightning zeroes them only after ``training_step``; DDP frees them before its backward,
-  the pipeline runs its whole schedule inside ``training_step`` and keeps them until then), and the
+- **persistent**: parameters, the optimizer state (a 1/replicas share with ZeRO), the gradients
+  already there (DDP: the previous step's, which Lightning zeroes only after ``training_step``, so
+  they live through the forward; the pipeline runs its whole schedule inside ``training_step`` and
+  releases them before it, except inside an accumulation window, where it adds into them), and the
   communication buffers: DDP's gradient buckets (one gradient-sized copy); the pipeline's receive
   buffers (one per micro-batch for the stage input and for the gradient of its output);
 - **per micro-batch in flight** (a forward done, its backward not yet): what the stage's units save
@@ -22,7 +23,7 @@ The micro-batches in flight come from walking torch's own schedule order (plain 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,7 +44,6 @@ COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 class RankMemory:
     """One rank's predicted peak, split into what is alive at that moment.
 
-    ``gradients`` may exceed the parameter bytes: the previous step's and the new ones coexist.
     ``activations`` includes the backward transient; ``buffers``: communication buffers and kept outputs.
     """
 
@@ -100,6 +100,7 @@ def estimate_memory(
     precision: str = "32-true",
     optimizer: torch.optim.Optimizer | None = None,
     step: StepFn = default_step,
+    accumulate_grad_batches: int = 1,
 ) -> MemoryEstimate:
     """Predict the peak bytes of each rank for one training step of ``module`` on ``batch``.
 
@@ -112,6 +113,8 @@ def estimate_memory(
         precision: as the Trainer's (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
         optimizer: the optimizer(s), when ``configure_optimizers`` cannot run without a Trainer.
         step: ``step(module, batch)`` runs one training forward (default: ``training_step(batch, 0)``).
+        accumulate_grad_batches: as the Trainer's; above 1 a pipeline rank holds a full gradient
+            through the schedule (the window's, added into).
 
     Raises:
         ValueError: a bad strategy, precision or stage count, or a batch the model rejects.
@@ -122,7 +125,7 @@ def estimate_memory(
                               strategy=PipelineStrategy(pipeline_size=4, num_microbatches=8))
         print(est.format_table())
     """
-    config = resolve(strategy, devices, precision)
+    config = replace(resolve(strategy, devices, precision), accumulate_grad_batches=accumulate_grad_batches)
     return predict(measure_model(module, batch, precision, optimizer, step), config)
 
 
@@ -172,13 +175,17 @@ def _pipeline_rank(
     actions = rank_actions(
         config.schedule, config.pipeline_size, config.stages_per_rank, config.num_microbatches
     )
-    walk = _walk(actions[rank], {c.index: c for c in local}, g_bytes)
+    # The previous step's gradients are released before the schedule (Lightning zeroes them after
+    # training_step anyway): the new ones grow during backward. Inside an accumulation window the
+    # schedule adds into the window's gradients, which are there from the start.
+    accumulating = config.accumulate_grad_batches > 1
+    walk = _walk(actions[rank], {c.index: c for c in local}, 0 if accumulating else g_bytes)
     in_flight = peak_in_flight(actions[rank])
     return RankMemory(
         rank,
         tuple(c.index for c in local),
         p_bytes,
-        g_bytes + walk.new_grads,  # the previous step's, held through the schedule, and the new ones
+        g_bytes if accumulating else walk.new_grads,
         state,
         walk.activations,
         buffers + walk.kept,

@@ -20,6 +20,7 @@ from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
 from lightning_parallel.pipeline.step_logs import LogRecorder, from_record, to_record
+from lightning_parallel.strategies._earlier_gradients import earlier_gradients
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -85,7 +86,9 @@ class _Step:
             return loss * (n_i / self.n * scale)
 
         params = [p for p in self.module.parameters() if p.requires_grad]
-        with self.parts.held.collecting(params):
+        batch_idx = self.args[1] if len(self.args) > 1 else None
+        earlier = earlier_gradients(self.module.trainer, self.module, batch_idx)
+        with self.parts.held.collecting(params, earlier):
             self.runner.train_step(self.key, self.m, self.stage_args, loss_fn)
         if not self.runner.has_last:
             return {}
