@@ -169,7 +169,6 @@ def test_pipeline_in_flight_follows_the_schedule_and_gpipe_holds_more():
     assert sum(r.parameters for r in gpipe.ranks) == sum(t.nbytes for t in facts.tensors.values())
 
 
-
 def test_a_pipeline_rank_holds_one_gradient_and_all_of_it_inside_an_accumulation_window():
     facts = _deep_facts()
     step = predict(facts, ParallelConfig("pipeline", 4, 4, 8, "1f1b"))
@@ -182,6 +181,7 @@ def test_a_pipeline_rank_holds_one_gradient_and_all_of_it_inside_an_accumulation
         assert acc.activations + acc.buffers <= one.activations + one.buffers + one.gradients
     with pytest.raises(ValueError, match="accumulate_grad_batches must be a positive int"):
         ParallelConfig("pipeline", 4, 4, 8, "1f1b", accumulate_grad_batches=0)
+
 
 def _wide_facts():
     """Blocks much wider inside than at their boundary: what recomputation is for."""
