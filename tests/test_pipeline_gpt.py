@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader
 from test_pipeline_state import WritePredictions
-from tiny_models import SkipGPT, TinyGPT, loader, masked_token_data, token_data
+from tiny_models import NanoGPT, SkipGPT, TinyGPT, loader, masked_token_data, token_data
 
 from lightning_parallel import AllReducedMetrics, GradientAccumulationScheduler, PipelineStrategy
 
@@ -118,6 +118,24 @@ def test_values_read_past_the_next_stage_train_and_validate_as_on_one_device(tmp
         torch.testing.assert_close(
             r["callback_metrics"]["val_loss"], ref["callback_metrics"]["val_loss"], rtol=1e-5, atol=1e-6
         )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_nanogpt_forward_with_targets_and_its_loss_inside_trains_as_on_one_device(tmp_path):
+    """``logits, loss = self(idx, targets)``: the targets are a root input read by the last stage only,
+    and the forward returns a scalar loss beside the logits (nothing to merge across micro-batches)."""
+    torch.manual_seed(0)
+    ref = fit(NanoGPT(), reference_loader(DATA, 8), tmp_path / "ref", devices=1)[0]
+    torch.manual_seed(0)
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, start_method="spawn")
+    records = fit(NanoGPT(), loader(DATA, 8), tmp_path / "pp", devices=2, strategy=strategy)
+    merged = {}
+    for r in records:
+        merged.update(r["params"])
+    assert_close_dicts(merged, ref["params"], rtol=1e-5, atol=1e-6)
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.multiprocess

@@ -184,6 +184,23 @@ class TinyGPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class NanoGPT(TinyGPT):
+    """TinyGPT with nanoGPT's forward: ``forward(idx, targets=None) -> (logits, loss)``, the loss inside."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = super().forward(idx)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self(x, y)
+        self.log("train_loss", loss)
+        return loss
+
+
 class SkipBlock(Block):
     """A block that also reads a padding mask (bool) and the embeddings x0 (a value residual)."""
 

@@ -10,7 +10,7 @@ The model of a step (what is alive when):
   buffers (one per micro-batch for the stage input and for the gradient of its output);
 - **per micro-batch in flight** (a forward done, its backward not yet): what the stage's units save
   for backward (measured, see :mod:`~lightning_parallel.memory.probe`), the stage output it keeps
-  for its backward (the last stage keeps every output until the step ends). With recomputation a
+  for its backward (until that micro-batch's backward, on the last stage too). With recomputation a
   unit keeps only its input, and one unit at a time is recomputed in backward;
 - **at a stage's first backward**: its new gradients; during any backward a transient of gradient
   tensors (twice the stage's largest saved tensor plus its output, a documented approximation);
@@ -234,10 +234,7 @@ def _walk(actions: list[Action], stages: dict[int, StageCosts], all_grads: int) 
             consider(live - c.per_microbatch + c.backward_transient, kept, grads)
         if a.kind in ("B", "W"):
             live -= c.per_microbatch
-            kept -= c.freed_output
-    # The last stage ends the step by concatenating every micro-batch's output (the schedule's return).
-    merged = sum(c.merged_output for c in stages.values())
-    consider(live, kept + merged, grads)
+            kept -= c.kept_output
     return best
 
 

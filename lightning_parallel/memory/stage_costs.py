@@ -16,10 +16,9 @@ class StageCosts:
     """One stage's memory facts for one micro-batch of the configured size.
 
     ``per_microbatch``: saved for backward while the micro-batch is in flight; ``kept_output``: the
-    stage output kept for its backward (``freed_output`` of it goes at the backward: all but the
-    last stage's, which keeps its outputs until the step ends and then concatenates them:
-    ``merged_output``); ``recv_buffers``: the receive
-    buffers torch allocates for every micro-batch; transients: peaks on top during one pass.
+    stage output kept until its backward (the last stage's too: a training step does not ask the
+    schedule for the merged outputs); ``recv_buffers``:
+    the receive buffers torch allocates for every micro-batch; transients: peaks on top during one pass.
     """
 
     index: int
@@ -28,8 +27,6 @@ class StageCosts:
     grads: int
     per_microbatch: int
     kept_output: int
-    freed_output: int
-    merged_output: int
     weight_copies: int
     forward_transient: int
     backward_transient: int
@@ -98,8 +95,6 @@ def _one(
         grads=sum(facts.tensors[k].grad for k in keys),
         per_microbatch=held,
         kept_output=kept,
-        freed_output=0 if last else kept,
-        merged_output=m * out if last else 0,
         weight_copies=sum(a.weight_copies for a in acts),
         forward_transient=largest,
         backward_transient=recompute_peak + 2 * largest + out,

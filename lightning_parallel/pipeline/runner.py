@@ -113,7 +113,10 @@ class PipelineRunner:
         target = torch.arange(num_microbatches) if self.has_last else None
         self._loss_fn, self._seen = loss_fn, []
         try:
-            schedule.step(*(args if self.has_first else ()), target=target)
+            # The step's outputs reach the user's step through loss_fn, one micro-batch at a time: not
+            # asking for them merged lets the last stage free each output at its backward (and a
+            # forward that returns a scalar loss beside its logits, as nanoGPT's does, needs no merge).
+            schedule.step(*(args if self.has_first else ()), target=target, return_outputs=False)
         finally:
             self._loss_fn = None
         if self.has_last and sorted(self._seen) != list(range(num_microbatches)):
