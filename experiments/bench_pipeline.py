@@ -141,7 +141,8 @@ def run_hand_loop(cfg: Config, rank: int, world: int, schedule: str, m: int) -> 
         if rank == 0:
             sched.step(x)
         elif rank == world - 1:
-            sched.step(target=y, losses=losses)
+            # The losses are all the loop needs: no merged outputs, as PipelineStrategy's training steps.
+            sched.step(target=y, losses=losses, return_outputs=False)
         else:
             sched.step()
         optimizer.step()
