@@ -37,6 +37,16 @@ def _logged(run_dir, key):
     return [v for _, v in sorted(rows)]
 
 
+def _assert_trained_as_on_one_device(records, ref):
+    """Every rank's stages together hold the one-device weights; the losses are the one-device losses."""
+    merged = {}
+    for r in records:
+        merged.update(r["params"])
+    assert_close_dicts(merged, ref["params"], rtol=1e-5, atol=1e-6)
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+
+
 def _tied_replicas(records):
     """The tied weight as held by each rank that holds it (under either of its names)."""
     return [r["params"].get("wte.weight", r["params"].get("lm_head.weight")) for r in records]
@@ -72,18 +82,13 @@ def test_gpt_training_matches_single_device(tmp_path, case):
     )  # fmt: skip
     assert global_batch in (8, 16)
 
-    merged = {}
-    for r in records:
-        merged.update(r["params"])
-    assert_close_dicts(merged, ref["params"], rtol=1e-5, atol=1e-6)
+    _assert_trained_as_on_one_device(records, ref)
     # The spawn launcher brings every stage's weights back, tie intact, into the user's module.
     assert_close_dicts(dict(model.state_dict()), ref["params"], rtol=1e-5, atol=1e-6)
     assert model.lm_head.weight is model.wte.weight
     # Every replica of the tied weight took the same updates: bit-identical on every rank.
     replicas = _tied_replicas(records)
     assert len(replicas) == devices and all(torch.equal(t, replicas[0]) for t in replicas)
-    losses = torch.tensor([r["losses"] for r in records]).mean(0)
-    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
     if accumulate:  # AllReducedMetrics: what rank 0 logs is the value over every replica
         logged, expected = _logged(tmp_path / "pp", "train_loss"), _logged(tmp_path / "ref", "train_loss")
         assert len(logged) == len(expected) > 0
@@ -108,12 +113,7 @@ def test_values_read_past_the_next_stage_train_and_validate_as_on_one_device(tmp
     records = fit(SkipGPT(), loader(data, 8), tmp_path / "pp", devices=2, strategy=strategy,
                   val_dataloaders=loader(val, 4), **kw)  # fmt: skip
 
-    merged = {}
-    for r in records:
-        merged.update(r["params"])
-    assert_close_dicts(merged, ref["params"], rtol=1e-5, atol=1e-6)
-    losses = torch.tensor([r["losses"] for r in records]).mean(0)
-    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    _assert_trained_as_on_one_device(records, ref)
     for r in records:
         torch.testing.assert_close(
             r["callback_metrics"]["val_loss"], ref["callback_metrics"]["val_loss"], rtol=1e-5, atol=1e-6
@@ -130,12 +130,7 @@ def test_nanogpt_forward_with_targets_and_its_loss_inside_trains_as_on_one_devic
     torch.manual_seed(0)
     strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, start_method="spawn")
     records = fit(NanoGPT(), loader(DATA, 8), tmp_path / "pp", devices=2, strategy=strategy)
-    merged = {}
-    for r in records:
-        merged.update(r["params"])
-    assert_close_dicts(merged, ref["params"], rtol=1e-5, atol=1e-6)
-    losses = torch.tensor([r["losses"] for r in records]).mean(0)
-    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    _assert_trained_as_on_one_device(records, ref)
 
 
 @pytest.mark.multiprocess
