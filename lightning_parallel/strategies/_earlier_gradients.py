@@ -5,7 +5,9 @@ The pipeline runs backward inside ``training_step``; Lightning zeroes the gradie
 the earlier gradients the schedule releases them first (``"drop"``); inside a window it adds into them
 (``"add"``); either way a rank holds one gradient's worth during the schedule, not two. Where a hook
 could read the earlier gradients (``on_before_zero_grad``, a custom ``optimizer_zero_grad``) or
-Lightning skips backward, they are kept aside and put back (``"keep"``), exactly as before.
+Lightning skips backward, they are kept aside and put back (``"keep"``), exactly as before. One
+visible difference remains inside a window: ``on_before_backward`` sees this batch's gradients already
+added (they are computed inside ``training_step``; ``on_after_backward`` sees the same as before).
 
 Whether this batch's closure zeroes is decided by ``_AutomaticOptimization._make_zero_grad_fn``
 (private, Lightning 2.6.6); GradientAccumulationScheduler's step-keyed ramp replaces it per instance,
