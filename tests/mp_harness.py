@@ -109,6 +109,8 @@ def fit(
 ) -> list[dict[str, Any]]:
     """Fit ``model`` on ``devices`` CPU processes and return the records of every rank, by rank."""
     callbacks = [*trainer_kwargs.pop("callbacks", []), RankRecorder(out_dir)]
+    # Lightning's default checkpoints and logs go under the run's directory, not the working directory.
+    trainer_kwargs.setdefault("default_root_dir", out_dir)
     trainer = quiet_trainer(devices=devices, strategy=strategy, callbacks=callbacks, **trainer_kwargs)
     trainer.fit(
         model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders, ckpt_path=ckpt_path
