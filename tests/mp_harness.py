@@ -31,6 +31,7 @@ __all__ = [
     "ddp_spawn",
     "fit",
     "load_rank_results",
+    "merged_params",
     "processes_with_env",
     "quiet_trainer",
     "reference_loader",
@@ -141,6 +142,14 @@ def load_rank_results(out_dir: str | os.PathLike, stage: str = "fit") -> list[di
     if not records:
         raise AssertionError(f"no rank wrote its results to {out_dir}")
     return records
+
+
+def merged_params(records: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every rank's parameters in one dict: the stages of a pipeline together (replicas agree)."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in records:
+        merged.update(r["params"])
+    return merged
 
 
 def assert_close_dicts(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader
+from mp_harness import assert_close_dicts, fit, merged_params, quiet_trainer, reference_loader
 from test_pipeline_state import WritePredictions
 from tiny_models import NanoGPT, SkipGPT, TinyGPT, loader, masked_token_data, token_data
 
@@ -39,10 +39,7 @@ def _logged(run_dir, key):
 
 def _assert_trained_as_on_one_device(records, ref):
     """Every rank's stages together hold the one-device weights; the losses are the one-device losses."""
-    merged = {}
-    for r in records:
-        merged.update(r["params"])
-    assert_close_dicts(merged, ref["params"], rtol=1e-5, atol=1e-6)
+    assert_close_dicts(merged_params(records), ref["params"], rtol=1e-5, atol=1e-6)
     losses = torch.tensor([r["losses"] for r in records]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
 

@@ -3,7 +3,14 @@
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from mp_harness import RankRecorder, assert_close_dicts, load_rank_results, quiet_trainer, reference_loader
+from mp_harness import (
+    RankRecorder,
+    assert_close_dicts,
+    load_rank_results,
+    merged_params,
+    quiet_trainer,
+    reference_loader,
+)
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
@@ -76,13 +83,6 @@ def _pipeline(tmp_path, name, devices, epochs, **kwargs):
     )  # fmt: skip
 
 
-def _merged(records):
-    merged = {}
-    for r in records:
-        merged.update(r["params"])
-    return merged
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_sharded_optimizer_2x2_matches_one_device_and_halves_the_state(tmp_path):
@@ -91,7 +91,7 @@ def test_sharded_optimizer_2x2_matches_one_device_and_halves_the_state(tmp_path)
         tmp_path, "zero", devices=4, epochs=2, callbacks=[RecordOptimizer()],
         strategy_kwargs=dict(shard_optimizer_state=True),
     )  # fmt: skip
-    assert_close_dicts(_merged(records), ref["params"], rtol=1e-5, atol=1e-6)
+    assert_close_dicts(merged_params(records), ref["params"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(
         torch.tensor([r["losses"] for r in records]).mean(0),
         torch.tensor(ref["losses"]),
@@ -131,7 +131,7 @@ def test_a_sharded_checkpoint_resumes_at_other_shapes_and_a_full_one_loads_shard
         tmp_path, "zero-resumed", devices=4, epochs=2, ckpt_path=str(plain_ckpt),
         strategy_kwargs=dict(shard_optimizer_state=True),
     )  # fmt: skip
-    assert_close_dicts(_merged(records), ref["params"], rtol=1e-5, atol=1e-6)
+    assert_close_dicts(merged_params(records), ref["params"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.multiprocess
@@ -142,7 +142,7 @@ def test_activation_checkpointing_matches_one_device(tmp_path):
         tmp_path, "ac", devices=2, epochs=1, callbacks=[RecordOptimizer()],
         strategy_kwargs=dict(activation_checkpointing=True),
     )  # fmt: skip
-    assert_close_dicts(_merged(records), ref["params"], rtol=1e-5, atol=1e-6)
+    assert_close_dicts(merged_params(records), ref["params"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(
         torch.tensor(records[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6
     )
@@ -182,7 +182,7 @@ def test_traced_gpt_with_recomputed_blocks_and_sharded_state_matches_one_device(
         TinyGPT(), loader(data, 4), tmp_path / "pp", devices=4, strategy=strategy, max_epochs=1,
         gradient_clip_val=0.5, callbacks=[RecordRecomputed()],
     )  # fmt: skip
-    assert_close_dicts(_merged(records), ref["params"], rtol=1e-5, atol=1e-6)
+    assert_close_dicts(merged_params(records), ref["params"], rtol=1e-5, atol=1e-6)
     losses = torch.tensor([r["losses"] for r in records]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
     # True recomputes the blocks each stage calls, not the embeddings or the tied head.
