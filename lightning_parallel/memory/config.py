@@ -60,9 +60,13 @@ class ParallelConfig:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
-        counts = ["devices", "pipeline_size", "num_microbatches", "stages_per_rank"]
-        counts.append("accumulate_grad_batches")
-        for name in counts:
+        for name in (
+            "devices",
+            "pipeline_size",
+            "num_microbatches",
+            "stages_per_rank",
+            "accumulate_grad_batches",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

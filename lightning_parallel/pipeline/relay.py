@@ -37,7 +37,7 @@ def relay_skips(pipe: Pipe) -> int:
     stages = [n for n in graph.nodes if n.op == "call_module"]
     roots = [n for n in graph.nodes if n.op == "placeholder"]
     position = {node: k for k, node in enumerate(stages)}
-    _take_all_roots(pipe.split_gm, stages[0], roots)
+    took_roots = _take_all_roots(pipe.split_gm, stages[0], roots)
     relayed: dict[tuple[fx.Node, int], fx.Node] = {}  # (value, stage) -> stage's output that carries it
     for k, stage in enumerate(stages[1:], start=1):
         for value in dict.fromkeys(stage.args):
@@ -52,7 +52,7 @@ def relay_skips(pipe: Pipe) -> int:
                 carried = relayed[(value, m)]
             stage.replace_input_with(value, carried)
     reordered = [_in_output_order(pipe.split_gm, stage) for stage in stages[1:]]
-    if relayed or any(reordered):
+    if took_roots or relayed or any(reordered):
         for stage in stages:
             pipe.split_gm.get_submodule(stage.target).recompile()
         graph.lint()
@@ -70,13 +70,17 @@ def _in_output_order(split_gm: nn.Module, stage: fx.Node) -> bool:
     order = sorted(range(len(args)), key=lambda i: _output_index(args[i]))
     if order == list(range(len(args))):
         return False
-    graph = _stage_graph(split_gm, stage)
-    placeholders = _placeholders(graph)
-    body = next(n for n in graph.nodes if n.op != "placeholder")
-    for i in order:
-        body.prepend(placeholders[i])
+    placeholders = _placeholders(_stage_graph(split_gm, stage))
+    _put_in_order([placeholders[i] for i in order])
     stage.args = tuple(args[i] for i in order)
     return True
+
+
+def _put_in_order(placeholders: list[fx.Node]) -> None:
+    """Move a graph's placeholders into this order (their order is the stage's signature)."""
+    body = next(n for n in placeholders[0].graph.nodes if n.op != "placeholder")
+    for placeholder in placeholders:
+        body.prepend(placeholder)  # moves it before the first non-placeholder, after those moved already
 
 
 def _output_index(value: fx.Node) -> int:
@@ -106,24 +110,25 @@ def _placeholder_for(split_gm: nn.Module, stage: fx.Node, value: fx.Node) -> fx.
     return _placeholders(_stage_graph(split_gm, stage))[list(stage.args).index(value)]
 
 
-def _take_all_roots(split_gm: nn.Module, first: fx.Node, roots: list[fx.Node]) -> None:
-    """Make stage 0 take exactly the root inputs, in order: the schedule calls it with all of them."""
+def _take_all_roots(split_gm: nn.Module, first: fx.Node, roots: list[fx.Node]) -> bool:
+    """Make stage 0 take exactly the root inputs, in order: the schedule calls it with all of them.
+
+    Returns whether stage 0 changed.
+    """
     if list(first.args) == roots:
-        return
+        return False
     strays = [v.name for v in first.args if v not in roots]
     if strays:
         raise RuntimeError(f"internal error: stage 0 reads {strays}, which are not inputs of forward")
     graph = _stage_graph(split_gm, first)
     inner = dict(zip(first.args, _placeholders(graph), strict=True))
-    body = next(n for n in graph.nodes if n.op != "placeholder")
     for root in roots:
         if root not in inner:
-            with graph.inserting_before(body):
-                inner[root] = graph.placeholder(_free_name(graph, root.name))
+            inner[root] = graph.placeholder(_free_name(graph, root.name))
             inner[root].meta.update(root.meta)
-        body.prepend(inner[root])  # moves it: the placeholders end up in the roots' order
+    _put_in_order([inner[root] for root in roots])
     first.args = tuple(roots)
-    split_gm.get_submodule(first.target).recompile()
+    return True
 
 
 def _pass_through(split_gm: nn.Module, stage: fx.Node, value: fx.Node, meta: dict[str, Any]) -> fx.Node:
@@ -133,7 +138,7 @@ def _pass_through(split_gm: nn.Module, stage: fx.Node, value: fx.Node, meta: dic
     """
     graph = _stage_graph(split_gm, stage)
     if value in stage.args:
-        inner = _placeholders(graph)[list(stage.args).index(value)]
+        inner = _placeholder_for(split_gm, stage, value)
     else:
         last = _placeholders(graph)[-1]
         with graph.inserting_after(last):

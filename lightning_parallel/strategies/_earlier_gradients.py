@@ -12,7 +12,7 @@ added (they are computed inside ``training_step``; ``on_after_backward`` sees th
 Whether this batch's closure zeroes is decided by ``_AutomaticOptimization._make_zero_grad_fn``
 (private, Lightning 2.6.6); GradientAccumulationScheduler's step-keyed ramp replaces it per instance,
 so asking it gives the windows in force. No public hook answers before ``training_step`` runs;
-test_grads.py fails loudly if the method goes, and without it the gradients are kept.
+test_earlier_gradients.py fails loudly if the method goes, and without it the gradients are kept.
 """
 
 from __future__ import annotations
