@@ -22,9 +22,9 @@ class CapturedInput(BaseException):
     A BaseException so that a broad ``except Exception`` in user code does not swallow it.
     """
 
-    def __init__(self, args: tuple[Any, ...]) -> None:
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, path: str = "") -> None:
         super().__init__()
-        self.args = args
+        self.args, self.kwargs, self.path = args, kwargs or {}, path
 
 
 class PipelinedCall:
@@ -43,8 +43,11 @@ class PipelinedCall:
             loss = module.training_step(batch, 0)   # self(x) returns `output`
     """
 
+    accepts_keywords = False
+
     def __init__(self, what: str, held: str = "") -> None:
         self.what, self.held = what, held
+        self.train = True  # whether the step being captured or replayed trains (the strategy sets it)
         self._mode: str | None = None
         self._output: Any = None
         self._replayed = False
@@ -69,20 +72,24 @@ class PipelinedCall:
             try:
                 step(*args)
             except CapturedInput as captured:
-                return captured.args
+                return self.captured_input(captured)
         raise RuntimeError(
             f"{getattr(step, '__name__', step)} returned without calling {self.what}: under "
             f"PipelineStrategy every step must run the model through it"
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
+        return self.call_from("", *args, **kwargs)
+
+    def call_from(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        """The stand-in's work, for a stand-in installed at module ``path`` (``""``: ``forward``)."""
+        if kwargs and not self.accepts_keywords:
             raise TypeError(
                 f"{self.what} takes positional inputs only under PipelineStrategy (got keyword "
                 f"arguments {sorted(kwargs)}): pass them positionally"
             )
         if self._mode == "capture":
-            raise CapturedInput(args)
+            raise CapturedInput(args, kwargs, path)
         if self._mode == "replay":
             if self._replayed:
                 raise RuntimeError(
@@ -90,12 +97,19 @@ class PipelinedCall:
                     f"part of the model may run once per step"
                 )
             self._replayed = True
-            return self._output
+            return self._replayed_output(self._output)
         raise RuntimeError(
             f"{self.what} holds only this rank's pipeline stage ({self.held}) and runs inside the "
             f"strategy's training/validation/test/predict steps. For inference outside them, load the "
             f"consolidated checkpoint into an unsplit module"
         )
+
+    def captured_input(self, captured: CapturedInput) -> tuple[Any, ...]:
+        """What the schedule is fed for a captured call (the traced path's stand-in binds keywords)."""
+        return captured.args
+
+    def _replayed_output(self, output: Any) -> Any:
+        return output
 
     @contextmanager
     def _in_mode(self, mode: str) -> Iterator[None]:

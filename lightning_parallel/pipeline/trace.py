@@ -10,6 +10,7 @@ pipeline stages.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -19,9 +20,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.distributed.pipelining import Pipe, SplitPoint, pipeline
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining import Pipe, SplitPoint
+from torch.distributed.pipelining._IR import annotate_split_points
 from torch.export.unflatten import InterpreterModule
 
+from lightning_parallel.pipeline.call_binding import CallBinding, bound_forward
+from lightning_parallel.pipeline.graph_regions import inline_wrapped_regions
 from lightning_parallel.pipeline.relay import relay_skips
 
 
@@ -69,7 +74,7 @@ def to_meta(tree: Any) -> Any:
     )
 
 
-def call_order(module: nn.Module, args: tuple[Any, ...]) -> list[str]:
+def call_order(module: nn.Module, args: tuple[Any, ...], binding: CallBinding | None = None) -> list[str]:
     """Module paths in the order ``module(*args)`` first calls them (run it on a meta twin: free).
 
     Raises:
@@ -82,8 +87,10 @@ def call_order(module: nn.Module, args: tuple[Any, ...]) -> list[str]:
         if path
     ]
     try:
-        with torch.no_grad():
-            module(*args)
+        # Fake tensors, not bare meta ones: libraries that branch on a tensor's value unless they are
+        # being traced (transformers' mask code calls .item() otherwise) see fake tensors as tracing.
+        with _bound(module, binding), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            module(*(fake.from_tensor(a) if torch.is_tensor(a) else a for a in args))
     except Exception as err:
         shapes = [tuple(a.shape) for a in args if torch.is_tensor(a)]
         raise ValueError(
@@ -96,7 +103,13 @@ def call_order(module: nn.Module, args: tuple[Any, ...]) -> list[str]:
     return list(order)
 
 
-def trace(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str], train: bool) -> Pipe:
+def trace(
+    twin: nn.Module,
+    example: tuple[Any, ...],
+    split_points: Sequence[str],
+    train: bool,
+    binding: CallBinding | None = None,
+) -> Pipe:
     """``torch.distributed.pipelining.pipeline`` on the twin, split before each of ``split_points``.
 
     ``pipeline()`` marks a split point by patching the module's ``forward`` in place; the patches
@@ -109,7 +122,8 @@ def trace(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str]
         with warnings.catch_warnings():
             # torch 2.13's export warns about its own pytree internals on every trace: not the user's concern.
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            pipe = pipeline(twin, example, split_spec={p: SplitPoint.BEGINNING for p in split_points})
+            with _bound(twin, binding):
+                pipe = _pipeline(twin, example, split_points)
     except RuntimeError as err:
         raise _trace_error(twin, err) from None
     finally:
@@ -121,6 +135,50 @@ def trace(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str]
                 m.forward = forward
     relay_skips(pipe)  # a value made before the blocks and read by every block reaches the later stages
     return run_generated_code(pipe)
+
+
+def _bound(module: nn.Module, binding: CallBinding | None) -> Any:
+    return bound_forward(module, binding) if binding is not None else contextlib.nullcontext()
+
+
+def _pipeline(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str]) -> Pipe:
+    """torch's ``pipeline(twin, example, split_spec)``, with the no-grad regions inlined before the split.
+
+    ``pipeline()`` takes a split spec or a split policy, not both; the policy hook is where the traced
+    graph can be changed before it is cut, so the split points are annotated here as ``pipeline()``
+    does (with its private ``annotate_split_points``, torch 2.13) and the policy inlines the regions
+    (:mod:`~lightning_parallel.pipeline.graph_regions`, for pytorch#184361).
+    """
+    annotate_split_points(twin, {p: SplitPoint.BEGINNING for p in split_points})
+    return Pipe.from_tracing(twin, example, split_policy=_before_split)
+
+
+def _before_split(gm: fx.GraphModule) -> fx.GraphModule:
+    return device_args_as_keywords(inline_wrapped_regions(gm))
+
+
+def device_args_as_keywords(gm: fx.GraphModule) -> fx.GraphModule:
+    """Pass every device given positionally to an aten op (``aten.to.device(x, meta, ...)``) by keyword.
+
+    The twin is traced on the meta device, so ``x.to(h.device)`` records ``meta``; torch's
+    ``build_stage`` moves a stage's ops to its device by rewriting their ``device=`` keyword only
+    (``_modify_graph_op_device``), which a positional device escapes (the rotary embeddings of the
+    Hugging Face decoders then fail with "Tensor on device meta is not on the expected device").
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        first = next((i for i, a in enumerate(node.args) if isinstance(a, torch.device)), None)
+        if first is None:
+            continue
+        names = [a.name for a in node.target._schema.arguments]
+        moved = {names[i]: a for i, a in enumerate(node.args) if i >= first}
+        node.args, node.kwargs = node.args[:first], {**moved, **node.kwargs}
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def run_generated_code(pipe: Pipe) -> Pipe:
@@ -169,9 +227,30 @@ def stage_contents(pipe: Pipe) -> list[StageContents]:
     out = []
     for index in range(pipe.num_stages):
         gm = pipe.get_stage_module(index)
-        calls = tuple(n.target for n in gm.graph.nodes if n.op == "call_module")
+        calls = tuple(path for path, _ in unit_calls(gm))
         out.append(StageContents(calls, frozenset(_tensors_read(gm))))
     return out
+
+
+def unit_calls(gm: nn.Module, scope: str = "") -> list[tuple[str, nn.Module]]:
+    """The modules a stage graph calls, by their paths in the user's module, down to the blocks.
+
+    A call that holds blocks (numbered children of a list: ``model.layers.0``) is replaced by its own
+    calls, so a Hugging Face stage reads ``model.model.embed_tokens, model.model.layers.0-1``, not
+    ``model``; blocks themselves, and calls that hold none, are units as they are.
+    """
+    out: list[tuple[str, nn.Module]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        path, sub = f"{scope}.{node.target}" if scope else node.target, gm.get_submodule(node.target)
+        inner = unit_calls(sub, path) if hasattr(sub, "graph") and not _is_block(path) else []
+        out += inner if any(_is_block(p) for p, _ in inner) else [(path, sub)]
+    return out
+
+
+def _is_block(path: str) -> bool:
+    return re.fullmatch(r".*\.\d+", path) is not None
 
 
 def _tensors_read(gm: nn.Module) -> list[str]:

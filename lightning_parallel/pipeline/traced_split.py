@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.trace import point_at, to_meta, trace
+from lightning_parallel.pipeline.call_binding import CallBinding
+from lightning_parallel.pipeline.trace import point_at, to_meta, trace, unit_calls
 
 
 def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
@@ -123,6 +124,8 @@ class TracedStages:
         module: the user's module, pruned to this rank's tensors (the real parameters and buffers).
         aliases: the unsplit module's alias table (name -> canonical name).
         device, group: where the stages run, and the pipeline process group.
+        bindings: how the user's step calls the traced module, per mode (training: True), kept up to
+            date by the stand-in (:class:`~lightning_parallel.pipeline.call_binding.TracedCall`).
 
     Example::
 
@@ -141,8 +144,10 @@ class TracedStages:
         aliases: Mapping[str, str],
         device: torch.device,
         group: Any,
+        bindings: Mapping[bool, CallBinding] | None = None,
     ) -> None:
         self.twin, self.split_points = twin, list(split_points)
+        self.bindings = bindings if bindings is not None else {}
         self.stage_indices, self.module, self.aliases = list(stage_indices), module, dict(aliases)
         self.device, self.group = device, group
         self.num_stages = len(self.split_points) + 1
@@ -152,15 +157,20 @@ class TracedStages:
 
     def pipe_for(self, train: bool, example: tuple[Any, ...]) -> Any:
         """The traced pipe for this input shape (a trace done for planning is used once more)."""
-        key = (train, _spec(example), tuple(t.dtype for t in self.twin.parameters()))
-        pipe = self._pipes.pop(key, None)
+        binding = self.bindings.get(train)
+        pipe = self._pipes.pop(self._key(train, example), None)
         if pipe is None:
-            pipe = trace(self.twin, example, self.split_points, train)
+            pipe = trace(self.twin, example, self.split_points, train, binding)
             self.traces += 1
         return pipe
 
     def keep_for_later(self, train: bool, example: tuple[Any, ...], pipe: Any) -> None:
-        self._pipes[(train, _spec(example), tuple(t.dtype for t in self.twin.parameters()))] = pipe
+        self._pipes[self._key(train, example)] = pipe
+
+    def _key(self, train: bool, example: tuple[Any, ...]) -> tuple:
+        binding = self.bindings.get(train)
+        dtypes = tuple(t.dtype for t in self.twin.parameters())
+        return (train, _spec(example), dtypes, binding.key if binding is not None else None)
 
     def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
         pipe = self.pipe_for(mode == "train", to_meta(example))
@@ -182,11 +192,7 @@ class TracedStages:
 
 def called_units(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The submodules a traced stage's graph calls, by their paths in the user's module ("h.2")."""
-    return [
-        (n.target, stage_module.get_submodule(n.target))
-        for n in stage_module.graph.nodes
-        if n.op == "call_module"
-    ]
+    return unit_calls(stage_module)
 
 
 def _real_tensors(module: nn.Module, aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ it. Reading the first batch at strategy setup needs Lightning's private loader h
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,7 +15,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_parallel.pipeline.proxy import PipelinedCall
+from lightning_parallel.pipeline.call_binding import TracedCall
+from lightning_parallel.pipeline.proxy import CapturedInput, PipelinedCall
 from lightning_parallel.pipeline.step_logs import LogRecorder
 
 
@@ -28,16 +30,27 @@ def microbatches(args: tuple[Any, ...], num_microbatches: int) -> int:
     return m
 
 
-def example_input(trainer: pl.Trainer, module: pl.LightningModule, call: PipelinedCall) -> tuple[Any, ...]:
-    """The input of ``self(...)`` to trace at: ``example_input_array``, else captured from the first batch."""
+def example_input(
+    trainer: pl.Trainer, module: pl.LightningModule, call: TracedCall, paths: Sequence[str] = ("",)
+) -> tuple[Any, ...]:
+    """The pipelined call's input to trace at: ``example_input_array``, else captured from the first batch.
+
+    ``paths`` are the modules the step may call to run the model (``""``: ``self(...)``; ``"model"``:
+    ``self.model(...)``, a Hugging Face model held by the LightningModule); the first one the step
+    calls is the pipelined call from then on.
+    """
+    call.train = trainer.state.fn == TrainerFn.FITTING
     example = getattr(module, "example_input_array", None)
     if example is not None:
-        return tuple(example) if isinstance(example, (tuple, list)) else (example,)
-    module.forward = call
+        args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+        return call.captured_input(CapturedInput(args))
+    for path in paths:
+        call.install(module, path)
     try:
         return captured_input(trainer, module, call)
     finally:
-        del module.forward
+        for path in paths:
+            call.uninstall(module, path)
 
 
 def captured_input(trainer: pl.Trainer, module: pl.LightningModule, capture: Any) -> tuple[Any, ...]:

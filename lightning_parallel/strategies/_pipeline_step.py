@@ -67,6 +67,7 @@ class _Step:
         self.m = self.runner.microbatches_for(self.n)
         self.key = shape_key(args[0])
         self.recorder = LogRecorder()
+        self.call.train = train  # the traced path's stand-in keeps one way of calling per mode
         needed = self.runner.needs_input(self.key, self.m, train)
         self.stage_args = self.call.capture(self.step, *args) if needed else None
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
+from lightning_parallel.pipeline.call_binding import CallBinding, TracedCall
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
 from lightning_parallel.pipeline.profile import block_times
-from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner, first_microbatch
 from lightning_parallel.pipeline.split import materialize
 from lightning_parallel.pipeline.trace import call_order, meta_twin, stage_contents, to_meta, trace
@@ -37,7 +37,7 @@ def traced_path(
     mesh: PipelineMesh,
     aliases: dict[str, str],
     device: torch.device,
-) -> tuple[StagePlan, PipelineRunner, PipelinedCall, nn.Module]:
+) -> tuple[StagePlan, PipelineRunner, TracedCall, nn.Module]:
     num_stages = mesh.pp_size * config.stages_per_rank
     with failing_together():
         found = _traceable(config, trainer, module, mesh.pp_size, num_stages)
@@ -68,7 +68,7 @@ class _Traceable:
     """What the traced path learns before it splits: the twin, the example input, where stages may begin."""
 
     twin: nn.Module
-    call: PipelinedCall
+    call: TracedCall
     args: tuple[Any, ...]  # the real input of self(...) on this rank's first batch
     example: tuple[Any, ...]  # its first micro-batch, on the meta device
     order: list[str]  # module paths in the order forward calls them
@@ -82,10 +82,12 @@ def _traceable(
 ) -> _Traceable:
     _check_traceable(module)
     twin = meta_twin(module)
-    call = PipelinedCall(f"`self(...)` ({type(module).__name__}.forward)")
-    args = example_input(trainer, module, call)
+    call = TracedCall(f"`self(...)` ({type(module).__name__}.forward)")
+    args = example_input(trainer, module, call, _call_paths(module, config))
+    if call.path:
+        call.what = f"`self.{call.path}(...)` ({type(module.get_submodule(call.path)).__name__}.forward)"
     example = to_meta(first_microbatch(args, microbatches(args, config.num_microbatches)))
-    order = _call_order(twin, example)
+    order = _call_order(twin, example, call.bindings[call.train])
     found = _Traceable(twin, call, args, example, order, [])
     if config.split_points is not None:
         found.points = check_split_points(module, config.split_points, order, num_stages)
@@ -111,30 +113,57 @@ def _traced_split(
     unit: str,
 ) -> tuple[StagePlan, TracedStages]:
     """Trace at the split points, plan, keep this rank's tensors, and put the stand-in in ``forward``."""
-    pipe = trace(found.twin, found.example, points, train=True)
+    binding = found.call.bindings[found.call.train]
+    pipe = trace(found.twin, found.example, points, train=True, binding=binding)
     contents = stage_contents(pipe)
     params = [frozenset(aliases[t] for t in c.tensors if _is_parameter(module, t)) for c in contents]
     units, holds = [c.calls for c in contents], [describe_paths(c.calls) for c in contents]
-    source = f"{type(module).__name__}.forward (traced)"
+    called = found.call.path
+    source = f"{type(module).__name__}.{f'{called}(...)' if called else 'forward'} (traced)"
     plan = stage_plan(module, units, holds, params, mesh.layout, costs, unit, source)
     indices = [s.index for s in plan.local_stages(mesh.pp_rank)]
     keep_only(module, set().union(*(contents[i].tensors for i in indices)))
     materialize(module, device, aliases)
     found.call.held = f"stages {', '.join(plan.stages[i].holds for i in indices)}"
-    module.forward = found.call  # self(x) in the user's steps now goes through the pipeline
-    stages = TracedStages(found.twin, points, indices, module, aliases, device, mesh.pp_group)
-    stages.keep_for_later(True, found.example, pipe)
+    found.call.install(module, found.call.path)  # self(x) in the user's steps now goes through the pipeline
+    stages = TracedStages(
+        found.twin, points, indices, module, aliases, device, mesh.pp_group, found.call.bindings
+    )
+    if found.call.train:
+        stages.keep_for_later(True, found.example, pipe)
     return plan, stages
 
 
-def _call_order(twin: nn.Module, example: tuple[Any, ...]) -> list[str]:
+def _call_order(twin: nn.Module, example: tuple[Any, ...], binding: CallBinding) -> list[str]:
     try:
-        return call_order(twin, example)
+        return call_order(twin, example, binding)
     except ValueError:
         # A forward that cannot run on meta tensors (a branch on a value) cannot be exported either;
         # export's own error says more about why, so it goes first when there is one.
-        trace(twin, example, [], train=True)
+        trace(twin, example, [], train=True, binding=binding)
         raise
+
+
+def _call_paths(module: nn.Module, config: PipelineConfig) -> list[str]:
+    """Where the user's step may call the model: ``self(...)``, or a module holding every stage's part.
+
+    A LightningModule that holds a Hugging Face or litgpt model as ``self.model`` often calls
+    ``self.model(input_ids=x)`` in its steps instead of ``self(x)``: the ancestors of the blocks (or of
+    the split points) are the modules such a call may go to; the outermost one called is pipelined.
+    """
+    inside = list(config.split_points or [])
+    if not inside:
+        try:
+            inside = [find_block_list(module)[0]]
+        except ValueError:
+            inside = []
+    parents = [p.split(".")[:-1] for p in inside]
+    depth = 0
+    while parents and all(len(p) > depth and p[depth] == parents[0][depth] for p in parents):
+        depth += 1
+    paths = [".".join(parents[0][: k + 1]) for k in range(depth)] if parents else []
+    lists = (nn.ModuleList, nn.ModuleDict)
+    return ["", *(p for p in paths if not isinstance(module.get_submodule(p), lists))]
 
 
 def _check_traceable(module: nn.Module) -> None:

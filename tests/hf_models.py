@@ -1,0 +1,102 @@
+"""Hugging Face decoders built from a config (no download), wrapped in LightningModules as users write them.
+
+Every family the pipeline is tested on, at a tiny size: 4 blocks, width 32, vocabulary 64. Dropout is
+off (the one-device comparison needs the same numbers), and every ``*_init_range`` is left as is.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+VOCAB = 64
+
+
+def hf_config(family: str, tied: bool | None = None):
+    """A tiny config of ``family``: gpt2, llama, qwen2, mistral, gemma or neox."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4)  # fmt: skip
+    if family == "gpt2":
+        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                            bos_token_id=0, eos_token_id=0, **no_dropout)  # fmt: skip
+    elif family == "llama":
+        cfg = tf.LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=bool(tied))
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=bool(tied))
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common, num_key_value_heads=2, tie_word_embeddings=bool(tied))
+    elif family == "gemma":
+        cfg = tf.GemmaConfig(**common, num_key_value_heads=2, head_dim=8)
+    elif family == "neox":
+        cfg = tf.GPTNeoXConfig(**common, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0)
+    else:
+        raise ValueError(family)
+    if tied is not None and family in ("gpt2", "gemma"):
+        cfg.tie_word_embeddings = tied
+    return cfg
+
+
+def hf_model(family: str, tied: bool | None = None):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_config(hf_config(family, tied))
+
+
+class HFCausalLM(L.LightningModule):
+    """A Hugging Face decoder fine-tuned the usual way; ``call`` picks how the steps call it.
+
+    * ``"forward"``: ``self(idx)``, whose ``forward`` returns ``self.model(input_ids=idx).logits``;
+    * ``"logits"``: ``self.model(input_ids=x).logits`` in the step;
+    * ``"masked"``: ``self.model(input_ids=x, attention_mask=mask).logits`` (a padded batch);
+    * ``"labels"``: ``self.model(input_ids=x, labels=x).loss`` (the loss computed inside the model).
+    """
+
+    def __init__(
+        self, family: str = "llama", tied: bool | None = None, call: str = "forward", lr: float = 1e-2
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = hf_model(family, tied)
+        self.call, self.lr = call, lr
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, use_cache=False).logits
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y, mask = batch
+        if self.call == "forward":
+            logits = self(x)
+        elif self.call == "logits":
+            logits = self.model(input_ids=x).logits
+        elif self.call == "masked":
+            logits = self.model(input_ids=x, attention_mask=mask).logits
+        else:  # the model shifts the labels itself and returns the mean token loss
+            return self.model(input_ids=x, labels=x).loss
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def hf_token_data(n: int = 16, t: int = 12, seed: int = 0, padded: bool = False) -> TensorDataset:
+    """(input ids, next-token targets, attention mask); ``padded``: left padding of 0..3 tokens per row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, t + 1), generator=g)
+    mask = torch.ones(n, t, dtype=torch.long)
+    if padded:
+        for i in range(n):
+            mask[i, : i % 4] = 0
+    return TensorDataset(x[:, :-1], x[:, 1:], mask)
