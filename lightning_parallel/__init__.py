@@ -11,6 +11,7 @@ from lightning_parallel.callbacks.watchdog import HangWatchdog
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
 from lightning_parallel.memory.estimate import estimate_memory
+from lightning_parallel.pipeline.pretrained import load_pretrained
 from lightning_parallel.strategies import PipelineStrategy, register_strategies
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "ResumableDistributedSampler",
     "__version__",
     "estimate_memory",
+    "load_pretrained",
 ]
 
 register_strategies()

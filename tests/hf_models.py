@@ -100,3 +100,24 @@ def hf_token_data(n: int = 16, t: int = 12, seed: int = 0, padded: bool = False)
         for i in range(n):
             mask[i, : i % 4] = 0
     return TensorDataset(x[:, :-1], x[:, 1:], mask)
+
+
+class PretrainedCausalLM(HFCausalLM):
+    """Fine-tunes weights saved with ``save_pretrained``: built in ``configure_model`` (on the meta device
+    under PipelineStrategy, so each rank reads only its stage's tensors from the files)."""
+
+    def __init__(self, family: str = "llama", tied: bool | None = True, weights: str = "", lr: float = 1e-3):
+        L.LightningModule.__init__(self)
+        self.save_hyperparameters()
+        self.family, self.tied, self.weights = family, tied, weights
+        self.call, self.lr, self.model = "logits", lr, None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        import transformers as tf
+
+        from lightning_parallel import load_pretrained
+
+        self.model = tf.AutoModelForCausalLM.from_config(hf_config(self.family, self.tied))
+        load_pretrained(self.model, self.weights)

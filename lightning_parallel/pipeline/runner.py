@@ -159,7 +159,11 @@ class PipelineRunner:
         target = stages if is_multi_stage(cls) else stages[0]
         # scale_grads=False: the loss is scaled instead (see the strategy); torch's default divides
         # every .grad by m after each step, which breaks gradient accumulation across steps.
-        schedule = cls(target, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        merge = getattr(self.stages, "output_merge_spec", None)
+        merge_spec = merge(num_microbatches) if merge is not None and self.has_last else None
+        schedule = cls(
+            target, num_microbatches, loss_fn=loss_fn, scale_grads=False, output_merge_spec=merge_spec
+        )
         self._cache[key] = schedule
         if len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.pipeline.plan import StagePlan, describe_layers
+from lightning_parallel.pipeline.pretrained import load_pending
 from lightning_parallel.pipeline.proxy import PipelinedSequential
 from lightning_parallel.pipeline.shared import alias_table, retie
 
@@ -173,3 +174,23 @@ def materialize(module: nn.Module, device: torch.device, aliases: dict[str, str]
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
             reset()
+    _init_like_hugging_face(module)
+    load_pending(module)
+
+
+def _init_like_hugging_face(module: nn.Module) -> None:
+    """Initialise what a Hugging Face model's own ``_init_weights`` covers (norms, rotary tables...).
+
+    ``reset_parameters`` leaves the RMS norms' weights and the buffers computed in ``__init__`` (the
+    rotary ``inv_freq``, Gemma's embedding scale) as ``to_empty`` left them: garbage. Duck-typed, so
+    this module does not import transformers.
+    """
+    done: set[int] = set()
+    for owner in module.modules():
+        init = getattr(owner, "_init_weights", None)
+        if id(owner) in done or not callable(init) or getattr(owner, "config", None) is None:
+            continue
+        with torch.no_grad():
+            for sub in owner.modules():
+                done.add(id(sub))
+                init(sub)

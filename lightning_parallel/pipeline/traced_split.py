@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
 from lightning_parallel.pipeline.call_binding import CallBinding
 from lightning_parallel.pipeline.trace import point_at, to_meta, trace, unit_calls
@@ -153,6 +154,7 @@ class TracedStages:
         self.num_stages = len(self.split_points) + 1
         self.wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None
         self.traces = 0  # how many times forward was traced (tests and benchmarks read it)
+        self._output_ndims: tuple[bool, list[int]] | None = None  # (a tuple?, ndim of each output)
         self._pipes: dict[Any, Any] = {}
 
     def pipe_for(self, train: bool, example: tuple[Any, ...]) -> Any:
@@ -186,13 +188,38 @@ class TracedStages:
             point_at(stage_module, real, self.aliases)
             if self.wrap_units is not None:
                 self.wrap_units(called_units(stage_module))
+            if index == self.num_stages - 1:
+                self._output_ndims = _output_ndims(stage_module)
             stages.append(pipe.build_stage(index, self.device, self.group))
         return stages
+
+    def output_merge_spec(self, num_microbatches: int) -> Any:
+        """How the last stage's micro-batch outputs merge into the batch's (None: concatenated on dim 0).
+
+        A scalar output (the loss a Hugging Face model computes from ``labels=``) cannot be concatenated:
+        it is averaged over the equal micro-batches, the batch's mean when each counts the same tokens.
+        torch's merge takes a private ``_CustomReducer`` for that (checked against torch 2.13).
+        """
+        ndims = self._output_ndims
+        if ndims is None or all(d != 0 for d in ndims[1]):
+            return None
+        mean = _CustomReducer(torch.tensor(0.0), lambda acc, x: acc + x / num_microbatches)
+        specs = tuple(TensorChunkSpec(0) if d != 0 else mean for d in ndims[1])
+        return specs if ndims[0] else specs[0]
 
 
 def called_units(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The submodules a traced stage's graph calls, by their paths in the user's module ("h.2")."""
     return unit_calls(stage_module)
+
+
+def _output_ndims(stage_module: nn.Module) -> tuple[bool, list[int]]:
+    """Whether a stage returns a tuple, and the number of dimensions of each output (-1: unknown)."""
+    output = next(n for n in stage_module.graph.nodes if n.op == "output").args[0]
+    values = list(output) if isinstance(output, (tuple, list)) else [output]
+    vals = [getattr(v, "meta", {}).get("val") for v in values]
+    ndims = [v.dim() if torch.is_tensor(v) else -1 for v in vals]
+    return isinstance(output, (tuple, list)), ndims
 
 
 def _real_tensors(module: nn.Module, aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
