@@ -28,7 +28,7 @@ and ``memory_validation.png`` (predicted against measured) under ``--out-dir``.
 
 Usage::
 
-    python experiments/memory_validation.py            # 19 configurations, ~4-10 minutes on 2 cores
+    python experiments/memory_validation.py            # 21 configurations, ~5-12 minutes on 2 cores
     python experiments/memory_validation.py --quick    # 2 small configurations, ~1 minute
 """
 
@@ -42,6 +42,7 @@ from typing import Any
 import _harness as h
 import lightning as L
 import torch
+from hf_decoders import HFDecoderLM
 from models import CharLM, SequentialCharLM
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.data import DataLoader, TensorDataset
@@ -72,7 +73,9 @@ class Case:
     checkpointing: bool = False
     sharded: bool = False
     precision: str = "32-true"
-    model: str = "gpt"  # "gpt": CharLM (traced split); "seq": SequentialCharLM (Sequential split)
+    # "gpt": CharLM (traced split); "seq": SequentialCharLM (Sequential split); "hf-llama", "hf-gpt2":
+    # a Hugging Face decoder called as self.model(input_ids=x) (experiments/hf_decoders.py)
+    model: str = "gpt"
     batch: int = 16  # per replica
     dim: int = 128
     depth: int = 8
@@ -113,6 +116,8 @@ def cases(quick: bool) -> list[Case]:
         Case(
             "pp 2x1 interleaved m=8 +ac (Sequential)", pp, 2, 2, 8, "interleaved_1f1b", 2, True, model="seq"
         ),
+        Case("pp 2x1 1f1b m=4 (HF Llama)", pp, 2, 2, 4, model="hf-llama"),
+        Case("pp 2x1 interleaved m=4 (HF GPT-2)", pp, 2, 2, 4, "interleaved_1f1b", 2, model="hf-gpt2"),
         Case(
             "pp 2x2 1f1b m=4 +ac +zero (Sequential)",
             pp,
@@ -134,6 +139,10 @@ def batch_for(case: Case, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_model(case: Case) -> L.LightningModule:
     torch.manual_seed(0)
+    if case.model.startswith("hf-"):
+        return HFDecoderLM(
+            case.model.removeprefix("hf-"), dim=case.dim, depth=case.depth, seq_len=case.seq_len
+        )
     cls = CharLM if case.model == "gpt" else SequentialCharLM
     return cls(dim=case.dim, depth=case.depth, seq_len=case.seq_len)
 
