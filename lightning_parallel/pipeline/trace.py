@@ -270,7 +270,8 @@ def _tensors_read(gm: nn.Module) -> list[str]:
 def point_at(stage_module: nn.Module, real: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
     """Replace the twin's meta tensors in a stage module by this rank's real ones, by canonical name.
 
-    Tensors the stage graph does not read (aliases the tracer leaves behind) are dropped.
+    Tensors the stage graph does not read (aliases the tracer leaves behind) are dropped; constants
+    that export lifted out of ``forward`` (``torch.tensor(...)`` made there) keep their traced value.
     """
     read = set(_tensors_read(stage_module))
     named = [
@@ -284,6 +285,8 @@ def point_at(stage_module: nn.Module, real: Mapping[str, torch.Tensor], aliases:
         tensor = real.get(aliases.get(path, path))
         if tensor is not None:
             slot[leaf] = tensor
+        elif path in read and path not in aliases and not slot[leaf].is_meta:
+            continue  # a constant export lifted out of forward (litgpt Gemma's embedding scale): keep it
         elif path in read:
             raise RuntimeError(f"internal error: stage reads {path}, which this rank does not hold")
         else:

@@ -110,7 +110,12 @@ def keep_only(module: nn.Module, keep: set[str]) -> None:
             del module._modules[name]
         elif tensors:
             keep_only(child, {k[len(name) + 1 :] for k in keep if k.startswith(f"{name}.")})
+    # A module's buffers stay together when one is kept: a Hugging Face rotary embedding reads only
+    # `inv_freq` in forward, but re-initialising it from the meta device needs `original_inv_freq`.
+    keeps_own = any(k in keep for k in [*module._parameters, *module._buffers])
     for slot in (module._parameters, module._buffers):
+        if slot is module._buffers and keeps_own:
+            continue
         for leaf in [k for k, v in slot.items() if v is not None and k not in keep]:
             del slot[leaf]  # (an unset slot such as ``bias=None`` stays: reset_parameters reads it)
 
