@@ -1,4 +1,4 @@
-"""load_pretrained: safetensors weights read per stage into a model built on the meta device (no processes)."""
+"""load_pretrained: safetensors weights read per stage into a model built on the meta device (no spawns)."""
 
 import pytest
 import torch
@@ -31,7 +31,8 @@ def test_a_meta_model_reads_only_its_stage_and_gets_the_buffers_right(saved):
     assert load_pretrained(stage, directory) == []  # on the meta device: loaded at materialisation
     # The last stage of two: blocks 2-3, the final norm and the head (tied to the embedding, which the
     # files hold once, under the embedding's name); the rotary table is a buffer no file holds.
-    keep = {k for k in stage.state_dict() if k.startswith(("model.layers.2.", "model.layers.3.", "model.norm"))}
+    last = ("model.layers.2.", "model.layers.3.", "model.norm")
+    keep = {k for k in stage.state_dict() if k.startswith(last)}
     keep |= {"lm_head.weight", "model.rotary_emb.inv_freq"}  # what the stage graph reads
     keep_only(stage, keep)
     materialize(stage, torch.device("cpu"), aliases)
