@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# litgpt's GPT for tests/test_pipeline_hf.py: its model code needs torch only, and its pin of
+	# huggingface-hub<1.4 conflicts with transformers 5, so it comes without its dependencies.
+	$(PY) -m pip install --quiet --no-deps "litgpt==0.5.13"
 	touch $@
 
 demo: $(VENV)/.installed

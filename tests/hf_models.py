@@ -121,3 +121,21 @@ class PretrainedCausalLM(HFCausalLM):
 
         self.model = tf.AutoModelForCausalLM.from_config(hf_config(self.family, self.tied))
         load_pretrained(self.model, self.weights)
+
+
+class LitGPTLM(HFCausalLM):
+    """litgpt's ``GPT`` from a named ``Config`` (tiny), called as ``self.model(idx)`` in the step."""
+
+    def __init__(self, name: str = "pythia-14m", lr: float = 1e-3) -> None:
+        L.LightningModule.__init__(self)
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        self.save_hyperparameters()
+        size = dict(n_layer=4, n_embd=32, n_head=4, n_query_groups=2, head_size=8, intermediate_size=64)
+        config = Config.from_name(name, **size, padded_vocab_size=VOCAB, vocab_size=VOCAB, block_size=32)
+        self.model, self.call, self.lr = GPT(config), "litgpt", lr
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y, _ = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())

@@ -111,3 +111,15 @@ def test_the_module_runs_as_a_command(model_file):
     assert "fastest that fits 24.00 GiB: ddp x4" in proc.stdout
     assert "pp 4x1 interleaved_1f1b v=2 m=8" not in proc.stdout  # 4 blocks: no room for 8 stages
     assert "pp 2x2 interleaved_1f1b v=2 m=4" in proc.stdout
+
+
+def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)  # fmt: skip
+    code = main(["lightning_parallel.memory.hf:causal_lm", "--init", f"config={tmp_path}", "--meta",
+                 "--batch", "long:16", "long:16", "--global-batch-size", "8", "--devices", "2",
+                 "--memory", "1GiB", "--optimizer", "AdamW"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "4 pipeline units (blocks `model.model.layers`)" in out and "pp 2x1 1f1b m=8" in out

@@ -7,6 +7,7 @@ seconds of imports: the one-device references run in this process.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -26,7 +27,7 @@ from tiny_models import loader
 
 pytest.importorskip("transformers")
 
-from hf_models import HFCausalLM, PretrainedCausalLM, hf_model, hf_token_data
+from hf_models import HFCausalLM, LitGPTLM, PretrainedCausalLM, hf_model, hf_token_data
 
 from lightning_parallel import PipelineStrategy
 
@@ -45,14 +46,21 @@ CASES = [
     ("gemma", True, "labels", "1f1b"),
     ("neox", False, "labels", "1f1b"),
     ("neox", False, "masked", "interleaved_1f1b"),
+    # litgpt's GPT from a Config (Lightning's own LLM library), when installed (make test installs it)
+    ("litgpt:pythia-14m", None, "litgpt", "1f1b"),
+    ("litgpt:Llama-3.2-1B", None, "litgpt", "interleaved_1f1b"),
+    ("litgpt:Qwen2.5-0.5B", None, "litgpt", "1f1b"),
+    ("litgpt:gemma-2b", None, "litgpt", "interleaved_1f1b"),
 ]
+if importlib.util.find_spec("litgpt") is None:
+    CASES = [c for c in CASES if c[2] != "litgpt"]
 STEPS = 2
 VALIDATED = {("qwen2", False, "labels", "interleaved_1f1b"), ("llama", False, "masked", "1f1b")}
 
 
 def _name(case) -> str:
     family, tied, call, schedule = case
-    return f"{family}-{'tied' if tied else 'untied'}-{call}-{schedule}"
+    return f"{family.replace(':', '-')}-{'tied' if tied else 'untied'}-{call}-{schedule}"
 
 
 def _data(call: str):
@@ -70,6 +78,8 @@ def _val(case):
 def _model(case) -> HFCausalLM:
     family, tied, call, _ = case
     torch.manual_seed(0)
+    if call == "litgpt":
+        return LitGPTLM(family.removeprefix("litgpt:"))
     return HFCausalLM(family, tied=tied, call=call, lr=1e-3)
 
 
