@@ -6,6 +6,8 @@ off (the one-device comparison needs the same numbers), and every ``*_init_range
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -57,11 +59,16 @@ class HFCausalLM(L.LightningModule):
     """
 
     def __init__(
-        self, family: str = "llama", tied: bool | None = None, call: str = "forward", lr: float = 1e-2
+        self,
+        family: str = "llama",
+        tied: bool | None = None,
+        call: str = "forward",
+        lr: float = 1e-2,
+        build: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = hf_model(family, tied)
+        self.model = hf_model(family, tied) if build else None
         self.call, self.lr = call, lr
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -106,11 +113,11 @@ class PretrainedCausalLM(HFCausalLM):
     """Fine-tunes weights saved with ``save_pretrained``: built in ``configure_model`` (on the meta device
     under PipelineStrategy, so each rank reads only its stage's tensors from the files)."""
 
-    def __init__(self, family: str = "llama", tied: bool | None = True, weights: str = "", lr: float = 1e-3):
-        L.LightningModule.__init__(self)
-        self.save_hyperparameters()
+    def __init__(
+        self, family: str = "llama", tied: bool | None = True, weights: str = "", lr: float = 1e-3, **_: Any
+    ) -> None:  # (**_: the base class's hyperparameters, saved beside these in checkpoints)
+        super().__init__(family, tied, "logits", lr, build=False)
         self.family, self.tied, self.weights = family, tied, weights
-        self.call, self.lr, self.model = "logits", lr, None
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -127,11 +134,10 @@ class LitGPTLM(HFCausalLM):
     """litgpt's ``GPT`` from a named ``Config`` (tiny), called as ``self.model(idx)`` in the step."""
 
     def __init__(self, name: str = "pythia-14m", lr: float = 1e-3) -> None:
-        L.LightningModule.__init__(self)
+        super().__init__("litgpt", None, "litgpt", lr, build=False)
         from litgpt.config import Config
         from litgpt.model import GPT
 
-        self.save_hyperparameters()
         size = dict(n_layer=4, n_embd=32, n_head=4, n_query_groups=2, head_size=8, intermediate_size=64)
         config = Config.from_name(name, **size, padded_vocab_size=VOCAB, vocab_size=VOCAB, block_size=32)
         self.model, self.call, self.lr = GPT(config), "litgpt", lr

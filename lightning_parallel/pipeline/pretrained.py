@@ -96,8 +96,11 @@ def _load(module: nn.Module, files: dict[str, Path]) -> list[str]:
         wanted.setdefault(files[source], []).append((key, source))
     with torch.no_grad():
         for path, keys in wanted.items():
-            with safe_open(str(path), framework="pt") as f:
-                for key, source in keys:
+            for key, source in keys:
+                # One opening per tensor: the file is memory-mapped, and the pages a read touches stay
+                # resident (and counted) until it is closed, so reading a stage under one opening
+                # would peak at twice the stage. The header is read again each time (kilobytes).
+                with safe_open(str(path), framework="pt") as f:
                     targets[key].copy_(f.get_tensor(source))
     return list(targets)
 
