@@ -317,6 +317,35 @@ def gpt_tracing(rows: Rows) -> str:
     )
 
 
+def hf_pipeline(rows: Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    one, pipe = by["one_process"], by["pipeline"]
+    verdict = _verdict(pipe, "ratio", words=("faster", "slower"))
+    header = ["run", "repeats", "samples/s", "step ms", "pipeline / one process", "max loss diff"]
+    table = [
+        ["one process (`Trainer(devices=1)`, the other rank idle)", one["repeats"],
+         timed_col(one, "samples_per_s", 1), timed_col(one, "step_ms", 1), "1 (baseline)", "-"],
+        ["2 pipeline stages (`PipelineStrategy`, 4 micro-batches)", pipe["repeats"],
+         timed_col(pipe, "samples_per_s", 1), timed_col(pipe, "step_ms", 1),
+         timed_col(pipe, "ratio", 3, verdict), pipe["max_loss_diff"]],
+    ]  # fmt: skip
+    return _table(header, table) + (
+        "\n\nA `transformers` Llama built from a config and left as is (the step calls "
+        "`self.model(input_ids=x).logits`), traced and split between its middle decoder layers; "
+        "interleaved with the one-process run in the same 2 processes, same seed and batches; medians "
+        "with (min .. max) over the repeats, the ratio taken within each repeat. The bubble alone caps "
+        f"the ratio at {pipe['ideal_ratio']} (on as many free cores as stages)."
+    )
+
+
+def hf_tracing(rows: Rows) -> str:
+    table = [[r["seq_len"], r["repeats"], timed_col(r, "trace_s", 2)] for r in rows]
+    header = ["sequence length", "repeats", "seconds to trace and split `self.model(input_ids=x)`"]
+    return _table(header, table) + (
+        "\n\nOn the meta twin, in one process: paid once per new input shape, then cached."
+    )
+
+
 def watchdog(rows: Rows) -> str:
     by = {r["variant"]: r for r in rows}
     off, on, goal = by["off"], by["on"], float(rows[0]["goal"])
@@ -379,5 +408,10 @@ QUESTIONS = (
         "Pipelining a GPT: its forward traced against its layers in a Sequential",
         "gpt_pipeline",
         (gpt_pipeline, gpt_tracing),
+    ),
+    Question(
+        "Pipelining a Hugging Face Llama, unmodified: 2 stages against one process",
+        "hf_pipeline",
+        (hf_pipeline, hf_tracing),
     ),
 )

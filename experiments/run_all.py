@@ -48,6 +48,7 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "accumulation_equivalence": "accumulation_equivalence.py",
     "scaling_charlm": "scaling_charlm.py",
     "gpt_pipeline": "bench_gpt_pipeline.py",
+    "hf_pipeline": "bench_hf_pipeline.py",
     "watchdog": "bench_watchdog.py",
     "memory_validation": "memory_validation.py",
 }

@@ -33,6 +33,7 @@ def ex() -> ModuleType:
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(EXPERIMENTS))
         names = ("_repeats", "_harness", "bench_metric_sync", "bench_pipeline", "scaling_charlm")
+        names += ("bench_hf_pipeline",)
         yield _namespace({n: importlib.import_module(n) for n in names})
 
 
@@ -242,6 +243,26 @@ def test_scaling_rows_read_the_ratio_within_each_repeat(ex):
     ddp = rows[1]
     assert ddp["ratio_vs_1_process"] == ddp["ratio_vs_1_process_min"] == ddp["ratio_vs_1_process_max"] == 1.8
     assert (ddp["samples_per_s_min"], ddp["samples_per_s_max"], ddp["samples"]) == (180.0, 252.0, 1280)
+
+
+def test_hf_pipeline_rows_take_each_variant_from_its_rank_and_ratios_per_repeat(ex):
+    hf = ex.bench_hf_pipeline
+
+    def sample(rep: int, variant: str, sps: float) -> dict:
+        return {"repeat": rep, "variant": variant, "position": 0, "samples_per_s": sps, "step_ms": 1e3 / sps}
+
+    one = [{**sample(r, "one_process", 10.0 * (1 + r)), "losses": [2.0, 1.5]} for r in range(5)]
+    pipe = [{**sample(r, "pipeline", 15.0 * (1 + r)), "losses": [2.0, 1.5 + 1e-6]} for r in range(5)]
+    # Rank 0 measured one process (and idled through the pipeline's clock); rank 1 the pipeline's loss.
+    rank0 = one + [{**s, "losses": [float("nan")] * 2} for s in pipe]
+    rank1 = [{"repeat": r, "variant": "one_process", "position": 0} for r in range(5)] + pipe
+    rows = {r["variant"]: r for r in hf.result_rows(hf.measured([rank0, rank1]), 2, 4)}
+    assert rows["pipeline"]["ratio"] == rows["pipeline"]["ratio_min"] == rows["pipeline"]["ratio_max"] == 1.5
+    assert float(rows["pipeline"]["max_loss_diff"]) == pytest.approx(1e-6, rel=1e-2)
+    assert (rows["pipeline"]["ideal_ratio"], rows["one_process"]["ideal_ratio"]) == (1.6, 1)
+    # A step without a loss shows as NaN instead of vanishing in max().
+    nan = hf.result_rows([*one, *[{**s, "losses": [2.0, float("nan")]} for s in pipe]], 2, 4)
+    assert nan[1]["max_loss_diff"] == "nan"
 
 
 def test_train_charlm_writes_its_json_summary(tmp_path):
