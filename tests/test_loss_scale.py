@@ -1,8 +1,9 @@
-"""pipeline/loss_scale.py: found_inf agreed over the ranks, so every rank skips an fp16 step or none does."""
+"""pipeline/loss_scale.py: found_inf agreed over the ranks, so every rank skips an fp16 step or none does.
 
-import pytest
+The multi-rank check runs inside test_pipeline_precision.py's spawned job (one spawn for both files).
+"""
+
 import torch
-from mp_harness import spawn_gloo
 
 from lightning_parallel.pipeline.loss_scale import agree_found_inf, agree_on_overflow
 
@@ -53,24 +54,21 @@ def test_installing_wraps_unscale_once_and_leaves_a_disabled_scaler_alone():
     assert "unscale_" not in vars(disabled)
 
 
-def _worker(rank: int, world: int, out_dir: str) -> None:
+def agreement_outcome(rank: int) -> dict:
+    """Two GradScaler steps on this rank of a process group: only rank 1 overflows at the first.
+
+    Run inside test_pipeline_precision.py's spawned job (one spawn for both files' multi-rank checks).
+    """
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
     agree_on_overflow(scaler)
-    # Step 1: only rank 1 overflows; step 2: nobody does.
     weight = _scaled_step(scaler, float("inf") if rank == 1 else 1.0)
     after_skip, scales = weight.detach().tolist(), [scaler.get_scale()]
     after_step = _scaled_step(scaler, 1.0, weight).detach().tolist()
-    scales.append(scaler.get_scale())
-    torch.save(
-        {"after_skip": after_skip, "after_step": after_step, "scales": scales}, f"{out_dir}/rank{rank}.pt"
-    )
+    return {"after_skip": after_skip, "after_step": after_step, "scales": [*scales, scaler.get_scale()]}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(60)
-def test_one_rank_overflowing_makes_every_rank_skip_and_back_off(tmp_path):
-    records = spawn_gloo(_worker, 2, tmp_path)
-    for r in records:
-        assert r["after_skip"] == [1.0, 1.0]  # rank 0's gradients were finite: it skipped all the same
+def check_agreement(outcomes: list[dict]) -> None:
+    for r in outcomes:
+        assert r["after_skip"] == [1.0, 1.0]  # only rank 1's gradients overflowed: every rank skipped
         assert r["after_step"] == [0.0, 0.0]
         assert r["scales"] == [4.0, 8.0]  # backed off together, then grew together (growth_interval=1)

@@ -1,7 +1,8 @@
 """PipelineStrategy under 16-mixed (GradScaler), bf16-true and 16-true against one device.
 
 Every run trains 2 stages x 2 replicas on 4 ranks. One spawned job of 4 gloo ranks runs them all one after
-the other (each rank starts a Trainer per run, as under torchrun), so the imports are paid once.
+the other (each rank starts a Trainer per run, as under torchrun), so the imports are paid once; before
+them it runs pipeline/loss_scale.py's agreement alone, without Lightning (from tests/test_loss_scale.py).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from mp_harness import (
     reference_loader,
     spawn_gloo,
 )
+from test_loss_scale import agreement_outcome, check_agreement
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.strategies._pipeline_precision import install_loss_scaling, scaled_loss
 
 WORLD, PIPELINE_SIZE = 4, 2
 REPLICAS = WORLD // PIPELINE_SIZE
@@ -111,10 +114,24 @@ def _train(name: str, out_dir: str | os.PathLike, devices: int) -> None:
 def _job(rank: int, world: int, out_dir: str) -> None:
     # Each rank starts its own Trainers, as torchrun's workers do: Lightning finds LOCAL_RANK, creates no
     # processes, and uses the process group that is already there.
+    torch.save(agreement_outcome(rank), Path(out_dir) / f"agreement-rank{rank}.pt")  # no Lightning
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     for name in RUNS:
         _train(name, Path(out_dir) / name, world)
     torch.save({}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def test_the_loss_is_scaled_under_16_mixed_only_and_fused_optimizers_are_refused():
+    loss = torch.tensor(3.0)
+    fp16 = _fp16()["plugins"][0]
+    assert scaled_loss(fp16, loss).item() == 3.0 * 2**6
+    assert scaled_loss(MixedPrecision("bf16-mixed", "cpu"), loss) is loss
+    disabled = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", enabled=False))
+    assert scaled_loss(disabled, loss) is loss
+    weight = torch.nn.Parameter(torch.ones(2))
+    install_loss_scaling(fp16, [torch.optim.AdamW([weight], foreach=True)])
+    with pytest.raises(ValueError, match=r"AdamW unscales inside its own step \(fused=True\).*fused=False"):
+        install_loss_scaling(fp16, [torch.optim.AdamW([weight], fused=True)])
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +139,13 @@ def pipelined(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pp")
     spawn_gloo(_job, WORLD, out)
     return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_one_rank_overflowing_makes_every_rank_skip_and_back_off_without_lightning(pipelined):
+    """pipeline/loss_scale.py alone, on the job's 4 gloo ranks (see tests/test_loss_scale.py)."""
+    check_agreement([torch.load(pipelined / f"agreement-rank{r}.pt") for r in range(WORLD)])
 
 
 def _reference(name: str, tmp_path: Path) -> dict:

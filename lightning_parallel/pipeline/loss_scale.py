@@ -72,8 +72,9 @@ def _found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: torch.optim.O
     """The scaler's per-device ``found_inf`` tensors for ``optimizer``: private GradScaler state.
 
     Checked against torch 2.13 (``GradScaler._per_optimizer_states[id(optimizer)]
-    ["found_inf_per_device"]``, filled by ``unscale_``, read by ``step`` and ``update``);
-    ``tests/test_loss_scale.py`` fails if it moves.
+    ["found_inf_per_device"]``, filled by ``unscale_``, read by ``step`` and ``update``; and
+    ``GradScaler._scale``, whose device a new entry takes); ``tests/test_loss_scale.py`` fails if
+    either moves.
     """
     states = getattr(scaler, "_per_optimizer_states", None)
     state = states.get(id(optimizer)) if isinstance(states, dict) else None
