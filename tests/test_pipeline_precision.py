@@ -84,6 +84,13 @@ RUNS = {
         Regressor, regression_data(64), 8, ("layers.0.0.weight", 3, 1),
         dict(gradient_clip_val=0.5, accumulate_grad_batches=2, max_epochs=2, precision_fn=_fp16),
     ),
+    # The same with ZeRO-1 (each replica steps its shard of the stage, then broadcasts it): the sharded
+    # step and its broadcasts are skipped on every rank alike. Inf in stage 1 of replica 0.
+    "sequential-16-mixed-zero": (
+        Regressor, regression_data(64), 8, ("layers.3.weight", 3, 0),
+        dict(gradient_clip_val=0.5, accumulate_grad_batches=2, max_epochs=2, precision_fn=_fp16,
+             shard_optimizer_state=True),
+    ),
     # The traced path with the tied head (replicas on both stages); inf in stage 1 of replica 0, step 2.
     "gpt-16-mixed": (
         SgdGPT, token_data(32), 8, ("h.3.mlp.2.weight", 2, 0),
@@ -97,7 +104,7 @@ RUNS = {
 def _train(name: str, out_dir: str | os.PathLike, devices: int) -> None:
     model_cls, data, global_batch, inject, kwargs = RUNS[name]
     kwargs = dict(kwargs)
-    precision_fn = kwargs.pop("precision_fn", None)
+    precision_fn, zero = kwargs.pop("precision_fn", None), kwargs.pop("shard_optimizer_state", False)
     kwargs.update(precision_fn() if precision_fn else {})
     torch.manual_seed(0)
     model = model_cls()
@@ -106,7 +113,7 @@ def _train(name: str, out_dir: str | os.PathLike, devices: int) -> None:
         fit(model, reference_loader(data, global_batch), out_dir, **kwargs)
         return
     # Not fit(): it reads every rank's record back, which another rank may still be writing.
-    strategy = PipelineStrategy(pipeline_size=PIPELINE_SIZE, num_microbatches=2)
+    strategy = PipelineStrategy(pipeline_size=PIPELINE_SIZE, num_microbatches=2, shard_optimizer_state=zero)
     trainer = quiet_trainer(devices=devices, strategy=strategy, callbacks=[RankRecorder(out_dir)], **kwargs)
     trainer.fit(model, loader(data, global_batch // REPLICAS))
 
@@ -155,7 +162,7 @@ def _reference(name: str, tmp_path: Path) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["sequential-16-mixed", "gpt-16-mixed"])
+@pytest.mark.parametrize("name", ["sequential-16-mixed", "sequential-16-mixed-zero", "gpt-16-mixed"])
 def test_16_mixed_trains_as_on_one_device_and_every_rank_skips_an_overflow(pipelined, tmp_path, name):
     ref, records = _reference(name, tmp_path), load_rank_results(pipelined / name)
     scales = ref["extra"]
