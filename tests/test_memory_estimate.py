@@ -7,7 +7,7 @@ from tiny_models import SequentialRegressor
 from torch import nn
 
 from lightning_parallel import PipelineStrategy, estimate_memory
-from lightning_parallel.memory.config import ParallelConfig, resolve
+from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
 from lightning_parallel.memory.estimate import format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
@@ -219,6 +219,24 @@ def test_bf16_mixed_saves_smaller_activations_and_counts_weight_copies():
     assert sum(u.weight_copies for u in fp32.probe.units.values()) == 0
     with pytest.raises(ValueError, match="measured in '32-true' but the config asks 'bf16-mixed'"):
         predict(fp32, ParallelConfig("pipeline", 2, 2, 4, precision="bf16-mixed"))
+
+
+def test_16_mixed_saves_as_much_as_bf16_mixed_and_adds_the_loss_scalers_state():
+    bf16, fp16 = _deep_facts("bf16-mixed"), _deep_facts("16-mixed")
+    for shape in (("ddp", 2), ("pipeline", 2, 2, 4, "1f1b"), ("pipeline", 4, 2, 4, "1f1b")):
+        b = predict(bf16, ParallelConfig(*shape, precision="bf16-mixed"))
+        h = predict(fp16, ParallelConfig(*shape, precision="16-mixed", shard_optimizer_state=True))
+        b_zero = predict(bf16, ParallelConfig(*shape, precision="bf16-mixed", shard_optimizer_state=True))
+        for rb, rz, rh in zip(b.ranks, b_zero.ranks, h.ranks):
+            # Same-size half-precision activations and weight copies; fp32 weights, gradients and state.
+            assert (rh.parameters, rh.gradients, rh.activations) == (
+                rb.parameters,
+                rb.gradients,
+                rb.activations,
+            )
+            assert (
+                rh.optimizer == rz.optimizer + LOSS_SCALER_BYTES["16-mixed"]
+            )  # on every rank, even with ZeRO
 
 
 def test_tied_weights_are_held_by_every_stage_that_uses_them():

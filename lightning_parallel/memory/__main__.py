@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if best is None:
         smallest = min(candidates, key=lambda c: c.peak)
         print(f"\nnothing fits {format_bytes(budget)}: the smallest peak is {format_bytes(smallest.peak)} "
-              f"({smallest.config.label()}); add devices, use bf16, or shrink the batch")  # fmt: skip
+              f"({smallest.config.label()}); add devices, use bf16 or fp16, or shrink the batch")  # fmt: skip
         return 1
     print(f"\nfastest that fits {format_bytes(budget)}: {best.config.label()} (est. time {best.time:.2f})")
     print(best.estimate.format_table())

@@ -19,6 +19,10 @@ PRECISIONS = {
 }
 """precision -> (parameter dtype, autocast dtype); ``None``: the model's own dtype / no autocast."""
 
+LOSS_SCALER_BYTES = {"16-mixed": 4 * 4}
+"""The GradScaler's state per rank (``16-mixed``): the scale, its growth tracker, 1/scale and the
+optimizer's found_inf, one 4-byte scalar each; every rank holds it (the pipeline keeps it identical)."""
+
 
 @dataclass(frozen=True)
 class ParallelConfig:

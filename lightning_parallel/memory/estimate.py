@@ -2,7 +2,8 @@
 
 The model of a step (what is alive when):
 
-- **persistent**: parameters, the optimizer state (a 1/replicas share with ZeRO), the gradients
+- **persistent**: parameters, the optimizer state (a 1/replicas share with ZeRO; under 16-mixed
+  with the GradScaler's 16 bytes), the gradients
   already there (DDP: the previous step's, which Lightning zeroes only after ``training_step``, so
   they live through the forward; the pipeline runs its whole schedule inside ``training_step`` and
   releases them before it, except inside an accumulation window, where it adds into them), and the
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from lightning_parallel._table import format_table
-from lightning_parallel.memory.config import ParallelConfig, resolve
+from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
 from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
 from lightning_parallel.memory.schedule import Action, peak_in_flight, rank_actions
@@ -155,7 +156,7 @@ def _ddp_rank(facts: ModelFacts, n: int) -> RankMemory:
     keys = list(facts.tensors)
     params = sum(facts.tensors[k].nbytes for k in keys)
     grads = sum(facts.tensors[k].grad for k in keys)
-    state = facts.state_of(keys)
+    state = facts.state_of(keys) + LOSS_SCALER_BYTES.get(facts.precision, 0)
     acts = sum(u.saved.at(n) + u.after.at(n) + u.weight_copies for u in facts.probe.units.values())
     largest = max((u.largest.at(n) for u in facts.probe.units.values()), default=0)
     # Forward end: the previous gradients are still alive (zeroed after training_step), and DDP's
@@ -239,10 +240,11 @@ def _walk(actions: list[Action], stages: dict[int, StageCosts], all_grads: int) 
 
 
 def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelConfig) -> int:
-    """Optimizer state on the fullest replica of this rank's stage(s) (ZeRO splits it as torch does)."""
-    dp = config.data_parallel_size
+    """Optimizer state on the fullest replica of this rank's stage(s) (ZeRO splits it as torch does),
+    with the loss scaler's, which every rank holds."""
+    dp, scaler = config.data_parallel_size, LOSS_SCALER_BYTES.get(config.precision, 0)
     if not config.shard_optimizer_state or dp == 1:
-        return facts.state_of(keys)
+        return facts.state_of(keys) + scaler
     mine = set(keys)
     groups = [[k for k in group if k in mine] for group in facts.group_order]
     owners = shard_owners([[facts.tensors[k].numel for k in g] for g in groups], dp)
@@ -250,7 +252,7 @@ def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelConfig) -> 
     for group, group_owners in zip(groups, owners):
         for k, owner in zip(group, group_owners):
             per_replica[owner] += facts.state_of([k])
-    return max(per_replica)
+    return max(per_replica) + scaler
 
 
 def format_bytes(n: float) -> str:

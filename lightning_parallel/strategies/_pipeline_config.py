@@ -109,8 +109,3 @@ def check_fit_supported(trainer: pl.Trainer, strategy: Any) -> None:
             f"its schedule), and {type(trainer.lightning_module).__name__} sets "
             "`self.automatic_optimization = False`: remove that line"
         )
-    if getattr(strategy.precision_plugin, "scaler", None) is not None:
-        raise ValueError(
-            "PipelineStrategy does not support precision='16-mixed' (its GradScaler scales the loss outside "
-            "the schedule): use 'bf16-mixed', 'bf16-true' or '32-true'"
-        )

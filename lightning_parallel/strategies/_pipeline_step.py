@@ -21,6 +21,7 @@ from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
 from lightning_parallel.pipeline.step_logs import LogRecorder, from_record, to_record
 from lightning_parallel.strategies._earlier_gradients import earlier_gradients
+from lightning_parallel.strategies._pipeline_precision import scaled_loss
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -83,8 +84,8 @@ class _Step:
                 loss = loss_of(self.step(chunks[index], *rest), self.step_name)
             losses.append((loss.detach(), n_i))
             # Scale the loss, not the gradients: each micro-batch carries its share of the batch
-            # mean, and of the accumulation window.
-            return loss * (n_i / self.n * scale)
+            # mean, and of the accumulation window (and, under fp16, the GradScaler's scale).
+            return scaled_loss(self.module.trainer.precision_plugin, loss * (n_i / self.n * scale))
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         batch_idx = self.args[1] if len(self.args) > 1 else None

@@ -42,6 +42,7 @@ from lightning_parallel.strategies._pipeline_memory import (
     shard_optimizers,
     unit_naming,
 )
+from lightning_parallel.strategies._pipeline_precision import install_loss_scaling
 from lightning_parallel.strategies._pipeline_state import (
     consolidated_optimizer_state,
     consolidated_state_dict,
@@ -215,6 +216,7 @@ class PipelineStrategy(DDPStrategy):
                 self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh)
             _optimizers_to_device(self.optimizers, self.root_device)
             self._install_global_clipping()
+            install_loss_scaling(self.precision_plugin, self.optimizers)  # 16-mixed: one skip decision
         self.setup_precision_plugin()
 
     def _register_release(self) -> None:
