@@ -130,13 +130,7 @@ def tracing_times(args: dict[str, Any]) -> list[dict[str, Any]]:
         trace(twin, example, points, True, binding)
         return time.perf_counter() - start
 
-    lengths = [args["seq_len"] // 4, args["seq_len"] // 2, args["seq_len"]]
-    samples = h.interleave({str(n): (lambda n=n: timed(n)) for n in lengths}, repeats=args["repeats"])
-    rows = []
-    for n in lengths:
-        times = [s["value"] for s in samples if s["variant"] == str(n)]
-        rows.append({"seq_len": n, "repeats": len(times), **h.spread(times).cells("trace_s")})
-    return rows
+    return h.seconds_by_length(timed, args["seq_len"], args["repeats"])
 
 
 def plot(rows: list[dict[str, Any]], tracing: list[dict[str, Any]], args: Any) -> None:
