@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_parallel._options import checks_options
 from lightning_parallel.callbacks._accumulation_internals import (
     _install_loss_multiplier,
     _install_stepping_estimate,
@@ -103,6 +104,7 @@ class GradientAccumulationScheduler(Callback):
         GradientAccumulationScheduler(scheduling={0: 8, 4: 4})
     """
 
+    @checks_options
     def __init__(
         self,
         scheduling: Mapping[int, int] | None = None,

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_parallel._options import checks_options
 from lightning_parallel.callbacks import _checkpoint_strategies as strategies
 from lightning_parallel.callbacks._checkpoint_internals import (
     _dump_checkpoint,
@@ -81,6 +82,7 @@ class Rank0Checkpoint(ModelCheckpoint):
         trainer.fit(model, datamodule, ckpt_path="last")
     """
 
+    @checks_options
     def __init__(
         self,
         dirpath: str | os.PathLike | None = None,

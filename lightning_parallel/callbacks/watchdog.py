@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.agree import distributed_ready
 from lightning_parallel.distributed.watchdog import EXIT_CODE, Watchdog, check_timeout
 
@@ -59,6 +60,7 @@ class HangWatchdog(Callback):
         trainer = L.Trainer(devices=8, strategy="ddp", callbacks=[HangWatchdog(timeout=300)])
     """
 
+    @checks_options
     def __init__(
         self, timeout: float | timedelta = 300.0, report_path: str | os.PathLike | None = None
     ) -> None:
