@@ -1,7 +1,5 @@
 """AllReducedMetrics: every ``self.log`` value reaches rank 0's logger as the value over all ranks."""
 
-from __future__ import annotations
-
 import resource
 import time
 from collections.abc import Callable, Mapping

@@ -4,8 +4,6 @@ Lightning glue only: the hooks tell the ground floor (:mod:`lightning_parallel.d
 which hook and step each rank is in; the monitor, the report and the exit live there.
 """
 
-from __future__ import annotations
-
 import functools
 import os
 from collections.abc import Callable

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -39,6 +39,7 @@ __all__ = [
     "atomic_symlink",
     "atomic_write",
     "check_writable_dir",
+    "created_for_now",
     "fsync_dir",
     "list_tagged_checkpoints",
     "newest_first",
@@ -338,6 +339,31 @@ def check_writable_dir(directory: str) -> str | None:
     except OSError as err:
         return f"{type(err).__name__}: {err}"
     return None
+
+
+@contextlib.contextmanager
+def created_for_now(directory: str) -> Iterator[None]:
+    """Remove, on exit, the directories up to ``directory`` that did not exist on entry and are still empty.
+
+    Checks that need the directory (is it writable, which temp files does its filesystem allow) then
+    leave nothing behind: as Lightning's ModelCheckpoint, a run that saves nothing creates no directory.
+
+    Example::
+
+        with created_for_now("checkpoints"):
+            problem = check_writable_dir("checkpoints")
+    """
+    missing = []
+    path = os.path.abspath(directory)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)  # deepest first
+        path = os.path.dirname(path)
+    try:
+        yield
+    finally:
+        for path in missing:
+            with contextlib.suppress(OSError):  # not empty (a file was written), or gone already
+                os.rmdir(path)
 
 
 def newest_first(entries: Iterable[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
