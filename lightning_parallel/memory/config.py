@@ -41,8 +41,9 @@ class ParallelConfig:
 
     Example::
 
-        ParallelConfig("pipeline", devices=4, pipeline_size=2, num_microbatches=8, schedule="1f1b",
-                       activation_checkpointing=True, shard_optimizer_state=True)
+        >>> ParallelConfig("pipeline", devices=4, pipeline_size=2, num_microbatches=8, schedule="1f1b",
+        ...                activation_checkpointing=True, shard_optimizer_state=True).label()
+        'pp 2x2 1f1b m=8 +ac +zero'
     """
 
     strategy: str = "ddp"
@@ -122,7 +123,11 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
 
     Example::
 
-        resolve(PipelineStrategy(pipeline_size=2, num_microbatches=8), devices=4, precision="bf16-mixed")
+        >>> resolve("auto", devices=1, precision="32-true").label()  # Trainer(devices=1): no DDP
+        'single device'
+        >>> resolve("auto", devices=4, precision="32-true").label()
+        'ddp x4'
+        >>> resolve(PipelineStrategy(pipeline_size=2), devices=4, precision="bf16-mixed")  # doctest: +SKIP
     """
     if isinstance(strategy, ParallelConfig):
         return replace(strategy, devices=devices, precision=precision)
