@@ -1,9 +1,9 @@
 """Does the memory planner predict what torch measures? Every prediction against MemTracker, rank by rank.
 
-For each configuration (DDP; pipelines with p = 2 and 4; gpipe, 1f1b, interleaved; m in {2, 4, 8};
-with and without recomputation; optimizer state sharded or not; fp32 and bf16-mixed; the main job's
-GPT through the traced split and the same network as an ``nn.Sequential``), the same model, seed and
-batch are
+For each configuration (one device, as ``Trainer(devices=1)`` runs it: without DDP; DDP; pipelines
+with p = 2 and 4; gpipe, 1f1b, interleaved; m in {2, 4, 8}; with and without recomputation; optimizer
+state sharded or not; fp32 and bf16-mixed; the main job's GPT through the traced split and the same
+network as an ``nn.Sequential``), the same model, seed and batch are
 
 - **predicted** by ``lightning_parallel.memory`` in this process (no training), and
 - **measured** on every rank by torch's own meter, ``torch.distributed._tools.mem_tracker.MemTracker``,
@@ -28,7 +28,7 @@ and ``memory_validation.png`` (predicted against measured) under ``--out-dir``.
 
 Usage::
 
-    python experiments/memory_validation.py            # 21 configurations, ~5-12 minutes on 2 cores
+    python experiments/memory_validation.py            # 22 configurations, ~5-12 minutes on 2 cores
     python experiments/memory_validation.py --quick    # 2 small configurations, ~1 minute
 """
 
@@ -96,6 +96,7 @@ def cases(quick: bool) -> list[Case]:
         ]
     pp = "pipeline"
     return [
+        Case("single device", "single_device", 1, batch=8),
         Case("ddp x2", "ddp", 2, batch=8),
         Case("ddp x2 bf16", "ddp", 2, batch=8, precision="bf16-mixed"),
         Case("ddp x2 (Sequential)", "ddp", 2, batch=8, model="seq"),
@@ -260,8 +261,8 @@ def group_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
 
 
 def _strategy(case: Case) -> Any:
-    if case.strategy == "ddp":
-        return "ddp"
+    if case.strategy in ("ddp", "single_device"):
+        return "ddp" if case.strategy == "ddp" else "auto"  # auto on one device: no DDP wrapper
     return PipelineStrategy(
         pipeline_size=case.pipeline_size, num_microbatches=case.num_microbatches, schedule=case.schedule,
         stages_per_rank=case.stages_per_rank, activation_checkpointing=case.checkpointing,
@@ -285,7 +286,7 @@ def rows_for(case: Case, estimate: MemoryEstimate, measured: list[dict[str, Any]
     rows = []
     for record in measured:
         rank = record["rank"]
-        mine = estimate.ranks[0 if case.strategy == "ddp" else rank // dp]
+        mine = estimate.ranks[rank // dp if case.strategy == "pipeline" else 0]
         rows.append(
             dict(
                 config=case.name, **{k: v for k, v in asdict(case).items() if k != "name"},

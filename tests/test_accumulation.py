@@ -225,6 +225,13 @@ class Stream(IterableDataset):
         yield from _data(16)
 
 
+def test_manual_optimization_is_refused_at_setup_with_lightnings_error():
+    trainer = quiet_trainer(callbacks=[GradientAccumulationScheduler(global_batch_size=16)])
+    match = r"`GradientAccumulationScheduler` is not supported for manual optimization, and ManualModel sets"
+    with pytest.raises(RuntimeError, match=match):
+        trainer.fit(ManualModel(), DataLoader(_data(32), batch_size=8))
+
+
 @pytest.mark.parametrize(
     ("model", "data", "callback", "trainer_kwargs", "match"),
     [
@@ -233,14 +240,8 @@ class Stream(IterableDataset):
             _data(32),
             dict(global_batch_size=16),
             dict(accumulate_grad_batches=2),
-            r"Trainer\(accumulate_grad_batches=2\).*remove accumulate_grad_batches",
-        ),
-        (
-            ManualModel,
-            _data(32),
-            dict(global_batch_size=16),
-            {},
-            r"supports automatic optimization only .*ManualModel sets `self\.automatic_optimization = False`",
+            r"`accumulate_grad_batches` and are using the `GradientAccumulationScheduler`.*"
+            r"Trainer\(accumulate_grad_batches=2\)",
         ),
         (
             Regressor,
@@ -271,7 +272,7 @@ def test_bad_setups_fail_at_start_with_the_numbers(model, data, callback, traine
         ({}, TypeError, "exactly one"),
         (dict(scheduling={0: 2}, global_batch_size=64), TypeError, "exactly one"),
         (dict(scheduling=4), TypeError, "scheduling must be a dict"),
-        (dict(scheduling={0: 0}), ValueError, "positive"),
+        (dict(scheduling={0: 0}), ValueError, "Accumulation factor should be an int greater than 0"),
         (dict(global_batch_size=-64), ValueError, "positive"),
         (dict(global_batch_size={0: 64, -1: 8}), ValueError, "negative"),
         (dict(global_batch_size={0: 64, 100: 128, 50: 256}), ValueError, "strictly increasing"),
@@ -378,7 +379,9 @@ def test_a_strategy_that_accumulates_by_itself_is_refused():
     trainer = quiet_trainer(
         strategy=strategy, callbacks=[GradientAccumulationScheduler(global_batch_size=16)]
     )
-    with pytest.raises(ValueError, match="SelfAccumulating accumulates gradients by itself"):
+    with pytest.raises(
+        RuntimeError, match=r"`SelfAccumulating` does not support .* accumulates gradients by itself"
+    ):
         trainer.fit(Regressor(), DataLoader(_data(32), batch_size=8))
 
 

@@ -280,3 +280,51 @@ def test_a_kill_during_the_write_leaves_nothing_with_o_tmpfile(tmp_path, monkeyp
     else:
         assert len(left) == 1 and left[0].startswith(".new.ckpt.") and left[0].endswith(".partial")
         assert atomic.remove_orphans(str(tmp_path)) == [str(tmp_path / left[0])]
+
+
+class _FullDisk:
+    """A file with room for ``room`` bytes, which then fails as a full disk does (ENOSPC)."""
+
+    def __init__(self, f, room: int) -> None:
+        self._f, self._room = f, room
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self._room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= size
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def fill_disk_after(monkeypatch, room: int) -> None:
+    """Make checkpoint writes fail with ENOSPC once ``room`` bytes are written."""
+    init = atomic._HashingWriter.__init__
+    monkeypatch.setattr(atomic._HashingWriter, "__init__", lambda self, f: init(self, _FullDisk(f, room)))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_full_disk_says_so_with_the_bytes_needed_and_free(tmp_path, monkeypatch, method):
+    _use(method, tmp_path, monkeypatch)
+    atomic.save_checkpoint_file(_state(), str(tmp_path / "old.ckpt"))
+    fill_disk_after(monkeypatch, 2000)
+    # 1000 float32 + 5 int64 = 4040 bytes of tensors; torch alone would say "unexpected pos".
+    match = r"'.*new\.ckpt': the disk is full .* needs at least 4040 bytes .* has \d+ bytes \(.* MiB\) free"
+    with pytest.raises(atomic.DiskFullError, match=match):
+        atomic.save_checkpoint_file(_state(), str(tmp_path / "new.ckpt"))
+    assert os.listdir(tmp_path) == ["old.ckpt"] and atomic.verify_checkpoint(str(tmp_path / "old.ckpt")).ok
+
+
+def test_a_disk_full_error_hidden_by_torch_is_found():
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("unexpected pos 2880 vs 277") from None
+    except RuntimeError as err:
+        assert atomic._disk_full(err)  # from None hides the context from tracebacks, not from __context__
+    assert not atomic._disk_full(RuntimeError("unexpected pos")) and not atomic._disk_full(
+        OSError(errno.EIO, "")
+    )

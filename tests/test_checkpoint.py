@@ -11,7 +11,11 @@ from mp_harness import RankRecorder, ddp_spawn, load_rank_results
 from tiny_models import SequentialRegressor, regression_data
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_parallel.callbacks.checkpoint import Rank0Checkpoint, check_lightning_internals
+from lightning_parallel.callbacks.checkpoint import (
+    CheckpointWriteError,
+    Rank0Checkpoint,
+    check_lightning_internals,
+)
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
 from lightning_parallel.io import atomic
 
@@ -142,6 +146,34 @@ def test_serialization_failure_on_rank0_ends_every_rank(tmp_path):
         text = (tmp_path / "out" / f"exc-rank{rank}.txt").read_text()
         assert "CheckpointWriteError" in text and "step=2.ckpt" in text and "pickle" in text
     assert not list((tmp_path / "ckpt").iterdir())  # neither a checkpoint nor a temp file
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_earlier_checkpoints(
+    tmp_path, monkeypatch, async_save
+):
+    from test_atomic_io import fill_disk_after
+
+    dirpath = tmp_path / "ckpt"
+    ckpt = Rank0Checkpoint(dirpath=str(dirpath), every_n_train_steps=2, save_top_k=-1, async_save=async_save)
+    saves = []
+    write = atomic.save_checkpoint_file
+
+    def save_then_fill(*args, **kwargs):  # the disk is full from the second save on
+        saves.append(args[1])
+        if len(saves) == 2:
+            fill_disk_after(monkeypatch, 1000)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(atomic, "save_checkpoint_file", save_then_fill)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False, callbacks=[ckpt]
+    )
+    match = r"failed on global rank 0: .*step=4\.ckpt': the disk is full .* needs at least \d+ bytes .* free"
+    with pytest.raises(CheckpointWriteError, match=match):
+        trainer.fit(IdModel(), train_dataloaders=_loader())
+    assert os.listdir(dirpath) == ["epoch=0-step=2.ckpt"]  # no temp file, the earlier checkpoint kept
+    assert atomic.verify_checkpoint(str(dirpath / "epoch=0-step=2.ckpt")).ok
 
 
 def test_corrupt_last_is_skipped_and_explicit_corrupt_path_is_an_error(tmp_path):

@@ -92,13 +92,13 @@ def test_save_last_link_points_at_the_newest_file(tmp_path, async_save):
     assert atomic.verify_checkpoint(str(last)).ok and torch.load(last, weights_only=False)["global_step"] == 4
     assert sorted(os.listdir(dirpath)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
 
-    # Lightning's static signature: ModelCheckpoint calls it as cls._link_checkpoint(trainer, ...).
-    assert isinstance(inspect.getattr_static(Rank0Checkpoint, "_link_checkpoint"), staticmethod)
-    assert list(inspect.signature(Rank0Checkpoint._link_checkpoint).parameters) == [
-        "trainer",
-        "filepath",
-        "linkpath",
-    ]
+    # Lightning's static signature, on the class and on an instance: (trainer, filepath, linkpath).
+    for owner in (Rank0Checkpoint, ckpt):
+        assert list(inspect.signature(owner._link_checkpoint).parameters) == [
+            "trainer",
+            "filepath",
+            "linkpath",
+        ]
     Rank0Checkpoint._link_checkpoint(trainer, str(dirpath / "epoch=0-step=2.ckpt"), str(last))
     assert os.readlink(last) == "epoch=0-step=2.ckpt"
 
@@ -141,7 +141,7 @@ def test_a_sharded_tensor_in_the_state_is_refused_at_save(tmp_path):
     ckpt = Rank0Checkpoint(dirpath=str(dirpath), every_n_train_steps=1)
     with pytest.raises(CheckpointWriteError, match=r"holds a DTensor at 'sharded/w'.*partial checkpoint"):
         _trainer(ckpt, max_steps=1).fit(ShardedStateModel(), loader(regression_data(16), 4))
-    assert os.listdir(dirpath) == []
+    assert not dirpath.exists()  # nothing written: no directory either
 
 
 def _not_resumable_warnings(caught) -> list[str]:
@@ -171,3 +171,67 @@ def test_an_exact_resume_does_not_get_lightnings_not_resumable_warning(tmp_path)
         warnings.simplefilter("always")
         trainer.fit(IdModel(), plain, ckpt_path="last")
     assert len(_not_resumable_warnings(caught)) == 1
+
+
+def test_a_pickled_copy_equals_the_original_and_carries_no_writer(tmp_path):
+    import pickle
+
+    ckpt = Rank0Checkpoint(dirpath=tmp_path, monitor="val_loss", async_save=True)
+    copy = pickle.loads(pickle.dumps(ckpt))
+    assert vars(copy) == vars(ckpt)
+    ckpt._writer.wait()  # made at first use; a copy of a used callback still travels without it
+    assert "_writer" in vars(ckpt) and vars(pickle.loads(pickle.dumps(ckpt))) == vars(copy)
+
+
+class _MinimalTrainer:
+    """Only what ModelCheckpoint._link_checkpoint reads."""
+
+    is_global_zero = True
+
+    class strategy:
+        @staticmethod
+        def barrier():
+            pass
+
+
+@pytest.mark.parametrize("on", ["class", "instance"])
+def test_link_checkpoint_reads_only_is_global_zero_and_the_barrier(tmp_path, on):
+    target, link = tmp_path / "a.ckpt", tmp_path / "last.ckpt"
+    target.write_bytes(b"x")
+    owner = Rank0Checkpoint if on == "class" else Rank0Checkpoint(dirpath=tmp_path)
+    owner._link_checkpoint(_MinimalTrainer(), filepath=str(target), linkpath=str(link))
+    assert os.readlink(link) == "a.ckpt"
+    (tmp_path / "dir").mkdir()
+    owner._link_checkpoint(_MinimalTrainer(), str(target), str(tmp_path / "dir"))  # a directory is replaced
+    assert os.readlink(tmp_path / "dir") == "a.ckpt"
+
+
+def test_a_fit_that_saves_nothing_leaves_no_directory(tmp_path):
+    dirpath = tmp_path / "deep" / "ckpt"
+    ckpt = Rank0Checkpoint(dirpath=str(dirpath), monitor="never_logged", save_top_k=1)
+    _trainer(ckpt, max_steps=1, enable_checkpointing=True).fit(
+        SequentialRegressor(), loader(regression_data(16), 4)
+    )
+    assert not (tmp_path / "deep").exists()
+
+
+def test_an_unwritable_dirpath_still_fails_at_setup(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    ckpt = Rank0Checkpoint(dirpath=str(tmp_path / "file" / "ckpt"))
+    with pytest.raises(ValueError, match="cannot write to dirpath"):
+        _trainer(ckpt, max_steps=1).fit(SequentialRegressor(), loader(regression_data(16), 4))
+
+
+@pytest.mark.parametrize("cls", [ModelCheckpoint, Rank0Checkpoint])
+def test_signature_annotations_are_types_as_modelcheckpoints(cls):
+    annotation = inspect.signature(cls).parameters["save_last"].annotation
+    assert not isinstance(annotation, str)
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--save_last", type=annotation)
+    assert [parser.parse_args(["--save_last", v]).save_last for v in ("link", "true", "null")] == [
+        "link",
+        True,
+        None,
+    ]

@@ -1,10 +1,13 @@
 """The memory planner's logic without processes: units, probe, optimizer state, per-rank arithmetic."""
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import SequentialRegressor
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy, estimate_memory
 from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
@@ -290,3 +293,52 @@ def test_planner_table_marks_what_fits_and_the_fastest():
 def test_format_bytes():
     assert [format_bytes(n) for n in (512, 2048, 3 * 2**20, 24 * 2**30)] == ["512 B", "2.00 KiB", "3.00 MiB",
                                                                             "24.00 GiB"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- one device
+
+
+def test_one_device_models_the_trainer_without_ddp_and_says_so():
+    model = _mlp()
+    batch, optimizer = torch.randn(32, 8), torch.optim.AdamW(model.parameters())
+    single = estimate_memory(model, batch, optimizer=optimizer)  # "auto": what Trainer(devices=1) runs
+    ddp = estimate_memory(model, batch, strategy="ddp", optimizer=optimizer)
+    assert single.config.strategy == "single_device" and single.worst.buffers == 0  # no gradient buckets
+    assert ddp.peak - single.peak == ddp.worst.buffers == ddp.worst.gradients
+    assert single.format_table().startswith("single device (32-true)")
+    assert ddp.format_table().startswith("ddp x1 (32-true)")
+    assert resolve("auto", 4, "32-true").strategy == "ddp"
+    with pytest.raises(ValueError, match=r"'single_device' runs on one device, got devices=2"):
+        resolve("single_device", 2, "32-true")
+
+
+class _StepMeter(L.Callback):
+    """torch's MemTracker around the second training step: its peak bytes."""
+
+    peak = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            self.tracker = MemTracker()
+            self.tracker.track_external(pl_module, *trainer.optimizers, batch)
+            self.tracker.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            self.tracker.__exit__(None, None, None)
+            snapshot = self.tracker.get_tracker_snapshot("peak")
+            self.peak = int(sum(device.get("Total", 0) for device in snapshot.values()))
+
+
+def test_one_device_estimate_is_within_15_percent_of_memtracker_under_trainer_devices_1():
+    torch.manual_seed(0)
+    model = SequentialRegressor(d_in=256, hidden=256, d_out=256, depth=4, adam=True)
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    predicted = estimate_memory(model, (x, y)).peak
+    meter = _StepMeter()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False, callbacks=[meter],
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(TensorDataset(x.repeat(2, 1), y.repeat(2, 1)), batch_size=64))
+    assert meter.peak > 0 and abs(predicted / meter.peak - 1) <= 0.15, (predicted, meter.peak)

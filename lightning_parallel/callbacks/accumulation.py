@@ -20,8 +20,6 @@ within an epoch; only a ``global_batch_size`` ramp keyed by optimizer step needs
 :func:`~lightning_parallel.callbacks._accumulation_internals._override_window_boundaries`.
 """
 
-from __future__ import annotations
-
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,6 +31,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_parallel._options import checks_options
+from lightning_parallel.callbacks._accumulation_checks import (
+    check_scheduling,
+    check_supported,
+    warn_if_optimizer_hooks_overridden,
+)
 from lightning_parallel.callbacks._accumulation_internals import (
     _install_loss_multiplier,
     _install_stepping_estimate,
@@ -74,12 +78,20 @@ class GradientAccumulationScheduler(Callback):
             (the ramp must give step 0).
 
     Raises:
-        TypeError: non-int keys or values, or both / neither argument given (here); at train start, a
-            train dataloader that is not one ``torch.utils.data.DataLoader``.
-        ValueError: non-positive values, negative or non-increasing keys (here); at ``setup`` or
-            train start: ``Trainer(accumulate_grad_batches>1)``, manual optimization, a strategy that
-            accumulates by itself, a global batch that the loader cannot give exactly (with the nearest
-            valid choices), a loader without a fixed batch size or a length.
+        MisconfigurationException: (also a ValueError) a ``scheduling`` key that is not an int >= 0
+            or a factor that is not an int >= 1, with Lightning's messages (here).
+        TypeError: an empty ``scheduling`` (as Lightning), non-int ``global_batch_size`` keys or values,
+            or both / neither argument given (here); at train start, a train dataloader that is not
+            one ``torch.utils.data.DataLoader``.
+        ValueError: non-positive ``global_batch_size`` values, negative or non-increasing keys (here);
+            at ``setup`` or train start: ``Trainer(accumulate_grad_batches>1)``, a global batch that the
+            loader cannot give exactly (with the nearest valid choices), a loader without a fixed batch
+            size or a length.
+        RuntimeError: at ``setup`` or train start, manual optimization or a strategy that accumulates
+            by itself (DeepSpeed), with Lightning's messages.
+
+    Warns, as Lightning's callback does, when the module overrides ``optimizer_step`` or
+    ``optimizer_zero_grad`` and the schedule accumulates: they run once per optimizer step.
 
     Note:
         Manual optimization is refused: there the user owns backward and step, so weight each loss by
@@ -103,6 +115,7 @@ class GradientAccumulationScheduler(Callback):
         GradientAccumulationScheduler(scheduling={0: 8, 4: 4})
     """
 
+    @checks_options
     def __init__(
         self,
         scheduling: Mapping[int, int] | None = None,
@@ -120,6 +133,7 @@ class GradientAccumulationScheduler(Callback):
                 raise TypeError(
                     f"scheduling must be a dict {{epoch: factor}}, got {type(scheduling).__name__}"
                 )
+            scheduling = check_scheduling(scheduling)
             self.scheduling: dict[int, int] | None = validate_schedule(scheduling, "scheduling", "epoch")
             self.global_batch_size: dict[int, int] | None = None
         else:
@@ -141,26 +155,7 @@ class GradientAccumulationScheduler(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise ValueError(
-                "GradientAccumulationScheduler supports automatic optimization only (it weights each "
-                "batch's loss and decides when Lightning steps the optimizer), and "
-                f"{type(pl_module).__name__} sets `self.automatic_optimization = False`: remove the "
-                "callback, or accumulate by hand in training_step (scale each loss by its samples / the "
-                "window's samples, step every k batches)"
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
-                "GradientAccumulationScheduler both set the accumulation: remove accumulate_grad_batches "
-                "from the Trainer (the callback sets it)"
-            )
-        if trainer.strategy.handles_gradient_accumulation:
-            raise ValueError(
-                f"{type(trainer.strategy).__name__} accumulates gradients by itself "
-                "(handles_gradient_accumulation=True), so GradientAccumulationScheduler cannot set its "
-                "windows: configure accumulation in the strategy instead"
-            )
+        check_supported(trainer, pl_module)
         self._restore.append(
             _install_stepping_estimate(trainer, lambda lightning: self._stepping_batches(trainer, lightning))
         )
@@ -185,6 +180,15 @@ class GradientAccumulationScheduler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_supported(trainer, pl_module)  # Lightning's callback checks here (setup checked already)
+        if trainer.train_dataloader is not None:  # None only when called outside a fit
+            self._start_plan(trainer, pl_module)
+        factors = (
+            [p.factor for p in self.plan.phases] if self.plan else list((self.scheduling or {}).values())
+        )
+        warn_if_optimizer_hooks_overridden(pl_module, any(f > 1 for f in factors))
+
+    def _start_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.plan = self._make_plan(self._agreed_layout(trainer), trainer)
         rank_zero_info(f"GradientAccumulationScheduler plan:\n{self.plan.format_table()}")
         self._restore.append(_install_loss_multiplier(pl_module, lambda: self._multiplier))

@@ -1,7 +1,8 @@
 """Rank0Checkpoint: ModelCheckpoint whose files are written once, atomically, verifiably, by global rank 0."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: LightningCLI and other tools read the constructor's
+# annotations with ``inspect.signature`` and use them as types, as they can ModelCheckpoint's.
+import functools
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -12,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_parallel._options import checks_options
 from lightning_parallel.callbacks import _checkpoint_strategies as strategies
 from lightning_parallel.callbacks._checkpoint_internals import (
     _dump_checkpoint,
@@ -31,6 +33,13 @@ __all__ = ["CheckpointWriteError", "Rank0Checkpoint", "check_lightning_internals
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; raised on every rank with rank 0's message."""
+
+
+class _LinkCheckpoint:
+    """A staticmethod ``(trainer, filepath, linkpath)`` that, read on an instance, also passes it."""
+
+    def __get__(self, instance: ModelCheckpoint | None, owner: type | None = None) -> Callable[..., None]:
+        return functools.partial(_link_checkpoint, instance)
 
 
 class Rank0Checkpoint(ModelCheckpoint):
@@ -81,6 +90,7 @@ class Rank0Checkpoint(ModelCheckpoint):
         trainer.fit(model, datamodule, ckpt_path="last")
     """
 
+    @checks_options
     def __init__(
         self,
         dirpath: str | os.PathLike | None = None,
@@ -120,14 +130,32 @@ class Rank0Checkpoint(ModelCheckpoint):
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}")
         self.async_save = async_save
-        self._writer = AsyncWriter()
-        self._snapshots = SnapshotBuffers()
         self._async_pending = False  # known on every rank: an async save was started and not yet confirmed
         self._verified: dict[str, tuple[int, int]] = {}
         self._resume_position: dict[str, Any] | None = None
         self._resume_batches = 0  # batches of the current epoch done before this run resumed it
         self._batches_done = 0  # batches of the current epoch done so far (including the resumed ones)
         self._loader_unmark: Callable[[], None] = _nothing
+
+    # The background writer and the snapshot buffers are made at their first use, and like the loader
+    # patch and the trainer they belong to one fit in one process: a pickled copy (a spawned rank, a
+    # deep copy) travels without them, and its vars() equal the original's, as ModelCheckpoint's do.
+    _PROCESS_LOCAL = ("_writer", "_snapshots", "_loader_unmark", "_trainer_ref")
+
+    @functools.cached_property
+    def _writer(self) -> AsyncWriter:
+        return AsyncWriter()
+
+    @functools.cached_property
+    def _snapshots(self) -> SnapshotBuffers:
+        return SnapshotBuffers()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k not in self._PROCESS_LOCAL}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self._loader_unmark = _nothing
 
     # --- setup: directory checks, orphan clean-up, verifying loads ------------------------------------
 
@@ -153,17 +181,21 @@ class Rank0Checkpoint(ModelCheckpoint):
             strategy.checkpoint_io = _VerifyingCheckpointIO(strategy.checkpoint_io, self._verified)
 
     def _prepare_dir(self) -> None:
-        """On rank 0: check ``dirpath`` can be written, and remove a killed run's temporary files."""
-        problem = atomic.check_writable_dir(str(self.dirpath))
-        if problem is not None:
-            raise ValueError(
-                f"Rank0Checkpoint cannot write to dirpath {str(self.dirpath)!r}: {problem}. "
-                "Pass a dirpath that the job can create and write."
-            )
-        removed = atomic.remove_orphans(str(self.dirpath))
-        if removed:
-            rank_zero_info(f"Rank0Checkpoint removed {len(removed)} temporary file(s) of a killed run")
-        method = atomic.temp_file_method(str(self.dirpath))
+        """On rank 0: check ``dirpath`` can be written, and remove a killed run's temporary files.
+
+        A ``dirpath`` created for the check is removed after it: it is created again at the first save.
+        """
+        with atomic.created_for_now(str(self.dirpath)):
+            problem = atomic.check_writable_dir(str(self.dirpath))
+            if problem is not None:
+                raise ValueError(
+                    f"Rank0Checkpoint cannot write to dirpath {str(self.dirpath)!r}: {problem}. "
+                    "Pass a dirpath that the job can create and write."
+                )
+            removed = atomic.remove_orphans(str(self.dirpath))
+            if removed:
+                rank_zero_info(f"Rank0Checkpoint removed {len(removed)} temporary file(s) of a killed run")
+            method = atomic.temp_file_method(str(self.dirpath))
         rank_zero_info(f"Rank0Checkpoint writes into {method} temporary files in {str(self.dirpath)!r}")
 
     # --- saving ----------------------------------------------------------------------------------------
@@ -213,22 +245,9 @@ class Rank0Checkpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             self._writer.after(lambda: _remove_quietly(filepath))
 
-    @staticmethod
-    @override
-    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
-        """Point ``linkpath`` at ``filepath`` with one rename, once ``filepath`` is on disk."""
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            # Static as in ModelCheckpoint: the caller is the callback whose last file is ``linkpath``.
-            owners = [
-                cb
-                for cb in trainer.checkpoint_callbacks
-                if isinstance(cb, Rank0Checkpoint) and cb.last_model_path == linkpath
-            ]
-            if owners:
-                owners[0]._writer.after(lambda: atomic.atomic_symlink(filepath, linkpath))
-            else:
-                atomic.atomic_symlink(filepath, linkpath)
-        trainer.strategy.barrier()
+    # Static in ModelCheckpoint (Lightning calls ``self._link_checkpoint(trainer, ...)``, tools call it
+    # on the class): the same here, but a call on a callback also knows whose save to wait for.
+    _link_checkpoint = _LinkCheckpoint()
 
     @override
     def on_train_batch_start(
@@ -387,6 +406,21 @@ class Rank0Checkpoint(ModelCheckpoint):
 
 def _nothing() -> None:
     pass
+
+
+def _link_checkpoint(
+    callback: Rank0Checkpoint | None, trainer: pl.Trainer, filepath: str, linkpath: str
+) -> None:
+    """Point ``linkpath`` at ``filepath`` with one rename, after ``callback``'s background save of it.
+
+    Reads only ``trainer.is_global_zero`` and ``trainer.strategy.barrier``, as ModelCheckpoint's does.
+    """
+    if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+        if callback is not None:
+            callback._writer.after(lambda: atomic.atomic_symlink(filepath, linkpath))
+        else:
+            atomic.atomic_symlink(filepath, linkpath)
+    trainer.strategy.barrier()
 
 
 def _remove_quietly(path: str) -> None:

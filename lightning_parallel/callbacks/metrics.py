@@ -1,7 +1,5 @@
 """AllReducedMetrics: every ``self.log`` value reaches rank 0's logger as the value over all ranks."""
 
-from __future__ import annotations
-
 import resource
 import time
 from collections.abc import Callable, Mapping
@@ -13,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_parallel._options import checks_options
 from lightning_parallel.callbacks._metrics_internals import (
     _attach_to_lightning_internals,
     _current_results,
@@ -100,6 +99,7 @@ class AllReducedMetrics(Callback):
         self.log_dict({"acc": acc, "tokens": n_tokens}, batch_size=len(x))
     """
 
+    @checks_options
     def __init__(
         self,
         reduce: Mapping[str, str] | None = None,

@@ -4,8 +4,6 @@ Lightning glue only: the hooks tell the ground floor (:mod:`lightning_parallel.d
 which hook and step each rank is in; the monitor, the report and the exit live there.
 """
 
-from __future__ import annotations
-
 import functools
 import os
 from collections.abc import Callable
@@ -20,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.agree import distributed_ready
 from lightning_parallel.distributed.watchdog import EXIT_CODE, Watchdog, check_timeout
 
@@ -59,6 +58,7 @@ class HangWatchdog(Callback):
         trainer = L.Trainer(devices=8, strategy="ddp", callbacks=[HangWatchdog(timeout=300)])
     """
 
+    @checks_options
     def __init__(
         self, timeout: float | timedelta = 300.0, report_path: str | os.PathLike | None = None
     ) -> None:

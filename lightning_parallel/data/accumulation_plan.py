@@ -54,7 +54,8 @@ def validate_schedule(schedule: int | Mapping[int, int], name: str, key_name: st
 
     Example::
 
-        validate_schedule({0: 64, 1000: 256}, "global_batch_size", "optimizer step")
+        >>> validate_schedule({0: 64, 1000: 256}, "global_batch_size", "optimizer step")
+        {0: 64, 1000: 256}
     """
     if _is_int(schedule):
         schedule = {0: schedule}
@@ -104,7 +105,8 @@ def nearest_valid_choices(global_batch_size: int, per_device: int, dp_size: int)
 
     Example::
 
-        nearest_valid_choices(100, 8, 2)  # global 96 or 112; per-device 10 or 5 (2 x 5 x 5 = 100)
+        >>> nearest_valid_choices(100, 8, 2)  # per-device 10 or 5: 2 x 10 x 5 = 2 x 5 x 10 = 100
+        ValidChoices(global_batch_sizes=(96, 112), per_device_batch_sizes=(10, 5))
     """
     step = per_device * dp_size
     below = (global_batch_size // step) * step
@@ -129,7 +131,8 @@ def factor_for_global_batch(global_batch_size: int, per_device: int, dp_size: in
 
     Example::
 
-        factor_for_global_batch(256, 32, 4)  # 2
+        >>> factor_for_global_batch(256, 32, 4)
+        2
     """
     step = per_device * dp_size
     if global_batch_size % step == 0:
@@ -160,9 +163,14 @@ class AccumulationPlan:
 
     Example::
 
-        plan = plan_from_global_batch({0: 64, 1000: 256}, per_device=8, dp_size=2)
-        plan.factor_at(1500)  # 16
-        print(plan.format_table())
+        >>> plan = plan_from_global_batch({0: 64, 1000: 256}, per_device=8, dp_size=2)
+        >>> plan.factor_at(1500)
+        16
+        >>> print(plan.format_table())
+        from step  global batch  per-device batch  replicas  accumulate
+        ---------  ------------  ----------------  --------  ----------
+                0            64                 8         2           4
+             1000           256                 8         2          16
     """
 
     per_device_batch_size: int
@@ -214,7 +222,8 @@ def plan_from_global_batch(
 
     Example::
 
-        plan_from_global_batch(64, per_device=8, dp_size=2).factor_at(0)  # 4
+        >>> plan_from_global_batch(64, per_device=8, dp_size=2).factor_at(0)
+        4
     """
     schedule = validate_schedule(global_batch_size, "global_batch_size", "optimizer step")
     if 0 not in schedule:
@@ -237,7 +246,8 @@ def plan_from_factors(scheduling: Mapping[int, int], per_device: int, dp_size: i
 
     Example::
 
-        plan_from_factors({0: 8, 4: 4}, per_device=32, dp_size=1).factor_at(5)  # 4
+        >>> plan_from_factors({0: 8, 4: 4}, per_device=32, dp_size=1).factor_at(5)
+        4
     """
     schedule = validate_schedule(scheduling, "scheduling", "epoch")
     if 0 not in schedule:
@@ -254,7 +264,8 @@ def epoch_batch_sizes(
 
     Example::
 
-        epoch_batch_sizes(num_samples=37, batch_size=8, num_batches=5, drop_last=False)  # (8, 8, 8, 8, 5)
+        >>> epoch_batch_sizes(num_samples=37, batch_size=8, num_batches=5, drop_last=False)
+        (8, 8, 8, 8, 5)
     """
     sizes = []
     for k in range(num_batches):
@@ -286,7 +297,8 @@ def next_window(start: int, factor: int, batch_sizes: Sequence[int]) -> Window:
 
     Example::
 
-        next_window(8, 4, (8,) * 9 + (5,))  # Window(start=8, stop=10, factor=4, samples=13)
+        >>> next_window(8, 4, (8,) * 9 + (5,))
+        Window(start=8, stop=10, factor=4, samples=13)
     """
     stop = min(start + factor, len(batch_sizes))
     if start >= stop:
@@ -301,7 +313,8 @@ def epoch_windows(
 
     Example::
 
-        epoch_windows((8,) * 10, lambda step: 1 if step < 2 else 4)  # windows [0], [1], [2..5], [6..9]
+        >>> [(w.start, w.stop) for w in epoch_windows((8,) * 10, lambda step: 1 if step < 2 else 4)]
+        [(0, 1), (1, 2), (2, 6), (6, 10)]
     """
     windows, start, step = [], 0, first_step
     while start < len(batch_sizes):
@@ -319,7 +332,8 @@ def loss_multiplier(window: Window, batch_samples: int, divisor: int) -> float:
 
     Example::
 
-        loss_multiplier(Window(8, 10, 4, 13), batch_samples=5, divisor=4)  # 4 x 5 / 13
+        >>> round(loss_multiplier(Window(8, 10, 4, 13), batch_samples=5, divisor=4), 4)  # 4 x 5 / 13
+        1.5385
     """
     if batch_samples * divisor == window.samples:
         return 1.0

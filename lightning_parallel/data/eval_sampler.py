@@ -7,6 +7,8 @@ from collections.abc import Iterator, Sized
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from lightning_parallel._options import checks_options
+
 __all__ = ["EvalDistributedSampler", "eval_shard"]
 
 
@@ -41,6 +43,7 @@ class EvalDistributedSampler(DistributedSampler):
         list(EvalDistributedSampler(range(5), num_replicas=2, rank=1))  # [1, 3]
     """
 
+    @checks_options
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None) -> None:
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

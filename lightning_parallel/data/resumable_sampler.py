@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from lightning_parallel._options import checks_options
+
 __all__ = ["ResumableDistributedSampler", "find_resumable_samplers", "single_loader_batch_size"]
 
 
@@ -42,6 +44,7 @@ class ResumableDistributedSampler(DistributedSampler):
         trainer = L.Trainer(devices=8, callbacks=[Rank0Checkpoint(every_n_train_steps=500)])
     """
 
+    @checks_options
     def __init__(
         self,
         dataset: Sized,

@@ -18,12 +18,13 @@ the ones left by a killed process at the next start.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -36,9 +37,11 @@ __all__ = [
     "FORMAT",
     "CheckpointFileError",
     "CheckpointVerification",
+    "DiskFullError",
     "atomic_symlink",
     "atomic_write",
     "check_writable_dir",
+    "created_for_now",
     "fsync_dir",
     "list_tagged_checkpoints",
     "newest_first",
@@ -62,6 +65,13 @@ class CheckpointFileError(RuntimeError):
     """Writing a checkpoint file failed; the message names the file and the cause."""
 
 
+class DiskFullError(CheckpointFileError):
+    """The filesystem filled up during a checkpoint write; the message gives the bytes needed and free."""
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename or unlink inside ``directory`` durable (no-op where directories cannot be opened)."""
     try:
@@ -76,22 +86,54 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> Any:
+def atomic_write(path: str, write: Callable[[BinaryIO], Any], needed: Callable[[], int] | None = None) -> Any:
     """Call ``write(file)`` on a temp file beside ``path``; fsync, put it in place, fsync the directory.
 
     The temp file is unnamed (``O_TMPFILE``) where :func:`temp_file_method` says so, else named
     and renamed over ``path``. Returns what ``write`` returns. On any error no temp file is left and
-    the error is re-raised with the destination in its message; ``path`` is left as it was.
+    the error is re-raised with the destination in its message; ``path`` is left as it was. A full
+    disk (``ENOSPC``, ``EDQUOT``) is a :class:`DiskFullError` giving ``needed()`` bytes and the free ones.
     """
     directory = os.path.dirname(os.path.abspath(path))
     method = tempfiles.link_method(directory)
     try:
         result = _write_named(path, write) if method is None else _write_unnamed(path, write, method)
     except Exception as err:
+        if _disk_full(err):  # the temp file is gone by now: the free space is what the write could use
+            raise DiskFullError(_disk_full_message(path, needed() if needed else None)) from err
         message = f"could not write checkpoint {path!r}: {type(err).__name__}: {err}"
         raise CheckpointFileError(message) from err
     fsync_dir(directory)
     return result
+
+
+def _disk_full(err: BaseException | None) -> bool:
+    """Whether ``err`` or an error it was raised from or during is ENOSPC/EDQUOT (torch hides it)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno in _DISK_FULL:
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _disk_full_message(path: str, needed: int | None) -> str:
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        free = f"{_size(shutil.disk_usage(directory).free)} free"
+    except OSError:
+        free = "an unknown amount free"
+    need = f"needs at least {_size(needed)}" if needed else "did not fit"
+    return (
+        f"could not write checkpoint {path!r}: the disk is full (no space left on device): the checkpoint "
+        f"{need} and {directory!r} has {free}. No temporary file is left and the checkpoints written "
+        "before are intact: free space there, or write checkpoints to a larger disk"
+    )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes} bytes ({num_bytes / 2**20:.1f} MiB)"
 
 
 def _write_unnamed(path: str, write: Callable[[BinaryIO], Any], method: Any) -> Any:
@@ -126,11 +168,16 @@ class _HashingWriter:
         self._f = f
         self.sha = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # torch.save reports a failed write as "unexpected pos"
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.sha.update(view)
-        self._f.write(view)
+        try:
+            self._f.write(view)
+        except OSError as err:
+            self.error = err
+            raise
         self.size += view.nbytes
         return view.nbytes
 
@@ -167,14 +214,39 @@ def save_checkpoint_file(obj: Any, path: str, meta: dict[str, Any] | None = None
         assert verify_checkpoint("ckpt/last.ckpt").ok
     """
 
+    written = [0]
+
     def write(f: BinaryIO) -> str:
         writer = _HashingWriter(f)
-        torch.save(obj, writer)
+        try:
+            torch.save(obj, writer)
+        except Exception as err:
+            if writer.error is not None:
+                raise writer.error from err  # the OS's error, not torch's "unexpected pos"
+            raise
+        finally:
+            written[0] = writer.size
         digest = writer.sha.hexdigest()
         _append_tag(f, writer.size, {"format": FORMAT, "sha256": digest, **(meta or {})})
         return digest
 
-    return atomic_write(path, write)
+    return atomic_write(path, write, needed=lambda: max(written[0], _tensor_bytes(obj)))
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a nested checkpoint dict (each storage once): a save needs that much."""
+    storages: dict[tuple[str, int], int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor) and item.device.type != "meta":
+            storage = item.untyped_storage()
+            storages[(str(item.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return sum(storages.values())
 
 
 def read_tag(path: str) -> tuple[dict[str, Any] | None, int]:
@@ -338,6 +410,31 @@ def check_writable_dir(directory: str) -> str | None:
     except OSError as err:
         return f"{type(err).__name__}: {err}"
     return None
+
+
+@contextlib.contextmanager
+def created_for_now(directory: str) -> Iterator[None]:
+    """Remove, on exit, the directories up to ``directory`` that did not exist on entry and are still empty.
+
+    Checks that need the directory (is it writable, which temp files does its filesystem allow) then
+    leave nothing behind: as Lightning's ModelCheckpoint, a run that saves nothing creates no directory.
+
+    Example::
+
+        with created_for_now("checkpoints"):
+            problem = check_writable_dir("checkpoints")
+    """
+    missing = []
+    path = os.path.abspath(directory)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)  # deepest first
+        path = os.path.dirname(path)
+    try:
+        yield
+    finally:
+        for path in missing:
+            with contextlib.suppress(OSError):  # not empty (a file was written), or gone already
+                os.rmdir(path)
 
 
 def newest_first(entries: Iterable[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:

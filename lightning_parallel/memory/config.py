@@ -24,12 +24,16 @@ LOSS_SCALER_BYTES = {"16-mixed": 4 * 4}
 optimizer's found_inf, one 4-byte scalar each; every rank holds it (the pipeline keeps it identical)."""
 
 
+STRATEGIES = ("single_device", "ddp", "pipeline")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """A training configuration to size, the same knobs as ``PipelineStrategy`` (or plain DDP).
 
     Args:
-        strategy: ``"ddp"`` (every rank holds the whole model) or ``"pipeline"``.
+        strategy: ``"single_device"`` (one process, no DDP wrapper: ``Trainer(devices=1)``), ``"ddp"``
+            (every rank holds the whole model, plus DDP's gradient buckets) or ``"pipeline"``.
         devices: ranks in all.
         pipeline_size: pipeline ranks per replica (as PipelineStrategy's).
         num_microbatches, schedule, stages_per_rank, partition: as PipelineStrategy.
@@ -41,8 +45,9 @@ class ParallelConfig:
 
     Example::
 
-        ParallelConfig("pipeline", devices=4, pipeline_size=2, num_microbatches=8, schedule="1f1b",
-                       activation_checkpointing=True, shard_optimizer_state=True)
+        >>> ParallelConfig("pipeline", devices=4, pipeline_size=2, num_microbatches=8, schedule="1f1b",
+        ...                activation_checkpointing=True, shard_optimizer_state=True).label()
+        'pp 2x2 1f1b m=8 +ac +zero'
     """
 
     strategy: str = "ddp"
@@ -58,9 +63,15 @@ class ParallelConfig:
     accumulate_grad_batches: int = 1
 
     def __post_init__(self) -> None:
-        if self.strategy not in ("ddp", "pipeline"):
+        if self.strategy not in STRATEGIES:
             raise ValueError(
-                f"strategy must be 'ddp' or 'pipeline' (or a PipelineStrategy), got {self.strategy!r}"
+                f"strategy must be one of {', '.join(STRATEGIES)} (or a PipelineStrategy), "
+                f"got {self.strategy!r}"
+            )
+        if self.strategy == "single_device" and self.devices != 1:
+            raise ValueError(
+                f"strategy='single_device' runs on one device, got devices={self.devices}: use 'ddp' "
+                "(or 'auto') for several"
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
@@ -96,7 +107,9 @@ class ParallelConfig:
         return self.pipeline_size * self.stages_per_rank if self.strategy == "pipeline" else 1
 
     def label(self) -> str:
-        """A short name: ``"ddp x4"``, ``"pp 2x2 1f1b m=8 +ac +zero"`` (pipeline x replicas)."""
+        """A short name: ``"single device"``, ``"ddp x4"``, ``"pp 2x2 1f1b m=8 +ac +zero"`` (pp x dp)."""
+        if self.strategy == "single_device":
+            return "single device"
         if self.strategy == "ddp":
             return f"ddp x{self.devices}"
         v = f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
@@ -107,18 +120,25 @@ class ParallelConfig:
 
 
 def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
-    """A :class:`ParallelConfig` from ``"ddp"``, ``"pipeline"``, a config, or a ``PipelineStrategy``.
+    """A :class:`ParallelConfig` from ``"auto"``, ``"ddp"``, ``"pipeline"``, a config or a PipelineStrategy.
 
-    A PipelineStrategy is read through its attributes (this package does not import Lightning).
+    ``"auto"`` (or None) is what ``Trainer(devices=...)`` runs: one device without DDP, several with
+    DDP. A PipelineStrategy is read through its attributes (this package does not import Lightning).
 
     Example::
 
-        resolve(PipelineStrategy(pipeline_size=2, num_microbatches=8), devices=4, precision="bf16-mixed")
+        >>> resolve("auto", devices=1, precision="32-true").label()  # Trainer(devices=1): no DDP
+        'single device'
+        >>> resolve("auto", devices=4, precision="32-true").label()
+        'ddp x4'
+        >>> resolve(PipelineStrategy(pipeline_size=2), devices=4, precision="bf16-mixed")  # doctest: +SKIP
     """
     if isinstance(strategy, ParallelConfig):
         return replace(strategy, devices=devices, precision=precision)
-    if strategy in ("ddp", "auto", "single_device", None):
-        return ParallelConfig("ddp", devices=devices, precision=precision)
+    if strategy in ("auto", None):
+        strategy = "single_device" if devices == 1 else "ddp"
+    if strategy in ("ddp", "single_device"):
+        return ParallelConfig(strategy, devices=devices, precision=precision)
     if strategy == "pipeline":
         return ParallelConfig("pipeline", devices, devices, 4, precision=precision)
     if hasattr(strategy, "num_microbatches") and hasattr(strategy, "schedule"):
@@ -139,7 +159,8 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
             precision=precision,
         )
     raise ValueError(
-        f"strategy must be 'ddp', 'pipeline', a ParallelConfig or a PipelineStrategy, got {strategy!r}; "
+        "strategy must be 'auto', 'single_device', 'ddp', 'pipeline', a ParallelConfig or a "
+        f"PipelineStrategy, got {strategy!r}; "
         f"the schedules are {', '.join(SCHEDULES)}"
     )
 

@@ -7,7 +7,8 @@ The model of a step (what is alive when):
   already there (DDP: the previous step's, which Lightning zeroes only after ``training_step``, so
   they live through the forward; the pipeline runs its whole schedule inside ``training_step`` and
   releases them before it, except inside an accumulation window, where it adds into them), and the
-  communication buffers: DDP's gradient buckets (one gradient-sized copy); the pipeline's receive
+  communication buffers: DDP's gradient buckets (one gradient-sized copy; none on a single device,
+  where ``Trainer(devices=1)`` runs without DDP); the pipeline's receive
   buffers (one per micro-batch for the stage input and for the gradient of its output);
 - **per micro-batch in flight** (a forward done, its backward not yet): what the stage's units save
   for backward (measured, see :mod:`~lightning_parallel.memory.probe`), the stage output it keeps
@@ -97,7 +98,7 @@ def estimate_memory(
     module: nn.Module,
     batch: Any,
     devices: int = 1,
-    strategy: Any = "ddp",
+    strategy: Any = "auto",
     precision: str = "32-true",
     optimizer: torch.optim.Optimizer | None = None,
     step: StepFn = default_step,
@@ -110,7 +111,9 @@ def estimate_memory(
             measured on meta tensors (attention kernels may differ from the real device's).
         batch: one batch as one rank's dataloader yields it (per replica for a pipeline).
         devices: ranks in all.
-        strategy: ``"ddp"``, ``"pipeline"``, a ``PipelineStrategy`` or a :class:`ParallelConfig`.
+        strategy: ``"auto"`` (what ``Trainer(devices=devices)`` runs: one device without DDP, several
+            with DDP), ``"single_device"``, ``"ddp"``, ``"pipeline"``, a ``PipelineStrategy`` or a
+            :class:`ParallelConfig`. The table's first line names the one modelled.
         precision: as the Trainer's (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
         optimizer: the optimizer(s), when ``configure_optimizers`` cannot run without a Trainer.
         step: ``step(module, batch)`` runs one training forward (default: ``training_step(batch, 0)``).
@@ -145,23 +148,24 @@ def predict(facts: ModelFacts, config: ParallelConfig, samples: int | None = Non
             f"the facts were measured in {facts.precision!r} but the config asks {config.precision!r}: "
             f"measure again with precision={config.precision!r}"
         )
-    if config.strategy == "ddp":
-        return MemoryEstimate(config, (_ddp_rank(facts, samples or facts.samples),))
+    if config.strategy != "pipeline":
+        buckets = config.strategy == "ddp"
+        return MemoryEstimate(config, (_whole_model_rank(facts, samples or facts.samples, buckets),))
     costs = stage_costs(facts, config, samples)
     ranks = [_pipeline_rank(facts, costs, config, r) for r in range(config.pipeline_size)]
     return MemoryEstimate(config, tuple(ranks))
 
 
-def _ddp_rank(facts: ModelFacts, n: int) -> RankMemory:
+def _whole_model_rank(facts: ModelFacts, n: int, buckets: bool) -> RankMemory:
     keys = list(facts.tensors)
     params = sum(facts.tensors[k].nbytes for k in keys)
     grads = sum(facts.tensors[k].grad for k in keys)
     state = facts.state_of(keys) + LOSS_SCALER_BYTES.get(facts.precision, 0)
     acts = sum(u.saved.at(n) + u.after.at(n) + u.weight_copies for u in facts.probe.units.values())
     largest = max((u.largest.at(n) for u in facts.probe.units.values()), default=0)
-    # Forward end: the previous gradients are still alive (zeroed after training_step), and DDP's
-    # gradient buckets (a gradient-sized copy: gradient_as_bucket_view=False, Lightning's default).
-    return RankMemory(0, (0,), params, grads, state, acts + 2 * largest, grads, (1,))
+    # Forward end: the previous gradients are still alive (zeroed after training_step), and under DDP
+    # its gradient buckets (a gradient-sized copy: gradient_as_bucket_view=False, Lightning's default).
+    return RankMemory(0, (0,), params, grads, state, acts + 2 * largest, grads if buckets else 0, (1,))
 
 
 def _pipeline_rank(

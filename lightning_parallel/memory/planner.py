@@ -76,7 +76,8 @@ def candidate_configs(
                 f"pipeline size {p} does not fit: it must divide the devices ({devices}) and be at most "
                 f"the number of blocks ({num_blocks})"
             )
-    out = [ParallelConfig("ddp", devices, precision=precision)] if global_batch % devices == 0 else []
+    whole = "single_device" if devices == 1 else "ddp"
+    out = [ParallelConfig(whole, devices, precision=precision)] if global_batch % devices == 0 else []
     for p in sizes:
         dp = devices // p
         if global_batch % dp:
@@ -107,7 +108,7 @@ def plan(facts: ModelFacts, configs: list[ParallelConfig], global_batch: int) ->
         estimate = predict(facts, config, samples=batch)
         bubble, time = _time(facts, config, batch)
         out.append(Candidate(config, estimate, batch, time, bubble))
-    return sorted(out, key=lambda c: (round(c.time, 6), c.config.strategy != "ddp", c.peak))
+    return sorted(out, key=lambda c: (round(c.time, 6), c.config.strategy == "pipeline", c.peak))
 
 
 def fastest_fit(candidates: list[Candidate], budget: int) -> Candidate | None:
@@ -153,7 +154,7 @@ def _microbatches(p: int, per_replica: int) -> list[int]:
 
 
 def _time(facts: ModelFacts, config: ParallelConfig, batch: int) -> tuple[float, float]:
-    if config.strategy == "ddp":
+    if config.strategy != "pipeline":
         return 0.0, 1.0
     p, v, m = config.pipeline_size, config.stages_per_rank, config.num_microbatches
     bubble = (p - 1) / (v * m + p - 1)

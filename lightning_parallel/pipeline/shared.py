@@ -27,6 +27,8 @@ def alias_table(module: nn.Module) -> dict[str, str]:
 
     Example::
 
+        >>> gpt = nn.ModuleDict({"wte": nn.Embedding(10, 4), "lm_head": nn.Linear(4, 10, bias=False)})
+        >>> gpt.lm_head.weight = gpt.wte.weight  # tied
         >>> alias_table(gpt)["lm_head.weight"]
         'wte.weight'
     """

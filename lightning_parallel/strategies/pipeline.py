@@ -17,7 +17,9 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
@@ -26,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.collectives import all_gather_objects
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout
@@ -92,6 +95,10 @@ class PipelineStrategy(DDPStrategy):
             torch's ``ZeroRedundancyOptimizer``); checkpoints still hold the full state.
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         num_stages: deprecated name of ``pipeline_size``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout: as for Lightning's ``DDPStrategy``. Its other options act
+            on the DistributedDataParallel wrapper, which this strategy does not use: they are a
+            TypeError, as is any unknown option (naming the closest valid one).
 
     Example::
 
@@ -102,6 +109,7 @@ class PipelineStrategy(DDPStrategy):
 
     strategy_name = "pipeline"
 
+    @checks_options
     def __init__(
         self,
         pipeline_size: int | None = None,
@@ -116,9 +124,25 @@ class PipelineStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: timedelta | None = default_pg_timeout,
         num_stages: int | None = None,
-        **kwargs: Any,
+        # DDPStrategy's arguments that this strategy honours; the others (comm hooks, model averaging,
+        # DistributedDataParallel's kwargs) act on the DDP wrapper, which it never builds.
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
     ) -> None:
-        super().__init__(start_method=start_method, timeout=timeout, **kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         pipeline_size = renamed_num_stages(pipeline_size, num_stages)
         self.config = checked_config(
             pipeline_size,
