@@ -138,7 +138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--top-k", type=int, default=5, help="sample among the k likeliest bytes only (default 5)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.temperature <= 0:
+        p.error(f"--temperature ({args.temperature}) must be positive: e.g. 0.8")
+    if args.top_k is not None and not 1 <= args.top_k <= 256:
+        p.error(f"--top-k ({args.top_k}) must be between 1 and 256, the bytes there are")
+    return args
 
 
 def data_parallel_size(args: argparse.Namespace) -> int:
