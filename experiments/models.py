@@ -5,7 +5,8 @@
   embedding, no ``nn.Sequential``), which PipelineStrategy splits by tracing its ``forward``.
 - :class:`SequentialCharLM`: the same network with its layers in one ``nn.Sequential`` (the head tied
   or not), which PipelineStrategy splits between its children; the pipeline benchmarks use it.
-- :func:`stdlib_text`, :class:`ByteWindows`, :class:`StdlibText`: the text, its windows, the DataModule.
+- :func:`stdlib_text`, :class:`ByteWindows`, :class:`StdlibText`: the text, its windows, the DataModule;
+  :func:`unigram_bits_per_byte`, the yardstick the main job's loss is printed beside.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_parallel.pipeline.partition import partition_balanced
 
-__all__ = ["Block", "ByteWindows", "CharLM", "Embedding", "SequentialCharLM", "StdlibText", "stdlib_text"]
+__all__ = [
+    "Block",
+    "ByteWindows",
+    "CharLM",
+    "Embedding",
+    "SequentialCharLM",
+    "StdlibText",
+    "stdlib_text",
+    "unigram_bits_per_byte",
+]
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -44,6 +54,19 @@ def stdlib_text(max_bytes: int) -> bytes:
         if size >= max_bytes:
             break
     return b"".join(out)[:max_bytes]
+
+
+def unigram_bits_per_byte(data: bytes) -> float:
+    """The entropy of the bytes' own frequencies, in bits per byte: what a model that ignores context
+    reaches at best, a yardstick for the LM's loss.
+
+    Example::
+
+        unigram_bits_per_byte(b"abab")   # 1.0
+    """
+    counts = torch.bincount(torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), minlength=256)
+    p = counts[counts > 0].double() / len(data)
+    return float(-(p * p.log2()).sum())
 
 
 class ByteWindows(Dataset):
@@ -141,14 +164,26 @@ class Block(nn.Module):
 # ------------------------------------------------------------------------------------------ models
 
 
-def adamw_with_cosine_decay(module: L.LightningModule) -> dict[str, Any]:
-    """AdamW whose learning rate decays to 0 along a cosine over the run's optimizer steps."""
+def warmup_cosine(step: int, steps: int, warmup: int) -> float:
+    """The LR factor at ``step``: a linear rise over ``warmup`` steps, then a cosine down to 0 at ``steps``.
+
+    Example::
+
+        [round(warmup_cosine(s, 10, 2), 2) for s in (0, 1, 2, 6, 10)]   # [0.5, 1.0, 1.0, 0.5, 0.0]
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    done = (min(step, steps) - warmup) / max(1, steps - warmup)
+    return 0.5 * (1 + math.cos(math.pi * done))
+
+
+def adamw_with_cosine_decay(module: L.LightningModule, warmup: int = 0) -> dict[str, Any]:
+    """AdamW whose learning rate rises over ``warmup`` steps, then decays to 0 along a cosine."""
     optimizer = torch.optim.AdamW(module.parameters(), lr=module.hparams.lr, weight_decay=0.01)
     # The run's optimizer steps, accumulation included (GradientAccumulationScheduler sets them).
     steps = max(1, int(module.trainer.estimated_stepping_batches))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
+    warmup = min(warmup, steps // 2)  # a short run (a smoke test) still gets its decay
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, warmup))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
@@ -236,7 +271,13 @@ class CharLM(NextByteLM):
     """
 
     def __init__(
-        self, dim: int = 128, depth: int = 4, heads: int = 4, seq_len: int = 64, lr: float = 1e-3
+        self,
+        dim: int = 128,
+        depth: int = 4,
+        heads: int = 4,
+        seq_len: int = 64,
+        lr: float = 1e-3,
+        warmup_steps: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -255,21 +296,28 @@ class CharLM(NextByteLM):
         return self.lm_head(self.ln_f(x))
 
     def configure_optimizers(self) -> Any:
-        return adamw_with_cosine_decay(self)
+        return adamw_with_cosine_decay(self, self.hparams.get("warmup_steps", 0))
 
     @torch.no_grad()
-    def generate(self, prompt: bytes, length: int, temperature: float = 0.8, seed: int = 0) -> bytes:
+    def generate(
+        self, prompt: bytes, length: int, temperature: float = 0.8, top_k: int | None = None, seed: int = 0
+    ) -> bytes:
         """Continue ``prompt`` by ``length`` bytes, sampling one at a time (on an unsplit model).
+
+        A lower ``temperature`` and a ``top_k`` keep a small model to the bytes it is surest of.
 
         Example::
 
-            CharLM.load_from_checkpoint("runs/charlm/last.ckpt").generate(b"def ", 200)
+            CharLM.load_from_checkpoint("runs/charlm/last.ckpt").generate(b"def ", 200, 0.7, top_k=10)
         """
         generator = torch.Generator().manual_seed(seed)
         idx = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         self.eval()
         for _ in range(length):
-            logits = self(idx[:, -self.hparams.seq_len :])[:, -1] / temperature
-            probs = logits.float().softmax(-1).cpu()
+            logits = self(idx[:, -self.hparams.seq_len :])[:, -1].float() / temperature
+            if top_k is not None:
+                kth = logits.topk(top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = logits.softmax(-1).cpu()
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator).to(idx.device)], 1)
         return bytes(idx[0].tolist())

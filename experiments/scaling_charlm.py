@@ -83,6 +83,9 @@ def command(run: Run, args: argparse.Namespace, out: Path) -> list[str]:
         f"--microbatches={args.microbatches}",
         f"--dim={args.dim}",
         f"--depth={args.depth}",
+        f"--seq-len={args.seq_len}",
+        f"--lr={args.lr}",
+        "--warmup-steps=0",  # what its recorded results ran with, whatever the demo's defaults become
         f"--seed={args.seed}",
         f"--out={out}",
         f"--summary={out / 'summary.json'}",
@@ -210,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (default 4)")
     p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
     p.add_argument("--depth", type=int, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--seq-len", type=int, default=64, help="bytes per sample (default 64)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads",

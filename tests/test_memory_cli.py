@@ -123,3 +123,31 @@ def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys)
     out = capsys.readouterr().out
     assert code == 0, out
     assert "4 pipeline units (blocks `model.model.layers`)" in out and "pp 2x1 1f1b m=8" in out
+
+
+def _readme_planner_section() -> tuple[list[str], str, re.Match[str]]:
+    """The README's "Will it fit?" command (as argv), the table it quotes, and its sentence on a budget."""
+    section = (ROOT / "README.md").read_text().split("## Will it fit?", 1)[1]
+    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
+    argv = command.split()
+    assert argv[:3] == ["python", "-m", "lightning_parallel.memory"], command
+    table = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    answer = re.search(r"With `--memory (\S+)` the same command answers `([^`]+)` \(([\d.]+ \w+)\)", section)
+    assert answer, "the README's sentence on a smaller budget has changed form: update this test with it"
+    return argv[3:], table, answer
+
+
+def test_the_readme_quotes_what_the_planner_prints(capsys, monkeypatch):
+    # The README's table and its "With --memory X the same command answers Y (Z)" are the command's own
+    # output; regenerate them with that command when the planner or CharLM changes.
+    argv, table, answer = _readme_planner_section()
+    monkeypatch.chdir(ROOT)
+    assert main(argv) == 0
+    assert capsys.readouterr().out == table
+    budget, config, peak = answer.groups()
+    memory = argv.index("--memory")
+    assert main([*argv[:memory], "--memory", budget, *argv[memory + 2 :]]) == 0
+    out = capsys.readouterr().out
+    assert f": {config} (est. time" in out, out[-800:]
+    row = rf"^{re.escape(config)} +\d+ +\d+ +{re.escape(peak)} +yes "  # its peak, and it fits
+    assert re.search(row, out, re.M), out
