@@ -5,7 +5,7 @@ import inspect
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from mp_harness import assert_close_dicts, ddp_spawn, fit, quiet_trainer, reference_loader
 from test_accumulation import Regressor, _data
 from tiny_models import loader
@@ -104,13 +104,15 @@ class BarTotals(Callback):
         self.totals[trainer.current_epoch] = trainer.progress_bar_callback.train_progress_bar.total
 
 
-def test_the_progress_bar_counts_the_batches_of_a_max_steps_run():
+@pytest.mark.parametrize("bar", [TQDMProgressBar, RichProgressBar])
+def test_the_progress_bar_counts_the_batches_of_a_max_steps_run(bar):
+    # Lightning's default bar is Rich's where `rich` is installed, TQDM's elsewhere: both count right.
     probe = BarTotals()
     trainer = quiet_trainer(
         max_epochs=None,
         max_steps=3,
         enable_progress_bar=True,
-        callbacks=[GradientAccumulationScheduler(global_batch_size=32), probe],
+        callbacks=[GradientAccumulationScheduler(global_batch_size=32), probe, bar()],
     )
     model = OneCycleRegressor()
     trainer.fit(model, loader(_data(64), 8))

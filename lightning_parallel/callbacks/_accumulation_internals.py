@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 
 def _scale(output: Any, multiplier: float) -> Any:
@@ -131,12 +131,18 @@ def _install_stepping_estimate(
 
 
 def _set_train_progress_total(trainer: pl.Trainer, total: int) -> None:
-    """Show ``total`` as this epoch's batch count in Lightning's default progress bar (TQDMProgressBar).
+    """Show ``total`` as this epoch's batch count in Lightning's progress bars (TQDM or Rich).
 
     ``ProgressBar.total_train_batches`` counts one batch per optimizer step up to ``max_steps`` when
     ``max_epochs=-1``; with accumulation an epoch runs more. Other progress bars keep their total.
+    (Rich's bar: its ``progress`` and ``train_progress_bar_id``, public attributes in Lightning 2.6.6.)
     """
     bar = trainer.progress_bar_callback
+    if isinstance(bar, RichProgressBar) and bar.is_enabled:
+        # Lightning's default when `rich` is installed (transformers brings it, through typer).
+        if bar.progress is not None and bar.train_progress_bar_id is not None:
+            bar.progress.update(bar.train_progress_bar_id, total=total)
+        return
     if not isinstance(bar, TQDMProgressBar) or not bar.is_enabled:
         return
     try:
