@@ -5,6 +5,7 @@ Trainers in turn on the process group the job set up (as under torchrun), so the
 """
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader,
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.memory.config import resolve
+from lightning_parallel.parallelize import fsdp
 from lightning_parallel.parallelize.dtensors import full_tensors
 
 # 48 samples, global batch 16: 3 batches an epoch; with accumulate_grad_batches=2 the windows are
@@ -60,40 +63,60 @@ class SaveAtEpochEnd(Callback):
             trainer.save_checkpoint(self.path)  # every rank: the sharded state is gathered
 
 
-# name -> (strategy kwargs, extra Trainer kwargs); run in this order inside the spawned job.
+# name -> (strategy kwargs, epochs, expected ends of FSDP's backward on each rank: False = a batch's
+# schedule.step() ends without reducing, True = the one reduce-scatter of an optimizer step). Run in
+# this order inside the spawned job; the later runs resume the first run's checkpoint for epoch 2.
+ONE_EPOCH = [False, False, True, False, True]  # windows [0, 1] and [2]
 CONFIGS = {
-    "fsdp-2x2": dict(pipeline_size=2, data_parallel="fsdp"),
-    "hsdp-1x2x2": dict(pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2),
-    "fsdp-2x2-gpipe-recompute": dict(
-        pipeline_size=2, data_parallel="fsdp", schedule="gpipe", activation_checkpointing=True
+    "fsdp-2x2": (dict(pipeline_size=2, data_parallel="fsdp"), 2, ONE_EPOCH * 2),
+    "hsdp-1x2x2": (dict(pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2), 2, ONE_EPOCH),
+    "fsdp-2x2-interleaved-recompute": (
+        dict(
+            pipeline_size=2, data_parallel="fsdp", schedule="interleaved_1f1b", stages_per_rank=2,
+            activation_checkpointing=True,
+        ),
+        2,
+        [r for r in ONE_EPOCH for _ in range(2)],  # two stages (two FSDP roots) per rank
     ),
-}
+}  # fmt: skip
+
+
+@contextmanager
+def _reductions_recorded(path: str):
+    """Record, in order, whether each end of FSDP's backward reduced the gradients (True) or not."""
+    calls, original = [], fsdp.finish_backward
+
+    def spy(root, reduce):
+        calls.append(reduce)
+        original(root, reduce)
+
+    fsdp.finish_backward = spy
+    try:
+        yield
+    finally:
+        fsdp.finish_backward = original
+        torch.save(calls, path)
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
     # The spawned ranks already share a gloo process group: Lightning joins it as it joins torchrun's.
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    data = regression_data(N_SAMPLES)
-    for name, kwargs in CONFIGS.items():
+    data, ckpt = regression_data(N_SAMPLES), f"{out_dir}/fsdp.ckpt"
+    for name, (kwargs, epochs, _) in CONFIGS.items():
         dp = world // kwargs["pipeline_size"]
         torch.manual_seed(0)
-        callbacks = [Record(f"{out_dir}/{name}-rank{rank}.pt")]
-        if name == "fsdp-2x2":
-            callbacks.append(SaveAtEpochEnd(f"{out_dir}/fsdp.ckpt"))
+        first = name == "fsdp-2x2"
+        callbacks = [Record(f"{out_dir}/{name}-rank{rank}.pt"), *([SaveAtEpochEnd(ckpt)] if first else [])]
         trainer = quiet_trainer(
-            devices=world,
-            strategy=PipelineStrategy(num_microbatches=4, **kwargs),
-            callbacks=callbacks,
-            **TRAIN,
-        )
-        trainer.fit(AdamRegressor(), loader(data, GLOBAL_BATCH // dp))
-    # The consolidated checkpoint of the FSDP run, resumed at another shape: 2 stages x 2 plain replicas.
-    torch.manual_seed(0)
-    trainer = quiet_trainer(
-        devices=world, strategy=PipelineStrategy(pipeline_size=2, num_microbatches=4),
-        callbacks=[Record(f"{out_dir}/resumed-rank{rank}.pt")], **TRAIN,
-    )  # fmt: skip
-    trainer.fit(AdamRegressor(), loader(data, GLOBAL_BATCH // 2), ckpt_path=f"{out_dir}/fsdp.ckpt")
+            devices=world, strategy=PipelineStrategy(num_microbatches=4, **kwargs), callbacks=callbacks,
+            limit_val_batches=2, **{**TRAIN, "max_epochs": epochs},
+        )  # fmt: skip
+        with _reductions_recorded(f"{out_dir}/{name}-reductions-rank{rank}.pt"):
+            trainer.fit(
+                AdamRegressor(), loader(data, GLOBAL_BATCH // dp),
+                val_dataloaders=loader(data, GLOBAL_BATCH // dp) if first else None,
+                ckpt_path=None if first else ckpt,
+            )  # fmt: skip
     torch.save(None, f"{out_dir}/rank{rank}.pt")
 
 
@@ -106,27 +129,26 @@ def _merged(out_dir: Path, name: str) -> tuple[dict, torch.Tensor, list[dict]]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_fsdp_and_hsdp_stages_match_one_device_and_resume_at_another_shape(tmp_path):
+def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_step(tmp_path):
     torch.manual_seed(0)
     data = regression_data(N_SAMPLES)
     ref = fit(AdamRegressor(), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref", **TRAIN)[0]
     spawn_gloo(_job, WORLD, tmp_path)
-    for name in [*CONFIGS, "resumed"]:
+    for name, (_, _, reductions) in CONFIGS.items():
         params, losses, records = _merged(tmp_path, name)
         assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
         expected = torch.tensor(ref["losses"])[-len(losses) :]  # the resumed run: its second epoch
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        # One reduce-scatter per optimizer step, none per batch (nor per micro-batch).
+        assert torch.load(tmp_path / f"{name}-reductions-rank0.pt") == reductions, name
     # 2 stages x 2 shards: each rank holds half of each of its stage's weights, as a DTensor.
     _, _, records = _merged(tmp_path, "fsdp-2x2")
     held = records[0]["held"]["layers.0.0.weight"]
     assert held == ("DTensor", "(Shard(dim=0),)", (16, 8)), held
-    # HSDP (one stage): sharded over 2 ranks, replicated twice.
+    # HSDP (one stage): sharded over 2 ranks, replicated twice; it resumed the FSDP run's checkpoint.
     _, _, records = _merged(tmp_path, "hsdp-1x2x2")
     held = records[3]["held"]["layers.4.weight"]
     assert held == ("DTensor", "(Replicate(), Shard(dim=0))", (2, 32)), held
-    # The plain run resumed from the FSDP checkpoint holds whole tensors.
-    _, _, records = _merged(tmp_path, "resumed")
-    assert records[0]["held"]["layers.0.0.weight"] == ("Parameter", "", (32, 8))
 
 
 def test_data_parallel_options_are_checked():
@@ -138,6 +160,10 @@ def test_data_parallel_options_are_checked():
         PipelineStrategy(shard_optimizer_state=True, data_parallel="fsdp")
     with pytest.raises(TypeError, match="parallelize_fn must be a callable"):
         PipelineStrategy(parallelize_fn="fsdp")
+    with pytest.raises(
+        ValueError, match=r"memory planner does not model PipelineStrategy\(data_parallel='fsdp'\)"
+    ):
+        resolve(PipelineStrategy(pipeline_size=2, data_parallel="fsdp"), devices=4, precision="32-true")
     assert PipelineStrategy(shard_optimizer_state=True).data_parallel == "zero1"
     assert PipelineStrategy(data_parallel="zero1").shard_optimizer_state
 

@@ -58,9 +58,14 @@ def reduce_gradients(roots: Iterable[FSDPModule]) -> None:
 
 
 def reshard(roots: Iterable[FSDPModule]) -> None:
-    """Free the unsharded parameters (after a forward-only step; training steps reshard themselves)."""
+    """Free the unsharded parameters (after a forward-only step; training steps reshard themselves).
+
+    ``FSDPModule.reshard`` frees its own parameters only: every FSDP module under each root is asked.
+    """
     for root in roots:
-        root.reshard()
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 class DeferredReduceStage(PipelineStage):
@@ -72,7 +77,8 @@ class DeferredReduceStage(PipelineStage):
     """
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        if isinstance(self.submod, FSDPModule):
+        # Forward-only schedules call it too: nothing to end there (evaluation reshards by itself).
+        if isinstance(self.submod, FSDPModule) and self.has_backward:
             finish_backward(self.submod, reduce=False)
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
