@@ -30,6 +30,17 @@ class AdamRegressor(SequentialRegressor):
         super().__init__(hidden=32, depth=5, adam=True)
 
 
+class TiedEnds(SequentialRegressor):
+    """The first and the last layer share one weight, on different stages: two FSDP-sharded replicas."""
+
+    def __init__(self):
+        super().__init__(d_in=16, hidden=16, d_out=16, adam=True)
+        self.layers[-1].weight = self.layers[0][0].weight
+
+
+TIED_DATA = dict(n=32, d_in=16, d_out=16)
+
+
 class Record(Callback):
     """Per rank: the losses, the full (gathered) parameters and how the parameters are held."""
 
@@ -117,6 +128,13 @@ def _job(rank: int, world: int, out_dir: str) -> None:
                 val_dataloaders=loader(data, GLOBAL_BATCH // dp) if first else None,
                 ckpt_path=None if first else ckpt,
             )  # fmt: skip
+    # A weight tied across the stages: its sharded replicas sum their local shards' gradients.
+    torch.manual_seed(0)
+    trainer = quiet_trainer(
+        devices=world, strategy=PipelineStrategy(pipeline_size=2, num_microbatches=2, data_parallel="fsdp"),
+        callbacks=[Record(f"{out_dir}/tied-rank{rank}.pt")], gradient_clip_val=0.5,
+    )  # fmt: skip
+    trainer.fit(TiedEnds(), loader(regression_data(**TIED_DATA), 4))
     torch.save(None, f"{out_dir}/rank{rank}.pt")
 
 
@@ -133,6 +151,9 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
     torch.manual_seed(0)
     data = regression_data(N_SAMPLES)
     ref = fit(AdamRegressor(), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref", **TRAIN)[0]
+    torch.manual_seed(0)
+    tied_data = reference_loader(regression_data(**TIED_DATA), 8)
+    tied_ref = fit(TiedEnds(), tied_data, tmp_path / "tied-ref", gradient_clip_val=0.5)[0]
     spawn_gloo(_job, WORLD, tmp_path)
     for name, (_, _, reductions) in CONFIGS.items():
         params, losses, records = _merged(tmp_path, name)
@@ -141,6 +162,10 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         # One reduce-scatter per optimizer step, none per batch (nor per micro-batch).
         assert torch.load(tmp_path / f"{name}-reductions-rank0.pt") == reductions, name
+    params, losses, _ = _merged(tmp_path, "tied")
+    assert_close_dicts(params, tied_ref["params"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses, torch.tensor(tied_ref["losses"]), rtol=1e-5, atol=1e-6)
+    assert torch.equal(params["layers.0.0.weight"], params["layers.3.weight"])
     # 2 stages x 2 shards: each rank holds half of each of its stage's weights, as a DTensor.
     _, _, records = _merged(tmp_path, "fsdp-2x2")
     held = records[0]["held"]["layers.0.0.weight"]

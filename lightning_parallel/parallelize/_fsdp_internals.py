@@ -4,8 +4,8 @@ torch's ``PipelineStage`` runs backward with ``torch.autograd.backward`` per mic
 of every ``schedule.step()``, finishes FSDP's backward itself (``PipelineStage.perform_reduce_grad``,
 torch 2.13): it calls ``post_backward()`` on every FSDP parameter group, then the root's final
 callback. :func:`finish_backward` does the same with gradient sync on or off, so the strategy can
-reduce-scatter once per optimizer step instead of once per ``step()``. ``test_parallelize_fsdp.py``
-fails loudly if these names move.
+reduce-scatter once per optimizer step instead of once per ``step()``. ``tests/test_pipeline_fsdp.py``
+(a spy on finish_backward, and the runs equal to one device) fails loudly if these names move.
 """
 
 from __future__ import annotations
