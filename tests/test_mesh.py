@@ -25,3 +25,13 @@ def test_one_rank_needs_no_process_group():
     assert mesh.pp_group is None and mesh.is_last_pipeline_rank and mesh.global_rank(0) == 0
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
         build_mesh("cpu", RankLayout(2, 1))
+
+
+def test_the_data_parallel_ranks_split_into_replicas_of_shards_on_the_mesh():
+    layout = RankLayout(pp_size=2, dp_size=4, dp_shard_size=2)
+    assert layout.mesh_shape == (2, 2, 2, 1) and layout.dp_replicate_size == 2
+    assert layout.coordinates(5) == (1, 1) and RankLayout(2, 4) == RankLayout(2, 4, 1)
+    with pytest.raises(
+        ValueError, match=r"data_parallel_shard_size \(3\) does not divide the 4 .*divisor of 4"
+    ):
+        RankLayout(pp_size=2, dp_size=4, dp_shard_size=3)

@@ -142,6 +142,12 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
     if strategy == "pipeline":
         return ParallelConfig("pipeline", devices, devices, 4, precision=precision)
     if hasattr(strategy, "num_microbatches") and hasattr(strategy, "schedule"):
+        if getattr(strategy, "data_parallel", "replicate") == "fsdp":
+            raise ValueError(
+                "the memory planner does not model PipelineStrategy(data_parallel='fsdp') yet (sharded "
+                "parameters and gradients): estimate the plain-replica configuration, whose parameter, "
+                "gradient and optimizer memory per rank FSDP2 divides by the shard count"
+            )
         checkpointing = getattr(strategy, "activation_checkpointing", False)
         if isinstance(checkpointing, list):
             checkpointing = tuple(checkpointing)

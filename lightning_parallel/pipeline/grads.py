@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.distributed.tensors import all_reduce_coalesced
+from lightning_parallel.parallelize.dtensors import local
 
 EARLIER_GRADIENTS = ("keep", "drop", "add")
 
@@ -68,8 +71,10 @@ def all_reduce_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGrou
     """Average the gradients of ``params`` over ``group`` in one coalesced all-reduce (per dtype).
 
     Called once per optimizer step, after the last accumulated backward: no sync per micro-batch.
+    Sharded (DTensor) parameters are skipped: FSDP reduces their gradients itself.
     """
-    all_reduce_coalesced([p.grad for p in params if p.grad is not None], group, average=True)
+    grads = [p.grad for p in params if p.grad is not None and not isinstance(p, DTensor)]
+    all_reduce_coalesced(grads, group, average=True)
 
 
 def clip_grad_norm_across(
@@ -83,22 +88,44 @@ def clip_grad_norm_across(
 
     Each stage holds a slice of the model's gradients; the sum of squares (or the max, for the inf
     norm) is reduced over ``group`` so every stage scales by the same coefficient a single device would.
-    ``not_counted`` are replicas of tied weights whose norm another stage counts (one count per weight).
+    A sharded (DTensor) gradient counts its local shard, reduced first over the mesh dimensions it is
+    sharded on (not those it is replicated on). ``not_counted`` are replicas of tied weights whose norm
+    another stage counts (one count per weight).
     """
     params = [p for p in params if p.grad is not None]
     skip = {id(p) for p in not_counted}
     grads = [p.grad for p in params]
     counted = [p.grad for p in params if id(p) not in skip]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = local(grads[0]).device if grads else torch.device("cpu")
     inf = norm_type == float("inf")
-    if counted:
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).float() for g in counted])
-        local = norms.max() if inf else norms.pow(norm_type).sum()
-    else:
-        local = torch.zeros((), device=device)
-    all_reduce_coalesced([local], group, op="max" if inf else "sum")
-    total = local if inf else local.pow(1.0 / norm_type)
+    op = "max" if inf else "sum"
+    total = _local_norm_term([g for g in counted if not isinstance(g, DTensor)], norm_type, device)
+    for groups, shards in _by_shard_groups([g for g in counted if isinstance(g, DTensor)]).items():
+        term = _local_norm_term(shards, norm_type, device)
+        for shard_group in groups:
+            all_reduce_coalesced([term], shard_group, op=op)
+        total = torch.maximum(total, term) if inf else total + term
+    all_reduce_coalesced([total], group, op=op)
+    total = total if inf else total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.detach().mul_(coef.to(g.device, g.dtype))
+        local(g).detach().mul_(coef.to(g.device, g.dtype))
     return total
+
+
+def _local_norm_term(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's share of the norm: the max (inf norm) or the sum of the norm_type-th powers."""
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads])
+    return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+
+
+def _by_shard_groups(grads: Sequence[DTensor]) -> dict[tuple[Any, ...], list[torch.Tensor]]:
+    """Local shards, keyed by the process groups of the mesh dimensions they are sharded on."""
+    out: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for g in grads:
+        mesh = g.device_mesh
+        groups = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+        out.setdefault(groups, []).append(g.to_local())
+    return out

@@ -1,4 +1,4 @@
-"""Where pipeline ranks and data-parallel replicas sit among the global ranks, and their process groups.
+"""Where pipeline ranks and data-parallel ranks sit among the global ranks: one device mesh, built once.
 
 Vocabulary used throughout the package:
 
@@ -6,6 +6,12 @@ Vocabulary used throughout the package:
 * a **pipeline rank** runs one or more stages (``stages_per_rank``); ``pp_size`` pipeline ranks form
   one pipeline (``PipelineStrategy(pipeline_size=...)``);
 * a **replica** (``dp_rank``) is one whole pipeline; ``dp_size`` replicas train on different data.
+  With sharded data parallelism (FSDP2) the ``dp_size`` data-parallel ranks of a stage are laid out as
+  ``dp_replicate x dp_shard``: each stage's parameters are sharded over ``dp_shard`` ranks and the
+  shards replicated ``dp_replicate`` times (HSDP; plain FSDP when ``dp_replicate`` is 1).
+
+The torch ``DeviceMesh`` has the named dimensions of :data:`MESH_DIMS` (``"tp"`` is always 1 for now:
+the place tensor parallelism will take); ``PipelineMesh.dp_mesh`` flattens replicate and shard.
 """
 
 from __future__ import annotations
@@ -13,29 +19,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
 class RankLayout:
-    """The (pipeline rank, replica) grid laid out pipeline-outermost, as torchtitan does.
+    """The (pipeline rank, data-parallel rank) grid laid out pipeline-outermost, as torchtitan does.
 
-    Global rank = ``pp_rank x dp_size + dp_rank``: the replicas of one pipeline rank, whose gradient
-    all-reduce is the heavy traffic, are neighbours (the same node when they fit), and global rank 0
-    holds the first stage of replica 0.
+    Global rank = ``pp_rank x dp_size + dp_rank`` and ``dp_rank = replicate x dp_shard_size + shard``:
+    the data-parallel ranks of one pipeline rank, whose gradient traffic is the heaviest, are
+    neighbours (the same node when they fit), the shards of one replica closest of all, and global
+    rank 0 holds the first stage of replica 0.
 
     Example::
 
-        layout = RankLayout(pp_size=2, dp_size=2)
-        layout.global_rank(1, 0), layout.coordinates(3)     # 2, (1, 1)
+        layout = RankLayout(pp_size=2, dp_size=4, dp_shard_size=2)
+        layout.global_rank(1, 0), layout.coordinates(5)     # 4, (1, 1)
+        layout.mesh_shape                                   # (2, 2, 2, 1): pp, dp_replicate, dp_shard, tp
     """
 
     pp_size: int
     dp_size: int
+    dp_shard_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dp_shard_size < 1 or self.dp_size % self.dp_shard_size:
+            raise ValueError(
+                f"data_parallel_shard_size ({self.dp_shard_size}) does not divide the {self.dp_size} "
+                f"data-parallel ranks of each stage: use a divisor of {self.dp_size}"
+            )
 
     @property
     def world_size(self) -> int:
         return self.pp_size * self.dp_size
+
+    @property
+    def dp_replicate_size(self) -> int:
+        return self.dp_size // self.dp_shard_size
+
+    @property
+    def tp_size(self) -> int:
+        return 1  # tensor parallelism (issue 22) will widen the mesh's last dimension
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """Sizes of :data:`MESH_DIMS`, in order."""
+        return (self.pp_size, self.dp_replicate_size, self.dp_shard_size, self.tp_size)
 
     def global_rank(self, pp_rank: int, dp_rank: int) -> int:
         return pp_rank * self.dp_size + dp_rank
@@ -45,11 +76,11 @@ class RankLayout:
         return divmod(global_rank, self.dp_size)
 
     def replicas_of(self, pp_rank: int) -> tuple[int, ...]:
-        """The global ranks that run pipeline rank ``pp_rank``, one per replica."""
+        """The global ranks that run pipeline rank ``pp_rank``, one per data-parallel rank."""
         return tuple(self.global_rank(pp_rank, d) for d in range(self.dp_size))
 
     @classmethod
-    def for_world(cls, world_size: int, pp_size: int) -> RankLayout:
+    def for_world(cls, world_size: int, pp_size: int, dp_shard_size: int = 1) -> RankLayout:
         """The layout of ``world_size`` ranks in pipelines of ``pp_size``, or a clear error."""
         if world_size % pp_size:
             lower = world_size - world_size % pp_size
@@ -58,20 +89,22 @@ class RankLayout:
                 f"of {pp_size} devices (e.g. {max(lower, pp_size)} or {lower + pp_size}), or change "
                 f"pipeline_size"
             )
-        return cls(pp_size, world_size // pp_size)
+        return cls(pp_size, world_size // pp_size, dp_shard_size)
 
 
 @dataclass
 class PipelineMesh:
-    """This rank's place in the layout and the two process groups it belongs to.
+    """This rank's place in the layout, the device mesh and the process groups read from it.
 
     ``pp_group`` links the pipeline ranks of one replica (activations flow through it); ``dp_group``
-    links the replicas of one pipeline rank (its gradients are all-reduced over it).
+    links the data-parallel ranks of one pipeline rank (replicate x shard: its gradients are
+    averaged over it). ``device_mesh`` is the torch ``DeviceMesh`` with dimensions :data:`MESH_DIMS`
+    (``None`` on a single process); ``dp_mesh`` is its replicate and shard dimensions flattened into one.
 
     Example::
 
         mesh = build_mesh("cpu", RankLayout(pp_size=2, dp_size=2))   # 4 ranks
-        mesh.is_last_pipeline_rank, mesh.dp_group
+        mesh.is_last_pipeline_rank, mesh.dp_group, mesh.device_mesh["dp_shard"]
     """
 
     layout: RankLayout
@@ -79,6 +112,8 @@ class PipelineMesh:
     dp_rank: int
     pp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
+    device_mesh: DeviceMesh | None = None
+    dp_mesh: DeviceMesh | None = None
 
     @property
     def pp_size(self) -> int:
@@ -89,21 +124,36 @@ class PipelineMesh:
         return self.layout.dp_size
 
     @property
+    def dp_shard_rank(self) -> int:
+        return self.dp_rank % self.layout.dp_shard_size
+
+    @property
     def is_last_pipeline_rank(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
     def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
-        """Global rank of ``pp_rank`` in this rank's replica (or in replica ``dp_rank``)."""
+        """Global rank of ``pp_rank`` in this rank's replica (or in data-parallel rank ``dp_rank``)."""
         return self.layout.global_rank(pp_rank, self.dp_rank if dp_rank is None else dp_rank)
+
+    def data_parallel_mesh(self) -> DeviceMesh | None:
+        """The mesh a stage is sharded on: ``dp_shard`` (FSDP), or ``(dp_replicate, dp_shard)`` (HSDP)."""
+        if self.device_mesh is None:
+            return None
+        if self.layout.dp_replicate_size > 1:
+            return self.device_mesh["dp_replicate", "dp_shard"]
+        return self.device_mesh["dp_shard"]
 
 
 def build_mesh(device_type: str, layout: RankLayout) -> PipelineMesh:
-    """Create the pipeline and replica groups; every rank must call it (it is a collective)."""
+    """Create the device mesh and its groups; every rank must call it (it is a collective)."""
     if not dist.is_initialized():
         if layout.world_size != 1:
             raise RuntimeError("build_mesh needs an initialised process group for more than one rank")
         return PipelineMesh(layout, 0, 0, None, None)
     # init_device_mesh numbers its grid row-major, which is RankLayout's pipeline-outermost order.
-    mesh = init_device_mesh(device_type, (layout.pp_size, layout.dp_size), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_DIMS)
+    # DeviceMesh._flatten is private (torch 2.13; torchtitan flattens its dp dimensions the same way):
+    # the replicate x shard ranks of this rank's stage, as one dimension.
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     pp_rank, dp_rank = layout.coordinates(dist.get_rank())
-    return PipelineMesh(layout, pp_rank, dp_rank, mesh["pp"].get_group(), mesh["dp"].get_group())
+    return PipelineMesh(layout, pp_rank, dp_rank, mesh["pp"].get_group(), dp_mesh.get_group(), mesh, dp_mesh)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.distributed.tensors import all_reduce_coalesced, broadcast_coalesced, new_subgroups
+from lightning_parallel.parallelize.dtensors import local
 from lightning_parallel.pipeline.mesh import PipelineMesh
 
 
@@ -122,7 +123,7 @@ class SharedReplicas:
         """Give every replica the owner's values (ranks may have initialised them differently)."""
         with torch.no_grad():
             for group, owner, params in self._groups:
-                broadcast_coalesced([p.data for p in params], owner, group)
+                broadcast_coalesced([local(p.data) for p in params], owner, group)
 
     def sum_gradients(self) -> None:
         """Sum the replicas' gradients over the ranks that hold them: every replica takes the same step."""
@@ -130,4 +131,10 @@ class SharedReplicas:
             for p in params:
                 if p.grad is None:  # this rank's stages did not reach it in this step: contribute zero
                     p.grad = torch.zeros_like(p)
-            all_reduce_coalesced([p.grad for p in params], group)
+            # A sharded replica sums its local shard: the tied replicas are sharded alike.
+            all_reduce_coalesced([local(p.grad) for p in params], group)
+
+    def rebind(self, new: Mapping[int, nn.Parameter]) -> None:
+        """Follow parameters that were replaced (``id(old) -> new``: FSDP swaps in DTensor parameters)."""
+        self._groups = [(g, owner, [new.get(id(p), p) for p in params]) for g, owner, params in self._groups]
+        self.not_counted = [new.get(id(p), p) for p in self.not_counted]

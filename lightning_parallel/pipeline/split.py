@@ -119,6 +119,7 @@ class SequentialStages:
     """
 
     needs_example = False  # manual PipelineStages infer their shapes from the first micro-batch
+    stage_cls: type[PipelineStage] = PipelineStage  # DeferredReduceStage once the stages are FSDP roots
 
     def __init__(
         self,
@@ -133,7 +134,7 @@ class SequentialStages:
 
     def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
         return [
-            PipelineStage(m, i, self.num_stages, self.device, group=self.group)
+            self.stage_cls(m, i, self.num_stages, self.device, group=self.group)
             for m, i in zip(self.modules, self.stage_indices)
         ]
 

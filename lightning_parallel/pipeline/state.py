@@ -8,7 +8,7 @@ the receiving rank, so a plain single-device optimizer loads it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,9 +37,18 @@ def check_keys(expected: Iterable[str], found: Mapping[str, Any], owner: str) ->
         )
 
 
-def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[nn.Parameter, str]) -> dict:
-    """The optimizer's state keyed by parameter name instead of position (portable across splits)."""
+def named_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    names: Mapping[nn.Parameter, str],
+    gather: Callable[[Any], Any] | None = None,
+) -> dict:
+    """The optimizer's state keyed by parameter name instead of position (portable across splits).
+
+    ``gather`` turns the state's tensors into full ones first (``full_tensors`` for sharded ones).
+    """
     sd = optimizer.state_dict()
+    if gather is not None:
+        sd = {**sd, "state": gather(sd["state"])}
     id_to_name = {}
     for group, sd_group in zip(optimizer.param_groups, sd["param_groups"]):
         for p, pid in zip(group["params"], sd_group["params"]):

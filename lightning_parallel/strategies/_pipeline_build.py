@@ -28,7 +28,7 @@ from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.shared import SharedReplicas, alias_table, find_shared
 from lightning_parallel.pipeline.split import find_sequential
-from lightning_parallel.strategies._pipeline_config import PipelineConfig
+from lightning_parallel.strategies._pipeline_config import PipelineConfig, refuse_traced_parallelize
 from lightning_parallel.strategies._pipeline_sequential import sequential_path
 from lightning_parallel.strategies._pipeline_traced import traced_path
 
@@ -48,6 +48,7 @@ class PipelineParts:
     twin: nn.Module | None = None  # the traced path's meta twin (precision is applied to it too)
     held: HeldGradients = field(default_factory=HeldGradients)
     predict_batches: list[int] | None = None
+    sharded: list[nn.Module] = field(default_factory=list)  # stage modules that are FSDP roots
     channels: dict[str, RecordBroadcast] = field(
         default_factory=dict
     )  # last stage -> others, per step method
@@ -59,9 +60,10 @@ def build_pipeline(
     module: pl.LightningModule,
     layout: RankLayout,
     device: torch.device,
+    mesh: PipelineMesh | None = None,
 ) -> PipelineParts:
     """Plan and split ``module`` on this rank; every rank calls it (it creates process groups)."""
-    mesh = build_mesh(device.type, layout)
+    mesh = build_mesh(device.type, layout) if mesh is None else mesh
     model_keys = list(module.state_dict().keys())
     model_param_order = [n for n, _ in module.named_parameters()]
     aliases = alias_table(module)
@@ -70,6 +72,8 @@ def build_pipeline(
     if found is not None:
         plan, runner, call, twin = sequential_path(config, trainer, module, found, mesh, device)
     else:
+        with failing_together():
+            refuse_traced_parallelize(config)
         plan, runner, call, twin = traced_path(config, trainer, module, mesh, aliases, device)
     local = {aliases[n]: p for n, p in module.named_parameters(remove_duplicate=False)}
     shared = SharedReplicas(find_shared([s.parameters for s in plan.stages], layout.pp_size), mesh, local)

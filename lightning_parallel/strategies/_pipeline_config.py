@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
+from lightning_parallel.parallelize.stages import DATA_PARALLEL
 from lightning_parallel.pipeline.partition import PARTITION_METHODS
 from lightning_parallel.pipeline.recompute import Selection, check_selection
 from lightning_parallel.pipeline.runner import is_multi_stage, schedule_class
@@ -25,7 +27,10 @@ class PipelineConfig:
     module_name: str | None
     split_points: tuple[str, ...] | None
     activation_checkpointing: Selection = False
-    shard_optimizer_state: bool = False
+    shard_optimizer_state: bool = False  # data_parallel == "zero1", kept for the code that reads it
+    data_parallel: str = "replicate"
+    data_parallel_shard_size: int | None = None  # "fsdp": ranks a stage is sharded over (None: all)
+    parallelize_fn: Callable[..., Any] | None = None
 
 
 def renamed_num_stages(pipeline_size: int | None, num_stages: int | None) -> int | None:
@@ -54,12 +59,18 @@ def checked_config(
     split_points: list[str] | None,
     activation_checkpointing: Selection = False,
     shard_optimizer_state: bool = False,
+    data_parallel: str | None = None,
+    data_parallel_shard_size: int | None = None,
+    parallelize_fn: Callable[..., Any] | None = None,
 ) -> PipelineConfig:
     """Every setting checked, with the value and the fix in each error; the config all ranks share."""
     cls = schedule_class(schedule)
     check_selection(activation_checkpointing)
-    if not isinstance(shard_optimizer_state, bool):
-        raise TypeError(f"shard_optimizer_state must be True or False, got {shard_optimizer_state!r}")
+    data_parallel = checked_data_parallel(data_parallel, shard_optimizer_state, data_parallel_shard_size)
+    if parallelize_fn is not None and not callable(parallelize_fn):
+        raise TypeError(
+            f"parallelize_fn must be a callable (stage_module, device_mesh) -> None, got {parallelize_fn!r}"
+        )
     _check_positive_int("num_microbatches", num_microbatches)
     _check_positive_int("stages_per_rank", stages_per_rank)
     if pipeline_size is not None:
@@ -93,8 +104,54 @@ def checked_config(
         module_name,
         split_points,
         activation_checkpointing,
-        shard_optimizer_state,
+        data_parallel == "zero1",
+        data_parallel,
+        data_parallel_shard_size,
+        parallelize_fn,
     )
+
+
+def checked_data_parallel(
+    data_parallel: str | None, shard_optimizer_state: bool, shard_size: int | None
+) -> str:
+    """The data-parallel mode: ``data_parallel``, or ``"zero1"`` from the older ``shard_optimizer_state``."""
+    if not isinstance(shard_optimizer_state, bool):
+        raise TypeError(f"shard_optimizer_state must be True or False, got {shard_optimizer_state!r}")
+    if data_parallel is None:
+        data_parallel = "zero1" if shard_optimizer_state else "replicate"
+    if not isinstance(data_parallel, str) or data_parallel not in DATA_PARALLEL:
+        raise ValueError(
+            f"unknown data_parallel={data_parallel!r}: use one of {', '.join(map(repr, DATA_PARALLEL))}"
+        )
+    if shard_optimizer_state and data_parallel != "zero1":
+        raise ValueError(
+            f"shard_optimizer_state=True is data_parallel='zero1', but data_parallel={data_parallel!r} was "
+            f"also given: pass only one of them"
+        )
+    if shard_size is not None:
+        _check_positive_int("data_parallel_shard_size", shard_size)
+        if data_parallel != "fsdp":
+            raise ValueError(
+                f"data_parallel_shard_size={shard_size} shards stages with FSDP2, but data_parallel="
+                f"{data_parallel!r}: use data_parallel='fsdp', or drop data_parallel_shard_size"
+            )
+    return data_parallel
+
+
+def refuse_traced_parallelize(config: PipelineConfig) -> None:
+    """The traced path's stages cannot be parallelized: say why, before its split."""
+    asked = [
+        *(['data_parallel="fsdp"'] if config.data_parallel == "fsdp" else []),
+        *(["parallelize_fn"] if config.parallelize_fn is not None else []),
+    ]
+    if asked:
+        raise ValueError(
+            f"{' and '.join(asked)} need(s) the stage modules of a split nn.Sequential, but this module is "
+            f"split by tracing its forward: the traced stages run export graphs that read their weights "
+            f"directly (FSDP's module hooks would never all-gather them) and torch 2.13's traced stages "
+            f"refuse DTensor parameters. Hold the layers in one top-level nn.Sequential, or use "
+            f'data_parallel="zero1" (sharded optimizer state) or "replicate"'
+        )
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_parallel.distributed.agree import distributed_ready
 from lightning_parallel.distributed.collectives import gather_object_to
+from lightning_parallel.parallelize.dtensors import distribute_like, full_tensors
 from lightning_parallel.pipeline import state as stage_state
 from lightning_parallel.pipeline.zero import consolidate
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 def consolidated_state_dict(module: nn.Module, parts: PipelineParts | None) -> dict[str, Any]:
     """The unsplit module's state dict on global rank 0 (``{}`` on the other ranks of a pipeline)."""
     local = module.state_dict()
+    if parts is not None and parts.sharded:
+        local = full_tensors(local)  # FSDP2 stages: every data-parallel rank joins the all-gathers
     if parts is None or parts.mesh.pp_size == 1 or not distributed_ready():
         return local
     if parts.mesh.dp_rank != 0:
@@ -43,9 +46,12 @@ def consolidated_optimizer_state(
     if parts is None:
         return optimizer.state_dict()
     consolidate(optimizer)  # a sharded (ZeRO) optimizer gathers on replica 0: every replica calls it
+    if parts.mesh.dp_rank != 0 and not parts.sharded:
+        return {}
+    # FSDP2 stages: every data-parallel rank joins the all-gathers of the sharded state.
+    named = stage_state.named_optimizer_state(optimizer, parts.param_names, full_tensors)
     if parts.mesh.dp_rank != 0:
         return {}
-    named = stage_state.named_optimizer_state(optimizer, parts.param_names)
     gathered = gather_object_to(named, 0, parts.mesh.pp_group)
     if gathered is None:
         return {}
@@ -58,8 +64,10 @@ def load_stage_state(
     """Load this rank's keys of a consolidated (or single-device) state dict into its stage."""
     if strict and parts is not None:
         stage_state.check_keys(parts.model_keys, full, type(module).__name__)
-    local_keys = module.state_dict().keys()
-    module.load_state_dict({k: v for k, v in full.items() if k in local_keys}, strict=strict)
+    local = module.state_dict()
+    # A sharded (FSDP2) stage takes its slice of each full tensor, as the tensor it replaces is placed.
+    mine = {k: distribute_like(v, local[k]) for k, v in full.items() if k in local}
+    module.load_state_dict(mine, strict=strict)
 
 
 def load_stage_optimizer_states(
@@ -76,4 +84,11 @@ def load_stage_optimizer_states(
         local = stage_state.reshard_optimizer_state(
             full, optimizer, parts.param_names, parts.model_param_order
         )
-        optimizer.load_state_dict(local)
+        optimizer.load_state_dict(_placed_like_parameters(local, optimizer))
+
+
+def _placed_like_parameters(local: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """Each parameter's full state tensors as DTensors placed as the (FSDP2-sharded) parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {i: {k: distribute_like(v, params[i]) for k, v in s.items()} for i, s in local["state"].items()}
+    return {**local, "state": state}

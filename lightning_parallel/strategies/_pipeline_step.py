@@ -16,6 +16,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.collectives import broadcast_object, recv_object, send_object
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
+from lightning_parallel.parallelize.fsdp import reshard
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
@@ -98,6 +99,7 @@ class _Step:
 
     def evaluate(self) -> dict[str, Any]:
         output = self.runner.forward(self.key, self.m, self.stage_args)
+        reshard(self.parts.sharded)  # FSDP2 stages keep their gathered weights after forward-only steps
         if not self.runner.has_last:
             return {}
         with self.call.replaying(output), self.recorder.recording(self.module, self.n):

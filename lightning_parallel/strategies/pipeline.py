@@ -9,7 +9,7 @@ from __future__ import annotations
 import atexit
 import gc
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -26,12 +26,14 @@ from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_s
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.collectives import all_gather_objects
+from lightning_parallel.parallelize.fsdp import reduce_gradients
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
-from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout
+from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.recompute import Selection
 from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
@@ -45,6 +47,7 @@ from lightning_parallel.strategies._pipeline_memory import (
     shard_optimizers,
     unit_naming,
 )
+from lightning_parallel.strategies._pipeline_parallelize import parallelize_parts
 from lightning_parallel.strategies._pipeline_precision import install_loss_scaling
 from lightning_parallel.strategies._pipeline_state import (
     consolidated_optimizer_state,
@@ -71,7 +74,12 @@ class PipelineStrategy(DDPStrategy):
     Each rank builds and keeps only its own stage(s); the user's ``training_step`` /
     ``validation_step`` / ``test_step`` / ``predict_step`` run unchanged (on the last stage, once per
     micro-batch in training); what they log reaches the logger on global rank 0. Gradients are
-    all-reduced over the replicas once per optimizer step.
+    reduced over the data-parallel ranks once per optimizer step.
+
+    The ranks form one device mesh, ``strategy.device_mesh``, with dimensions ``("pp",
+    "dp_replicate", "dp_shard", "tp")`` (``tp`` is 1). After the split each stage module is
+    parallelized on it: first ``parallelize_fn(stage_module, device_mesh)`` if given, then the
+    ``data_parallel`` mode.
 
     Args:
         pipeline_size: pipeline ranks per replica (default: all devices form one pipeline).
@@ -91,8 +99,18 @@ class PipelineStrategy(DDPStrategy):
             ``True`` (every layer of the Sequential, or every block the traced stages call), a list of
             module paths (``["layers.1"]``, ``["h.2", "h.3"]``) or a callable ``(path, module) -> bool``.
             Numbers are unchanged; the activation memory of a stage falls.
-        shard_optimizer_state: shard each stage's optimizer state over the stage's replicas (ZeRO-1,
-            torch's ``ZeroRedundancyOptimizer``); checkpoints still hold the full state.
+        data_parallel: how the data-parallel ranks of a stage share it: ``"replicate"`` (each holds
+            the whole stage; gradients all-reduced), ``"zero1"`` (optimizer state sharded, torch's
+            ``ZeroRedundancyOptimizer``) or ``"fsdp"`` (parameters, gradients and optimizer state
+            sharded with FSDP2 ``fully_shard``, per layer then the stage; a split ``nn.Sequential``
+            only). Checkpoints hold the full state in every mode.
+        data_parallel_shard_size: with ``"fsdp"``, the ranks each stage is sharded over (default: all
+            its data-parallel ranks); a smaller divisor replicates the shards (HSDP: shard within a
+            node, replicate across nodes).
+        parallelize_fn: ``fn(stage_module, device_mesh)`` run on each stage module after the split,
+            before ``data_parallel`` (as torchtitan's ``parallelize_fn``); it changes the module in
+            place. A stage it makes an FSDP root is left to it. A split ``nn.Sequential`` only.
+        shard_optimizer_state: ``True`` is ``data_parallel="zero1"`` (the older name).
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         num_stages: deprecated name of ``pipeline_size``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -105,6 +123,11 @@ class PipelineStrategy(DDPStrategy):
         trainer = L.Trainer(accelerator="gpu", devices=8,
                             strategy=PipelineStrategy(pipeline_size=4, num_microbatches=8, schedule="1f1b"))
         trainer.fit(GPT(), datamodule)      # 4 pipeline stages x 2 data-parallel replicas
+
+        # 8 devices: 2 stages, each sharded over 4 ranks with FSDP2 (ZeRO-3)
+        PipelineStrategy(pipeline_size=2, data_parallel="fsdp")
+        # ... or sharded over 2 ranks and replicated twice (HSDP)
+        PipelineStrategy(pipeline_size=2, data_parallel="fsdp", data_parallel_shard_size=2)
     """
 
     strategy_name = "pipeline"
@@ -121,6 +144,9 @@ class PipelineStrategy(DDPStrategy):
         split_points: list[str] | None = None,
         activation_checkpointing: Selection = False,
         shard_optimizer_state: bool = False,
+        data_parallel: Literal["replicate", "zero1", "fsdp"] | None = None,
+        data_parallel_shard_size: int | None = None,
+        parallelize_fn: Callable[[torch.nn.Module, DeviceMesh | None], Any] | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: timedelta | None = default_pg_timeout,
         num_stages: int | None = None,
@@ -154,8 +180,12 @@ class PipelineStrategy(DDPStrategy):
             split_points,
             activation_checkpointing,
             shard_optimizer_state,
+            data_parallel,
+            data_parallel_shard_size,
+            parallelize_fn,
         )
         self.parts: PipelineParts | None = None
+        self._mesh: PipelineMesh | None = None
         self._release_registered = False
         self._first_batch_checked = False
 
@@ -174,10 +204,24 @@ class PipelineStrategy(DDPStrategy):
     shard_optimizer_state = property(
         lambda self: self.config.shard_optimizer_state, doc="Whether optimizer state is sharded (ZeRO-1)."
     )
+    data_parallel = property(lambda self: self.config.data_parallel, doc="replicate, zero1 or fsdp.")
 
     @property
     def layout(self) -> RankLayout:
-        return RankLayout.for_world(self.world_size, self.pipeline_size)
+        layout = RankLayout.for_world(self.world_size, self.pipeline_size)
+        if self.config.data_parallel != "fsdp":
+            return layout
+        shards = self.config.data_parallel_shard_size or layout.dp_size
+        return RankLayout(layout.pp_size, layout.dp_size, shards)
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The torch ``DeviceMesh``: ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"tp"`` (and ``"dp"``).
+
+        Built in ``setup_environment``, as Lightning's ``ModelParallelStrategy`` does, so
+        ``configure_model`` can read it; ``None`` before, or without a process group.
+        """
+        return self._mesh.device_mesh if self._mesh is not None else None
 
     @property
     def data_parallel_size(self) -> int:
@@ -190,7 +234,7 @@ class PipelineStrategy(DDPStrategy):
 
     @property
     def mesh(self) -> PipelineMesh | None:
-        return self.parts.mesh if self.parts is not None else None
+        return self.parts.mesh if self.parts is not None else self._mesh
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
@@ -215,15 +259,22 @@ class PipelineStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------ setup
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._mesh is None:  # the one device mesh: every rank builds it (a collective)
+            self._mesh = build_mesh(self.root_device.type, self.layout)
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             check_fit_supported(trainer, self)
+        first = self.parts is None
         if self.parts is None:
             naming = unit_naming(self.lightning_module, self.config)  # read on the unsplit module
             self.parts = build_pipeline(
-                self.config, trainer, self.lightning_module, self.layout, self.root_device
+                self.config, trainer, self.lightning_module, self.layout, self.root_device, self._mesh
             )
             install_checkpointing(self.parts, self.config.activation_checkpointing, naming)
             rank_zero_info(
@@ -234,6 +285,8 @@ class PipelineStrategy(DDPStrategy):
         if self.parts.twin is not None:
             self.parts.twin = self.precision_plugin.convert_module(self.parts.twin)
         self.model_to_device()
+        if first:  # split, recomputation, then the data-parallel sharding (torchtitan's order)
+            parallelize_parts(self.parts, self.config, self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.config.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
@@ -258,7 +311,7 @@ class PipelineStrategy(DDPStrategy):
         """
         if self.parts is not None:
             self.parts.runner.clear()
-        self.parts = None
+        self.parts = self._mesh = None
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -352,6 +405,7 @@ class PipelineStrategy(DDPStrategy):
             result = closure()
             # Once per optimizer step, before clipping and the step itself: the tied weights'
             # replicas sum their gradients, then every stage averages over its replicas.
+            reduce_gradients(parts.sharded)  # FSDP2 stages: one reduce-scatter for the whole window
             parts.shared.sum_gradients()
             all_reduce_gradients(self.lightning_module.parameters(), parts.mesh.dp_group)
             return result

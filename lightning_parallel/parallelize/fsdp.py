@@ -1,0 +1,84 @@
+"""FSDP2 inside pipeline stages: each stage's parameters sharded over its data-parallel ranks (ZeRO-3).
+
+As torchtitan does: ``fully_shard`` on each block (a child of the stage that holds parameters), then
+on the stage root, with ``reshard_after_forward=False`` (under a pipeline a stage runs forward once
+per micro-batch: resharding after each would all-gather again for every micro-batch).
+
+Gradients are reduce-scattered once per optimizer step: :class:`DeferredReduceStage` ends each
+``schedule.step()`` without reducing (FSDP accumulates the unsharded gradients), and
+:func:`reduce_gradients`, called once before the optimizer steps, reduce-scatters the whole
+accumulation window's gradients. FSDP divides by the data-parallel size: a mean over the replicas,
+as the all-reduce of plain replicas does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_parallel.parallelize._fsdp_internals import finish_backward
+
+
+def shard_stage(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = False) -> FSDPModule:
+    """``fully_shard`` each block of ``module`` (its children with parameters), then ``module`` itself.
+
+    Children that share a parameter with another child are left to the root (FSDP2 cannot shard one
+    parameter in two modules). A 2-D ``mesh`` (replicate, shard) gives HSDP.
+
+    Example::
+
+        shard_stage(stage_module, mesh.device_mesh["dp_shard"])
+        isinstance(stage_module, FSDPModule)      # True; its parameters are DTensors
+    """
+    blocks = [c for c in module.children() if any(True for _ in c.parameters())]
+    owners: dict[int, int] = {}
+    for block in blocks:
+        for p in block.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    for block in blocks:
+        if all(owners[id(p)] == 1 for p in block.parameters()):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return module  # type: ignore[return-value]
+
+
+def sharded_roots(modules: Iterable[nn.Module]) -> list[FSDPModule]:
+    """The stage modules that are FSDP roots (by this package or by a user's ``parallelize_fn``)."""
+    return [m for m in modules if isinstance(m, FSDPModule)]
+
+
+def reduce_gradients(roots: Iterable[FSDPModule]) -> None:
+    """Reduce-scatter the gradients accumulated since the last call: once per optimizer step."""
+    for root in roots:
+        finish_backward(root, reduce=True)
+
+
+def reshard(roots: Iterable[FSDPModule]) -> None:
+    """Free the unsharded parameters (after a forward-only step; training steps reshard themselves).
+
+    ``FSDPModule.reshard`` frees its own parameters only: every FSDP module under each root is asked.
+    """
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+class DeferredReduceStage(PipelineStage):
+    """A ``PipelineStage`` whose ``schedule.step()`` ends FSDP's backward without reducing gradients.
+
+    torch 2.13 reduce-scatters at the end of every ``step()``; Lightning may accumulate several
+    steps before the optimizer steps, so the reduction waits for :func:`reduce_gradients`.
+    ``scale_grads`` stays the schedule's business (the strategy passes ``scale_grads=False``).
+    """
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        # Forward-only schedules call it too: nothing to end there (evaluation reshards by itself).
+        if isinstance(self.submod, FSDPModule) and self.has_backward:
+            finish_backward(self.submod, reduce=False)
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)

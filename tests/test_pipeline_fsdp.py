@@ -1,0 +1,221 @@
+"""PipelineStrategy(data_parallel="fsdp"): FSDP2 inside pipeline stages, against one device.
+
+The multi-process configurations share one spawned job of 4 gloo ranks: each rank runs several
+Trainers in turn on the process group the job set up (as under torchrun), so the imports are paid once.
+"""
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader, spawn_gloo
+from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
+
+from lightning_parallel import PipelineStrategy
+from lightning_parallel.memory.config import resolve
+from lightning_parallel.parallelize import fsdp
+from lightning_parallel.parallelize.dtensors import full_tensors
+
+# 48 samples, global batch 16: 3 batches an epoch; with accumulate_grad_batches=2 the windows are
+# [0, 1] and [2] (Lightning steps at the epoch's end): a full and a partial window per epoch.
+N_SAMPLES, GLOBAL_BATCH, WORLD = 48, 16, 4
+TRAIN = dict(max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2)
+
+
+class AdamRegressor(SequentialRegressor):
+    def __init__(self):
+        super().__init__(hidden=32, depth=5, adam=True)
+
+
+class TiedEnds(SequentialRegressor):
+    """The first and the last layer share one weight, on different stages: two FSDP-sharded replicas."""
+
+    def __init__(self):
+        super().__init__(d_in=16, hidden=16, d_out=16, adam=True)
+        self.layers[-1].weight = self.layers[0][0].weight
+
+
+TIED_DATA = dict(n=32, d_in=16, d_out=16)
+
+
+class Record(Callback):
+    """Per rank: the losses, the full (gathered) parameters and how the parameters are held."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.losses, self.held = path, [], {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.held = {
+            n: (
+                type(p).__name__,
+                str(getattr(p, "placements", "")),
+                tuple((p.to_local() if hasattr(p, "to_local") else p).shape),
+            )
+            for n, p in pl_module.named_parameters()
+        }
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def on_fit_end(self, trainer, pl_module):
+        params = {k: v.detach().cpu() for k, v in full_tensors(pl_module.state_dict()).items()}
+        torch.save({"losses": self.losses, "params": params, "held": self.held}, self.path)
+
+
+class SaveAtEpochEnd(Callback):
+    def __init__(self, path):
+        self.path = str(path)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)  # every rank: the sharded state is gathered
+
+
+# name -> (strategy kwargs, epochs, expected ends of FSDP's backward on each rank: False = a batch's
+# schedule.step() ends without reducing, True = the one reduce-scatter of an optimizer step). Run in
+# this order inside the spawned job; the later runs resume the first run's checkpoint for epoch 2.
+ONE_EPOCH = [False, False, True, False, True]  # windows [0, 1] and [2]
+CONFIGS = {
+    "fsdp-2x2": (dict(pipeline_size=2, data_parallel="fsdp"), 2, ONE_EPOCH * 2),
+    "hsdp-1x2x2": (dict(pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2), 2, ONE_EPOCH),
+    "fsdp-2x2-interleaved-recompute": (
+        dict(
+            pipeline_size=2, data_parallel="fsdp", schedule="interleaved_1f1b", stages_per_rank=2,
+            activation_checkpointing=True,
+        ),
+        2,
+        [r for r in ONE_EPOCH for _ in range(2)],  # two stages (two FSDP roots) per rank
+    ),
+}  # fmt: skip
+
+
+@contextmanager
+def _reductions_recorded(path: str):
+    """Record, in order, whether each end of FSDP's backward reduced the gradients (True) or not."""
+    calls, original = [], fsdp.finish_backward
+
+    def spy(root, reduce):
+        calls.append(reduce)
+        original(root, reduce)
+
+    fsdp.finish_backward = spy
+    try:
+        yield
+    finally:
+        fsdp.finish_backward = original
+        torch.save(calls, path)
+
+
+def _job(rank: int, world: int, out_dir: str) -> None:
+    # The spawned ranks already share a gloo process group: Lightning joins it as it joins torchrun's.
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    data, ckpt = regression_data(N_SAMPLES), f"{out_dir}/fsdp.ckpt"
+    for name, (kwargs, epochs, _) in CONFIGS.items():
+        dp = world // kwargs["pipeline_size"]
+        torch.manual_seed(0)
+        first = name == "fsdp-2x2"
+        callbacks = [Record(f"{out_dir}/{name}-rank{rank}.pt"), *([SaveAtEpochEnd(ckpt)] if first else [])]
+        trainer = quiet_trainer(
+            devices=world, strategy=PipelineStrategy(num_microbatches=4, **kwargs), callbacks=callbacks,
+            limit_val_batches=2, **{**TRAIN, "max_epochs": epochs},
+        )  # fmt: skip
+        with _reductions_recorded(f"{out_dir}/{name}-reductions-rank{rank}.pt"):
+            trainer.fit(
+                AdamRegressor(), loader(data, GLOBAL_BATCH // dp),
+                val_dataloaders=loader(data, GLOBAL_BATCH // dp) if first else None,
+                ckpt_path=None if first else ckpt,
+            )  # fmt: skip
+    # A weight tied across the stages: its sharded replicas sum their local shards' gradients.
+    torch.manual_seed(0)
+    trainer = quiet_trainer(
+        devices=world, strategy=PipelineStrategy(pipeline_size=2, num_microbatches=2, data_parallel="fsdp"),
+        callbacks=[Record(f"{out_dir}/tied-rank{rank}.pt")], gradient_clip_val=0.5,
+    )  # fmt: skip
+    trainer.fit(TiedEnds(), loader(regression_data(**TIED_DATA), 4))
+    torch.save(None, f"{out_dir}/rank{rank}.pt")
+
+
+def _merged(out_dir: Path, name: str) -> tuple[dict, torch.Tensor, list[dict]]:
+    records = [torch.load(out_dir / f"{name}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    params = {k: v for r in records for k, v in r["params"].items()}
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    return params, losses, records
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_step(tmp_path):
+    torch.manual_seed(0)
+    data = regression_data(N_SAMPLES)
+    ref = fit(AdamRegressor(), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref", **TRAIN)[0]
+    torch.manual_seed(0)
+    tied_data = reference_loader(regression_data(**TIED_DATA), 8)
+    tied_ref = fit(TiedEnds(), tied_data, tmp_path / "tied-ref", gradient_clip_val=0.5)[0]
+    spawn_gloo(_job, WORLD, tmp_path)
+    for name, (_, _, reductions) in CONFIGS.items():
+        params, losses, records = _merged(tmp_path, name)
+        assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
+        expected = torch.tensor(ref["losses"])[-len(losses) :]  # the resumed run: its second epoch
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        # One reduce-scatter per optimizer step, none per batch (nor per micro-batch).
+        assert torch.load(tmp_path / f"{name}-reductions-rank0.pt") == reductions, name
+    params, losses, _ = _merged(tmp_path, "tied")
+    assert_close_dicts(params, tied_ref["params"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses, torch.tensor(tied_ref["losses"]), rtol=1e-5, atol=1e-6)
+    assert torch.equal(params["layers.0.0.weight"], params["layers.3.weight"])
+    # 2 stages x 2 shards: each rank holds half of each of its stage's weights, as a DTensor.
+    _, _, records = _merged(tmp_path, "fsdp-2x2")
+    held = records[0]["held"]["layers.0.0.weight"]
+    assert held == ("DTensor", "(Shard(dim=0),)", (16, 8)), held
+    # HSDP (one stage): sharded over 2 ranks, replicated twice; it resumed the FSDP run's checkpoint.
+    _, _, records = _merged(tmp_path, "hsdp-1x2x2")
+    held = records[3]["held"]["layers.4.weight"]
+    assert held == ("DTensor", "(Replicate(), Shard(dim=0))", (2, 32)), held
+
+
+def test_data_parallel_options_are_checked():
+    with pytest.raises(ValueError, match=r"unknown data_parallel='zero3': use one of 'replicate', 'zero1'"):
+        PipelineStrategy(data_parallel="zero3")
+    with pytest.raises(ValueError, match=r"data_parallel_shard_size=2 shards stages with FSDP2, but"):
+        PipelineStrategy(data_parallel_shard_size=2)
+    with pytest.raises(ValueError, match="pass only one of them"):
+        PipelineStrategy(shard_optimizer_state=True, data_parallel="fsdp")
+    with pytest.raises(TypeError, match="parallelize_fn must be a callable"):
+        PipelineStrategy(parallelize_fn="fsdp")
+    with pytest.raises(
+        ValueError, match=r"memory planner does not model PipelineStrategy\(data_parallel='fsdp'\)"
+    ):
+        resolve(PipelineStrategy(pipeline_size=2, data_parallel="fsdp"), devices=4, precision="32-true")
+    assert PipelineStrategy(shard_optimizer_state=True).data_parallel == "zero1"
+    assert PipelineStrategy(data_parallel="zero1").shard_optimizer_state
+
+
+def test_the_traced_path_refuses_fsdp_with_the_reason():
+    trainer = quiet_trainer(
+        devices=1, max_steps=1, strategy=PipelineStrategy(pipeline_size=1, data_parallel="fsdp")
+    )
+    with pytest.raises(ValueError, match=r'data_parallel="fsdp" need\(s\) the stage modules of a split'):
+        trainer.fit(TinyGPT(), loader(token_data(8), 4))
+
+
+class SeesTheMesh(AdamRegressor):
+    def configure_model(self):
+        mesh = self.trainer.strategy.device_mesh
+        self.seen = {"dims": mesh.mesh_dim_names, "shape": tuple(mesh.shape)}
+
+
+def test_parallelize_fn_gets_each_stage_and_the_mesh_seen_in_configure_model(tmp_path):
+    calls = []
+    strategy = PipelineStrategy(
+        pipeline_size=1, parallelize_fn=lambda stage, mesh: calls.append((type(stage).__name__, mesh.shape))
+    )
+    model = SeesTheMesh()
+    quiet_trainer(devices=1, max_steps=1, strategy=strategy, default_root_dir=tmp_path).fit(
+        model, loader(regression_data(16), 8)
+    )
+    assert model.seen == {"dims": ("pp", "dp_replicate", "dp_shard", "tp"), "shape": (1, 1, 1, 1)}
+    assert calls == [("StageModule", (1, 1, 1, 1))]
+    assert strategy.mesh.dp_mesh.size() == 1 and strategy.mesh.dp_group is not None
