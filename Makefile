@@ -6,6 +6,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
+HF_PACKAGES := .hf_packages
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo test lint format experiments clean
@@ -15,9 +16,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[dev]"
-	# litgpt's GPT for tests/test_pipeline_hf.py: its model code needs torch only, and its pin of
-	# huggingface-hub<1.4 conflicts with transformers 5, so it comes without its dependencies.
-	$(PY) -m pip install --quiet --no-deps "litgpt==0.5.13"
+	# transformers and litgpt for the Hugging Face tests, in a folder of their own (.hf_packages) that
+	# only those tests put on sys.path: installed in the venv, transformers is imported by torchmetrics
+	# (so by Lightning) in every process, ~2 s more for each spawned rank of the suite. litgpt's model
+	# code needs torch only; its pin of huggingface-hub<1.4 conflicts with transformers 5: no deps.
+	rm -rf $(HF_PACKAGES)
+	$(PY) -m pip install --quiet --target $(HF_PACKAGES) "transformers==5.23.0"
+	$(PY) -m pip install --quiet --no-deps --target $(HF_PACKAGES) "litgpt==0.5.13"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -38,4 +43,4 @@ experiments: $(VENV)/.installed
 	$(PY) experiments/run_all.py
 
 clean:
-	rm -rf $(VENV) runs lightning_logs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(HF_PACKAGES) runs lightning_logs .pytest_cache .ruff_cache

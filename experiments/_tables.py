@@ -346,6 +346,24 @@ def hf_tracing(rows: Rows) -> str:
     )
 
 
+def hf_pretrained_memory(rows: Rows) -> str:
+    header = [
+        "load",
+        "tensors held (MiB)",
+        "peak resident memory above imports (MiB)",
+        "of the whole model's",
+    ]
+    table = [
+        [r["variant"], _f(r["held_mib"], 1), _f(r["peak_rss_mib"], 1), _f(r["peak_ratio_to_whole"], 2)]
+        for r in rows
+    ]
+    return _table(header, table) + (
+        "\n\nA 124M-parameter `transformers` Llama saved with `save_pretrained`: `from_pretrained` of the "
+        "whole model, against a rank's stage built on the meta device and read with `load_pretrained` "
+        "(its tensors plus the largest tensor being read). One run each, in fresh processes (bytes)."
+    )
+
+
 def watchdog(rows: Rows) -> str:
     by = {r["variant"]: r for r in rows}
     off, on, goal = by["off"], by["on"], float(rows[0]["goal"])
@@ -413,5 +431,10 @@ QUESTIONS = (
         "Pipelining a Hugging Face Llama, unmodified: 2 stages against one process",
         "hf_pipeline",
         (hf_pipeline, hf_tracing),
+    ),
+    Question(
+        "Loading a Hugging Face model's pretrained weights: the whole model against one stage per rank",
+        "hf_pretrained_memory",
+        (hf_pretrained_memory,),
     ),
 )

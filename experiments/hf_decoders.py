@@ -7,11 +7,19 @@ pipelines that call. Byte-level vocabulary (256) so the experiments' byte data f
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+
+# `make test` installs transformers into .hf_packages, off the venv (see the Makefile); appended after
+# Lightning's import, so torchmetrics does not import it in every process.
+HF_PACKAGES = Path(__file__).resolve().parents[1] / ".hf_packages"
+if HF_PACKAGES.is_dir() and str(HF_PACKAGES) not in sys.path:
+    sys.path.append(str(HF_PACKAGES))
 
 FAMILIES = ("llama", "gpt2")
 

@@ -18,6 +18,7 @@ each. Usage::
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ SIZE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidde
 
 CHILD = r"""
 import json, sys, torch
+import hf_decoders  # puts .hf_packages on the path where make test installed transformers
 import transformers as tf
 from lightning_parallel import load_pretrained
 from lightning_parallel.pipeline.shared import alias_table
@@ -65,8 +67,9 @@ print(json.dumps({"held_bytes": held, "peak_rss_above_imports_bytes": peak() - b
 
 
 def measure(directory: Path, variant: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     out = subprocess.run([sys.executable, "-c", CHILD, str(directory), variant], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+                         text=True, check=True, env=env)  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     h.quiet()
     h.record_machine("hf_pretrained_memory", args.out_dir)
+    import hf_decoders  # noqa: F401  (transformers' place)
     import torch
     import transformers as tf
 

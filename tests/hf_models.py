@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import hf_env
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
+
+hf_env.require("transformers")  # .hf_packages is on the path now; a test module importing this skips or fails
 
 VOCAB = 64
 

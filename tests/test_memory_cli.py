@@ -114,7 +114,9 @@ def test_the_module_runs_as_a_command(model_file):
 
 
 def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
+    import hf_env
+
+    transformers = hf_env.require("transformers")
     size = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4)
     transformers.LlamaConfig(**size, num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
     code = main(["lightning_parallel.memory.hf:causal_lm", "--init", f"config={tmp_path}", "--meta",

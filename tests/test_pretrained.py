@@ -2,9 +2,6 @@
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
-
 from hf_models import hf_config, hf_model
 from transformers import AutoModelForCausalLM
 

@@ -186,6 +186,7 @@ KEY_COLUMNS = {
     "gpt_tracing": ["trace_s", "trace_s_min", "trace_s_max"],
     "hf_pipeline": ["samples_per_s", "samples_per_s_min", "step_ms", "ratio", "ratio_max", "max_loss_diff"],
     "hf_tracing": ["trace_s", "trace_s_min", "trace_s_max"],
+    "hf_pretrained_memory": ["held_mib", "peak_rss_mib", "peak_ratio_to_whole"],
     "pipeline_overhead": ["hand_samples_per_s", "trainer_samples_per_s", "ratio", "fast_ratio"],
     "pipeline_microbatches": [
         "samples_per_s",
