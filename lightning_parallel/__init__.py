@@ -8,6 +8,7 @@ from lightning_parallel.callbacks.accumulation import GradientAccumulationSchedu
 from lightning_parallel.callbacks.checkpoint import CheckpointWriteError, Rank0Checkpoint
 from lightning_parallel.callbacks.metrics import AllReducedMetrics
 from lightning_parallel.callbacks.watchdog import HangWatchdog
+from lightning_parallel.checkpoint.consolidate import consolidate_checkpoint
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
 from lightning_parallel.memory.estimate import estimate_memory
@@ -26,6 +27,7 @@ __all__ = [
     "Rank0Checkpoint",
     "ResumableDistributedSampler",
     "__version__",
+    "consolidate_checkpoint",
     "estimate_memory",
     "load_pretrained",
 ]

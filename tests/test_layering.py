@@ -10,7 +10,7 @@ from pathlib import Path
 import lightning_parallel
 
 PACKAGE = Path(lightning_parallel.__file__).parent
-GROUND_FLOOR = ("pipeline", "parallelize", "distributed", "io", "data")
+GROUND_FLOOR = ("pipeline", "parallelize", "distributed", "io", "data", "checkpoint")
 UPPER_FLOOR = ("lightning_parallel.callbacks", "lightning_parallel.strategies")
 
 

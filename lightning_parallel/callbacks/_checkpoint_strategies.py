@@ -16,6 +16,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
+from lightning_parallel.strategies._pipeline_dcp import save_checkpoint_dir
+from lightning_parallel.strategies.pipeline import PipelineStrategy
+
 _SHARDED_TENSOR_TYPES = ("DTensor", "ShardedTensor")
 
 
@@ -46,6 +49,16 @@ def sharded_strategy_problem(strategy: pl.strategies.Strategy) -> str | None:
             "or Lightning's ModelCheckpoint, which saves the sharded directory through the strategy"
         )
     return None
+
+
+def writes_directories(strategy: pl.strategies.Strategy) -> bool:
+    """Whether ``strategy`` saves a distributed checkpoint directory that Rank0Checkpoint can publish."""
+    return isinstance(strategy, PipelineStrategy) and strategy.save_distributed_checkpoint
+
+
+def save_directory(strategy: PipelineStrategy, checkpoint: dict[str, Any], path: str, tag: dict[str, Any]) -> None:
+    """Every rank: write ``checkpoint`` as the strategy's distributed checkpoint directory, atomically."""
+    save_checkpoint_dir(strategy.parts, checkpoint, path, tag)
 
 
 def find_sharded_tensor(obj: Any, path: tuple[Hashable, ...] = ()) -> tuple[str, str] | None:

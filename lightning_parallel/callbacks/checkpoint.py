@@ -25,6 +25,7 @@ from lightning_parallel.callbacks._checkpoint_internals import (
 )
 from lightning_parallel.data.resumable_sampler import find_resumable_samplers, single_loader_batch_size
 from lightning_parallel.distributed.agree import agree, decide_on
+from lightning_parallel.checkpoint import directory
 from lightning_parallel.io import atomic
 from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers
 
@@ -174,6 +175,13 @@ class Rank0Checkpoint(ModelCheckpoint):
         problem = strategies.sharded_strategy_problem(trainer.strategy)
         if problem is not None:  # the same answer on every rank: no collective needed
             raise ValueError(f"Rank0Checkpoint writes one file from global rank 0, but {problem}.")
+        if self.async_save and strategies.writes_directories(trainer.strategy):
+            raise ValueError(
+                "Rank0Checkpoint(async_save=True) writes in the background from rank 0, but this strategy saves "
+                "distributed checkpoints: every rank writes its shards with torch.distributed.checkpoint, "
+                "whose collectives cannot run in a background thread beside training's on the same process "
+                "group. Use async_save=False, or save_distributed_checkpoint=False for one file from rank 0"
+            )
         if self.save_top_k != 0 or self.save_last:
             decide_on(0, self._prepare_dir)
         strategy = trainer.strategy
@@ -203,10 +211,13 @@ class Rank0Checkpoint(ModelCheckpoint):
     @override
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         checkpoint = _dump_checkpoint(trainer, self.save_weights_only)
-        error = None
-        if trainer.is_global_zero:
-            error = self._write_on_rank0(trainer, checkpoint, filepath)
-        self._raise_on_all_ranks(trainer, error)
+        if strategies.writes_directories(trainer.strategy):
+            self._write_directory(trainer, checkpoint, filepath)
+        else:
+            error = None
+            if trainer.is_global_zero:
+                error = self._write_on_rank0(trainer, checkpoint, filepath)
+            self._raise_on_all_ranks(trainer, error)
         self._async_pending = self.async_save
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
@@ -214,13 +225,23 @@ class Rank0Checkpoint(ModelCheckpoint):
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(self)
 
-    def _write_on_rank0(self, trainer: pl.Trainer, checkpoint: dict[str, Any], filepath: str) -> str | None:
-        meta = {
+    def _tag(self, trainer: pl.Trainer, filepath: str) -> dict[str, Any]:
+        return {
             "step": int(trainer.global_step),
             "epoch": int(trainer.current_epoch),
             "key": self.state_key,
             "name": os.path.basename(filepath),
         }
+
+    def _write_directory(self, trainer: pl.Trainer, checkpoint: dict[str, Any], filepath: str) -> None:
+        """Every rank writes its shards into a temporary directory that rank 0 renames into place."""
+        try:
+            strategies.save_directory(trainer.strategy, checkpoint, filepath, self._tag(trainer, filepath))
+        except Exception as err:  # raised on every rank (the save agrees on errors)
+            raise CheckpointWriteError(f"Rank0Checkpoint failed: {_describe_error(err, filepath)}") from err
+
+    def _write_on_rank0(self, trainer: pl.Trainer, checkpoint: dict[str, Any], filepath: str) -> str | None:
+        meta = self._tag(trainer, filepath)
         try:
             strategies.refuse_sharded_tensors(checkpoint)
             os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
@@ -318,9 +339,10 @@ class Rank0Checkpoint(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """The newest checkpoint in ``dirpath`` that verifies (each rank checks: no process group yet)."""
         dirpath = str(self.dirpath) if self.dirpath is not None else None
-        entries = atomic.list_tagged_checkpoints(dirpath) if dirpath else []
+        entries = _tagged_checkpoints(dirpath) if dirpath else []
         for path, _tag in atomic.newest_first(entries):
-            result = atomic.verify_checkpoint(path)
+            verify = directory.verify_checkpoint_dir if os.path.isdir(path) else atomic.verify_checkpoint
+            result = verify(path)
             if result.ok:
                 self._verified[path] = _stat_key(path)
                 return {path}
@@ -354,7 +376,7 @@ class Rank0Checkpoint(ModelCheckpoint):
             os.path.abspath(p) for p in (*self.best_k_models, self.best_model_path, self.last_model_path) if p
         }
         known.add(resumed)
-        for path, tag in atomic.list_tagged_checkpoints(str(self.dirpath)):
+        for path, tag in _tagged_checkpoints(str(self.dirpath)):
             if os.path.abspath(path) in known or tag.get("key") != self.state_key:
                 continue
             if int(tag.get("step", -1)) > trainer.global_step or self.save_top_k != -1:
@@ -423,9 +445,14 @@ def _link_checkpoint(
     trainer.strategy.barrier()
 
 
+def _tagged_checkpoints(dirpath: str) -> list[tuple[str, dict[str, Any]]]:
+    """Our checkpoint files and distributed checkpoint directories in ``dirpath``, with their tags."""
+    return atomic.list_tagged_checkpoints(dirpath) + directory.list_tagged_dirs(dirpath)
+
+
 def _remove_quietly(path: str) -> None:
     try:
-        atomic.remove_file(path)
+        directory.remove_dir(path) if os.path.isdir(path) else atomic.remove_file(path)
     except OSError as err:
         rank_zero_warn(f"Rank0Checkpoint could not remove old checkpoint {path!r}: {err}")
 

@@ -189,7 +189,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_orphans(directory: str) -> list[str]:
-    """Delete named temporary files left in ``directory`` by killed writers; return their paths.
+    """Delete named temporary files (and directories) left in ``directory`` by killed writers; return their paths.
 
     A temp file of a process still alive on this host is kept (it may be writing right now).
 
@@ -207,7 +207,11 @@ def remove_orphans(directory: str) -> list[str]:
             continue
         if match["host"] == host and _pid_alive(int(match["pid"])):
             continue
+        path = os.path.join(directory, name)
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
+            if os.path.isdir(path) and not os.path.islink(path):  # a distributed checkpoint's directory
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            removed.append(path)
     return removed

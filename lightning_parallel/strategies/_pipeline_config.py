@@ -31,6 +31,7 @@ class PipelineConfig:
     data_parallel: str = "replicate"
     data_parallel_shard_size: int | None = None  # "fsdp": ranks a stage is sharded over (None: all)
     parallelize_fn: Callable[..., Any] | None = None
+    save_distributed_checkpoint: bool = False  # a torch.distributed.checkpoint directory, not one file
 
 
 def renamed_num_stages(pipeline_size: int | None, num_stages: int | None) -> int | None:
@@ -62,6 +63,7 @@ def checked_config(
     data_parallel: str | None = None,
     data_parallel_shard_size: int | None = None,
     parallelize_fn: Callable[..., Any] | None = None,
+    save_distributed_checkpoint: bool = False,
 ) -> PipelineConfig:
     """Every setting checked, with the value and the fix in each error; the config all ranks share."""
     cls = schedule_class(schedule)
@@ -70,6 +72,11 @@ def checked_config(
     if parallelize_fn is not None and not callable(parallelize_fn):
         raise TypeError(
             f"parallelize_fn must be a callable (stage_module, device_mesh) -> None, got {parallelize_fn!r}"
+        )
+    if not isinstance(save_distributed_checkpoint, bool):
+        raise TypeError(
+            "save_distributed_checkpoint must be True (a torch.distributed.checkpoint directory, each rank "
+            f"writing its own shards) or False (one consolidated file), got {save_distributed_checkpoint!r}"
         )
     _check_positive_int("num_microbatches", num_microbatches)
     _check_positive_int("stages_per_rank", stages_per_rank)
@@ -108,6 +115,7 @@ def checked_config(
         data_parallel,
         data_parallel_shard_size,
         parallelize_fn,
+        save_distributed_checkpoint,
     )
 
 

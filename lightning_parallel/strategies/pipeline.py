@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mes
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.recompute import Selection
 from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
+from lightning_parallel.strategies import _pipeline_dcp as dcp_glue
 from lightning_parallel.strategies._pipeline_config import (
     check_fit_supported,
     checked_config,
@@ -110,6 +112,10 @@ class PipelineStrategy(DDPStrategy):
         parallelize_fn: ``fn(stage_module, device_mesh)`` run on each stage module after the split,
             before ``data_parallel`` (as torchtitan's ``parallelize_fn``); it changes the module in
             place. A stage it makes an FSDP root is left to it. A split ``nn.Sequential`` only.
+        save_distributed_checkpoint: ``True``: checkpoints are ``torch.distributed.checkpoint``
+            directories, each rank writing its own shards (no rank gathers the model), resumable at
+            another pipeline size or shard count; ``consolidate_checkpoint`` makes one file of one.
+            ``False`` (default): one consolidated file from global rank 0.
         shard_optimizer_state: ``True`` is ``data_parallel="zero1"`` (the older name).
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         num_stages: deprecated name of ``pipeline_size``.
@@ -147,6 +153,7 @@ class PipelineStrategy(DDPStrategy):
         data_parallel: Literal["replicate", "zero1", "fsdp"] | None = None,
         data_parallel_shard_size: int | None = None,
         parallelize_fn: Callable[[torch.nn.Module, DeviceMesh | None], Any] | None = None,
+        save_distributed_checkpoint: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: timedelta | None = default_pg_timeout,
         num_stages: int | None = None,
@@ -183,6 +190,7 @@ class PipelineStrategy(DDPStrategy):
             data_parallel,
             data_parallel_shard_size,
             parallelize_fn,
+            save_distributed_checkpoint,
         )
         self.parts: PipelineParts | None = None
         self._mesh: PipelineMesh | None = None
@@ -205,6 +213,9 @@ class PipelineStrategy(DDPStrategy):
         lambda self: self.config.shard_optimizer_state, doc="Whether optimizer state is sharded (ZeRO-1)."
     )
     data_parallel = property(lambda self: self.config.data_parallel, doc="replicate, zero1 or fsdp.")
+    save_distributed_checkpoint = property(
+        lambda self: self.config.save_distributed_checkpoint, doc="Whether checkpoints are DCP directories."
+    )
 
     @property
     def layout(self) -> RankLayout:
@@ -415,12 +426,20 @@ class PipelineStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------ state dicts
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unsplit module's state dict on global rank 0 (replica 0's stages send theirs there)."""
+        """The unsplit module's state dict on global rank 0 (replica 0's stages send theirs there).
+
+        With ``save_distributed_checkpoint=True``: this rank's stage state, not gathered."""
+        if self.config.save_distributed_checkpoint:
+            return self.lightning_module.state_dict()
         return consolidated_state_dict(self.lightning_module, self.parts)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The unsplit model's optimizer state on global rank 0, keyed as a single-device one."""
+        """The unsplit model's optimizer state on global rank 0, keyed as a single-device one.
+
+        With ``save_distributed_checkpoint=True``: this rank's share, flat and keyed by parameter name."""
+        if self.config.save_distributed_checkpoint:
+            return dcp_glue.local_optimizer_state(optimizer, self.parts)
         return consolidated_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.parts)
 
     @property
@@ -431,12 +450,31 @@ class PipelineStrategy(DDPStrategy):
         return True
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self.config.save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported with save_distributed_checkpoint=True")
+        dcp_glue.save_checkpoint_dir(self.parts, checkpoint, str(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if os.path.isdir(checkpoint_path):  # a distributed checkpoint: the states are read by the hooks below
+            return dcp_glue.load_checkpoint_meta(str(checkpoint_path), weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if dcp_glue.is_directory_checkpoint(checkpoint):
+            return dcp_glue.load_model(self.lightning_module, checkpoint, strict)
         load_stage_state(self.lightning_module, self.parts, checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        load_stage_optimizer_states(self.optimizers, self.parts, checkpoint["optimizer_states"])
+        if dcp_glue.is_directory_checkpoint(checkpoint):
+            dcp_glue.load_optimizers(self.optimizers, self.parts, checkpoint)
+        else:
+            load_stage_optimizer_states(self.optimizers, self.parts, checkpoint["optimizer_states"])
         _optimizers_to_device(self.optimizers, self.root_device)
 
     # ----------------------------------------------------------------------- meta-device init

@@ -1,0 +1,1 @@
+"""Checkpoints of sharded runs: torch.distributed.checkpoint directories, written atomically."""
