@@ -1,4 +1,4 @@
-"""PipelineStrategy(save_distributed_checkpoint=True): DCP directories, resumed at other shapes, against one device.
+"""PipelineStrategy(save_distributed_checkpoint=True): DCP directories resumed at other shapes, vs one device.
 
 The multi-process configurations share one spawned job of 4 gloo ranks (several Trainers in turn).
 """
@@ -43,7 +43,10 @@ class Record(Callback):
 
 def _strategy(pipeline_size, data_parallel):
     return PipelineStrategy(
-        pipeline_size=pipeline_size, num_microbatches=2, data_parallel=data_parallel, save_distributed_checkpoint=True
+        pipeline_size=pipeline_size,
+        num_microbatches=2,
+        data_parallel=data_parallel,
+        save_distributed_checkpoint=True,
     )
 
 
@@ -72,8 +75,9 @@ def _job(rank: int, world: int, out_dir: str) -> None:
             callbacks.append(ModelCheckpoint(dirpath=f"{out_dir}/mc", filename="fsdp", every_n_epochs=1))
         torch.manual_seed(0)
         trainer = quiet_trainer(
-            devices=world, strategy=_strategy(pp, mode), callbacks=callbacks, max_epochs=epochs, **TRAIN
-        )
+            devices=world, strategy=_strategy(pp, mode), callbacks=callbacks, max_epochs=epochs,
+            enable_checkpointing=len(callbacks) > 1, **TRAIN,
+        )  # fmt: skip
         trainer.fit(AdamRegressor(), loader(data, GLOBAL_BATCH // (world // pp)), ckpt_path=saved.get(source))
         if name.startswith("zero1"):
             trainer.save_checkpoint(f"{out_dir}/zero1-end.ckpt")  # each replica writes its ZeRO shard
@@ -87,7 +91,7 @@ def _job(rank: int, world: int, out_dir: str) -> None:
 
     directory.hash_files = failing
     trainer = quiet_trainer(
-        devices=world, strategy=_strategy(2, "replicate"), max_steps=1,
+        devices=world, strategy=_strategy(2, "replicate"), max_steps=1, enable_checkpointing=True,
         callbacks=[Rank0Checkpoint(dirpath=f"{out_dir}/failed", every_n_train_steps=1)],
     )  # fmt: skip
     try:
@@ -132,15 +136,21 @@ def _check_each_rank_wrote_its_own(path: Path, records: list[dict], sharded: boo
 def test_distributed_checkpoints_resume_at_other_shapes_exactly(tmp_path):
     torch.manual_seed(0)
     data = regression_data(N_SAMPLES)
-    ref = fit(AdamRegressor(), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref", max_epochs=2, **TRAIN)[0]
+    ref = fit(AdamRegressor(), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref", max_epochs=2, **TRAIN)[
+        0
+    ]
     failures = spawn_gloo(_job, WORLD, tmp_path)
     for name, (_, _, epochs, _) in RUNS.items():
-        params, losses, records = _merged(tmp_path, name)
+        params, losses, _ = _merged(tmp_path, name)
         if epochs == 2:  # a resumed run: its second epoch, and the final parameters, as one device's
             assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(losses, torch.tensor(ref["losses"])[-len(losses) :], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                losses, torch.tensor(ref["losses"])[-len(losses) :], rtol=1e-5, atol=1e-6
+            )
     # Each rank wrote its own stage's shards; FSDP weights in two shards each; nobody gathered the model.
-    _check_each_rank_wrote_its_own(tmp_path / "mc" / "fsdp.ckpt", _merged(tmp_path, "fsdp-2x2")[2], sharded=True)
+    _check_each_rank_wrote_its_own(
+        tmp_path / "mc" / "fsdp.ckpt", _merged(tmp_path, "fsdp-2x2")[2], sharded=True
+    )
     assert _merged(tmp_path, "fsdp-2x2")[2][0]["held"]["layers.0.0.weight"] == "DTensor"
     _check_each_rank_wrote_its_own(tmp_path / "r0" / "rep.ckpt", _merged(tmp_path, "replicate-2x2")[2], False)
     assert directory.verify_checkpoint_dir(str(tmp_path / "r0" / "rep.ckpt")).ok
@@ -154,12 +164,21 @@ def test_distributed_checkpoints_resume_at_other_shapes_exactly(tmp_path):
     assert set(AdamRegressor.load_from_checkpoint(out).state_dict()) == set(ref["params"])
     torch.manual_seed(0)
     one = fit(
-        AdamRegressor(), reference_loader(data, GLOBAL_BATCH), tmp_path / "one", max_epochs=2, ckpt_path=out, **TRAIN
+        AdamRegressor(),
+        reference_loader(data, GLOBAL_BATCH),
+        tmp_path / "one",
+        max_epochs=2,
+        ckpt_path=out,
+        **TRAIN,
     )[0]
     assert_close_dicts(one["params"], ref["params"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(ref["losses"])[-len(one["losses"]) :])
+    torch.testing.assert_close(
+        torch.tensor(one["losses"]), torch.tensor(ref["losses"])[-len(one["losses"]) :]
+    )
     # ZeRO-1 saved each replica's optimizer shard; consolidated, the state is whole.
-    full = torch.load(consolidate_checkpoint(tmp_path / "zero1-end.ckpt", tmp_path / "zero1.ckpt"), weights_only=False)
+    full = torch.load(
+        consolidate_checkpoint(tmp_path / "zero1-end.ckpt", tmp_path / "zero1.ckpt"), weights_only=False
+    )
     assert_close_dicts(full["state_dict"], ref["params"], rtol=1e-5, atol=1e-6)
     assert len(full["optimizer_states"][0]["state"]) == len(ref["params"])
 
@@ -186,7 +205,9 @@ def test_consolidate_a_one_device_distributed_checkpoint(tmp_path):
     trainer.fit(model, loader(data, GLOBAL_BATCH))
     trainer.save_checkpoint(tmp_path / "dcp.ckpt")
     assert directory.verify_checkpoint_dir(str(tmp_path / "dcp.ckpt")).ok
-    full = torch.load(consolidate_checkpoint(tmp_path / "dcp.ckpt", tmp_path / "one.ckpt"), weights_only=False)
+    full = torch.load(
+        consolidate_checkpoint(tmp_path / "dcp.ckpt", tmp_path / "one.ckpt"), weights_only=False
+    )
     assert_close_dicts(full["state_dict"], model.state_dict(), rtol=0, atol=0)
     # The optimizer state in torch's single-device layout: a plain AdamW loads it and holds the same moments.
     optimizer = trainer.optimizers[0]

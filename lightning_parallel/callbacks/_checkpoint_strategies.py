@@ -56,7 +56,9 @@ def writes_directories(strategy: pl.strategies.Strategy) -> bool:
     return isinstance(strategy, PipelineStrategy) and strategy.save_distributed_checkpoint
 
 
-def save_directory(strategy: PipelineStrategy, checkpoint: dict[str, Any], path: str, tag: dict[str, Any]) -> None:
+def save_directory(
+    strategy: PipelineStrategy, checkpoint: dict[str, Any], path: str, tag: dict[str, Any]
+) -> None:
     """Every rank: write ``checkpoint`` as the strategy's distributed checkpoint directory, atomically."""
     save_checkpoint_dir(strategy.parts, checkpoint, path, tag)
 

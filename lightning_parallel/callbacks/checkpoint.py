@@ -23,9 +23,9 @@ from lightning_parallel.callbacks._checkpoint_internals import (
     _VerifyingCheckpointIO,
     check_lightning_internals,
 )
+from lightning_parallel.checkpoint import directory
 from lightning_parallel.data.resumable_sampler import find_resumable_samplers, single_loader_batch_size
 from lightning_parallel.distributed.agree import agree, decide_on
-from lightning_parallel.checkpoint import directory
 from lightning_parallel.io import atomic
 from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers
 
@@ -177,7 +177,8 @@ class Rank0Checkpoint(ModelCheckpoint):
             raise ValueError(f"Rank0Checkpoint writes one file from global rank 0, but {problem}.")
         if self.async_save and strategies.writes_directories(trainer.strategy):
             raise ValueError(
-                "Rank0Checkpoint(async_save=True) writes in the background from rank 0, but this strategy saves "
+                "Rank0Checkpoint(async_save=True) writes in the background from rank 0, but this strategy "
+                "saves "
                 "distributed checkpoints: every rank writes its shards with torch.distributed.checkpoint, "
                 "whose collectives cannot run in a background thread beside training's on the same process "
                 "group. Use async_save=False, or save_distributed_checkpoint=False for one file from rank 0"

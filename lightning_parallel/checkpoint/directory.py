@@ -173,12 +173,12 @@ def list_tagged_dirs(directory: str, suffix: str = ".ckpt") -> list[tuple[str, d
     found = []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
-        if name.endswith(suffix) and not name.startswith(".") and not os.path.islink(path):
-            if is_checkpoint_dir(path):
-                with contextlib.suppress(OSError):
-                    tag, _ = atomic.read_tag(os.path.join(path, META_NAME))
-                    if tag is not None:
-                        found.append((path, tag))
+        ours = name.endswith(suffix) and not name.startswith(".") and not os.path.islink(path)
+        if ours and is_checkpoint_dir(path):
+            with contextlib.suppress(OSError):
+                tag, _ = atomic.read_tag(os.path.join(path, META_NAME))
+                if tag is not None:
+                    found.append((path, tag))
     return found
 
 
@@ -196,7 +196,9 @@ def verify_checkpoint_dir(path: str, rank: int = 0, world: int = 1) -> atomic.Ch
     """
     meta = atomic.verify_checkpoint(os.path.join(path, META_NAME))
     if not meta.ok:
-        return atomic.CheckpointVerification(path, meta.status, meta.expected, meta.actual, meta.tag, meta.reason)
+        return atomic.CheckpointVerification(
+            path, meta.status, meta.expected, meta.actual, meta.tag, meta.reason
+        )
     try:
         with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
             manifest_bytes = f.read()

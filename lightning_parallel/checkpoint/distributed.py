@@ -32,8 +32,8 @@ __all__ = [
     "flat_optimizer_state",
     "load_flat_optimizer_state",
     "load_state",
-    "optimizer_type",
     "optimizer_template",
+    "optimizer_type",
     "read_all",
     "saved_keys",
     "single_device_optimizer_state",
@@ -121,7 +121,9 @@ def _placeholder(meta: Any, param: torch.Tensor) -> Any:
     return torch.empty(tuple(meta.size), dtype=dtype)
 
 
-def load_flat_optimizer_state(optimizer: Any, names: Mapping[nn.Parameter, str], flat: Mapping[str, Any]) -> None:
+def load_flat_optimizer_state(
+    optimizer: Any, names: Mapping[nn.Parameter, str], flat: Mapping[str, Any]
+) -> None:
     """Put a loaded flat state (:func:`optimizer_template` filled by DCP) into ``optimizer``.
 
     Raises:
@@ -167,14 +169,18 @@ def read_all(path: str) -> dict[str, Any]:
     """
     saved = saved_keys(path)
     state = {
-        k: torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        if isinstance(m, TensorStorageMetadata)
+        else None
         for k, m in saved.items()
     }
     dcp.load(state, checkpoint_id=path, no_dist=True)
     return state
 
 
-def single_device_optimizer_state(flat: Mapping[str, Any], model_param_order: list[str], type_name: str) -> dict:
+def single_device_optimizer_state(
+    flat: Mapping[str, Any], model_param_order: list[str], type_name: str
+) -> dict:
     """A flat optimizer state (all parameters) in torch's single-device layout, numbered in model order.
 
     Example::
@@ -189,11 +195,15 @@ def single_device_optimizer_state(flat: Mapping[str, Any], model_param_order: li
         name, _, item = rest.rpartition(".")
         (hyper if section == "param_groups" else state).setdefault(name, {})[item] = value
     groups: list[dict[str, Any]] = []
-    for name in sorted(hyper, key=lambda n: model_param_order.index(n) if n in model_param_order else len(hyper)):
+    for name in sorted(
+        hyper, key=lambda n: model_param_order.index(n) if n in model_param_order else len(hyper)
+    ):
         values = dict(hyper[name])
         index = values.pop(GROUP_INDEX)
         while len(groups) <= index:
             groups.append({"params": []})
         groups[index].update(values)
         groups[index]["params"].append(name)
-    return merge_optimizer_states([{"type": type_name, "state": state, "param_groups": groups}], model_param_order)
+    return merge_optimizer_states(
+        [{"type": type_name, "state": state, "param_groups": groups}], model_param_order
+    )

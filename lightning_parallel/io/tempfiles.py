@@ -189,7 +189,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_orphans(directory: str) -> list[str]:
-    """Delete named temporary files (and directories) left in ``directory`` by killed writers; return their paths.
+    """Delete named temporary files (and directories) left in ``directory`` by killed writers.
+
+    Returns their paths.
 
     A temp file of a process still alive on this host is kept (it may be writing right now).
 

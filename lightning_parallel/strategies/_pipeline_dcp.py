@@ -1,4 +1,4 @@
-"""PipelineStrategy(save_distributed_checkpoint=True): checkpoints as torch.distributed.checkpoint directories.
+"""PipelineStrategy(save_distributed_checkpoint=True): checkpoints as DCP directories.
 
 Lightning glue over :mod:`lightning_parallel.checkpoint`. Saving: every rank hands DCP its own stage's
 state (no rank gathers the model); global rank 0 writes Lightning's other state (loops, callbacks,
@@ -37,10 +37,20 @@ def save_checkpoint_dir(
     types = [flat.pop(_TYPE) for flat in optimizers]
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": flat for i, flat in enumerate(optimizers)})
-    checkpoint[DCP_KEY] = {"format": FORMAT, "model_param_order": parts.model_param_order, "optimizer_types": types}
-    tag = {"step": int(checkpoint.get("global_step", -1)), "epoch": int(checkpoint.get("epoch", -1)), **(tag or {})}
+    checkpoint[DCP_KEY] = {
+        "format": FORMAT,
+        "model_param_order": parts.model_param_order,
+        "optimizer_types": types,
+    }
+    tag = {
+        "step": int(checkpoint.get("global_step", -1)),
+        "epoch": int(checkpoint.get("epoch", -1)),
+        **(tag or {}),
+    }
     tag.setdefault("name", os.path.basename(os.path.abspath(path)))
-    write_checkpoint_dir(str(path), lambda tmp: distributed.dcp.save(state, checkpoint_id=tmp), checkpoint, tag)
+    write_checkpoint_dir(
+        str(path), lambda tmp: distributed.dcp.save(state, checkpoint_id=tmp), checkpoint, tag
+    )
 
 
 def local_optimizer_state(optimizer: Any, parts: PipelineParts) -> dict[str, Any]:
@@ -51,7 +61,9 @@ def local_optimizer_state(optimizer: Any, parts: PipelineParts) -> dict[str, Any
 
 
 def load_checkpoint_meta(path: str, weights_only: bool | None) -> dict[str, Any]:
-    """meta.pt of the directory after every rank checked its share of the files' hashes (any error: all raise)."""
+    """meta.pt of the directory, after every rank checked its share of the files' hashes.
+
+    Any rank's error is raised on every rank."""
     error = None
     try:
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed_ready() else (0, 1)
@@ -85,7 +97,8 @@ def load_optimizers(optimizers: Sequence[Any], parts: PipelineParts, checkpoint:
     record, path = checkpoint[DCP_KEY], checkpoint[DCP_KEY]["path"]
     if len(record["optimizer_types"]) != len(optimizers):
         raise ValueError(
-            f"the checkpoint holds {len(record['optimizer_types'])} optimizer states but configure_optimizers "
+            f"the checkpoint holds {len(record['optimizer_types'])} optimizer states but "
+            f"configure_optimizers "
             f"returned {len(optimizers)}: resume with the same optimizers"
         )
     for i, (opt, saved_type) in enumerate(zip(optimizers, record["optimizer_types"])):
@@ -102,4 +115,3 @@ def load_optimizers(optimizers: Sequence[Any], parts: PipelineParts, checkpoint:
     distributed.load_state(templates, path)
     for i, opt in enumerate(optimizers):
         distributed.load_flat_optimizer_state(opt, parts.param_names, templates[f"optimizer_{i}"])
-

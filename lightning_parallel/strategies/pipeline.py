@@ -30,6 +30,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+import lightning_parallel.strategies._pipeline_dcp as dcp_glue
 from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.collectives import all_gather_objects
 from lightning_parallel.parallelize.fsdp import reduce_gradients
@@ -38,7 +39,6 @@ from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mes
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.recompute import Selection
 from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
-from lightning_parallel.strategies import _pipeline_dcp as dcp_glue
 from lightning_parallel.strategies._pipeline_config import (
     check_fit_supported,
     checked_config,
