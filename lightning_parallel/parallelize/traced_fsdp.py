@@ -90,4 +90,3 @@ def shard_traced_stage(root: ShardedTracedStage, mesh: DeviceMesh) -> FSDPModule
     fully_shard(root, mesh=mesh, reshard_after_forward=False)
     root.restore_owner_parameters()
     return root  # type: ignore[return-value]
-

@@ -345,4 +345,5 @@ def manual_stage(
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return meta.requires_grad_(t.requires_grad)

@@ -1,8 +1,8 @@
 """PipelineStrategy's step after the split: parallelize each stage module on the device mesh.
 
 Glue over :mod:`lightning_parallel.parallelize`: runs the user's ``parallelize_fn`` and FSDP2 on the
-Sequential path's stage modules (FSDP2 on one root per traced stage, on the traced path), then points the strategy's bookkeeping (parameter names, tied
-replicas) at the parameters FSDP put in their place.
+Sequential path's stage modules (on the traced path, FSDP2 on one root per stage), then points the
+strategy's bookkeeping (parameter names, tied replicas) at the parameters FSDP put in their place.
 """
 
 from __future__ import annotations
