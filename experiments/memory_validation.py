@@ -193,7 +193,7 @@ def pipeline_buffers(strategy: Any) -> list[torch.Tensor]:
     if parts is None:
         return []
     out = []
-    for schedule in parts.runner._cache.values():
+    for schedule, _ in parts.runner._cache.values():
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         for stage in stages:
             for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:

@@ -13,6 +13,12 @@ import torch
 
 torch.set_num_threads(1)
 
+# The suite starts its ranks with forkserver (mp_harness.START_METHOD): the server, started at the
+# first launch with this environment, imports these once and every rank is forked from it.
+multiprocessing.set_forkserver_preload(
+    ["lightning_parallel", "lightning.pytorch", "mp_harness", "tiny_models"]
+)
+
 # Variables a launcher writes into the main process's environment. A later run that finds them
 # believes it was launched externally, or reuses a port a leftover store still holds (EADDRINUSE).
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")

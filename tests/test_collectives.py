@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from mp_harness import START_METHOD
 
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler, eval_shard
 from lightning_parallel.distributed.collectives import (
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_two_gloo_ranks_reduce_in_one_collective_and_fail_alike(tmp_path):
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method=START_METHOD)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     first = r0["first"]
     assert first["loss"] == (pytest.approx((1 * 1 + 2 * 3) / 4), (0, 1))

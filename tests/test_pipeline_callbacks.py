@@ -6,7 +6,7 @@ import glob
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from mp_harness import assert_close_dicts, fit, reference_loader
+from mp_harness import START_METHOD, assert_close_dicts, fit, reference_loader
 from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import AllReducedMetrics, GradientAccumulationScheduler, PipelineStrategy
@@ -39,7 +39,7 @@ def test_accumulation_and_all_reduced_metrics_under_pipeline_x_data_parallel(tmp
         logger=CSVLogger(tmp_path / "ref", name="", version=""), **common,
     )[0]  # fmt: skip
     torch.manual_seed(0)
-    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, start_method="spawn")
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, start_method=START_METHOD)
     records = fit(
         SequentialRegressor(), loader(data, 8), tmp_path / "pp", devices=4, strategy=strategy,
         val_dataloaders=loader(val, 4), callbacks=callbacks(),

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from mp_harness import quiet_trainer
+from mp_harness import START_METHOD, quiet_trainer
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 from torch import nn
 
@@ -113,7 +113,7 @@ class FailsOnLastStage(SequentialRegressor):
 )
 def test_a_failing_rank_ends_the_job_with_its_message(model, match):
     with pytest.raises(Exception, match=match):
-        _fit(model(), devices=2, max_steps=4, start_method="spawn", partition=[2, 2])
+        _fit(model(), devices=2, max_steps=4, start_method=START_METHOD, partition=[2, 2])
 
 
 class BranchesOnValues(TinyGPT):

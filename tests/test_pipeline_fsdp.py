@@ -193,12 +193,20 @@ def test_data_parallel_options_are_checked():
     assert PipelineStrategy(data_parallel="zero1").shard_optimizer_state
 
 
-def test_the_traced_path_refuses_fsdp_with_the_reason():
-    trainer = quiet_trainer(
-        devices=1, max_steps=1, strategy=PipelineStrategy(pipeline_size=1, data_parallel="fsdp")
-    )
-    with pytest.raises(ValueError, match=r'data_parallel="fsdp" need\(s\) the stage modules of a split'):
-        trainer.fit(TinyGPT(), loader(token_data(8), 4))
+def test_the_traced_path_refuses_what_its_stages_cannot_take_with_the_reason():
+    cases = [
+        (dict(parallelize_fn=lambda stage, mesh: None), r"parallelize_fn needs the stage modules of a split"),
+        (
+            dict(pipeline_size=1, stages_per_rank=2, schedule="interleaved_1f1b", data_parallel="fsdp"),
+            r'data_parallel="fsdp" with stages_per_rank=2 is not supported for a traced forward',
+        ),
+    ]
+    for kwargs, message in cases:
+        trainer = quiet_trainer(
+            devices=1, max_steps=1, strategy=PipelineStrategy(**{"pipeline_size": 1, **kwargs})
+        )
+        with pytest.raises(ValueError, match=message):
+            trainer.fit(TinyGPT(), loader(token_data(8), 4))
 
 
 class SeesTheMesh(AdamRegressor):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from mp_harness import assert_close_dicts, fit, merged_params, quiet_trainer, reference_loader
+from mp_harness import START_METHOD, assert_close_dicts, fit, merged_params, quiet_trainer, reference_loader
 from test_pipeline_state import WritePredictions
 from tiny_models import NanoGPT, SkipGPT, TinyGPT, loader, masked_token_data, token_data
 
@@ -72,7 +72,7 @@ def test_gpt_training_matches_single_device(tmp_path, case):
     )[0]  # fmt: skip
     torch.manual_seed(0)
     model = TinyGPT()
-    strategy = PipelineStrategy(num_microbatches=4, start_method="spawn", **cfg)
+    strategy = PipelineStrategy(num_microbatches=4, start_method=START_METHOD, **cfg)
     records = fit(
         model, loader(DATA, 8 // dp), tmp_path / "pp", devices=devices, strategy=strategy, max_epochs=2,
         gradient_clip_val=0.5, **extra("pp"),
@@ -105,7 +105,7 @@ def test_values_read_past_the_next_stage_train_and_validate_as_on_one_device(tmp
     torch.manual_seed(0)
     strategy = PipelineStrategy(
         pipeline_size=2, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=4,
-        start_method="spawn",
+        start_method=START_METHOD,
     )  # fmt: skip
     records = fit(SkipGPT(), loader(data, 8), tmp_path / "pp", devices=2, strategy=strategy,
                   val_dataloaders=loader(val, 4), **kw)  # fmt: skip
@@ -125,7 +125,7 @@ def test_nanogpt_forward_with_targets_and_its_loss_inside_trains_as_on_one_devic
     torch.manual_seed(0)
     ref = fit(NanoGPT(), reference_loader(DATA, 8), tmp_path / "ref", devices=1)[0]
     torch.manual_seed(0)
-    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, start_method="spawn")
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, start_method=START_METHOD)
     records = fit(NanoGPT(), loader(DATA, 8), tmp_path / "pp", devices=2, strategy=strategy)
     _assert_trained_as_on_one_device(records, ref)
 
@@ -139,7 +139,7 @@ def test_gpt_checkpoint_keeps_the_tie_and_resumes_on_one_device_and_at_another_s
     ref = fit(ref_model, reference_loader(DATA, 8), tmp_path / "ref", devices=1, **kw)[0]
     torch.manual_seed(0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    pp = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method="spawn")
+    pp = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method=START_METHOD)
     fit(TinyGPT(), loader(DATA, 8), tmp_path / "pp", devices=2, strategy=pp, callbacks=[ckpt], **kw)
 
     # One file with the module's own keys, both names of the tied weight; a plain module loads it tied.
@@ -157,7 +157,7 @@ def test_gpt_checkpoint_keeps_the_tie_and_resumes_on_one_device_and_at_another_s
     one = fit(TinyGPT(), reference_loader(DATA, 8), tmp_path / "one", devices=1, max_epochs=2,
               ckpt_path=tmp_path / "ckpt" / "last.ckpt")[0]  # fmt: skip
     assert_close_dicts(one["params"], ref2["params"])
-    dp = PipelineStrategy(pipeline_size=1, num_microbatches=2, start_method="spawn")
+    dp = PipelineStrategy(pipeline_size=1, num_microbatches=2, start_method=START_METHOD)
     records = fit(TinyGPT(), loader(DATA, 4), tmp_path / "dp", devices=2, strategy=dp, max_epochs=2,
                   ckpt_path=tmp_path / "ckpt" / "last.ckpt")  # fmt: skip
     assert_close_dicts(records[0]["params"], ref2["params"])
@@ -172,13 +172,13 @@ def test_gpt_validation_and_predictions_match_one_device(tmp_path):
     expected = quiet_trainer(devices=1).validate(model, loader(VAL, 4), verbose=False)[0]
     with torch.no_grad():
         expected_tokens = model(VAL.tensors[0]).argmax(-1)
-    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method="spawn")
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method=START_METHOD)
     got = quiet_trainer(devices=2, strategy=strategy).validate(model, loader(VAL, 4), verbose=False)[0]
     torch.testing.assert_close(
         torch.tensor(got["val_loss"]), torch.tensor(expected["val_loss"]), rtol=1e-5, atol=1e-6
     )
     out = tmp_path / "pred.pt"
-    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method="spawn")
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method=START_METHOD)
     trainer = quiet_trainer(devices=2, strategy=strategy, callbacks=[WritePredictions(out)])
     trainer.predict(model, loader(VAL, 4), return_predictions=False)
     assert torch.equal(torch.load(out), expected_tokens)

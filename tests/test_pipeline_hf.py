@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from hf_models import HFCausalLM, LitGPTLM, PretrainedCausalLM, hf_model, hf_token_data
 from mp_harness import (
+    START_METHOD,
     RankRecorder,
     assert_close_dicts,
     fit,
@@ -119,7 +120,7 @@ def test_hugging_face_families_train_as_on_one_device(tmp_path):
         refs[case] = fit(_model(case), reference_loader(_data(case[2]), 8), tmp_path / "ref" / _name(case),
                          devices=1, max_steps=STEPS, **_val(case))[0]  # fmt: skip
     mp.start_processes(
-        _pipelined_fits, args=(2, free_port(), str(tmp_path / "pp")), nprocs=2, start_method="spawn"
+        _pipelined_fits, args=(2, free_port(), str(tmp_path / "pp")), nprocs=2, start_method=START_METHOD
     )
     for case in CASES:
         records = load_rank_results(tmp_path / "pp" / _name(case))

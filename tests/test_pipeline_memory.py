@@ -3,7 +3,7 @@
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from mp_harness import load_rank_results, quiet_trainer
+from mp_harness import START_METHOD, load_rank_results, quiet_trainer
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
@@ -36,7 +36,7 @@ def test_meta_initialised_model_materialises_only_the_local_stage(tmp_path):
         devices=2,
         max_steps=1,
         callbacks=[RecordStageMemory(tmp_path)],
-        strategy=PipelineStrategy(pipeline_size=2, partition="parameters", start_method="spawn"),
+        strategy=PipelineStrategy(pipeline_size=2, partition="parameters", start_method=START_METHOD),
     )
     with trainer.init_module(empty_init=True):
         model = SequentialRegressor(d_in=64, hidden=64, depth=7)
@@ -73,7 +73,7 @@ class RecordTiedReplica(RecordStageMemory):
 def test_meta_initialised_gpt_is_traced_on_meta_and_keeps_one_replica_per_stage(tmp_path):
     trainer = quiet_trainer(
         devices=2, max_steps=1, callbacks=[RecordTiedReplica(tmp_path)],
-        strategy=PipelineStrategy(pipeline_size=2, start_method="spawn"),
+        strategy=PipelineStrategy(pipeline_size=2, start_method=START_METHOD),
     )  # fmt: skip
     with trainer.init_module(empty_init=True):
         model = TinyGPT(dim=16, depth=4)

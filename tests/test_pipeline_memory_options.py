@@ -4,6 +4,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from mp_harness import (
+    START_METHOD,
     RankRecorder,
     assert_close_dicts,
     load_rank_results,
@@ -73,7 +74,7 @@ def _reference(tmp_path, name, epochs, **kwargs):
 
 def _pipeline(tmp_path, name, devices, epochs, **kwargs):
     torch.manual_seed(0)
-    strategy_kwargs = dict(pipeline_size=2, num_microbatches=4, start_method="spawn")
+    strategy_kwargs = dict(pipeline_size=2, num_microbatches=4, start_method=START_METHOD)
     strategy_kwargs.update(kwargs.pop("strategy_kwargs", {}))
     dp = devices // strategy_kwargs["pipeline_size"]
     return fit(
@@ -175,7 +176,7 @@ def test_traced_gpt_with_recomputed_blocks_and_sharded_state_matches_one_device(
               gradient_clip_val=0.5)[0]  # fmt: skip
     torch.manual_seed(0)
     strategy = PipelineStrategy(
-        pipeline_size=2, num_microbatches=2, start_method="spawn", activation_checkpointing=True,
+        pipeline_size=2, num_microbatches=2, start_method=START_METHOD, activation_checkpointing=True,
         shard_optimizer_state=True,
     )  # fmt: skip
     records = fit(

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
-from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader
+from mp_harness import START_METHOD, assert_close_dicts, fit, quiet_trainer, reference_loader
 from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import PipelineStrategy
@@ -18,7 +18,7 @@ def _trainer(devices, strategy, tmp_path, **kw):
 
 def _pipeline(**kw):
     kw.setdefault("pipeline_size", 2)
-    return PipelineStrategy(num_microbatches=4, schedule="1f1b", start_method="spawn", **kw)
+    return PipelineStrategy(num_microbatches=4, schedule="1f1b", start_method=START_METHOD, **kw)
 
 
 class WritePredictions(BasePredictionWriter):

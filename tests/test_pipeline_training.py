@@ -6,7 +6,7 @@ import glob
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from mp_harness import assert_close_dicts, fit, reference_loader
+from mp_harness import START_METHOD, assert_close_dicts, fit, reference_loader
 from tiny_models import SequentialRegressor, TokenModel, VariableLengthTokens, loader, regression_data
 
 from lightning_parallel import PipelineStrategy
@@ -58,7 +58,7 @@ def test_training_matches_single_device(tmp_path, case):
 
     torch.manual_seed(0)
     model = SequentialRegressor()
-    strategy = PipelineStrategy(num_microbatches=4, start_method="spawn", **cfg)
+    strategy = PipelineStrategy(num_microbatches=4, start_method=START_METHOD, **cfg)
     records = fit(
         model,
         loader(data, global_batch // dp),
@@ -104,7 +104,9 @@ def test_changing_sequence_lengths_and_validation_batch_size(tmp_path):
     )[0]  # fmt: skip
     torch.manual_seed(0)
     model = TokenModel()
-    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, schedule="1f1b", start_method="spawn")
+    strategy = PipelineStrategy(
+        pipeline_size=2, num_microbatches=4, schedule="1f1b", start_method=START_METHOD
+    )
     records = fit(
         model, loader(data, 8), tmp_path / "pp", devices=2, strategy=strategy,
         val_dataloaders=loader(val, 5), logger=CSVLogger(tmp_path / "pp" / "logs", name="", version=""), **kw,
@@ -135,7 +137,7 @@ def test_weights_tied_across_stages_of_a_sequential_match_single_device(tmp_path
     ref = fit(TiedEnds(), reference_loader(data, 8), tmp_path / "ref", devices=1, gradient_clip_val=0.5)[0]
     torch.manual_seed(0)
     model = TiedEnds()
-    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method="spawn")
+    strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2, start_method=START_METHOD)
     first, last = fit(
         model, loader(data, 8), tmp_path / "pp", devices=2, strategy=strategy, gradient_clip_val=0.5
     )

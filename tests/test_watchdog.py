@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from mp_harness import ddp_spawn, free_port, processes_with_env, quiet_trainer
+from mp_harness import START_METHOD, ddp_spawn, free_port, processes_with_env, quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import HangWatchdog, PipelineStrategy
@@ -342,7 +342,7 @@ def test_a_rank_stuck_in_its_training_step(tmp_path, monkeypatch):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_pipeline_stage_waits_in_recv_for_a_stuck_peer(tmp_path, monkeypatch):
-    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, start_method="spawn")
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, start_method=START_METHOD)
     error, report = _spawn_fit(_RankZeroStuck(), tmp_path, monkeypatch, strategy=strategy)
     assert error is not None and "exit code 1" in str(error)
     line = _line_of("# <- rank 0 stuck")

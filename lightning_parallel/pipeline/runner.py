@@ -108,7 +108,7 @@ class PipelineRunner:
         # torch 2.13 infers a new manual PipelineStage's metadata at its first step by calling loss_fn
         # once on a dummy output of micro-batch 0, before the real micro-batches: that call must not
         # reach the user's training_step (it would log or update metrics with garbage). Traced stages
-        # take their metadata from the graph and make no such call.
+        # are given their metadata from the graph (static mode) and make no such call.
         self._metadata_call_pending = self.has_last and new and not self.stages.needs_example
         target = torch.arange(num_microbatches) if self.has_last else None
         self._loss_fn, self._seen = loss_fn, []
@@ -143,7 +143,9 @@ class PipelineRunner:
     def _schedule(self, key: Hashable, num_microbatches: int, args: Any, train: bool) -> Any:
         if key in self._cache:
             self._cache.move_to_end(key)
-            return self._cache[key]
+            schedule, stages = self._cache[key]
+            self._activate(stages)
+            return schedule
         example = None
         if self.stages.needs_example:
             if args is None:
@@ -164,10 +166,18 @@ class PipelineRunner:
         schedule = cls(
             target, num_microbatches, loss_fn=loss_fn, scale_grads=False, output_merge_spec=merge_spec
         )
-        self._cache[key] = schedule
+        self._cache[key] = (schedule, stages)
         if len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)
+        self._activate(stages)
         return schedule
+
+    def _activate(self, stages: list[Any]) -> None:
+        # Stages built per input shape may share one module (a sharded traced stage): it must run the
+        # graph of the schedule about to step.
+        activate = getattr(self.stages, "activate", None)
+        if activate is not None:
+            activate(stages)
 
 
 def _mode(train: bool) -> str:

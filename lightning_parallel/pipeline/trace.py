@@ -21,8 +21,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.pipelining import Pipe, SplitPoint
-from torch.distributed.pipelining._IR import annotate_split_points
+from torch.distributed.pipelining import Pipe, PipelineStage, SplitPoint
+from torch.distributed.pipelining._IR import _modify_graph_op_device, annotate_split_points
 from torch.export.unflatten import InterpreterModule
 
 from lightning_parallel.pipeline.call_binding import CallBinding, bound_forward
@@ -291,3 +291,59 @@ def point_at(stage_module: nn.Module, real: Mapping[str, torch.Tensor], aliases:
             raise RuntimeError(f"internal error: stage reads {path}, which this rank does not hold")
         else:
             del slot[leaf]
+
+
+def stage_examples(pipe: Pipe, example: tuple[Any, ...], train: bool) -> list[tuple[tuple, tuple]]:
+    """Each stage's inputs and outputs for one micro-batch, as fake tensors: the stages' static metadata.
+
+    The stages are run in turn on fake tensors (free), in the mode of the schedule, so each tensor
+    knows whether autograd tracks it: a stage receives its gradient only for those outputs, which the
+    graph's own fake values do not say (export records no ``requires_grad``). Run before the stage
+    modules are pointed at real tensors.
+    """
+    out = []
+    with torch.set_grad_enabled(train), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        args = tuple(fake.from_tensor(a) if torch.is_tensor(a) else a for a in example)
+        for index in range(pipe.num_stages):
+            outputs = pipe.get_stage_module(index)(*args)
+            outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+            out.append((args, outputs))
+            args = outputs
+    return out
+
+
+def manual_stage(
+    stage_module: nn.Module,
+    index: int,
+    num_stages: int,
+    device: torch.device,
+    group: Any,
+    examples: tuple[tuple, tuple],
+    stage_cls: type[PipelineStage] = PipelineStage,
+    submodule: nn.Module | None = None,
+) -> PipelineStage:
+    """A traced stage module as torch's manual ``PipelineStage`` (the frontend every schedule accepts).
+
+    torch's traced stages (``Pipe.build_stage``) refuse DTensor parameters and fail the V-shaped
+    schedules' P2P warm-up (ZBV, DualPipeV: "Pair is not connected"). After :func:`relay_skips` a
+    stage reads only its neighbour's outputs, in their order, which is what a manual stage sends and
+    receives. Its shapes are given (``examples``, from :func:`stage_examples`): a manual stage left
+    to infer them runs its forward once on uninitialised buffers, which a stage that indexes with a
+    received tensor (a loss computed from relayed labels) cannot survive. The tracer recorded devices
+    in the graph (``torch.ones(..., device=meta)``): they are moved to ``device`` first, as
+    ``Pipe.build_stage`` does, with the same private helper (``_modify_graph_op_device``, torch 2.13).
+
+    Args:
+        submodule: what the torch stage runs, if not ``stage_module`` (a sharded root running it).
+    """
+    _modify_graph_op_device(stage_module, device)
+    inputs, outputs = (tuple(_meta_like(t) for t in ts) for ts in examples)
+    return stage_cls(
+        stage_module if submodule is None else submodule, index, num_stages, device,
+        input_args=inputs, output_args=outputs, group=group,
+    )  # fmt: skip
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return meta.requires_grad_(t.requires_grad)

@@ -12,10 +12,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
 from lightning_parallel.pipeline.call_binding import CallBinding
-from lightning_parallel.pipeline.trace import point_at, to_meta, trace, unit_calls
+from lightning_parallel.pipeline.trace import (
+    manual_stage,
+    point_at,
+    stage_examples,
+    to_meta,
+    trace,
+    unit_calls,
+)
 
 
 def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
@@ -136,7 +144,7 @@ class TracedStages:
     Example::
 
         stages = TracedStages(meta_twin(gpt), ["h.2"], [0], gpt, alias_table(gpt), device, pp_group)
-        stages.build("train", 4, example_microbatch)     # [torch _PipelineStage for stage 0]
+        stages.build("train", 4, example_microbatch)     # [torch PipelineStage for stage 0]
     """
 
     needs_example = True  # a new shape is traced again on every rank from the call's input
@@ -161,6 +169,11 @@ class TracedStages:
         self.traces = 0  # how many times forward was traced (tests and benchmarks read it)
         self._output_ndims: tuple[bool, list[int]] | None = None  # (a tuple?, ndim of each output)
         self._pipes: dict[Any, Any] = {}
+        # Set when the stage is sharded with FSDP2 (parallelize/traced_fsdp.py): the torch stage then
+        # wraps that root, which runs the graph of the schedule about to step (see activate).
+        self.root: Any = None
+        self.stage_cls: type[PipelineStage] = PipelineStage
+        self._graphs: dict[int, nn.Module] = {}
 
     def pipe_for(self, train: bool, example: tuple[Any, ...]) -> Any:
         """The traced pipe for this input shape (a trace done for planning is used once more)."""
@@ -187,6 +200,7 @@ class TracedStages:
                 f"forward calls other modules at this shape"
             )
         real = _real_tensors(self.module, self.aliases)
+        examples = stage_examples(pipe, to_meta(example), mode == "train")
         stages = []
         for index in self.stage_indices:
             stage_module = pipe.get_stage_module(index)
@@ -195,8 +209,18 @@ class TracedStages:
                 self.wrap_units(called_units(stage_module))
             if index == self.num_stages - 1:
                 self._output_ndims = _output_ndims(stage_module)
-            stages.append(pipe.build_stage(index, self.device, self.group))
+            stage = manual_stage(
+                stage_module, index, self.num_stages, self.device, self.group, examples[index],
+                self.stage_cls, self.root,
+            )  # fmt: skip
+            self._graphs[id(stage)] = stage_module
+            stages.append(stage)
         return stages
+
+    def activate(self, stages: Sequence[Any]) -> None:
+        """Before a schedule steps: make a sharded root run that schedule's graph (shapes differ)."""
+        if self.root is not None:
+            self.root.use_graph(self._graphs[id(stages[0])], self.aliases)
 
     def output_merge_spec(self, num_microbatches: int) -> Any:
         """How the last stage's micro-batch outputs merge into the batch's (None: concatenated on dim 0).

@@ -147,18 +147,20 @@ def checked_data_parallel(
 
 
 def refuse_traced_parallelize(config: PipelineConfig) -> None:
-    """The traced path's stages cannot be parallelized: say why, before its split."""
-    asked = [
-        *(['data_parallel="fsdp"'] if config.data_parallel == "fsdp" else []),
-        *(["parallelize_fn"] if config.parallelize_fn is not None else []),
-    ]
-    if asked:
+    """What the traced path's stages cannot take: say why, before its split."""
+    if config.parallelize_fn is not None:
         raise ValueError(
-            f"{' and '.join(asked)} need(s) the stage modules of a split nn.Sequential, but this module is "
-            f"split by tracing its forward: the traced stages run export graphs that read their weights "
-            f"directly (FSDP's module hooks would never all-gather them) and torch 2.13's traced stages "
-            f"refuse DTensor parameters. Hold the layers in one top-level nn.Sequential, or use "
-            f'data_parallel="zero1" (sharded optimizer state) or "replicate"'
+            "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split by "
+            "tracing its forward: a traced stage is an export graph that reads its weights directly, with "
+            "no modules of yours to parallelize. Hold the layers in one top-level nn.Sequential, or drop "
+            'parallelize_fn (data_parallel="fsdp" shards traced stages too)'
+        )
+    if config.data_parallel == "fsdp" and config.stages_per_rank > 1:
+        raise ValueError(
+            f'data_parallel="fsdp" with stages_per_rank={config.stages_per_rank} is not supported for a '
+            f"traced forward: each traced stage is sharded as one FSDP root holding this rank's modules, "
+            f"so a rank can hold one stage. Use stages_per_rank=1 (schedule='1f1b' or 'gpipe'), or hold the "
+            f"layers in one top-level nn.Sequential"
         )
 
 

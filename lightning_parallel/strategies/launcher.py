@@ -8,7 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _GlobalStateSnapshot,
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
 from typing_extensions import override
 
 from lightning_parallel.pipeline.shared import alias_table, retie
@@ -26,17 +30,31 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
     loudly if it goes away.
 
     A spawn or forkserver launch from a script without ``if __name__ == "__main__":`` is refused in
-    the main process, before any worker starts (see ``_main_guard``: otherwise it can hang).
+    the main process, before any worker starts (see ``_main_guard``: otherwise it can hang). A
+    forkserver worker gets the main process's environment and global state, as a spawn worker does
+    (:func:`forkserver_parent_state`).
     """
+
+    _parent_state: tuple[_GlobalStateSnapshot, dict[str, str]] | None = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if self._start_method in ("spawn", "forkserver"):
             refuse_unguarded_launch(self._start_method)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        if self._start_method == "forkserver":
+            self._parent_state = forkserver_parent_state(self._strategy)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            self._parent_state = None
 
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        if self._parent_state is not None:
+            snapshot, environ = self._parent_state
+            os.environ.clear()
+            os.environ.update(environ)
+            snapshot.restore()
         super()._wrapping_function(*args, **kwargs)
         # Only on success: after an exception the launcher ends every rank anyway, and a destroy
         # with collectives still pending could block.
@@ -50,6 +68,25 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def forkserver_parent_state(strategy: Any) -> tuple[_GlobalStateSnapshot, dict[str, str]]:
+    """What a forkserver worker needs from the main process, and the imports its server preloads.
+
+    A forkserver worker is forked from a server process started once, so it starts in a fraction
+    of a second instead of importing torch and Lightning again (~7 s per rank on 2 cores), but it
+    inherits the server's environment and random state, not the main process's: Lightning 2.6
+    passes its global state snapshot (seeds, deterministic flags) to spawn workers only, and sets
+    ``MASTER_PORT`` in the main process's environment. Both are taken here and restored in the
+    worker. (The server imports the main script's imports once: Python's default preload is
+    ``__main__``; ``multiprocessing.set_forkserver_preload`` names others.)
+
+    Example::
+
+        snapshot, environ = forkserver_parent_state(trainer.strategy)   # in the main process
+    """
+    os.environ["MASTER_PORT"] = str(strategy.cluster_environment.main_port)
+    return _GlobalStateSnapshot.capture(), dict(os.environ)
 
 
 class PipelineMultiProcessingLauncher(CleanExitMultiProcessingLauncher):
