@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader, spawn_gloo
-from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
+from tiny_models import SequentialGPT, SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.memory.config import resolve
@@ -91,6 +91,23 @@ CONFIGS = {
     ),
 }  # fmt: skip
 
+# A GPT (embeddings, blocks, ln_f, head tied to the token embedding) in one Sequential: one epoch of
+# 3 batches of 8 (windows [0, 1] and [2]), each config from the same initial weights.
+GPT_SAMPLES, GPT_BATCH = 24, 8
+GPT_TRAIN = dict(max_epochs=1, gradient_clip_val=0.5, accumulate_grad_batches=2)
+GPT_CONFIGS = {
+    "gpt-fsdp-2x2": (dict(pipeline_size=2, data_parallel="fsdp", num_microbatches=2), ONE_EPOCH),
+    "gpt-hsdp-1x2x2": (
+        dict(pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2, num_microbatches=2),
+        ONE_EPOCH,
+    ),
+}  # fmt: skip
+
+
+def _gpt() -> SequentialGPT:
+    torch.manual_seed(0)
+    return SequentialGPT(tied=True)
+
 
 @contextmanager
 def _reductions_recorded(path: str):
@@ -128,6 +145,15 @@ def _job(rank: int, world: int, out_dir: str) -> None:
                 val_dataloaders=loader(data, GLOBAL_BATCH // dp) if first else None,
                 ckpt_path=None if first else ckpt,
             )  # fmt: skip
+    gpt_data = token_data(GPT_SAMPLES)
+    for name, (kwargs, _) in GPT_CONFIGS.items():
+        dp = world // kwargs["pipeline_size"]
+        record = Record(f"{out_dir}/{name}-rank{rank}.pt")
+        trainer = quiet_trainer(
+            devices=world, strategy=PipelineStrategy(**kwargs), callbacks=[record], **GPT_TRAIN
+        )
+        with _reductions_recorded(f"{out_dir}/{name}-reductions-rank{rank}.pt"):
+            trainer.fit(_gpt(), loader(gpt_data, GPT_BATCH // dp))
     # A weight tied across the stages: its sharded replicas sum their local shards' gradients.
     torch.manual_seed(0)
     trainer = quiet_trainer(
@@ -154,6 +180,9 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
     torch.manual_seed(0)
     tied_data = reference_loader(regression_data(**TIED_DATA), 8)
     tied_ref = fit(TiedEnds(), tied_data, tmp_path / "tied-ref", gradient_clip_val=0.5)[0]
+    gpt_ref = fit(
+        _gpt(), reference_loader(token_data(GPT_SAMPLES), GPT_BATCH), tmp_path / "gpt-ref", **GPT_TRAIN
+    )[0]
     spawn_gloo(_job, WORLD, tmp_path)
     for name, (_, _, reductions) in CONFIGS.items():
         params, losses, records = _merged(tmp_path, name)
@@ -162,6 +191,21 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         # One reduce-scatter per optimizer step, none per batch (nor per micro-batch).
         assert torch.load(tmp_path / f"{name}-reductions-rank0.pt") == reductions, name
+    for name, (_, reductions) in GPT_CONFIGS.items():
+        params, losses, records = _merged(tmp_path, name)
+        assert_close_dicts(params, gpt_ref["params"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            losses, torch.tensor(gpt_ref["losses"]), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        assert torch.load(tmp_path / f"{name}-reductions-rank0.pt") == reductions, name
+        # Every stage parameter of every rank is a DTensor sharded over the stage's data-parallel ranks.
+        placement = "(Shard(dim=0),)" if name == "gpt-fsdp-2x2" else "(Replicate(), Shard(dim=0))"
+        for r in records:
+            assert r["held"] and {(t, p) for t, p, _ in r["held"].values()} == {("DTensor", placement)}, (
+                name,
+                r["held"],
+            )
+        assert records[0]["held"]["layers.0.wte.weight"][2] == (7, 8), name  # 13 rows over 2 shards
     params, losses, _ = _merged(tmp_path, "tied")
     assert_close_dicts(params, tied_ref["params"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses, torch.tensor(tied_ref["losses"]), rtol=1e-5, atol=1e-6)
