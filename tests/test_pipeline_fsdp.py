@@ -229,10 +229,8 @@ def test_data_parallel_options_are_checked():
         PipelineStrategy(shard_optimizer_state=True, data_parallel="fsdp")
     with pytest.raises(TypeError, match="parallelize_fn must be a callable"):
         PipelineStrategy(parallelize_fn="fsdp")
-    with pytest.raises(
-        ValueError, match=r"memory planner does not model PipelineStrategy\(data_parallel='fsdp'\)"
-    ):
-        resolve(PipelineStrategy(pipeline_size=2, data_parallel="fsdp"), devices=4, precision="32-true")
+    planned = resolve(PipelineStrategy(pipeline_size=2, data_parallel="fsdp"), devices=4, precision="32-true")
+    assert planned.label() == "pp 2x2 1f1b m=4 +fsdp"  # the memory planner models it
     assert PipelineStrategy(shard_optimizer_state=True).data_parallel == "zero1"
     assert PipelineStrategy(data_parallel="zero1").shard_optimizer_state
 
