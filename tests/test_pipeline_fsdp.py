@@ -17,7 +17,7 @@ from tiny_models import SequentialGPT, SequentialRegressor, TinyGPT, loader, reg
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.memory.config import resolve
 from lightning_parallel.parallelize import fsdp
-from lightning_parallel.parallelize.dtensors import full_tensors
+from lightning_parallel.parallelize.dtensors import full_tensors, local
 
 # 48 samples, global batch 16: 3 batches an epoch; with accumulate_grad_batches=2 the windows are
 # [0, 1] and [2] (Lightning steps at the epoch's end): a full and a partial window per epoch.
@@ -48,6 +48,11 @@ class Record(Callback):
         self.path, self.losses, self.held = path, [], {}
 
     def on_train_start(self, trainer, pl_module):
+        # The parameter bytes this rank holds, and those the stage table says each of its ranks keeps.
+        self.held_bytes = sum(local(p).untyped_storage().nbytes() for p in pl_module.parameters())
+        self.table_bytes = [
+            s.bytes_per_rank for s in trainer.strategy.plan.stages if trainer.global_rank in s.ranks
+        ]
         self.held = {
             n: (
                 type(p).__name__,
@@ -62,7 +67,8 @@ class Record(Callback):
 
     def on_fit_end(self, trainer, pl_module):
         params = {k: v.detach().cpu() for k, v in full_tensors(pl_module.state_dict()).items()}
-        torch.save({"losses": self.losses, "params": params, "held": self.held}, self.path)
+        record = {"losses": self.losses, "params": params, "held": self.held}
+        torch.save({**record, "bytes": (self.held_bytes, self.table_bytes)}, self.path)
 
 
 class SaveAtEpochEnd(Callback):
@@ -206,6 +212,8 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
                 r["held"],
             )
         assert records[0]["held"]["layers.0.wte.weight"][2] == (7, 8), name  # 13 rows over 2 shards
+        # The stage table's "per rank" column is what each rank really holds (FSDP2's padded shards).
+        assert all(r["bytes"][0] == sum(r["bytes"][1]) for r in records), [r["bytes"] for r in records]
     params, losses, _ = _merged(tmp_path, "tied")
     assert_close_dicts(params, tied_ref["params"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses, torch.tensor(tied_ref["losses"]), rtol=1e-5, atol=1e-6)

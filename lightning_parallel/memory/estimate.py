@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_parallel._table import format_table
+from lightning_parallel._table import format_bytes, format_table
 from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
 from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
@@ -282,20 +282,6 @@ def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelConfig) -> 
         for k, owner in zip(group, group_owners):
             per_replica[owner] += facts.state_of([k])
     return max(per_replica) + scaler
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in the largest binary unit that keeps 1-4 digits before the point.
-
-    Example::
-
-        >>> format_bytes(3 * 2**30)
-        '3.00 GiB'
-    """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 __all__ = ["BEFORE", "MemoryEstimate", "RankMemory", "estimate_memory", "format_bytes", "predict"]
