@@ -423,7 +423,7 @@ QUESTIONS = (
     Question("Pipeline bubble against the number of micro-batches", "pipeline", (pipeline_microbatches,)),
     Question("Memory per rank: DDP against PipelineStrategy", "pipeline_memory", (pipeline_memory,)),
     Question(
-        "Memory per rank with the stages sharded: replicas, ZeRO-1 and FSDP2 inside a pipeline of 2 x 2",
+        "Memory per rank with the stages sharded: replicas, sharded optimizer state, FSDP2 (pipeline 2 x 2)",
         "fsdp_memory",
         (fsdp_memory,),
     ),
