@@ -25,7 +25,8 @@ Byte counts do not depend on the machine's load: one run each. Writes ``fsdp_mem
 
 Usage::
 
-    python experiments/bench_fsdp_memory.py            # ~1-2 minutes on 2 cores
+    python experiments/bench_fsdp_memory.py            # ~2 minutes on 2 quiet cores
+    python experiments/bench_fsdp_memory.py --quick    # width 128, 4 blocks: to check that it runs
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ RUNS = {  # name -> (strategy, the planner's ParallelConfig)
 }
 
 
-def model() -> SequentialCharLM:
+def model(shape: tuple[int, int]) -> SequentialCharLM:
     torch.manual_seed(0)
-    return SequentialCharLM(dim=DIM, depth=DEPTH, seq_len=SEQ_LEN)
+    return SequentialCharLM(dim=shape[0], depth=shape[1], seq_len=SEQ_LEN)
 
 
 def storage_bytes(tensors: Any) -> int:
@@ -94,7 +95,7 @@ class Held(L.Callback):
         )
 
 
-def worker(rank: int, world: int, _: Any) -> list[dict[str, Any]]:
+def worker(rank: int, world: int, shape: tuple[int, int]) -> list[dict[str, Any]]:
     data = ByteWindows.of_stdlib((STEPS + 1) * GLOBAL_BATCH, SEQ_LEN)
     out = []
     for name, (kind, config) in RUNS.items():
@@ -104,16 +105,16 @@ def worker(rank: int, world: int, _: Any) -> list[dict[str, Any]]:
         held, meter = Held(), StepMeter(step=STEPS - 1)
         trainer = h.quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[held, meter])
         batch = GLOBAL_BATCH // config.data_parallel_size
-        trainer.fit(model(), DataLoader(data, batch_size=batch, drop_last=True))
+        trainer.fit(model(shape), DataLoader(data, batch_size=batch, drop_last=True))
         out.append(dict(run=name, rank=rank, **held.counts, peak_bytes=meter.peak))
         del trainer
         gc.collect()  # the last run's model and optimizer go before the next one's tracked step
     return out
 
 
-def with_predictions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_predictions(rows: list[dict[str, Any]], shape: tuple[int, int]) -> list[dict[str, Any]]:
     """The planner's prediction of each rank's peak (its pipeline rank's), and the ratios to DDP."""
-    m = model()
+    m = model(shape)
     x = torch.randint(0, 256, (GLOBAL_BATCH, SEQ_LEN))
     facts = measure_model(m, (x, x), optimizer=torch.optim.AdamW(m.parameters(), weight_decay=0.01))
     ddp = {k: max(r[k] for r in rows if r["run"] == "ddp x4") for k in ("ppo_bytes", "peak_bytes")}
@@ -179,11 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     h.record_machine("fsdp_memory", args.out_dir)
     h.quiet()
     start = time.perf_counter()
-    rows = [r for ranks in h.spawn(worker, WORLD, None) for r in ranks]
+    shape = (128, 4) if args.quick else (DIM, DEPTH)
+    rows = [r for ranks in h.spawn(worker, WORLD, shape) for r in ranks]
     for r in rows:
-        r.update(ppo_bytes=r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"], model_dim=DIM,
-                 model_depth=DEPTH, global_batch=GLOBAL_BATCH, num_microbatches=MICROBATCHES)  # fmt: skip
-    rows = with_predictions(sorted(rows, key=lambda r: (list(RUNS).index(r["run"]), r["rank"])))
+        r.update(ppo_bytes=r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"], model_dim=shape[0],
+                 model_depth=shape[1], global_batch=GLOBAL_BATCH, num_microbatches=MICROBATCHES)  # fmt: skip
+    rows = with_predictions(sorted(rows, key=lambda r: (list(RUNS).index(r["run"]), r["rank"])), shape)
     h.write_csv(args.out_dir / "fsdp_memory.csv", rows, COLUMNS)
     plot(args.out_dir / "fsdp_memory.png", rows)
     for run in RUNS:
