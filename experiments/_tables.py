@@ -122,6 +122,28 @@ def pipeline_memory(rows: Rows) -> str:
     return _table(header, body) + "\n\nByte counts: one run each, they do not depend on the load."
 
 
+def fsdp_memory(rows: Rows) -> str:
+    body = []
+    for run, ranks in _groups(rows, "run").items():
+        ppo = max(ranks, key=lambda r: float(r["ppo_bytes"]))
+        peak = max(ranks, key=lambda r: float(r["peak_bytes"]))
+        body.append(
+            [run, len(ranks), _mib(float(ppo["param_bytes"])), _mib(float(ppo["grad_bytes"])),
+             _mib(float(ppo["optimizer_bytes"])), _mib(float(ppo["ppo_bytes"])), _f(ppo["ppo_vs_ddp"], 3),
+             _mib(float(peak["peak_bytes"])), _f(peak["peak_vs_ddp"], 3),
+             _mib(float(peak["predicted_peak_bytes"])), _f(peak["predicted_error"], 3)]
+        )  # fmt: skip
+    header = ["run", "ranks", "parameters MiB", "gradients MiB", "AdamW state MiB", "sum MiB (worst rank)"]
+    header += ["vs DDP", "peak MiB (worst rank, MemTracker)", "vs DDP", "predicted peak MiB", "error"]
+    r0 = rows[0]
+    return _table(header, body) + (
+        f"\n\n`SequentialCharLM` width {r0['model_dim']}, {r0['model_depth']} blocks, AdamW, global batch "
+        f"{r0['global_batch']}, {r0['num_microbatches']} micro-batches; parameters, gradients and state "
+        "counted before the second optimizer step (a DTensor: its local shard). Byte counts: one run each, "
+        "they do not depend on the load."
+    )
+
+
 def metric_sync(rows: Rows) -> str:
     at = {(r["k"], r["mode"]): r for r in rows}
     body = []
@@ -400,6 +422,11 @@ QUESTIONS = (
     ),
     Question("Pipeline bubble against the number of micro-batches", "pipeline", (pipeline_microbatches,)),
     Question("Memory per rank: DDP against PipelineStrategy", "pipeline_memory", (pipeline_memory,)),
+    Question(
+        "Memory per rank with the stages sharded: replicas, sharded optimizer state, FSDP2 (pipeline 2 x 2)",
+        "fsdp_memory",
+        (fsdp_memory,),
+    ),
     Question(
         "Will it fit? The memory planner's prediction against MemTracker, rank by rank",
         "memory_validation",

@@ -2,7 +2,8 @@
 
 For each configuration (one device, as ``Trainer(devices=1)`` runs it: without DDP; DDP; pipelines
 with p = 2 and 4; gpipe, 1f1b, interleaved; m in {2, 4, 8}; with and without recomputation; optimizer
-state sharded or not; fp32 and bf16-mixed; the main job's GPT through the traced split and the same
+state sharded or not; stages sharded with FSDP2 (2 pipeline ranks x 2 shards, and HSDP: 2 replicas x
+2 shards); fp32 and bf16-mixed; the main job's GPT through the traced split and the same
 network as an ``nn.Sequential``), the same model, seed and batch are
 
 - **predicted** by ``lightning_parallel.memory`` in this process (no training), and
@@ -10,8 +11,9 @@ network as an ``nn.Sequential``), the same model, seed and batch are
   around one training step after a warm-up step (the optimizer state exists by then), under the real
   ``Trainer`` with gloo on CPU. The tracker counts every tensor an operator creates inside it, plus
   the tensors it is told of (``track_external``): the model, its gradients, the optimizer state (for a
-  sharded one, the local optimizer it wraps), the batch, and the pipeline's receive buffers (allocated
-  at the first step, outside the tracked one).
+  sharded one, the local optimizer it wraps), the batch, the pipeline's receive buffers (allocated
+  at the first step, outside the tracked one) and FSDP2's unsharded parameters (see
+  :func:`fsdp_unsharded_params`).
 
 The tracker's module hooks are turned off (see ``blind_to_modules``): they refuse a module called once
 per micro-batch, as a pipeline stage is ("does not support ... multiple iterative calls", torch 2.13),
@@ -28,7 +30,7 @@ and ``memory_validation.png`` (predicted against measured) under ``--out-dir``.
 
 Usage::
 
-    python experiments/memory_validation.py            # 22 configurations, ~5-12 minutes on 2 cores
+    python experiments/memory_validation.py            # 25 configurations, ~5-12 minutes on 2 cores
     python experiments/memory_validation.py --quick    # 2 small configurations, ~1 minute
 """
 
@@ -45,6 +47,7 @@ import torch
 from hf_decoders import HFDecoderLM
 from models import CharLM, SequentialCharLM
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
@@ -80,12 +83,19 @@ class Case:
     dim: int = 128
     depth: int = 8
     seq_len: int = 64
+    fsdp_shards: int = 0  # > 0: data_parallel="fsdp", the stages sharded over this many ranks (HSDP if fewer)
 
     def config(self) -> ParallelConfig:
         return ParallelConfig(
             self.strategy, self.devices, self.pipeline_size, self.num_microbatches, self.schedule,
             self.stages_per_rank, "uniform", self.checkpointing, self.sharded, self.precision,
+            **self.data_parallel(),
         )  # fmt: skip
+
+    def data_parallel(self) -> dict[str, Any]:
+        if not self.fsdp_shards:
+            return {}
+        return dict(data_parallel="fsdp", data_parallel_shard_size=self.fsdp_shards)
 
 
 def cases(quick: bool) -> list[Case]:
@@ -129,7 +139,11 @@ def cases(quick: bool) -> list[Case]:
             sharded=True,
             model="seq",
         ),
-    ]
+        Case("pp 2x2 1f1b m=4 +fsdp (Sequential)", pp, 4, 2, 4, model="seq", fsdp_shards=2),
+        Case("pp 2x2 1f1b m=4 +ac +fsdp (Sequential)", pp, 4, 2, 4, checkpointing=True, model="seq",
+             fsdp_shards=2),
+        Case("pp 1x4 1f1b m=4 +hsdp 2x2 (Sequential)", pp, 4, 1, 4, model="seq", fsdp_shards=2),
+    ]  # fmt: skip
 
 
 def batch_for(case: Case, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +215,27 @@ def pipeline_buffers(strategy: Any) -> list[torch.Tensor]:
     return out
 
 
+def fsdp_unsharded_params(strategy: Any) -> list[torch.Tensor]:
+    """The unsharded parameters of this rank's FSDP2 stages (storage freed between steps).
+
+    FSDP2 all-gathers into these tensors by resizing their storage (``UntypedStorage.resize_``), which
+    MemTracker counts only for storages it already knows (as torch's ``FSDPMemTracker`` registers
+    them): told of them at size 0 before the tracked step, it sees them grow. torch 2.13 keeps them in
+    each FSDP parameter group's ``fsdp_params[i]._unsharded_param`` (private, read here only).
+    """
+    parts = getattr(strategy, "parts", None)
+    out = []
+    for root in getattr(parts, "sharded", None) or []:
+        for module in root.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            out += [
+                p._unsharded_param
+                for p in (group.fsdp_params if group else [])
+                if hasattr(p, "_unsharded_param")
+            ]
+    return out
+
+
 class StepMeter(L.Callback):
     """MemTracker around training step ``step`` (after warm-up); the peak total bytes of this rank."""
 
@@ -218,7 +253,10 @@ class StepMeter(L.Callback):
         self.tracker = blind_to_modules(MemTracker())
         # A ZeroRedundancyOptimizer keeps its shard's state in the local optimizer it wraps (.optim).
         optimizers = [getattr(o, "optim", o) for o in trainer.optimizers]
-        self.tracker.track_external(pl_module, *optimizers, batch, *pipeline_buffers(trainer.strategy))
+        strategy = trainer.strategy
+        self.tracker.track_external(
+            pl_module, *optimizers, batch, *pipeline_buffers(strategy), *fsdp_unsharded_params(strategy)
+        )
         self.start = _total(self.tracker.get_tracker_snapshot("current"))
         self.tracker.__enter__()
 
@@ -266,7 +304,7 @@ def _strategy(case: Case) -> Any:
     return PipelineStrategy(
         pipeline_size=case.pipeline_size, num_microbatches=case.num_microbatches, schedule=case.schedule,
         stages_per_rank=case.stages_per_rank, activation_checkpointing=case.checkpointing,
-        shard_optimizer_state=case.sharded,
+        shard_optimizer_state=case.sharded, **case.data_parallel(),
     )  # fmt: skip
 
 
@@ -294,7 +332,8 @@ def rows_for(case: Case, estimate: MemoryEstimate, measured: list[dict[str, Any]
                 error=round(mine.peak / record["measured"] - 1, 4),
                 predicted_parameters=mine.parameters, predicted_gradients=mine.gradients,
                 predicted_optimizer=mine.optimizer, predicted_activations=mine.activations,
-                predicted_buffers=mine.buffers, in_flight=",".join(map(str, mine.in_flight)),
+                predicted_buffers=mine.buffers, predicted_gathered=mine.gathered,
+                in_flight=",".join(map(str, mine.in_flight)),
                 measured_optimizer_state=record["optimizer_state"], tracked_at_start=record["start"],
                 tolerance=TOLERANCE,
             )

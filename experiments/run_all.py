@@ -43,6 +43,7 @@ ALL = "make experiments"  # the row of run_all.csv that holds a full run's total
 EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this order
     "pipeline": "bench_pipeline.py",
     "pipeline_memory": "bench_pipeline_memory.py",
+    "fsdp_memory": "bench_fsdp_memory.py",
     "metric_sync": "bench_metric_sync.py",
     "checkpoint": "bench_checkpoint.py",
     "accumulation_equivalence": "accumulation_equivalence.py",

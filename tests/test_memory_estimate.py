@@ -212,6 +212,51 @@ def test_recomputation_and_sharding_shrink_their_components():
     assert zero.ranks[0].optimizer < 0.6 * base.ranks[0].optimizer
 
 
+def test_fsdp_shards_parameters_and_state_and_gathers_the_stage_for_the_step():
+    facts = _wide_facts()  # Linear(16, 128) and Linear(128, 16): 128 and 16 rows
+    base = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b"))
+    fsdp = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b", data_parallel="fsdp"))
+    hsdp = predict(
+        facts, ParallelConfig("pipeline", 8, 2, 4, data_parallel="fsdp", data_parallel_shard_size=2)
+    )
+    zero = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b", data_parallel="zero1"))
+    for b, f, h in zip(base.ranks, fsdp.ranks, hsdp.ranks):
+        # Each of 2 shards holds half of every tensor's rows (all even here): half the parameters and
+        # half of the state per element (AdamW: 8 bytes); the per-tensor ``step`` stays whole.
+        assert f.parameters * 2 == b.parameters and f.gathered == b.parameters
+        stage = b.parameters // 4  # elements
+        tensors = (b.optimizer - 8 * stage) // 4
+        assert f.optimizer == 8 * stage // 2 + 4 * tensors
+        assert (f.gradients, f.activations, f.buffers) == (b.gradients, b.activations, b.buffers)
+        assert f.peak == b.peak + b.parameters // 2 - (b.optimizer - f.optimizer)  # shard + gathered
+        assert h == f  # HSDP 2 replicas x 2 shards: each rank as FSDP over 2
+    assert fsdp.peak > zero.peak  # under a pipeline the gathered stage outweighs the sharded state
+    assert "gathered" in fsdp.format_table() and "gathered" not in base.format_table()
+    # A row count the shards do not divide: the first shard holds the rounded-up rows (FSDP2's chunks).
+    odd = measure_model(nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3)), torch.randn(2, 4),
+                        optimizer=torch.optim.SGD([torch.zeros(1)]))  # fmt: skip
+    three = predict(odd, ParallelConfig("pipeline", 6, 2, 1, data_parallel="fsdp"))
+    assert three.ranks[0].parameters == 4 * (2 * 4 + 2) and three.ranks[1].parameters == 4 * (1 * 5 + 1)
+    config = resolve(
+        PipelineStrategy(pipeline_size=2, data_parallel="fsdp", data_parallel_shard_size=2), 8, "32-true"
+    )
+    assert (config.data_parallel, config.shard_size, config.label()) == (
+        "fsdp",
+        2,
+        "pp 2x4 1f1b m=4 +hsdp 2x2",
+    )
+    with pytest.raises(ValueError, match=r"data_parallel_shard_size \(3\) does not divide the 4"):
+        ParallelConfig("pipeline", 8, 2, data_parallel="fsdp", data_parallel_shard_size=3)
+    with pytest.raises(ValueError, match="data_parallel='fsdp' shards the stages of a pipeline"):
+        ParallelConfig("ddp", 2, data_parallel="fsdp")
+    with pytest.raises(ValueError, match="unknown data_parallel='zero3'"):
+        ParallelConfig("pipeline", 2, 2, data_parallel="zero3")
+    assert ParallelConfig("pipeline", 4, 2, shard_optimizer_state=True).data_parallel == "zero1"
+    assert ParallelConfig("pipeline", 4, 2, data_parallel="zero1").shard_optimizer_state
+    labels = {c.label() for c in candidate_configs(4, 8, 32, fsdp=True)}
+    assert "pp 2x2 1f1b m=4 +fsdp" in labels and "pp 4x1 1f1b m=4 +fsdp" not in labels
+
+
 def test_bf16_mixed_saves_smaller_activations_and_counts_weight_copies():
     fp32, bf16 = _deep_facts(), _deep_facts("bf16-mixed")
     config = ParallelConfig("pipeline", 2, 2, 4, "1f1b")

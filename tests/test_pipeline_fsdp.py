@@ -12,12 +12,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader, spawn_gloo
-from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
+from tiny_models import SequentialGPT, SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.memory.config import resolve
 from lightning_parallel.parallelize import fsdp
-from lightning_parallel.parallelize.dtensors import full_tensors
+from lightning_parallel.parallelize.dtensors import full_tensors, local
 
 # 48 samples, global batch 16: 3 batches an epoch; with accumulate_grad_batches=2 the windows are
 # [0, 1] and [2] (Lightning steps at the epoch's end): a full and a partial window per epoch.
@@ -48,6 +48,11 @@ class Record(Callback):
         self.path, self.losses, self.held = path, [], {}
 
     def on_train_start(self, trainer, pl_module):
+        # The parameter bytes this rank holds, and those the stage table says each of its ranks keeps.
+        self.held_bytes = sum(local(p).untyped_storage().nbytes() for p in pl_module.parameters())
+        self.table_bytes = [
+            s.bytes_per_rank for s in trainer.strategy.plan.stages if trainer.global_rank in s.ranks
+        ]
         self.held = {
             n: (
                 type(p).__name__,
@@ -62,7 +67,8 @@ class Record(Callback):
 
     def on_fit_end(self, trainer, pl_module):
         params = {k: v.detach().cpu() for k, v in full_tensors(pl_module.state_dict()).items()}
-        torch.save({"losses": self.losses, "params": params, "held": self.held}, self.path)
+        record = {"losses": self.losses, "params": params, "held": self.held}
+        torch.save({**record, "bytes": (self.held_bytes, self.table_bytes)}, self.path)
 
 
 class SaveAtEpochEnd(Callback):
@@ -90,6 +96,23 @@ CONFIGS = {
         [r for r in ONE_EPOCH for _ in range(2)],  # two stages (two FSDP roots) per rank
     ),
 }  # fmt: skip
+
+# A GPT (embeddings, blocks, ln_f, head tied to the token embedding) in one Sequential: one epoch of
+# 3 batches of 8 (windows [0, 1] and [2]), each config from the same initial weights.
+GPT_SAMPLES, GPT_BATCH = 24, 8
+GPT_TRAIN = dict(max_epochs=1, gradient_clip_val=0.5, accumulate_grad_batches=2)
+GPT_CONFIGS = {
+    "gpt-fsdp-2x2": (dict(pipeline_size=2, data_parallel="fsdp", num_microbatches=2), ONE_EPOCH),
+    "gpt-hsdp-1x2x2": (
+        dict(pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2, num_microbatches=2),
+        ONE_EPOCH,
+    ),
+}  # fmt: skip
+
+
+def _gpt() -> SequentialGPT:
+    torch.manual_seed(0)
+    return SequentialGPT(tied=True)
 
 
 @contextmanager
@@ -128,6 +151,15 @@ def _job(rank: int, world: int, out_dir: str) -> None:
                 val_dataloaders=loader(data, GLOBAL_BATCH // dp) if first else None,
                 ckpt_path=None if first else ckpt,
             )  # fmt: skip
+    gpt_data = token_data(GPT_SAMPLES)
+    for name, (kwargs, _) in GPT_CONFIGS.items():
+        dp = world // kwargs["pipeline_size"]
+        record = Record(f"{out_dir}/{name}-rank{rank}.pt")
+        trainer = quiet_trainer(
+            devices=world, strategy=PipelineStrategy(**kwargs), callbacks=[record], **GPT_TRAIN
+        )
+        with _reductions_recorded(f"{out_dir}/{name}-reductions-rank{rank}.pt"):
+            trainer.fit(_gpt(), loader(gpt_data, GPT_BATCH // dp))
     # A weight tied across the stages: its sharded replicas sum their local shards' gradients.
     torch.manual_seed(0)
     trainer = quiet_trainer(
@@ -154,6 +186,9 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
     torch.manual_seed(0)
     tied_data = reference_loader(regression_data(**TIED_DATA), 8)
     tied_ref = fit(TiedEnds(), tied_data, tmp_path / "tied-ref", gradient_clip_val=0.5)[0]
+    gpt_ref = fit(
+        _gpt(), reference_loader(token_data(GPT_SAMPLES), GPT_BATCH), tmp_path / "gpt-ref", **GPT_TRAIN
+    )[0]
     spawn_gloo(_job, WORLD, tmp_path)
     for name, (_, _, reductions) in CONFIGS.items():
         params, losses, records = _merged(tmp_path, name)
@@ -162,6 +197,23 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         # One reduce-scatter per optimizer step, none per batch (nor per micro-batch).
         assert torch.load(tmp_path / f"{name}-reductions-rank0.pt") == reductions, name
+    for name, (_, reductions) in GPT_CONFIGS.items():
+        params, losses, records = _merged(tmp_path, name)
+        assert_close_dicts(params, gpt_ref["params"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            losses, torch.tensor(gpt_ref["losses"]), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        assert torch.load(tmp_path / f"{name}-reductions-rank0.pt") == reductions, name
+        # Every stage parameter of every rank is a DTensor sharded over the stage's data-parallel ranks.
+        placement = "(Shard(dim=0),)" if name == "gpt-fsdp-2x2" else "(Replicate(), Shard(dim=0))"
+        for r in records:
+            assert r["held"] and {(t, p) for t, p, _ in r["held"].values()} == {("DTensor", placement)}, (
+                name,
+                r["held"],
+            )
+        assert records[0]["held"]["layers.0.wte.weight"][2] == (7, 8), name  # 13 rows over 2 shards
+        # The stage table's "per rank" column is what each rank really holds (FSDP2's padded shards).
+        assert all(r["bytes"][0] == sum(r["bytes"][1]) for r in records), [r["bytes"] for r in records]
     params, losses, _ = _merged(tmp_path, "tied")
     assert_close_dicts(params, tied_ref["params"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses, torch.tensor(tied_ref["losses"]), rtol=1e-5, atol=1e-6)
@@ -185,10 +237,8 @@ def test_data_parallel_options_are_checked():
         PipelineStrategy(shard_optimizer_state=True, data_parallel="fsdp")
     with pytest.raises(TypeError, match="parallelize_fn must be a callable"):
         PipelineStrategy(parallelize_fn="fsdp")
-    with pytest.raises(
-        ValueError, match=r"memory planner does not model PipelineStrategy\(data_parallel='fsdp'\)"
-    ):
-        resolve(PipelineStrategy(pipeline_size=2, data_parallel="fsdp"), devices=4, precision="32-true")
+    planned = resolve(PipelineStrategy(pipeline_size=2, data_parallel="fsdp"), devices=4, precision="32-true")
+    assert planned.label() == "pp 2x2 1f1b m=4 +fsdp"  # the memory planner models it
     assert PipelineStrategy(shard_optimizer_state=True).data_parallel == "zero1"
     assert PipelineStrategy(data_parallel="zero1").shard_optimizer_state
 

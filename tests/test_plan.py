@@ -40,3 +40,20 @@ def test_module_paths_are_described_with_runs_of_blocks_collapsed():
     assert describe_paths(["h.2", "h.3", "ln_f", "lm_head"]) == "h.2-3, ln_f, lm_head"
     assert describe_paths(["transformer.h.4", "transformer.h.6"]) == "transformer.h.4, transformer.h.6"
     assert describe_paths(["a.1", "b.2", "b.3", "b.4"]) == "a.1, b.2-4"
+
+
+def test_a_sharded_layout_shows_each_ranks_share_of_a_stage():
+    from lightning_parallel.pipeline.plan import shard_bytes
+
+    assert (
+        shard_bytes((13, 8), 4, 4) == 4 * 8 * 4
+        and shard_bytes((8,), 2, 4) == 2 * 2
+        and shard_bytes((), 4, 4) == 4
+    )
+    fsdp = make_plan([("0",), ("1",)], ["a", "b"], [104, 64], RankLayout(2, 4, 4), bytes_per_rank=[128, 64])
+    table = fsdp.format_table()
+    assert "per rank (1/4 shard)" in table and "0,1,2,3  a      104         128 B" in table
+    assert "2 pipeline ranks x 4 data-parallel ranks, each stage sharded over 4 of them (FSDP2);" in table
+    hsdp = make_plan([("0",), ("1",)], ["a", "b"], [104, 64], RankLayout(2, 4, 2), bytes_per_rank=[208, 128])
+    assert "sharded over 2 of them (FSDP2), the shards replicated 2 times (HSDP)" in hsdp.format_table()
+    assert "per rank" not in make_plan([("0",)], ["a"], [1], RankLayout(1, 2)).format_table()

@@ -199,6 +199,14 @@ KEY_COLUMNS = {
         "parallelism",
     ],
     "pipeline_memory": ["ppo_bytes", "ppo_vs_ddp", "activation_peak_bytes", "max_rss_mb"],
+    "fsdp_memory": [
+        "ppo_bytes",
+        "ppo_vs_ddp",
+        "peak_bytes",
+        "peak_vs_ddp",
+        "predicted_peak_bytes",
+        "predicted_error",
+    ],
     "metric_sync": [
         "collectives_per_step",
         "step_ms",

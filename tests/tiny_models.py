@@ -184,6 +184,39 @@ class TinyGPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class TokenAndPosition(nn.Module):
+    """A GPT's input layer: token plus learned position embeddings."""
+
+    def __init__(self, vocab: int, dim: int, block_size: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(block_size, dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class SequentialGPT(TinyGPT):
+    """TinyGPT's network in one top-level ``nn.Sequential`` (embeddings, blocks, ln_f, head), AdamW.
+
+    The Sequential path splits it between its children, so its stages are real modules that FSDP2
+    can shard (the traced path cannot). ``tied``: the head shares the token embedding (two stages).
+    """
+
+    def __init__(self, vocab: int = 13, dim: int = 8, depth: int = 4, heads: int = 2, block_size: int = 8,
+                 lr: float = 0.05, tied: bool = False):  # fmt: skip
+        L.LightningModule.__init__(self)
+        self.lr = lr
+        head = nn.Linear(dim, vocab, bias=False)
+        embed = TokenAndPosition(vocab, dim, block_size)
+        if tied:
+            head.weight = embed.wte.weight
+        blocks = [Block(dim, heads) for _ in range(depth)]
+        self.layers = nn.Sequential(embed, *blocks, nn.LayerNorm(dim), head)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.layers(idx)
+
+
 class NanoGPT(TinyGPT):
     """TinyGPT with nanoGPT's forward: ``forward(idx, targets=None) -> (logits, loss)``, the loss inside."""
 

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             args.precision,
             args.pipeline_sizes,
             tuple(args.schedules),
+            fsdp=facts.layout.kind == "sequential",  # FSDP2 shards the stages of a split Sequential
         )
         if not configs:
             raise ValueError(f"no configuration divides the global batch ({args.global_batch_size}) evenly "

@@ -25,6 +25,7 @@ optimizer's found_inf, one 4-byte scalar each; every rank holds it (the pipeline
 
 
 STRATEGIES = ("single_device", "ddp", "pipeline")
+DATA_PARALLEL = ("replicate", "zero1", "fsdp")  # as PipelineStrategy(data_parallel=...)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class ParallelConfig:
         pipeline_size: pipeline ranks per replica (as PipelineStrategy's).
         num_microbatches, schedule, stages_per_rank, partition: as PipelineStrategy.
         activation_checkpointing: ``True``, a list of unit names, or a callable ``(name, module) -> bool``.
-        shard_optimizer_state: ZeRO-1 over each stage's replicas.
+        shard_optimizer_state: ZeRO-1 over each stage's replicas (``data_parallel="zero1"``).
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"`` or ``"16-true"``.
         accumulate_grad_batches: batches per optimizer step (as the Trainer's). Inside a window a
             pipeline rank holds the accumulated gradients through the whole schedule.
@@ -48,6 +49,9 @@ class ParallelConfig:
         >>> ParallelConfig("pipeline", devices=4, pipeline_size=2, num_microbatches=8, schedule="1f1b",
         ...                activation_checkpointing=True, shard_optimizer_state=True).label()
         'pp 2x2 1f1b m=8 +ac +zero'
+        >>> ParallelConfig("pipeline", devices=8, pipeline_size=2, num_microbatches=4, data_parallel="fsdp",
+        ...                data_parallel_shard_size=2).label()
+        'pp 2x4 1f1b m=4 +hsdp 2x2'
     """
 
     strategy: str = "ddp"
@@ -61,6 +65,8 @@ class ParallelConfig:
     shard_optimizer_state: bool = False
     precision: str = "32-true"
     accumulate_grad_batches: int = 1
+    data_parallel: str = "replicate"
+    data_parallel_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -97,6 +103,41 @@ class ParallelConfig:
                     f"schedule={self.schedule!r} needs stages_per_rank {'>= 2' if multi else '= 1'}, got "
                     f"{self.stages_per_rank}"
                 )
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        if self.data_parallel not in DATA_PARALLEL:
+            modes = ", ".join(map(repr, DATA_PARALLEL))
+            raise ValueError(f"unknown data_parallel={self.data_parallel!r}: use one of {modes}")
+        if self.shard_optimizer_state and self.data_parallel == "fsdp":
+            raise ValueError("shard_optimizer_state=True is data_parallel='zero1': pass only one of them")
+        if self.data_parallel == "zero1":  # one spelling inside: shard_optimizer_state
+            object.__setattr__(self, "shard_optimizer_state", True)
+        if self.shard_optimizer_state:
+            object.__setattr__(self, "data_parallel", "zero1")
+        if self.data_parallel == "fsdp" and self.strategy != "pipeline":
+            raise ValueError(
+                f"data_parallel='fsdp' shards the stages of a pipeline, but strategy={self.strategy!r}: use "
+                f"strategy='pipeline' (pipeline_size=1 for FSDP alone)"
+            )
+        size = self.data_parallel_shard_size
+        if size is not None:
+            if self.data_parallel != "fsdp":
+                raise ValueError(
+                    f"data_parallel_shard_size={size} shards stages with FSDP2: use data_parallel='fsdp'"
+                )
+            if not isinstance(size, int) or size < 1 or (self.devices // self.pipeline_size) % size:
+                raise ValueError(
+                    f"data_parallel_shard_size ({size!r}) does not divide the "
+                    f"{self.devices // self.pipeline_size} data-parallel ranks of each stage: use a divisor"
+                )
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks each stage's parameters are sharded over (1 unless ``data_parallel="fsdp"``)."""
+        if self.data_parallel != "fsdp":
+            return 1
+        return self.data_parallel_shard_size or self.data_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -115,6 +156,9 @@ class ParallelConfig:
         v = f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         flags = " +ac" if self.activation_checkpointing else ""
         flags += " +zero" if self.shard_optimizer_state else ""
+        if self.data_parallel == "fsdp":
+            replicas = self.data_parallel_size // self.shard_size
+            flags += f" +hsdp {replicas}x{self.shard_size}" if replicas > 1 else " +fsdp"
         shape = f"{self.pipeline_size}x{self.data_parallel_size}"
         return f"pp {shape} {self.schedule}{v} m={self.num_microbatches}{flags}"
 
@@ -142,12 +186,6 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
     if strategy == "pipeline":
         return ParallelConfig("pipeline", devices, devices, 4, precision=precision)
     if hasattr(strategy, "num_microbatches") and hasattr(strategy, "schedule"):
-        if getattr(strategy, "data_parallel", "replicate") == "fsdp":
-            raise ValueError(
-                "the memory planner does not model PipelineStrategy(data_parallel='fsdp') yet (sharded "
-                "parameters and gradients): estimate the plain-replica configuration, whose parameter, "
-                "gradient and optimizer memory per rank FSDP2 divides by the shard count"
-            )
         checkpointing = getattr(strategy, "activation_checkpointing", False)
         if isinstance(checkpointing, list):
             checkpointing = tuple(checkpointing)
@@ -163,12 +201,19 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
             activation_checkpointing=checkpointing,
             shard_optimizer_state=bool(getattr(strategy, "shard_optimizer_state", False)),
             precision=precision,
+            data_parallel=getattr(strategy, "data_parallel", "replicate"),
+            data_parallel_shard_size=_config_value(strategy, "data_parallel_shard_size"),
         )
     raise ValueError(
         "strategy must be 'auto', 'single_device', 'ddp', 'pipeline', a ParallelConfig or a "
         f"PipelineStrategy, got {strategy!r}; "
         f"the schedules are {', '.join(SCHEDULES)}"
     )
+
+
+def _config_value(strategy: Any, name: str) -> Any:
+    config = getattr(strategy, "config", None)
+    return getattr(config, name, None) if config is not None else getattr(strategy, name, None)
 
 
 def _pipeline_size(strategy: Any) -> int | None:

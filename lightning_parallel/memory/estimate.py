@@ -18,6 +18,13 @@ The model of a step (what is alive when):
   tensors (twice the stage's largest saved tensor plus its output, a documented approximation);
 - **the optimizer step**: parameters + gradients + state, plus a gradient-sized flat buffer for
   the replicas' all-reduce.
+- **FSDP2 stages** (``data_parallel="fsdp"``): each rank keeps its shard of the stage's parameters
+  (whole rows of dim 0, padded as FSDP2 pads) and of the optimizer state; the gradients it keeps
+  between steps are a shard too. Under a pipeline FSDP2 runs with ``reshard_after_forward=False``
+  (one all-gather per step, not per micro-batch), so from its first forward to the end of the
+  schedule the rank also holds the whole stage's parameters (``gathered``), and its unsharded
+  gradients (the ``gradients`` column, as for plain replicas) until the one reduce-scatter before
+  the optimizer step.
 
 The micro-batches in flight come from walking torch's own schedule order (plain data, see
 :mod:`~lightning_parallel.memory.schedule`); the peak is the largest total over that walk.
@@ -31,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_parallel._table import format_table
+from lightning_parallel._table import format_bytes, format_table
 from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
 from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
@@ -40,13 +47,15 @@ from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.zero import shard_owners
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
+GATHERED = "gathered"  # FSDP2's unsharded stage parameters, a column only where a rank has them
 
 
 @dataclass(frozen=True)
 class RankMemory:
     """One rank's predicted peak, split into what is alive at that moment.
 
-    ``activations`` includes the backward transient; ``buffers``: communication buffers and kept outputs.
+    ``activations`` includes the backward transient; ``buffers``: communication buffers and kept outputs;
+    ``gathered``: an FSDP2 stage's all-gathered parameters (``parameters`` is then the rank's shard).
     """
 
     rank: int
@@ -57,10 +66,18 @@ class RankMemory:
     activations: int
     buffers: int
     in_flight: tuple[int, ...]
+    gathered: int = 0
 
     @property
     def peak(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.buffers
+            + self.gathered
+        )
 
 
 @dataclass(frozen=True)
@@ -85,10 +102,11 @@ class MemoryEstimate:
         return self.worst.peak
 
     def format_table(self) -> str:
-        headers = ["rank", "stages", "in flight", *COMPONENTS, "peak"]
+        components = [*COMPONENTS, *([GATHERED] if any(r.gathered for r in self.ranks) else [])]
+        headers = ["rank", "stages", "in flight", *components, "peak"]
         rows = [
             [str(r.rank), ",".join(map(str, r.stages)), ",".join(map(str, r.in_flight)),
-             *(format_bytes(getattr(r, c)) for c in COMPONENTS), format_bytes(r.peak)]
+             *(format_bytes(getattr(r, c)) for c in components), format_bytes(r.peak)]
             for r in self.ranks
         ]  # fmt: skip
         return f"{self.config.label()} ({self.config.precision})\n" + format_table(headers, rows, align=">")
@@ -175,6 +193,10 @@ def _pipeline_rank(
     params = list(dict.fromkeys(k for c in local for k in c.param_keys))  # a tied weight once per rank
     p_bytes = sum(facts.tensors[k].nbytes for k in params)
     g_bytes = sum(facts.tensors[k].grad for k in params)
+    gathered = 0
+    if config.data_parallel == "fsdp":  # the rank's shard, and the whole stage gathered for the step
+        gathered, s = p_bytes, config.shard_size
+        p_bytes = sum(round(facts.tensors[k].nbytes * facts.tensors[k].shard(s)) for k in params)
     state = _state_bytes(facts, params, config)
     buffers = sum(c.recv_buffers for c in local)
     actions = rank_actions(
@@ -195,6 +217,7 @@ def _pipeline_rank(
         walk.activations,
         buffers + walk.kept,
         tuple(in_flight.get(c.index, 0) for c in local),
+        gathered,
     )
 
 
@@ -247,6 +270,8 @@ def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelConfig) -> 
     """Optimizer state on the fullest replica of this rank's stage(s) (ZeRO splits it as torch does),
     with the loss scaler's, which every rank holds."""
     dp, scaler = config.data_parallel_size, LOSS_SCALER_BYTES.get(config.precision, 0)
+    if config.data_parallel == "fsdp":  # the state of each parameter's shard
+        return facts.state_of(keys, config.shard_size) + scaler
     if not config.shard_optimizer_state or dp == 1:
         return facts.state_of(keys) + scaler
     mine = set(keys)
@@ -257,20 +282,6 @@ def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelConfig) -> 
         for k, owner in zip(group, group_owners):
             per_replica[owner] += facts.state_of([k])
     return max(per_replica) + scaler
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in the largest binary unit that keeps 1-4 digits before the point.
-
-    Example::
-
-        >>> format_bytes(3 * 2**30)
-        '3.00 GiB'
-    """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 __all__ = ["BEFORE", "MemoryEstimate", "RankMemory", "estimate_memory", "format_bytes", "predict"]

@@ -34,6 +34,11 @@ class Tensor:
     grad: int
     state: StateSize | None
     group: int  # optimizer param group (ZeRO shards group by group); -1: not optimized
+    rows: int = 1  # size of dim 0, the dimension FSDP2 shards
+
+    def shard(self, shards: int) -> float:
+        """The share of this tensor the first (fullest) of ``shards`` FSDP2 shards holds: whole rows."""
+        return -(-self.rows // shards) / self.rows
 
 
 @dataclass
@@ -55,8 +60,15 @@ class ModelFacts:
     loose_params: list[int]
     group_order: list[list[int]]  # per optimizer param group: parameter keys in group order
 
-    def state_of(self, keys: list[int]) -> int:
-        return sum(self.tensors[k].state.of(self.tensors[k].numel) for k in keys if self.tensors[k].state)
+    def state_of(self, keys: list[int], shards: int = 1) -> int:
+        """Optimizer state of ``keys``; with ``shards``, of the fullest FSDP2 shard of each (per-tensor
+        state such as Adam's ``step`` stays whole)."""
+        out = 0
+        for k in keys:
+            t = self.tensors[k]
+            if t.state:
+                out += t.state.of(round(t.numel * t.shard(shards)) if shards > 1 else t.numel)
+        return out
 
 
 def measure_model(
@@ -136,6 +148,7 @@ def _tensors(
             nbytes if p.requires_grad else 0,
             sizes.get(id(p)),
             group_of.get(id(p), -1),
+            p.shape[0] if p.dim() else 1,
         )
     return out, groups
 

@@ -15,7 +15,9 @@ scaling (1.0 = N devices each doing 1/N of the work, no waiting):
   backward);
 - each micro-batch beyond the first costs 1% (Python and kernel launches per micro-batch and stage;
   ``bench_pipeline.py`` measured about 1.5% per micro-batch for one process on CPU);
-- a sharded optimizer state broadcasts each updated parameter once per step: a flat 2%.
+- a sharded optimizer state broadcasts each updated parameter once per step: a flat 2%; FSDP2 stages
+  (their parameters, gradients and optimizer state sharded) all-gather each stage once per step and
+  reduce-scatter its gradients: a flat 3%.
 
 Ties go to DDP (Lightning's own strategy, whose all-reduce overlaps the backward), then to the
 smaller peak. Communication (DDP's all-reduce of every gradient against a pipeline's activations) is
@@ -57,10 +59,13 @@ def candidate_configs(
     precision: str = "32-true",
     pipeline_sizes: list[int] | None = None,
     schedules: tuple[str, ...] = SCHEDULES,
+    fsdp: bool = False,
 ) -> list[ParallelConfig]:
     """DDP and every pipeline shape the model and batch allow, with and without each memory option.
 
-    Micro-batches m in {p, 2p, 4p} (1, 2, 4 for p = 1) that divide the per-replica batch.
+    Micro-batches m in {p, 2p, 4p} (1, 2, 4 for p = 1) that divide the per-replica batch. With
+    several replicas, the stages' data parallelism: plain replicas, ZeRO-1, and with ``fsdp`` (a
+    model split as an ``nn.Sequential``, whose stages FSDP2 can shard) FSDP2 over all replicas.
 
     Raises:
         ValueError: a requested pipeline size does not divide ``devices`` or exceeds the blocks.
@@ -86,12 +91,15 @@ def candidate_configs(
         for schedule, v in _schedules(p, num_blocks, schedules):
             for m in _microbatches(p, per_replica):
                 for ac in (False, True):
-                    for zero in (False, True) if dp > 1 else (False,):
+                    for mode in (
+                        ("replicate", "zero1", *(["fsdp"] if fsdp else [])) if dp > 1 else ("replicate",)
+                    ):
                         out.append(
                             ParallelConfig(
-                                "pipeline", devices, p, m, schedule, v, "uniform", ac, zero, precision
+                                "pipeline", devices, p, m, schedule, v, "uniform", ac,
+                                precision=precision, data_parallel=mode,
                             )
-                        )
+                        )  # fmt: skip
     return out
 
 
@@ -165,5 +173,5 @@ def _time(facts: ModelFacts, config: ParallelConfig, batch: int) -> tuple[float,
     recomputed = sum(c.recomputed_work for c in costs) / max(sum(work), 1)
     overhead = 1 + 0.01 * (v * m - 1)
     time = imbalance / (1 - bubble) * (1 + recomputed / 3) * overhead
-    time *= 1.02 if config.shard_optimizer_state else 1.0
+    time *= {"zero1": 1.02, "fsdp": 1.03}.get(config.data_parallel, 1.0)
     return bubble, time

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_parallel._table import format_table
+from lightning_parallel._table import format_bytes, format_table
 from lightning_parallel.pipeline.mesh import RankLayout
 
 
@@ -18,6 +18,8 @@ class StageSpec:
     ``units`` are the nn.Sequential's child names on the Sequential path, or the module paths the
     stage's part of ``forward`` calls on the traced path (``"h.2"``). ``parameters`` are canonical
     parameter names (the unsplit module's ``named_parameters()``), so a tied weight has one name.
+    ``bytes_per_rank``: with FSDP2 shards, the parameter bytes each of the stage's ranks keeps (the
+    fullest shard: whole rows of dim 0), in the module's dtype.
     """
 
     index: int
@@ -27,6 +29,7 @@ class StageSpec:
     ranks: tuple[int, ...]
     cost: float | None = None
     parameters: frozenset[str] = field(default_factory=frozenset)
+    bytes_per_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,21 +69,33 @@ class StagePlan:
 
     def format_table(self) -> str:
         """The stage table printed by global rank 0 at start."""
+        layout = self.layout
         headers = ["stage", "ranks", "holds", "parameters"]
+        sharded = any(s.bytes_per_rank is not None for s in self.stages)
+        if sharded:
+            headers.append(f"per rank (1/{layout.dp_shard_size} shard)")
         has_cost = any(s.cost is not None for s in self.stages)
         if has_cost:
             headers.append(f"cost{f' ({self.cost_unit})' if self.cost_unit else ''}")
         rows = []
         for s in self.stages:
             row = [str(s.index), ",".join(map(str, s.ranks)), s.holds, f"{s.num_parameters:,}"]
+            if sharded:
+                row.append("" if s.bytes_per_rank is None else format_bytes(s.bytes_per_rank))
             if has_cost:
                 row.append("" if s.cost is None else f"{s.cost:.3g}")
             rows.append(row)
-        layout = self.layout
+        if layout.dp_shard_size > 1:
+            replicas = layout.dp_replicate_size
+            hybrid = f", the shards replicated {replicas} times (HSDP)" if replicas > 1 else ""
+            data = (f"{layout.dp_size} data-parallel ranks, each stage sharded over {layout.dp_shard_size} "
+                    f"of them (FSDP2){hybrid}")  # fmt: skip
+        else:
+            data = f"{layout.dp_size} data-parallel replicas"
         lines = [
             format_table(headers, rows),
-            f"{self.num_stages} stages on {layout.pp_size} pipeline ranks x {layout.dp_size} data-parallel "
-            f"replicas; {self.total_parameters():,} parameters in {self.source}",
+            f"{self.num_stages} stages on {layout.pp_size} pipeline ranks x {data}; "
+            f"{self.total_parameters():,} parameters in {self.source}",
             *self.notes,
         ]
         return "\n".join(lines)
@@ -103,8 +118,12 @@ def make_plan(
     stage_parameters: Sequence[frozenset[str]] | None = None,
     shared_sizes: Mapping[str, int] | None = None,
     notes: Sequence[str] = (),
+    bytes_per_rank: Sequence[int] | None = None,
 ) -> StagePlan:
-    """Build the plan from what each stage runs; stage ``s`` goes to pipeline rank ``s % pp_size``."""
+    """Build the plan from what each stage runs; stage ``s`` goes to pipeline rank ``s % pp_size``.
+
+    ``bytes_per_rank``: per stage, the parameter bytes each rank keeps when the stages are sharded.
+    """
     if len(stage_units) % layout.pp_size:
         raise ValueError(f"{len(stage_units)} stages do not loop evenly over {layout.pp_size} pipeline ranks")
     stages = tuple(
@@ -116,11 +135,29 @@ def make_plan(
             ranks=layout.replicas_of(index % layout.pp_size),
             cost=None if costs is None else float(costs[index]),
             parameters=frozenset(stage_parameters[index]) if stage_parameters else frozenset(),
+            bytes_per_rank=None if bytes_per_rank is None else int(bytes_per_rank[index]),
         )
         for index, units in enumerate(stage_units)
     )
     shared = tuple(sorted((shared_sizes or {}).items()))
     return StagePlan(stages, layout, cost_unit, source, tuple(notes), shared)
+
+
+def shard_bytes(shape: Sequence[int], element_size: int, shards: int) -> int:
+    """Bytes of the fullest of ``shards`` FSDP2 shards of a tensor: whole rows of dim 0, rounded up.
+
+    Example::
+
+        >>> shard_bytes((13, 8), 4, 2)   # 7 of the 13 rows
+        224
+    """
+    if not shape:
+        return element_size
+    rows = shape[0]
+    per_row = element_size
+    for d in shape[1:]:
+        per_row *= d
+    return -(-rows // shards) * per_row
 
 
 def describe_layers(names: Sequence[str], types: Sequence[str]) -> str:

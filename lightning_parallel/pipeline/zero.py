@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from lightning_parallel.parallelize.dtensors import local
+
 
 def shard_optimizer_state(
     optimizer: torch.optim.Optimizer,
@@ -98,7 +100,7 @@ def consolidate(optimizer: torch.optim.Optimizer, to: int = 0) -> None:
 
 
 def local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer state this rank holds (its shard when sharded).
+    """Bytes of the optimizer state this rank holds (its shard when sharded, by ZeRO or FSDP2).
 
     Example::
 
@@ -107,7 +109,10 @@ def local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     optimizer = getattr(optimizer, "_optimizer", optimizer)
     inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     return sum(
-        v.numel() * v.element_size() for s in inner.state.values() for v in s.values() if torch.is_tensor(v)
+        local(v).numel() * v.element_size()  # a DTensor's local shard (FSDP2), not its global size
+        for s in inner.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
     )
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_parallel.distributed.agree import decide_on
 from lightning_parallel.pipeline.mesh import RankLayout
 from lightning_parallel.pipeline.partition import check_explicit, partition_balanced, partition_uniform
-from lightning_parallel.pipeline.plan import StagePlan, make_plan
+from lightning_parallel.pipeline.plan import StagePlan, make_plan, shard_bytes
 from lightning_parallel.pipeline.shared import find_shared
 
 
@@ -60,7 +60,14 @@ def stage_plan(
         f"gradients summed over them"
         for p in shared
     ]
+    per_rank = None
+    if layout.dp_shard_size > 1:  # FSDP2: what each of a stage's ranks keeps of its parameters
+        shards = {
+            n: shard_bytes(p.shape, p.element_size(), layout.dp_shard_size)
+            for n, p in module.named_parameters()
+        }
+        per_rank = [sum(shards[n] for n in ps) for ps in params]
     return make_plan(
         units, holds, [sum(sizes[n] for n in ps) for ps in params], layout, costs, unit, source, params,
-        {p.name: sizes[p.name] for p in shared}, notes,
+        {p.name: sizes[p.name] for p in shared}, notes, per_rank,
     )  # fmt: skip

@@ -104,8 +104,8 @@ class PipelineStrategy(DDPStrategy):
         data_parallel: how the data-parallel ranks of a stage share it: ``"replicate"`` (each holds
             the whole stage; gradients all-reduced), ``"zero1"`` (optimizer state sharded, torch's
             ``ZeroRedundancyOptimizer``) or ``"fsdp"`` (parameters, gradients and optimizer state
-            sharded with FSDP2 ``fully_shard``, per layer then the stage; a split ``nn.Sequential``
-            only). Checkpoints hold the full state in every mode.
+            sharded with FSDP2 ``fully_shard``, per layer then the stage; a traced stage is one
+            unit). Checkpoints hold the full state in every mode.
         data_parallel_shard_size: with ``"fsdp"``, the ranks each stage is sharded over (default: all
             its data-parallel ranks); a smaller divisor replicates the shards (HSDP: shard within a
             node, replicate across nodes).
