@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _GlobalStateSnapshot,
     _MultiProcessingLauncher,
@@ -49,13 +51,19 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
             self._parent_state = None
 
     @override
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+    def _wrapping_function(
+        self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any, *rest: Any
+    ) -> None:
         if self._parent_state is not None:
             snapshot, environ = self._parent_state
             os.environ.clear()
             os.environ.update(environ)
             snapshot.restore()
-        super()._wrapping_function(*args, **kwargs)
+            if isinstance(self._strategy.accelerator, CPUAccelerator):
+                # torch.multiprocessing hands a worker the model's CPU tensors in shared memory: every
+                # rank would train the same weights. Lightning copies them for spawn workers only.
+                args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
         # Only on success: after an exception the launcher ends every rank anyway, and a destroy
         # with collectives still pending could block.
         if dist.is_available() and dist.is_initialized():
@@ -78,8 +86,9 @@ def forkserver_parent_state(strategy: Any) -> tuple[_GlobalStateSnapshot, dict[s
     inherits the server's environment and random state, not the main process's: Lightning 2.6
     passes its global state snapshot (seeds, deterministic flags) to spawn workers only, and sets
     ``MASTER_PORT`` in the main process's environment. Both are taken here and restored in the
-    worker. (The server imports the main script's imports once: Python's default preload is
-    ``__main__``; ``multiprocessing.set_forkserver_preload`` names others.)
+    worker, which also copies the model's tensors out of the shared memory they arrive in. (The
+    server imports the main script's imports once: Python's default preload is ``__main__``;
+    ``multiprocessing.set_forkserver_preload`` names others.)
 
     Example::
 
