@@ -77,10 +77,11 @@ class StagePlan:
                 row.append("" if s.cost is None else f"{s.cost:.3g}")
             rows.append(row)
         layout = self.layout
+        tp = f" x {layout.tp_size} tensor-parallel ranks" if layout.tp_size > 1 else ""
         lines = [
             format_table(headers, rows),
             f"{self.num_stages} stages on {layout.pp_size} pipeline ranks x {layout.dp_size} data-parallel "
-            f"replicas; {self.total_parameters():,} parameters in {self.source}",
+            f"replicas{tp}; {self.total_parameters():,} parameters in {self.source}",
             *self.notes,
         ]
         return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,8 @@ class PipelineConfig:
     data_parallel: str = "replicate"
     data_parallel_shard_size: int | None = None  # "fsdp": ranks a stage is sharded over (None: all)
     parallelize_fn: Callable[..., Any] | None = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_plan: Mapping[str, Any] | None = None  # module path pattern -> ParallelStyle
 
 
 def renamed_num_stages(pipeline_size: int | None, num_stages: int | None) -> int | None:
@@ -62,6 +64,8 @@ def checked_config(
     data_parallel: str | None = None,
     data_parallel_shard_size: int | None = None,
     parallelize_fn: Callable[..., Any] | None = None,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: Mapping[str, Any] | None = None,
 ) -> PipelineConfig:
     """Every setting checked, with the value and the fix in each error; the config all ranks share."""
     cls = schedule_class(schedule)
@@ -72,6 +76,7 @@ def checked_config(
             f"parallelize_fn must be a callable (stage_module, device_mesh) -> None, got {parallelize_fn!r}"
         )
     _check_positive_int("num_microbatches", num_microbatches)
+    _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, data_parallel)
     _check_positive_int("stages_per_rank", stages_per_rank)
     if pipeline_size is not None:
         _check_positive_int("pipeline_size", pipeline_size)
@@ -108,7 +113,30 @@ def checked_config(
         data_parallel,
         data_parallel_shard_size,
         parallelize_fn,
+        tensor_parallel_size,
+        dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None,
     )
+
+
+def _check_tensor_parallel(size: Any, plan: Any, data_parallel: str) -> None:
+    _check_positive_int("tensor_parallel_size", size)
+    if plan is not None:
+        if not isinstance(plan, Mapping):
+            raise TypeError(
+                f"tensor_parallel_plan must be a dict {{module path pattern: ParallelStyle}} (as "
+                f"parallelize_module takes), got {type(plan).__name__}"
+            )
+        if size == 1:
+            raise ValueError(
+                "tensor_parallel_plan splits layers over tensor-parallel ranks, but tensor_parallel_size=1: "
+                "pass tensor_parallel_size > 1, or drop tensor_parallel_plan"
+            )
+    if size > 1 and data_parallel == "zero1":
+        raise ValueError(
+            f"tensor_parallel_size={size} with data_parallel='zero1' is not supported: torch's "
+            f"ZeroRedundancyOptimizer broadcasts plain tensors, not the DTensor slices of split weights. "
+            f"Use data_parallel='fsdp' (shards parameters, gradients and optimizer state) or 'replicate'"
+        )
 
 
 def checked_data_parallel(
@@ -144,6 +172,14 @@ def refuse_traced_parallelize(config: PipelineConfig) -> None:
         *(['data_parallel="fsdp"'] if config.data_parallel == "fsdp" else []),
         *(["parallelize_fn"] if config.parallelize_fn is not None else []),
     ]
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} needs the stage modules of a split "
+            f"nn.Sequential, but this module is split by tracing its forward: its split weights would be "
+            f"DTensors, and torch 2.13's traced pipeline stages refuse DTensor parameters (only the manual "
+            f"PipelineStage frontend takes them). Hold the embedding, the blocks and the head in one "
+            f"top-level nn.Sequential (without split_points), or use tensor_parallel_size=1"
+        )
     if asked:
         raise ValueError(
             f"{' and '.join(asked)} need(s) the stage modules of a split nn.Sequential, but this module is "
