@@ -17,6 +17,9 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.memory.config import ParallelConfig
+from lightning_parallel.memory.estimate import predict
+from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.parallelize.dtensors import full_tensors
 from lightning_parallel.parallelize.tensor import default_plan, user_plan
 from lightning_parallel.strategies._pipeline_config import refuse_traced_parallelize
@@ -194,3 +197,21 @@ def test_the_traced_path_refuses_tensor_parallelism_with_the_reason():
     ):
         refuse_traced_parallelize(config)
     assert tensor_plan(TinyGPT(), config) is None  # no Sequential: the traced path's refusal speaks
+
+
+def test_the_planner_measures_one_tensor_parallel_rank_s_local_model():
+    model, batch = SequentialGPT(), token_data(8)[:8]
+    whole = predict(measure_model(model, batch), ParallelConfig("pipeline", 2, 2, 2))
+    split = predict(
+        measure_model(model, batch, tensor_parallel_size=2),
+        ParallelConfig("pipeline", 4, 2, 2, tensor_parallel_size=2),
+    )
+    # Stage 0 holds the embedding (whole) and two blocks: their q, k, v, fc weights and biases, and the
+    # weights of both output projections, halve; the norms and the projections' biases stay whole.
+    block = model.layers[1]
+    halved = sum(p.numel() for n, p in block.named_parameters() if "ln" not in n and n != "attn.proj.bias")
+    halved -= block.mlp.proj.bias.numel()
+    assert whole.ranks[0].parameters - split.ranks[0].parameters == 2 * 4 * halved // 2  # fp32 bytes
+    assert split.config.label() == "pp 2x1 1f1b m=2 tp=2"
+    with pytest.raises(ValueError, match="measured for tensor_parallel_size=1 but the config asks 2"):
+        predict(measure_model(model, batch), ParallelConfig("pipeline", 4, 2, 2, tensor_parallel_size=2))
