@@ -199,6 +199,7 @@ KEY_COLUMNS = {
         "parallelism",
     ],
     "pipeline_memory": ["ppo_bytes", "ppo_vs_ddp", "activation_peak_bytes", "max_rss_mb"],
+    "tensor_parallel": ["ppo_bytes", "ppo_vs_dp", "step_s", "step_s_min", "step_s_max", "step_vs_dp"],
     "metric_sync": [
         "collectives_per_step",
         "step_ms",
