@@ -144,6 +144,24 @@ def fsdp_memory(rows: Rows) -> str:
     )
 
 
+def tensor_parallel(rows: Rows) -> str:
+    body = [
+        [r["run"], r["rank"], _mib(float(r["ppo_bytes"])), _f(r["ppo_vs_dp"], 2),
+         timed_col(r, "step_s", 3), _f(r["step_vs_dp"], 2)]
+        for r in rows
+    ]  # fmt: skip
+    header = ["run", "rank", "params+grads+AdamW MiB", "vs pp x dp", "step s (min .. max over steps)"]
+    header += ["step vs pp x dp"]
+    r0 = rows[0]
+    note = (
+        f"4 processes, width {r0['model_dim']} x {r0['model_depth']} blocks, "
+        f"global batch {r0['global_batch']}; "
+        "bytes: one run (they do not depend on the load); step times on 2 shared CPU cores with gloo, where "
+        "tensor parallelism's per-block all-reduces cost more than on a GPU node."
+    )
+    return _table(header, body) + "\n\n" + note
+
+
 def metric_sync(rows: Rows) -> str:
     at = {(r["k"], r["mode"]): r for r in rows}
     body = []
@@ -463,5 +481,10 @@ QUESTIONS = (
         "Loading a Hugging Face model's pretrained weights: the whole model against one stage per rank",
         "hf_pretrained_memory",
         (hf_pretrained_memory,),
+    ),
+    Question(
+        "Tensor parallelism inside the stages: pp 2 x tp 2 against pp 2 x dp 2",
+        "tensor_parallel",
+        (tensor_parallel,),
     ),
 )

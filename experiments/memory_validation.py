@@ -84,12 +84,14 @@ class Case:
     depth: int = 8
     seq_len: int = 64
     fsdp_shards: int = 0  # > 0: data_parallel="fsdp", the stages sharded over this many ranks (HSDP if fewer)
+    tensor_parallel: int = 1  # > 1: model "seq-tp" (SequentialCharLM with separate q, k, v)
 
     def config(self) -> ParallelConfig:
         return ParallelConfig(
             self.strategy, self.devices, self.pipeline_size, self.num_microbatches, self.schedule,
             self.stages_per_rank, "uniform", self.checkpointing, self.sharded, self.precision,
             **self.data_parallel(),
+            tensor_parallel_size=self.tensor_parallel,
         )  # fmt: skip
 
     def data_parallel(self) -> dict[str, Any]:
@@ -143,6 +145,8 @@ def cases(quick: bool) -> list[Case]:
         Case("pp 2x2 1f1b m=4 +ac +fsdp (Sequential)", pp, 4, 2, 4, checkpointing=True, model="seq",
              fsdp_shards=2),
         Case("pp 1x4 1f1b m=4 +hsdp 2x2 (Sequential)", pp, 4, 1, 4, model="seq", fsdp_shards=2),
+        Case("pp 2x1 1f1b m=4 tp=2 (Sequential)", pp, 4, 2, 4, model="seq-tp", tensor_parallel=2),
+        Case("pp 1x1 1f1b m=2 tp=2 (Sequential)", pp, 2, 1, 2, model="seq-tp", tensor_parallel=2),
     ]  # fmt: skip
 
 
@@ -158,6 +162,8 @@ def build_model(case: Case) -> L.LightningModule:
         return HFDecoderLM(
             case.model.removeprefix("hf-"), dim=case.dim, depth=case.depth, seq_len=case.seq_len
         )
+    if case.model == "seq-tp":
+        return SequentialCharLM(dim=case.dim, depth=case.depth, seq_len=case.seq_len, split_qkv=True)
     cls = CharLM if case.model == "gpt" else SequentialCharLM
     return cls(dim=case.dim, depth=case.depth, seq_len=case.seq_len)
 
@@ -304,7 +310,7 @@ def _strategy(case: Case) -> Any:
     return PipelineStrategy(
         pipeline_size=case.pipeline_size, num_microbatches=case.num_microbatches, schedule=case.schedule,
         stages_per_rank=case.stages_per_rank, activation_checkpointing=case.checkpointing,
-        shard_optimizer_state=case.sharded, **case.data_parallel(),
+        shard_optimizer_state=case.sharded, **case.data_parallel(), tensor_parallel_size=case.tensor_parallel,
     )  # fmt: skip
 
 
@@ -316,15 +322,18 @@ def predicted(case: Case) -> MemoryEstimate:
     # configure_optimizers reads trainer.estimated_stepping_batches for its LR schedule: give the
     # planner the AdamW it builds instead (the state it keeps does not depend on the schedule).
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    return predict(measure_model(model, batch_for(case), case.precision, optimizer), case.config())
+    facts = measure_model(
+        model, batch_for(case), case.precision, optimizer, tensor_parallel_size=case.tensor_parallel
+    )
+    return predict(facts, case.config())
 
 
 def rows_for(case: Case, estimate: MemoryEstimate, measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    dp = case.config().data_parallel_size
+    per_pp_rank = case.config().data_parallel_size * case.tensor_parallel
     rows = []
     for record in measured:
         rank = record["rank"]
-        mine = estimate.ranks[rank // dp if case.strategy == "pipeline" else 0]
+        mine = estimate.ranks[rank // per_pp_rank if case.strategy == "pipeline" else 0]
         rows.append(
             dict(
                 config=case.name, **{k: v for k, v in asdict(case).items() if k != "name"},

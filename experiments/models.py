@@ -161,6 +161,46 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class SplitQKVBlock(nn.Module):
+    """:class:`Block` with separate q, k, v projections and an MLP of ``fc`` and ``proj``, on local heads.
+
+    What ``PipelineStrategy(tensor_parallel_size=t)``'s default plan splits: it sets ``heads`` to the
+    heads of one rank, and the forward reshapes with ``self.heads`` and ``-1``.
+    """
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = _SplitAttention(dim, heads)
+        self.mlp = _FcProj(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _SplitAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, self.heads, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _FcProj(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
 # ------------------------------------------------------------------------------------------ models
 
 
@@ -231,10 +271,12 @@ class SequentialCharLM(NextByteLM):
         seq_len: int = 64,
         lr: float = 1e-3,
         tied: bool = False,
+        split_qkv: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        blocks = [Block(dim, heads) for _ in range(depth)]
+        # split_qkv: blocks that tensor parallelism can split (separate q, k, v; local heads)
+        blocks = [(SplitQKVBlock if split_qkv else Block)(dim, heads) for _ in range(depth)]
         embedding, head = Embedding(256, dim, seq_len), nn.Linear(dim, 256, bias=not tied)
         if tied:  # as CharLM: the same network, its layers in one Sequential
             head.weight = embedding.tokens.weight

@@ -53,6 +53,7 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "hf_pretrained_memory": "hf_pretrained_memory.py",
     "watchdog": "bench_watchdog.py",
     "memory_validation": "memory_validation.py",
+    "tensor_parallel": "bench_tensor_parallel.py",
 }
 
 

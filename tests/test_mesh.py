@@ -35,3 +35,16 @@ def test_the_data_parallel_ranks_split_into_replicas_of_shards_on_the_mesh():
         ValueError, match=r"data_parallel_shard_size \(3\) does not divide the 4 .*divisor of 4"
     ):
         RankLayout(pp_size=2, dp_size=4, dp_shard_size=3)
+
+
+def test_tensor_parallel_ranks_are_innermost_and_share_the_data_parallel_rank():
+    layout = RankLayout(pp_size=2, dp_size=2, dp_shard_size=2, tp_size=2)
+    assert layout.world_size == 8 and layout.mesh_shape == (2, 1, 2, 2)
+    assert [layout.global_rank(1, 1, t) for t in range(2)] == [6, 7]  # tp peers are neighbours
+    assert layout.coordinates(6) == layout.coordinates(7) == (1, 1) and layout.tp_rank_of(7) == 1
+    assert layout.replicas_of(0) == (0, 1, 2, 3)
+    assert RankLayout.for_world(8, 2, tp_size=2) == RankLayout(2, 2, 1, 2)
+    with pytest.raises(
+        ValueError, match=r"pipeline_size x tensor_parallel_size \(2 x 2 = 4\) does not divide"
+    ):
+        RankLayout.for_world(6, 2, tp_size=2)

@@ -207,6 +207,7 @@ KEY_COLUMNS = {
         "predicted_peak_bytes",
         "predicted_error",
     ],
+    "tensor_parallel": ["ppo_bytes", "ppo_vs_dp", "step_s", "step_s_min", "step_s_max", "step_vs_dp"],
     "metric_sync": [
         "collectives_per_step",
         "step_ms",

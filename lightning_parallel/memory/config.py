@@ -67,6 +67,7 @@ class ParallelConfig:
     accumulate_grad_batches: int = 1
     data_parallel: str = "replicate"
     data_parallel_shard_size: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -87,10 +88,18 @@ class ParallelConfig:
             "num_microbatches",
             "stages_per_rank",
             "accumulate_grad_batches",
+            "tensor_parallel_size",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.strategy != "pipeline":
+            raise ValueError("tensor_parallel_size > 1 is modelled for strategy='pipeline' only")
+        if self.tensor_parallel_size > 1 and self.devices % (self.pipeline_size * self.tensor_parallel_size):
+            raise ValueError(
+                f"pipeline_size x tensor_parallel_size ({self.pipeline_size} x {self.tensor_parallel_size}) "
+                f"does not divide devices ({self.devices})"
+            )
         if self.devices % self.pipeline_size:
             raise ValueError(
                 f"pipeline_size ({self.pipeline_size}) does not divide devices ({self.devices}): use a "
@@ -141,7 +150,9 @@ class ParallelConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.devices // (self.pipeline_size if self.strategy == "pipeline" else 1)
+        if self.strategy != "pipeline":
+            return self.devices
+        return self.devices // (self.pipeline_size * self.tensor_parallel_size)
 
     @property
     def num_stages(self) -> int:
@@ -159,6 +170,7 @@ class ParallelConfig:
         if self.data_parallel == "fsdp":
             replicas = self.data_parallel_size // self.shard_size
             flags += f" +hsdp {replicas}x{self.shard_size}" if replicas > 1 else " +fsdp"
+        flags += f" tp={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         shape = f"{self.pipeline_size}x{self.data_parallel_size}"
         return f"pp {shape} {self.schedule}{v} m={self.num_microbatches}{flags}"
 
@@ -203,6 +215,7 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
             precision=precision,
             data_parallel=getattr(strategy, "data_parallel", "replicate"),
             data_parallel_shard_size=_config_value(strategy, "data_parallel_shard_size"),
+            tensor_parallel_size=getattr(strategy, "tensor_parallel_size", 1),
         )
     raise ValueError(
         "strategy must be 'auto', 'single_device', 'ddp', 'pipeline', a ParallelConfig or a "

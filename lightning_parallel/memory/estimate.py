@@ -148,7 +148,8 @@ def estimate_memory(
         print(est.format_table())
     """
     config = replace(resolve(strategy, devices, precision), accumulate_grad_batches=accumulate_grad_batches)
-    return predict(measure_model(module, batch, precision, optimizer, step), config)
+    tp = config.tensor_parallel_size
+    return predict(measure_model(module, batch, precision, optimizer, step, tensor_parallel_size=tp), config)
 
 
 def predict(facts: ModelFacts, config: ParallelConfig, samples: int | None = None) -> MemoryEstimate:
@@ -169,6 +170,12 @@ def predict(facts: ModelFacts, config: ParallelConfig, samples: int | None = Non
     if config.strategy != "pipeline":
         buckets = config.strategy == "ddp"
         return MemoryEstimate(config, (_whole_model_rank(facts, samples or facts.samples, buckets),))
+    if facts.tensor_parallel_size != config.tensor_parallel_size:
+        raise ValueError(
+            f"the facts were measured for tensor_parallel_size={facts.tensor_parallel_size} but the config "
+            f"asks {config.tensor_parallel_size}: measure_model(..., tensor_parallel_size="
+            f"{config.tensor_parallel_size})"
+        )
     costs = stage_costs(facts, config, samples)
     ranks = [_pipeline_rank(facts, costs, config, r) for r in range(config.pipeline_size)]
     return MemoryEstimate(config, tuple(ranks))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from lightning_parallel.memory.probe import (
     probe_activations,
     probe_sizes,
 )
+from lightning_parallel.memory.tensor_parallel import local_model
 from lightning_parallel.memory.units import UnitLayout, find_units, order_extras
 
 
@@ -59,6 +61,9 @@ class ModelFacts:
     unit_params: dict[str, list[int]]  # unit name -> parameter keys (a tied weight under each unit using it)
     loose_params: list[int]
     group_order: list[list[int]]  # per optimizer param group: parameter keys in group order
+    tensor_parallel_size: int = (
+        1  # measured on one tensor-parallel rank's local model (memory.tensor_parallel)
+    )
 
     def state_of(self, keys: list[int], shards: int = 1) -> int:
         """Optimizer state of ``keys``; with ``shards``, of the fullest FSDP2 shard of each (per-tensor
@@ -77,8 +82,13 @@ def measure_model(
     precision: str = "32-true",
     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     step: StepFn = default_step,
+    tensor_parallel_size: int = 1,
 ) -> ModelFacts:
     """Find the units, run the probe forwards, and size parameters, gradients and optimizer state.
+
+    With ``tensor_parallel_size`` > 1, of one tensor-parallel rank's local model
+    (:func:`~lightning_parallel.memory.tensor_parallel.local_model`); the optimizer is then built anew
+    over its parameters, of the given optimizer's class and defaults.
 
     Raises:
         ValueError: unknown precision; a batch the model rejects; no optimizer to size.
@@ -91,6 +101,9 @@ def measure_model(
         raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     param_dtype, autocast_dtype = PRECISIONS[precision]
     optimizers = _optimizers(module, optimizer)
+    if tensor_parallel_size > 1:
+        module = local_model(module, tensor_parallel_size)
+        optimizers = [_rebuilt(o, module) for o in optimizers]
     layout = find_units(module)
     samples = _samples(batch)
     probed = module if param_dtype is None else _converted(module, param_dtype)
@@ -101,7 +114,9 @@ def measure_model(
     tensors, groups = _tensors(module, optimizers, sizes, param_dtype)
     unit_params = {u.name: [id(p) for p in u.module.parameters()] for u in layout.units}
     loose = [id(p) for p in layout.loose]
-    return ModelFacts(layout, probe, samples, precision, tensors, unit_params, loose, groups)
+    return ModelFacts(
+        layout, probe, samples, precision, tensors, unit_params, loose, groups, tensor_parallel_size
+    )
 
 
 def _optimizers(module: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -125,6 +140,14 @@ def _optimizers(module: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer
     if not found:
         raise ValueError("no optimizer found: configure_optimizers (or optimizer=) returned none")
     return found
+
+
+def _rebuilt(optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer's class over ``module``'s parameters, with the defaults its constructor accepts."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(
+        module.parameters(), **{k: v for k, v in optimizer.defaults.items() if k in accepted}
+    )
 
 
 def _tensors(

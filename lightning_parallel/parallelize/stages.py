@@ -1,7 +1,9 @@
-"""Parallelize each stage module after the split: the user's ``parallelize_fn``, then data parallelism.
+"""Parallelize each stage module after the split: tensor parallelism, ``parallelize_fn``, data parallelism.
 
 torchtitan's order: whatever changes a stage's computation (tensor parallelism, a user's own
-wrapping) first, then data-parallel sharding over the stage's data-parallel ranks. Plain replicas and
+wrapping) first, then data-parallel sharding over the stage's data-parallel ranks (FSDP2 on top of
+tensor-parallel DTensors is 2-D: each rank holds a data-parallel shard of its tensor-parallel slice).
+Plain replicas and
 ZeRO-1 leave the stage modules as they are (their gradients are averaged by the strategy).
 """
 
@@ -14,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.parallelize.fsdp import shard_stage
+from lightning_parallel.parallelize.tensor import TensorPlan, apply_plan
 
 DATA_PARALLEL = ("replicate", "zero1", "fsdp")
 
@@ -26,8 +29,10 @@ def parallelize_stages(
     shard_mesh: DeviceMesh | None,
     data_parallel: str = "replicate",
     parallelize_fn: ParallelizeFn | None = None,
+    tensor_plan: TensorPlan | None = None,
+    child_names: Sequence[Sequence[str]] = (),
 ) -> list[FSDPModule]:
-    """Apply ``parallelize_fn(stage_module, device_mesh)`` to each stage module, then FSDP2 if asked.
+    """Split each stage module's layers over the ``"tp"`` mesh dimension, run ``parallelize_fn``, then FSDP2.
 
     Args:
         modules: this rank's stage modules (changed in place).
@@ -38,6 +43,8 @@ def parallelize_stages(
         data_parallel: one of :data:`DATA_PARALLEL`; ``"fsdp"`` shards every stage that the user's
             function did not already make an FSDP root.
         parallelize_fn: changes the stage module in place and returns it (or None).
+        tensor_plan: the tensor-parallel plan (:mod:`lightning_parallel.parallelize.tensor`), applied
+            on ``device_mesh["tp"]``; ``child_names[i]`` are the module paths of ``modules[i]``'s children.
 
     Returns:
         The stage modules that are FSDP roots (their gradients are FSDP's to reduce).
@@ -50,6 +57,10 @@ def parallelize_stages(
 
         roots = parallelize_stages(stage_modules, mesh.device_mesh, mesh.data_parallel_mesh(), "fsdp")
     """
+    if tensor_plan is not None:
+        if device_mesh is None:
+            raise ValueError("tensor parallelism needs a process group (a device mesh) and there is none")
+        apply_plan(list(modules), [list(n) for n in child_names], tensor_plan, device_mesh["tp"])
     for module in modules:
         if parallelize_fn is not None:
             returned = parallelize_fn(module, device_mesh)

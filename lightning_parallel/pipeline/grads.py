@@ -67,13 +67,17 @@ class HeldGradients:
         self._held = []
 
 
-def all_reduce_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+def all_reduce_gradients(
+    params: Iterable[torch.Tensor], group: dist.ProcessGroup | None, skip: Collection[torch.Tensor] = ()
+) -> None:
     """Average the gradients of ``params`` over ``group`` in one coalesced all-reduce (per dtype).
 
     Called once per optimizer step, after the last accumulated backward: no sync per micro-batch.
-    Sharded (DTensor) parameters are skipped: FSDP reduces their gradients itself.
+    A tensor-parallel (DTensor) gradient averages its local shard: the data-parallel peers of a
+    tensor-parallel rank hold the same slice. ``skip``: parameters whose gradients FSDP reduces itself.
     """
-    grads = [p.grad for p in params if p.grad is not None and not isinstance(p, DTensor)]
+    skipped = {id(p) for p in skip}
+    grads = [local(p.grad) for p in params if p.grad is not None and id(p) not in skipped]
     all_reduce_coalesced(grads, group, average=True)
 
 
@@ -126,6 +130,8 @@ def _by_shard_groups(grads: Sequence[DTensor]) -> dict[tuple[Any, ...], list[tor
     out: dict[tuple[Any, ...], list[torch.Tensor]] = {}
     for g in grads:
         mesh = g.device_mesh
-        groups = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+        # Any placement but Replicate is a shard: FSDP2 over tensor-parallel weights shards its dimension
+        # with _StridedShard, which is no Shard (torch 2.13: is_shard() is False).
+        groups = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
         out.setdefault(groups, []).append(g.to_local())
     return out

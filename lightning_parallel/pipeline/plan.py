@@ -85,6 +85,7 @@ class StagePlan:
             if has_cost:
                 row.append("" if s.cost is None else f"{s.cost:.3g}")
             rows.append(row)
+        tp = f" x {layout.tp_size} tensor-parallel ranks" if layout.tp_size > 1 else ""
         if layout.dp_shard_size > 1:
             replicas = layout.dp_replicate_size
             hybrid = f", the shards replicated {replicas} times (HSDP)" if replicas > 1 else ""
@@ -94,7 +95,7 @@ class StagePlan:
             data = f"{layout.dp_size} data-parallel replicas"
         lines = [
             format_table(headers, rows),
-            f"{self.num_stages} stages on {layout.pp_size} pipeline ranks x {data}; "
+            f"{self.num_stages} stages on {layout.pp_size} pipeline ranks x {data}{tp}; "
             f"{self.total_parameters():,} parameters in {self.source}",
             *self.notes,
         ]

@@ -110,7 +110,12 @@ class SharedReplicas:
         for p in self.shared:
             by_ranks.setdefault(p.pp_ranks, []).append(p.name)
         for pp_ranks, names in sorted(by_ranks.items()):
-            replicas = [[mesh.global_rank(r, d) for r in pp_ranks] for d in range(mesh.dp_size)]
+            # One group per (data-parallel, tensor-parallel) coordinate: each is its own pipeline.
+            replicas = [
+                [mesh.layout.global_rank(r, d, t) for r in pp_ranks]
+                for d in range(mesh.dp_size)
+                for t in range(mesh.layout.tp_size)
+            ]
             group = new_subgroups(replicas)
             if mesh.pp_rank in pp_ranks:
                 params = [local[n] for n in names]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,8 @@ class PipelineConfig:
     data_parallel_shard_size: int | None = None  # "fsdp": ranks a stage is sharded over (None: all)
     parallelize_fn: Callable[..., Any] | None = None
     save_distributed_checkpoint: bool = False  # a torch.distributed.checkpoint directory, not one file
+    tensor_parallel_size: int = 1
+    tensor_parallel_plan: Mapping[str, Any] | None = None  # module path pattern -> ParallelStyle
 
 
 def renamed_num_stages(pipeline_size: int | None, num_stages: int | None) -> int | None:
@@ -64,6 +66,8 @@ def checked_config(
     data_parallel_shard_size: int | None = None,
     parallelize_fn: Callable[..., Any] | None = None,
     save_distributed_checkpoint: bool = False,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: Mapping[str, Any] | None = None,
 ) -> PipelineConfig:
     """Every setting checked, with the value and the fix in each error; the config all ranks share."""
     cls = schedule_class(schedule)
@@ -79,6 +83,7 @@ def checked_config(
             f"writing its own shards) or False (one consolidated file), got {save_distributed_checkpoint!r}"
         )
     _check_positive_int("num_microbatches", num_microbatches)
+    _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, data_parallel)
     _check_positive_int("stages_per_rank", stages_per_rank)
     if pipeline_size is not None:
         _check_positive_int("pipeline_size", pipeline_size)
@@ -116,7 +121,30 @@ def checked_config(
         data_parallel_shard_size,
         parallelize_fn,
         save_distributed_checkpoint,
+        tensor_parallel_size,
+        dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None,
     )
+
+
+def _check_tensor_parallel(size: Any, plan: Any, data_parallel: str) -> None:
+    _check_positive_int("tensor_parallel_size", size)
+    if plan is not None:
+        if not isinstance(plan, Mapping):
+            raise TypeError(
+                f"tensor_parallel_plan must be a dict {{module path pattern: ParallelStyle}} (as "
+                f"parallelize_module takes), got {type(plan).__name__}"
+            )
+        if size == 1:
+            raise ValueError(
+                "tensor_parallel_plan splits layers over tensor-parallel ranks, but tensor_parallel_size=1: "
+                "pass tensor_parallel_size > 1, or drop tensor_parallel_plan"
+            )
+    if size > 1 and data_parallel == "zero1":
+        raise ValueError(
+            f"tensor_parallel_size={size} with data_parallel='zero1' is not supported: torch's "
+            f"ZeroRedundancyOptimizer broadcasts plain tensors, not the DTensor slices of split weights. "
+            f"Use data_parallel='fsdp' (shards parameters, gradients and optimizer state) or 'replicate'"
+        )
 
 
 def checked_data_parallel(
@@ -148,6 +176,15 @@ def checked_data_parallel(
 
 def refuse_traced_parallelize(config: PipelineConfig) -> None:
     """What the traced path's stages cannot take: say why, before its split."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} needs the stage modules of a split "
+            f"nn.Sequential, but this module is split by tracing its forward: a traced stage is an export "
+            f"graph that calls none of your modules (tensor parallelism's hooks would never run) and has "
+            f"the whole weights' shapes and head counts baked into its ops. Hold the embedding, the blocks "
+            f"and the head in one top-level nn.Sequential (without split_points), or use "
+            f"tensor_parallel_size=1"
+        )
     if config.parallelize_fn is not None:
         raise ValueError(
             "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split by "

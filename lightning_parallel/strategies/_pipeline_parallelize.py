@@ -1,8 +1,9 @@
 """PipelineStrategy's step after the split: parallelize each stage module on the device mesh.
 
-Glue over :mod:`lightning_parallel.parallelize`: runs the user's ``parallelize_fn`` and FSDP2 on the
-Sequential path's stage modules (on the traced path, FSDP2 on one root per stage), then points the
-strategy's bookkeeping (parameter names, tied replicas) at the parameters FSDP put in their place.
+Glue over :mod:`lightning_parallel.parallelize`: resolves the tensor-parallel plan on the unsplit
+module, then runs tensor parallelism, the user's ``parallelize_fn`` and FSDP2 on the Sequential path's
+stage modules (on the traced path, FSDP2 on one root per stage), and points the strategy's
+bookkeeping (parameter names, tied replicas) at the parameters they put in their place.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from torch import nn
 
 from lightning_parallel.parallelize.fsdp import DeferredReduceStage
 from lightning_parallel.parallelize.stages import parallelize_stages
+from lightning_parallel.parallelize.tensor import TensorPlan, default_plan, user_plan
 from lightning_parallel.parallelize.traced_fsdp import ShardedTracedStage, shard_traced_stage
-from lightning_parallel.pipeline.split import SequentialStages
+from lightning_parallel.pipeline.split import SequentialStages, find_sequential
 from lightning_parallel.pipeline.traced_split import TracedStages
 
 if TYPE_CHECKING:
@@ -23,27 +25,60 @@ if TYPE_CHECKING:
     from lightning_parallel.strategies._pipeline_config import PipelineConfig
 
 
-def parallelize_parts(parts: PipelineParts, config: PipelineConfig, module: nn.Module) -> None:
-    """Parallelize this rank's stage modules in place; every rank calls it (FSDP is collective-free here)."""
-    if config.data_parallel != "fsdp" and config.parallelize_fn is None:
+def tensor_plan(module: nn.Module, config: PipelineConfig) -> tuple[str, TensorPlan] | None:
+    """The tensor-parallel plan of the module's split Sequential (read before the split), or None.
+
+    The same on every rank (a pure function of the module): its errors are raised by all ranks alike.
+    A module the traced path splits gets None here and the traced path's refusal later.
+    """
+    if config.tensor_parallel_size == 1 or config.split_points is not None:
+        return None
+    found = find_sequential(module, config.module_name)
+    if found is None:
+        return None
+    name, seq = found
+    tp = config.tensor_parallel_size
+    if config.tensor_parallel_plan is not None:
+        return name, user_plan(seq, name, tp, config.tensor_parallel_plan)
+    return name, default_plan(seq, name, tp)
+
+
+def parallelize_parts(
+    parts: PipelineParts,
+    config: PipelineConfig,
+    module: nn.Module,
+    plan: tuple[str, TensorPlan] | None = None,
+) -> None:
+    """Parallelize this rank's stage modules in place; every rank calls it (collectives over tp only)."""
+    if config.data_parallel != "fsdp" and config.parallelize_fn is None and plan is None:
         return
     stages = parts.runner.stages
     mesh = parts.mesh
     before = dict(module.named_parameters())
     shard_mesh = mesh.data_parallel_mesh()
-    if isinstance(stages, TracedStages):  # (refuse_traced_parallelize let only data_parallel="fsdp" by)
+    seq_name, tp_plan = plan if plan is not None else ("", None)
+    if isinstance(stages, TracedStages):  # refuse_traced_parallelize let only data_parallel="fsdp" by
         stages.root = ShardedTracedStage(module)
         roots = [shard_traced_stage(stages.root, shard_mesh)]
     else:
         assert isinstance(stages, SequentialStages)
+        names = [[f"{seq_name}.{c}" for c, _ in m.named_children()] for m in stages.modules]
         roots = parallelize_stages(
-            stages.modules, mesh.device_mesh, shard_mesh, config.data_parallel, config.parallelize_fn
+            stages.modules,
+            mesh.device_mesh,
+            shard_mesh,
+            config.data_parallel,
+            config.parallelize_fn,
+            tp_plan,
+            names,
         )
     after = dict(module.named_parameters())
     replaced = {id(p): after[n] for n, p in before.items() if n in after and after[n] is not p}
     parts.param_names = {replaced.get(id(p), p): n for p, n in parts.param_names.items()}
     parts.shared.rebind(replaced)
     parts.sharded = list(roots)
+    if tp_plan is not None:
+        rank_zero_info(f"PipelineStrategy: {tp_plan.format_table()}")
     if roots:
         stages.stage_cls = DeferredReduceStage
         shards, replicas = mesh.layout.dp_shard_size, mesh.layout.dp_replicate_size

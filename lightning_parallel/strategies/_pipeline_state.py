@@ -26,8 +26,11 @@ if TYPE_CHECKING:
 def consolidated_state_dict(module: nn.Module, parts: PipelineParts | None) -> dict[str, Any]:
     """The unsplit module's state dict on global rank 0 (``{}`` on the other ranks of a pipeline)."""
     local = module.state_dict()
-    if parts is not None and parts.sharded:
-        local = full_tensors(local)  # FSDP2 stages: every data-parallel rank joins the all-gathers
+    if parts is not None and (parts.sharded or parts.mesh.tp_size > 1):
+        # FSDP2 / tensor-parallel stages: every data-parallel and tensor-parallel rank joins the gathers.
+        local = full_tensors(local)
+    if parts is not None and parts.mesh.tp_rank != 0:
+        return {}
     if parts is None or parts.mesh.pp_size == 1 or not distributed_ready():
         return local
     if parts.mesh.dp_rank != 0:
@@ -48,9 +51,9 @@ def consolidated_optimizer_state(
     consolidate(optimizer)  # a sharded (ZeRO) optimizer gathers on replica 0: every replica calls it
     if parts.mesh.dp_rank != 0 and not parts.sharded:
         return {}
-    # FSDP2 stages: every data-parallel rank joins the all-gathers of the sharded state.
+    # FSDP2 / tensor-parallel stages: every rank of each DTensor's mesh joins the all-gathers of its state.
     named = stage_state.named_optimizer_state(optimizer, parts.param_names, full_tensors)
-    if parts.mesh.dp_rank != 0:
+    if parts.mesh.dp_rank != 0 or parts.mesh.tp_rank != 0:
         return {}
     gathered = gather_object_to(named, 0, parts.mesh.pp_group)
     if gathered is None:

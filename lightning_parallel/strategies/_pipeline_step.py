@@ -116,6 +116,8 @@ def collect_predictions(parts: PipelineParts, output: Any, batch_idx: int) -> An
     mesh, counts = parts.mesh, parts.predict_batches
     assert counts is not None
     last = mesh.pp_size - 1
+    if mesh.tp_rank > 0:  # its tensor-parallel rank 0 holds the same predictions
+        return None
     if mesh.pp_rank == last and mesh.dp_rank > 0:
         send_object(output, dst=0)
         return None

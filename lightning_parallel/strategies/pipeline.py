@@ -32,6 +32,7 @@ from typing_extensions import override
 
 import lightning_parallel.strategies._pipeline_dcp as dcp_glue
 from lightning_parallel._options import checks_options
+from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.distributed.collectives import all_gather_objects
 from lightning_parallel.parallelize.fsdp import reduce_gradients
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
@@ -49,7 +50,7 @@ from lightning_parallel.strategies._pipeline_memory import (
     shard_optimizers,
     unit_naming,
 )
-from lightning_parallel.strategies._pipeline_parallelize import parallelize_parts
+from lightning_parallel.strategies._pipeline_parallelize import parallelize_parts, tensor_plan
 from lightning_parallel.strategies._pipeline_precision import install_loss_scaling
 from lightning_parallel.strategies._pipeline_state import (
     consolidated_optimizer_state,
@@ -79,9 +80,9 @@ class PipelineStrategy(DDPStrategy):
     reduced over the data-parallel ranks once per optimizer step.
 
     The ranks form one device mesh, ``strategy.device_mesh``, with dimensions ``("pp",
-    "dp_replicate", "dp_shard", "tp")`` (``tp`` is 1). After the split each stage module is
-    parallelized on it: first ``parallelize_fn(stage_module, device_mesh)`` if given, then the
-    ``data_parallel`` mode.
+    "dp_replicate", "dp_shard", "tp")``. After the split each stage module is parallelized on it:
+    first tensor parallelism (``tensor_parallel_size``), then ``parallelize_fn(stage_module,
+    device_mesh)`` if given, then the ``data_parallel`` mode.
 
     Args:
         pipeline_size: pipeline ranks per replica (default: all devices form one pipeline).
@@ -116,6 +117,13 @@ class PipelineStrategy(DDPStrategy):
             directories, each rank writing its own shards (no rank gathers the model), resumable at
             another pipeline size or shard count; ``consolidate_checkpoint`` makes one file of one.
             ``False`` (default): one consolidated file from global rank 0.
+        tensor_parallel_size: ranks each stage's blocks are split over (Megatron-style, with
+            ``parallelize_module``; world size = ``pipeline_size x`` data-parallel ``x
+            tensor_parallel_size``). The default plan splits attention q/k/v and the first MLP
+            projection column-wise and the output projections row-wise, and divides the head count; a
+            split ``nn.Sequential`` only. ``data_parallel`` acts over the data-parallel ranks on top.
+        tensor_parallel_plan: ``{module path pattern: ParallelStyle}`` (as ``parallelize_module``
+            takes; paths from the LightningModule, ``*`` one segment) replacing the default plan.
         shard_optimizer_state: ``True`` is ``data_parallel="zero1"`` (the older name).
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         num_stages: deprecated name of ``pipeline_size``.
@@ -134,6 +142,8 @@ class PipelineStrategy(DDPStrategy):
         PipelineStrategy(pipeline_size=2, data_parallel="fsdp")
         # ... or sharded over 2 ranks and replicated twice (HSDP)
         PipelineStrategy(pipeline_size=2, data_parallel="fsdp", data_parallel_shard_size=2)
+        # 8 devices: 2 stages x 2 replicas x 2 tensor-parallel ranks (3-D)
+        PipelineStrategy(pipeline_size=2, tensor_parallel_size=2)
     """
 
     strategy_name = "pipeline"
@@ -154,6 +164,8 @@ class PipelineStrategy(DDPStrategy):
         data_parallel_shard_size: int | None = None,
         parallelize_fn: Callable[[torch.nn.Module, DeviceMesh | None], Any] | None = None,
         save_distributed_checkpoint: bool = False,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: dict[str, Any] | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         timeout: timedelta | None = default_pg_timeout,
         num_stages: int | None = None,
@@ -191,11 +203,14 @@ class PipelineStrategy(DDPStrategy):
             data_parallel_shard_size,
             parallelize_fn,
             save_distributed_checkpoint,
+            tensor_parallel_size,
+            tensor_parallel_plan,
         )
         self.parts: PipelineParts | None = None
         self._mesh: PipelineMesh | None = None
         self._release_registered = False
         self._first_batch_checked = False
+        self._tensor_plan: Any = None
 
     # ----------------------------------------------------------------------------------- layout
     @property
@@ -219,11 +234,12 @@ class PipelineStrategy(DDPStrategy):
 
     @property
     def layout(self) -> RankLayout:
-        layout = RankLayout.for_world(self.world_size, self.pipeline_size)
+        tp = self.config.tensor_parallel_size
+        layout = RankLayout.for_world(self.world_size, self.pipeline_size, tp_size=tp)
         if self.config.data_parallel != "fsdp":
             return layout
         shards = self.config.data_parallel_shard_size or layout.dp_size
-        return RankLayout(layout.pp_size, layout.dp_size, shards)
+        return RankLayout(layout.pp_size, layout.dp_size, shards, tp)
 
     @property
     def device_mesh(self) -> DeviceMesh | None:
@@ -237,6 +253,10 @@ class PipelineStrategy(DDPStrategy):
     @property
     def data_parallel_size(self) -> int:
         return self.layout.dp_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
 
     @property
     def plan(self) -> StagePlan | None:
@@ -255,7 +275,7 @@ class PipelineStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shard the data by replica: the stages of one replica must see the same batch.
+        # Shard the data by replica: the stages (and tensor-parallel ranks) of one replica see the same batch.
         return {"num_replicas": self.data_parallel_size, "rank": self.layout.coordinates(self.global_rank)[1]}
 
     @override
@@ -284,6 +304,8 @@ class PipelineStrategy(DDPStrategy):
         first = self.parts is None
         if self.parts is None:
             naming = unit_naming(self.lightning_module, self.config)  # read on the unsplit module
+            with failing_together():
+                self._tensor_plan = tensor_plan(self.lightning_module, self.config)
             self.parts = build_pipeline(
                 self.config, trainer, self.lightning_module, self.layout, self.root_device, self._mesh
             )
@@ -297,7 +319,7 @@ class PipelineStrategy(DDPStrategy):
             self.parts.twin = self.precision_plugin.convert_module(self.parts.twin)
         self.model_to_device()
         if first:  # split, recomputation, then the data-parallel sharding (torchtitan's order)
-            parallelize_parts(self.parts, self.config, self.lightning_module)
+            parallelize_parts(self.parts, self.config, self.lightning_module, self._tensor_plan)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.config.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
@@ -418,7 +440,8 @@ class PipelineStrategy(DDPStrategy):
             # replicas sum their gradients, then every stage averages over its replicas.
             reduce_gradients(parts.sharded)  # FSDP2 stages: one reduce-scatter for the whole window
             parts.shared.sum_gradients()
-            all_reduce_gradients(self.lightning_module.parameters(), parts.mesh.dp_group)
+            fsdp_params = [p for root in parts.sharded for p in root.parameters()]
+            all_reduce_gradients(self.lightning_module.parameters(), parts.mesh.dp_group, skip=fsdp_params)
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)

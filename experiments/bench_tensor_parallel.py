@@ -1,0 +1,152 @@
+"""Tensor parallelism against data parallelism inside a pipeline: pp 2 x tp 2 against pp 2 x dp 2.
+
+The same 4 processes, the same model and global batch: ``PipelineStrategy(pipeline_size=2,
+tensor_parallel_size=2)`` (each stage's attention and MLP weights split over 2 ranks, one replica
+running the whole global batch) against ``PipelineStrategy(pipeline_size=2)`` (2 replicas of each stage,
+half the global batch each). Per rank:
+
+- **parameters + gradients + optimizer state**: bytes of the local tensors (a DTensor's local slice)
+  held at ``on_before_optimizer_step`` of the second and later steps (AdamW's state exists by then);
+  tensor parallelism divides the split weights' share by 2, replicas divide nothing;
+- **step time**: the wall time of each training step after the first (median and min-max over the
+  steps). On 2 CPU cores the 4 processes share the cores: the timings say what tensor parallelism
+  costs in collectives (two all-reduces per block forward and backward, gloo on CPU) against
+  replicas (one gradient all-reduce per step), not what a GPU node would show.
+
+The model is ``models.SequentialCharLM(split_qkv=True)`` (separate q, k, v: what the default plan
+splits), width 256, 4 blocks, AdamW. Byte counts do not depend on the load (one run); the timings do.
+Writes ``tensor_parallel.csv`` and ``tensor_parallel.png`` under ``--out-dir``.
+
+Usage::
+
+    python experiments/bench_tensor_parallel.py     # ~1-2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import _harness as h
+import torch
+from lightning.pytorch.callbacks import Callback
+from models import SequentialCharLM
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lightning_parallel import PipelineStrategy
+
+RUNS = {"pp 2 x dp 2": dict(pipeline_size=2), "pp 2 x tp 2": dict(pipeline_size=2, tensor_parallel_size=2)}
+DIM, DEPTH, SEQ_LEN, GLOBAL_BATCH, STEPS = 256, 4, 64, 16, 6
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes of the local data behind ``tensors`` (a DTensor counts its slice)."""
+    total = 0
+    for t in tensors:
+        if torch.is_tensor(t):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            total += t.numel() * t.element_size()
+    return total
+
+
+class Probe(Callback):
+    """Parameter, gradient and optimizer bytes before the optimizer steps, and each step's wall time."""
+
+    def __init__(self) -> None:
+        self.ppo = 0
+        self.times: list[float] = []
+        self._start = 0.0
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        h.barrier()
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        h.barrier()
+        if batch_idx > 0:  # the first step builds the schedule and the optimizer state
+            self.times.append(time.perf_counter() - self._start)
+
+    @override
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step == 0:
+            return
+        params = list(pl_module.parameters())
+        state = [v for s in optimizer.state.values() for v in s.values()]
+        self.ppo = local_bytes(params) + local_bytes(p.grad for p in params) + local_bytes(state)
+
+
+def worker(rank: int, world: int) -> list[dict[str, Any]]:
+    records = []
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (GLOBAL_BATCH * STEPS, SEQ_LEN + 1), generator=g)
+    data = TensorDataset(x[:, :-1], x[:, 1:])
+    for name, kwargs in RUNS.items():
+        probe = Probe()
+        strategy = PipelineStrategy(num_microbatches=4, **kwargs)
+        trainer = h.quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[probe])
+        torch.manual_seed(0)
+        replicas = world // (2 * kwargs.get("tensor_parallel_size", 1))
+        trainer.fit(
+            SequentialCharLM(dim=DIM, depth=DEPTH, seq_len=SEQ_LEN, split_qkv=True),
+            DataLoader(data, batch_size=GLOBAL_BATCH // replicas),
+        )
+        s = h.spread(probe.times)
+        records.append(
+            dict(run=name, rank=rank, world_size=world, model_dim=DIM, model_depth=DEPTH,
+                 global_batch=GLOBAL_BATCH, ppo_bytes=probe.ppo, step_s=s.median, step_s_min=s.lo,
+                 step_s_max=s.hi, steps_timed=len(probe.times))
+        )  # fmt: skip
+    return records
+
+
+def plot(path: Any, rows: list[dict[str, Any]]) -> None:
+    fig, (ax1, ax2) = h.figure(ncols=2, size=(10, 4))
+    for offset, name in enumerate(RUNS):
+        mine = [r for r in rows if r["run"] == name]
+        xs = [r["rank"] + 0.2 * (offset - 0.5) for r in mine]
+        ax1.bar(xs, [r["ppo_bytes"] / 2**20 for r in mine], width=0.4, label=name)
+        low = [r["step_s"] - r["step_s_min"] for r in mine]
+        high = [r["step_s_max"] - r["step_s"] for r in mine]
+        ax2.errorbar(
+            [r["rank"] for r in mine],
+            [r["step_s"] for r in mine],
+            yerr=[low, high],
+            fmt="o-",
+            capsize=3,
+            label=name,
+        )
+    ax1.set(xlabel="rank", ylabel="MiB", title="parameters + gradients + AdamW state per rank")
+    ax2.set(xlabel="rank", ylabel="s", title="step time (median, min-max over steps)")
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    h.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = h.parser(__doc__, repeats=None).parse_args(argv)
+    h.record_machine("tensor_parallel", args.out_dir)
+    h.quiet()
+    start = time.perf_counter()
+    rows = [r for records in h.spawn(worker, 4) for r in records]
+    rows.sort(key=lambda r: (list(RUNS).index(r["run"]), r["rank"]))
+    base = {r["rank"]: r for r in rows if r["run"] == "pp 2 x dp 2"}
+    for r in rows:
+        r["ppo_vs_dp"] = round(r["ppo_bytes"] / base[r["rank"]]["ppo_bytes"], 4)
+        r["step_vs_dp"] = round(r["step_s"] / base[r["rank"]]["step_s"], 4)
+    h.write_csv(args.out_dir / "tensor_parallel.csv", rows)
+    plot(args.out_dir / "tensor_parallel.png", rows)
+    for r in rows:
+        print(f"{r['run']:<12} rank {r['rank']}: {r['ppo_bytes'] / 2**20:7.2f} MiB ({r['ppo_vs_dp']:.2f}x), "
+              f"step {r['step_s']:.3f} s ({r['step_vs_dp']:.2f}x)")  # fmt: skip
+    print(f"done in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""The planner's view of tensor parallelism: one tensor-parallel rank's local model, measured as any other.
+
+Under ``tensor_parallel_size=t`` a rank computes with slices: a column-wise split Linear has ``1/t`` of
+its outputs, a row-wise split one ``1/t`` of its inputs, and the attention runs ``heads / t`` heads.
+:func:`local_model` builds exactly that computation on one process (a copy whose split linears are
+smaller ``nn.Linear`` layers and whose head counts are divided), so the planner's probe measures the
+local parameters, gradients, optimizer state and activations directly; what the plan leaves whole
+(embeddings, norms, heads, the residual stream, the stage boundaries) stays whole. Not counted: the
+DTensor wrappers' transient copies around the all-reduces.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightning_parallel.parallelize.tensor import default_plan
+from lightning_parallel.pipeline.split import find_sequential
+
+
+def local_model(module: nn.Module, tp_size: int) -> nn.Module:
+    """A copy of ``module`` computing what one of ``tp_size`` tensor-parallel ranks computes.
+
+    Raises:
+        ValueError: no top-level ``nn.Sequential`` (tensor parallelism runs on the Sequential path
+            only), or a block the default plan cannot split (its error, naming the module).
+
+    Example::
+
+        facts = measure_model(local_model(model, 2), batch)   # as measure_model(..., tensor_parallel_size=2)
+    """
+    if tp_size == 1:
+        return module
+    found = find_sequential(module)
+    if found is None:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} needs the layers in one top-level nn.Sequential (the traced "
+            f"path's stages refuse DTensor parameters): {type(module).__name__} has none"
+        )
+    plan = default_plan(found[1], found[0], tp_size)
+    local = copy.deepcopy(module)
+    for path, style in plan.styles.items():
+        parent_path, _, name = path.rpartition(".")
+        parent = local.get_submodule(parent_path)
+        old = getattr(parent, name)
+        if isinstance(style, ColwiseParallel):
+            shape = (old.in_features, old.out_features // tp_size)
+        elif isinstance(style, RowwiseParallel):
+            shape = (old.in_features // tp_size, old.out_features)
+        else:
+            continue
+        w = old.weight
+        setattr(parent, name, nn.Linear(*shape, bias=old.bias is not None, device=w.device, dtype=w.dtype))
+    for path, counts in plan.head_counts.items():
+        for attr, value in counts.items():
+            setattr(local.get_submodule(path), attr, value)
+    return local
