@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader, spawn_gloo
 from tiny_models import TinyGPT, loader, token_data
-from tiny_tp_models import SequentialGPT
+from tiny_tp_models import SplitQkvGPT
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -85,7 +85,7 @@ def _job(rank: int, world: int, out_dir: str) -> None:
             limit_val_batches=2, **{**TRAIN, "max_epochs": epochs},
         )  # fmt: skip
         trainer.fit(
-            SequentialGPT(), loader(data, GLOBAL_BATCH // dp),
+            SplitQkvGPT(), loader(data, GLOBAL_BATCH // dp),
             val_dataloaders=loader(data, GLOBAL_BATCH // dp) if first else None,
             ckpt_path=None if first else ckpt,
         )  # fmt: skip
@@ -104,7 +104,7 @@ def _merged(out_dir, name):
 def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
     torch.manual_seed(0)
     data = token_data(N_SAMPLES)
-    ref = fit(SequentialGPT(), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref", **TRAIN)[0]
+    ref = fit(SplitQkvGPT(), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref", **TRAIN)[0]
     start = time.perf_counter()
     spawn_gloo(_job, WORLD, tmp_path)
     print(f"4-rank job: {time.perf_counter() - start:.1f} s")
@@ -124,7 +124,7 @@ def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
     # The checkpoint saved at pp 2 x tp 2 resumes on one device.
     torch.manual_seed(0)
     one = fit(
-        SequentialGPT(),
+        SplitQkvGPT(),
         reference_loader(data, GLOBAL_BATCH),
         tmp_path / "one",
         ckpt_path=tmp_path / "tp.ckpt",
@@ -134,7 +134,7 @@ def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
 
 
 def test_the_default_plan_splits_attention_and_mlp_and_divides_the_heads():
-    plan = default_plan(SequentialGPT().layers, "layers", 2)
+    plan = default_plan(SplitQkvGPT().layers, "layers", 2)
     assert {p: type(s).__name__ for p, s in plan.styles.items() if p.startswith("layers.1.")} == {
         "layers.1.attn.q": "ColwiseParallel", "layers.1.attn.k": "ColwiseParallel",
         "layers.1.attn.v": "ColwiseParallel", "layers.1.attn.proj": "RowwiseParallel",
@@ -147,7 +147,7 @@ def test_blocks_the_default_plan_cannot_split_are_named():
     with pytest.raises(
         ValueError, match=r"`layers.1.attn` \(Attention\) has heads=4, which tensor_parallel_size=3"
     ):
-        default_plan(SequentialGPT().layers, "layers", 3)
+        default_plan(SplitQkvGPT().layers, "layers", 3)
     fused = TinyGPT().h[0]  # nanoGPT's attention: one qkv Linear
     with pytest.raises(
         ValueError, match=r"`layers.0.attn` \(CausalSelfAttention\) projects q, k and v with one fused"
@@ -163,7 +163,7 @@ def test_blocks_the_default_plan_cannot_split_are_named():
 
 
 def test_a_user_plan_is_matched_by_pattern_and_checked():
-    seq = SequentialGPT().layers
+    seq = SplitQkvGPT().layers
     plan = user_plan(
         seq, "layers", 2, {"layers.*.mlp.fc": ColwiseParallel(), "layers.*.mlp.proj": RowwiseParallel()}
     )
@@ -200,7 +200,7 @@ def test_the_traced_path_refuses_tensor_parallelism_with_the_reason():
 
 
 def test_the_planner_measures_one_tensor_parallel_rank_s_local_model():
-    model, batch = SequentialGPT(), token_data(8)[:8]
+    model, batch = SplitQkvGPT(), token_data(8)[:8]
     whole = predict(measure_model(model, batch), ParallelConfig("pipeline", 2, 2, 2))
     split = predict(
         measure_model(model, batch, tensor_parallel_size=2),

@@ -1,5 +1,5 @@
-"""A GPT held in one top-level ``nn.Sequential`` (embedding, blocks, norm, head): the shape that
-PipelineStrategy splits into manual stages and can split over tensor-parallel ranks.
+"""A GPT with separate q, k, v in one top-level ``nn.Sequential`` (embedding, blocks, norm, head): the
+shape PipelineStrategy splits into manual stages and can split over tensor-parallel ranks.
 
 Its attention uses the local heads: it reshapes with ``self.heads`` and ``-1``, and the tensor-parallel
 plan sets ``heads`` to the heads of one rank.
@@ -62,7 +62,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class SequentialGPT(L.LightningModule):
+class SplitQkvGPT(L.LightningModule):
     """``layers = Sequential(Embed, Block x depth, LayerNorm, Linear head)``, trained with SGD + momentum."""
 
     def __init__(self, vocab: int = 13, dim: int = 16, depth: int = 2, heads: int = 4, block_size: int = 8,

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader, spawn_gloo
 from test_pipeline_tensor import Record
 from tiny_models import loader, token_data
-from tiny_tp_models import SequentialGPT
+from tiny_tp_models import SplitQkvGPT
 
 from lightning_parallel import PipelineStrategy
 
@@ -34,14 +34,14 @@ def job(rank, world, out):
         callbacks=[Record(f"{out}/r-rank{rank}.pt")],
         **TRAIN,
     )
-    t.fit(SequentialGPT(), loader(token_data(48), 8))
+    t.fit(SplitQkvGPT(), loader(token_data(48), 8))
     torch.save(None, f"{out}/rank{rank}.pt")
 
 
 if __name__ == "__main__":
     out = tempfile.mkdtemp()
     torch.manual_seed(0)
-    ref = fit(SequentialGPT(), reference_loader(token_data(48), 16), f"{out}/ref", **TRAIN)[0]
+    ref = fit(SplitQkvGPT(), reference_loader(token_data(48), 16), f"{out}/ref", **TRAIN)[0]
     start = time.perf_counter()
     spawn_gloo(job, 8, out)
     print(f"8-rank job: {time.perf_counter() - start:.1f} s")
