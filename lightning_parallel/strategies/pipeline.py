@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import os
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -30,7 +29,6 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-import lightning_parallel.strategies._pipeline_dcp as dcp_glue
 from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.distributed.collectives import all_gather_objects
@@ -40,6 +38,7 @@ from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mes
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.recompute import Selection
 from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
+from lightning_parallel.strategies._pipeline_checkpointing import PipelineCheckpointHooks
 from lightning_parallel.strategies._pipeline_config import (
     check_fit_supported,
     checked_config,
@@ -52,17 +51,11 @@ from lightning_parallel.strategies._pipeline_memory import (
 )
 from lightning_parallel.strategies._pipeline_parallelize import parallelize_parts, tensor_plan
 from lightning_parallel.strategies._pipeline_precision import install_loss_scaling
-from lightning_parallel.strategies._pipeline_state import (
-    consolidated_optimizer_state,
-    consolidated_state_dict,
-    load_stage_optimizer_states,
-    load_stage_state,
-)
 from lightning_parallel.strategies._pipeline_step import batch_size, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
 
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     """Pipeline (x data) parallel training of an ordinary LightningModule on ``torch.distributed.pipelining``.
 
     The model is cut into stages, one (or more) per pipeline rank; world size = ``pipeline_size x``
@@ -445,60 +438,6 @@ class PipelineStrategy(DDPStrategy):
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-
-    # ------------------------------------------------------------------------------ state dicts
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unsplit module's state dict on global rank 0 (replica 0's stages send theirs there).
-
-        With ``save_distributed_checkpoint=True``: this rank's stage state, not gathered."""
-        if self.config.save_distributed_checkpoint:
-            return self.lightning_module.state_dict()
-        return consolidated_state_dict(self.lightning_module, self.parts)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The unsplit model's optimizer state on global rank 0, keyed as a single-device one.
-
-        With ``save_distributed_checkpoint=True``: this rank's share, flat and keyed by parameter name."""
-        if self.config.save_distributed_checkpoint:
-            return dcp_glue.local_optimizer_state(optimizer, self.parts)
-        return consolidated_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.parts)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Load after the split: each rank takes only its stage's keys, and a model built on the
-        # meta device is materialised before the weights arrive.
-        return True
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if not self.config.save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if storage_options is not None:
-            raise TypeError("storage_options is not supported with save_distributed_checkpoint=True")
-        dcp_glue.save_checkpoint_dir(self.parts, checkpoint, str(filepath))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if os.path.isdir(checkpoint_path):  # a distributed checkpoint: the states are read by the hooks below
-            return dcp_glue.load_checkpoint_meta(str(checkpoint_path), weights_only)
-        return super().load_checkpoint(checkpoint_path, weights_only)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if dcp_glue.is_directory_checkpoint(checkpoint):
-            return dcp_glue.load_model(self.lightning_module, checkpoint, strict)
-        load_stage_state(self.lightning_module, self.parts, checkpoint["state_dict"], strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if dcp_glue.is_directory_checkpoint(checkpoint):
-            dcp_glue.load_optimizers(self.optimizers, self.parts, checkpoint)
-        else:
-            load_stage_optimizer_states(self.optimizers, self.parts, checkpoint["optimizer_states"])
-        _optimizers_to_device(self.optimizers, self.root_device)
 
     # ----------------------------------------------------------------------- meta-device init
     @override
