@@ -315,7 +315,10 @@ def _diagnosis(report: str) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_a_barrier_only_rank_one_calls_under_ddp_spawn(tmp_path, monkeypatch, capfd):
-    error, report = _spawn_fit(_RankOneBarrier(), tmp_path, monkeypatch)
+    # spawn, not the suite's forkserver: a forkserver worker writes to the server's stderr, which
+    # capfd does not see; the ranks' own messages are what this test reads.
+    strategy = ddp_spawn(start_method="spawn")
+    error, report = _spawn_fit(_RankOneBarrier(), tmp_path, monkeypatch, strategy=strategy)
     assert error is not None and "exit code 1" in str(error)
     line = _line_of("# <- unmatched barrier")
     assert (
