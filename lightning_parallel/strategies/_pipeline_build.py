@@ -76,7 +76,9 @@ def build_pipeline(
             refuse_traced_parallelize(config)
         plan, runner, call, twin = traced_path(config, trainer, module, mesh, aliases, device)
     local = {aliases[n]: p for n, p in module.named_parameters(remove_duplicate=False)}
-    shared = SharedReplicas(find_shared([s.parameters for s in plan.stages], layout.pp_size), mesh, local)
+    shared = SharedReplicas(
+        find_shared([s.parameters for s in plan.stages], layout.pp_size, plan.style), mesh, local
+    )
     shared.broadcast_from_owners()
     param_names = {p: aliases[n] for n, p in module.named_parameters()}
     return PipelineParts(mesh, plan, runner, call, shared, param_names, model_keys, model_param_order, twin)

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from lightning_parallel.parallelize.stages import DATA_PARALLEL
 from lightning_parallel.pipeline.partition import PARTITION_METHODS
 from lightning_parallel.pipeline.recompute import Selection, check_selection
-from lightning_parallel.pipeline.runner import is_multi_stage, schedule_class
+from lightning_parallel.pipeline.runner import V_SCHEDULES, is_multi_stage, schedule_class
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def checked_config(
     pipeline_size: int | None,
     num_microbatches: int,
     schedule: str,
-    stages_per_rank: int,
+    stages_per_rank: int | None,
     partition: str | list[int],
     module_name: str | None,
     split_points: list[str] | None,
@@ -72,7 +72,7 @@ def checked_config(
             f"parallelize_fn must be a callable (stage_module, device_mesh) -> None, got {parallelize_fn!r}"
         )
     _check_positive_int("num_microbatches", num_microbatches)
-    _check_positive_int("stages_per_rank", stages_per_rank)
+    stages_per_rank = _stages_per_rank(schedule, stages_per_rank)
     if pipeline_size is not None:
         _check_positive_int("pipeline_size", pipeline_size)
     if is_multi_stage(cls) != (stages_per_rank > 1):
@@ -111,6 +111,21 @@ def checked_config(
     )
 
 
+def _stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
+    """The stages per rank: given, or implied (2 for the V schedules, else 1); a V schedule needs 2."""
+    v_shaped = schedule.lower() in V_SCHEDULES
+    if stages_per_rank is None:
+        return 2 if v_shaped else 1
+    _check_positive_int("stages_per_rank", stages_per_rank)
+    if v_shaped and stages_per_rank != 2:
+        raise ValueError(
+            f"schedule={schedule!r} runs exactly 2 stages per rank in a V (rank r holds stages r and "
+            f"2p-1-r), but stages_per_rank={stages_per_rank}: drop stages_per_rank (it is implied) or "
+            f"pass 2"
+        )
+    return stages_per_rank
+
+
 def checked_data_parallel(
     data_parallel: str | None, shard_optimizer_state: bool, shard_size: int | None
 ) -> str:
@@ -139,7 +154,14 @@ def checked_data_parallel(
 
 
 def refuse_traced_parallelize(config: PipelineConfig) -> None:
-    """The traced path's stages cannot be parallelized: say why, before its split."""
+    """The traced path cannot parallelize its stages or run a V schedule (yet): say why, before its split."""
+    if config.schedule in V_SCHEDULES:
+        raise ValueError(
+            f"schedule={config.schedule!r} needs manual PipelineStages (torch 2.13's traced stages fail its "
+            f"P2P warm-up when a rank holds two neighbouring stages), but this module is split by tracing "
+            f"its forward: hold the layers in one top-level nn.Sequential, or use "
+            f"schedule='interleaved_zero_bubble' (zero-bubble, looped placement)"
+        )
     asked = [
         *(['data_parallel="fsdp"'] if config.data_parallel == "fsdp" else []),
         *(["parallelize_fn"] if config.parallelize_fn is not None else []),

@@ -40,7 +40,7 @@ def run_step(
     if step_name == "predict_step":
         if parts.runner.has_last:
             result["logs"] = [(e.name, e.combined(), e.replay_kwargs()) for e in step.recorder.entries()]
-        result = from_last_stage(result, mesh)
+        result = from_last_stage(result, mesh, last_pp_rank(parts))
         replay_logs(module, result["logs"], mesh.dp_group)
         if mesh.dp_size > 1:
             return collect_predictions(parts, result.get("output"), batch_idx=args[1])
@@ -115,7 +115,7 @@ def collect_predictions(parts: PipelineParts, output: Any, batch_idx: int) -> An
     """
     mesh, counts = parts.mesh, parts.predict_batches
     assert counts is not None
-    last = mesh.pp_size - 1
+    last = last_pp_rank(parts)
     if mesh.pp_rank == last and mesh.dp_rank > 0:
         send_object(output, dst=0)
         return None
@@ -128,11 +128,16 @@ def collect_predictions(parts: PipelineParts, output: Any, batch_idx: int) -> An
     return interleave_replicas(received)
 
 
-def from_last_stage(result: dict[str, Any], mesh: PipelineMesh) -> dict[str, Any]:
-    """Broadcast the last stage's step result (any picklable object) to every stage of this replica."""
+def last_pp_rank(parts: PipelineParts) -> int:
+    """The pipeline rank holding the last stage: ``p - 1``, or 0 under a V placement (ZBV, DualPipeV)."""
+    return parts.plan.pp_rank_of(parts.plan.num_stages - 1)
+
+
+def from_last_stage(result: dict[str, Any], mesh: PipelineMesh, last: int) -> dict[str, Any]:
+    """Broadcast the step result (any picklable object) from pipeline rank ``last`` to this replica."""
     if mesh.pp_size == 1:
         return result
-    return broadcast_object(result, src=mesh.global_rank(mesh.pp_size - 1), group=mesh.pp_group)
+    return broadcast_object(result, src=mesh.global_rank(last), group=mesh.pp_group)
 
 
 def numbers_from_last_stage(
@@ -149,7 +154,7 @@ def numbers_from_last_stage(
     channel = parts.channels.get(step_name)
     if channel is None:
         channel = parts.channels[step_name] = RecordBroadcast(
-            mesh.global_rank(mesh.pp_size - 1), mesh.pp_group
+            mesh.global_rank(last_pp_rank(parts)), mesh.pp_group
         )
     return channel.broadcast(record)
 

@@ -55,7 +55,7 @@ from lightning_parallel.strategies._pipeline_state import (
     load_stage_optimizer_states,
     load_stage_state,
 )
-from lightning_parallel.strategies._pipeline_step import batch_size, run_step
+from lightning_parallel.strategies._pipeline_step import batch_size, last_pp_rank, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
 
@@ -85,10 +85,13 @@ class PipelineStrategy(DDPStrategy):
         pipeline_size: pipeline ranks per replica (default: all devices form one pipeline).
         num_microbatches: micro-batches per batch (a batch it does not divide uses the largest
             divisor of its size: equal micro-batches, exact mean loss).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"`` or
-            ``"interleaved_zero_bubble"`` (the schedules of ``torch.distributed.pipelining``).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+            ``"interleaved_zero_bubble"``, ``"zbv"`` or ``"dualpipev"`` (the schedules of
+            ``torch.distributed.pipelining``; the last two place two stages per rank in a V: rank ``r``
+            holds stages ``r`` and ``2p-1-r``; a split ``nn.Sequential`` only, for now).
         stages_per_rank: stages each pipeline rank runs (> 1 for the interleaved and looped
-            schedules); the model is cut into ``pipeline_size x stages_per_rank`` stages.
+            schedules; implied 2 for ``"zbv"`` and ``"dualpipev"``, 1 for the others); the model is
+            cut into ``pipeline_size x stages_per_rank`` stages.
         partition: how to balance the stages: ``"uniform"`` (layer or block counts), ``"parameters"``,
             ``"time"`` (forward+backward time measured on the first batch), or a list of layer (or
             block) counts per stage.
@@ -138,7 +141,7 @@ class PipelineStrategy(DDPStrategy):
         pipeline_size: int | None = None,
         num_microbatches: int = 4,
         schedule: str = "1f1b",
-        stages_per_rank: int = 1,
+        stages_per_rank: int | None = None,
         partition: str | list[int] = "uniform",
         module_name: str | None = None,
         split_points: list[str] | None = None,
@@ -382,7 +385,7 @@ class PipelineStrategy(DDPStrategy):
             # How many batches each replica predicts (the sampler does not pad): rank 0 must know
             # which replicas send it predictions at each step.
             counts = all_gather_objects(int(sum(self.lightning_module.trainer.num_predict_batches)))
-            last = parts.mesh.pp_size - 1
+            last = last_pp_rank(parts)
             parts.predict_batches = [
                 counts[parts.mesh.global_rank(last, r)] for r in range(parts.mesh.dp_size)
             ]

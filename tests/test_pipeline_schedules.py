@@ -1,0 +1,94 @@
+"""Zero-bubble and V-shaped schedules against one device, and the V stage placement.
+
+The multi-process configurations share one spawned job of 2 gloo ranks: each rank runs several Trainers
+in turn on the process group the job set up (as under torchrun), so the imports are paid once.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from mp_harness import RankRecorder, assert_close_dicts, fit, quiet_trainer, reference_loader, spawn_gloo
+from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
+
+from lightning_parallel import PipelineStrategy
+from lightning_parallel.pipeline.plan import stage_rank
+
+# 58 samples, global batch 16: the epoch ends on a batch of 10, which num_microbatches=4 does not divide
+# (2 micro-batches: fewer than DualPipeV's 4 stages, so that batch runs ZBV on the same placement).
+N_SAMPLES, GLOBAL_BATCH, WORLD = 58, 16, 2
+TRAIN = dict(max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2)
+CONFIGS = {
+    "zbv": dict(schedule="zbv"),
+    "dualpipev": dict(schedule="dualpipev"),
+    "interleaved_zero_bubble": dict(schedule="interleaved_zero_bubble", stages_per_rank=2),
+}
+
+
+def _job(rank: int, world: int, out_dir: str) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    data = regression_data(N_SAMPLES)
+    for name, cfg in CONFIGS.items():
+        torch.manual_seed(0)
+        strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, **cfg)
+        trainer = quiet_trainer(
+            devices=world, strategy=strategy, callbacks=[RankRecorder(Path(out_dir) / name)], **TRAIN
+        )
+        trainer.fit(SequentialRegressor(), loader(data, GLOBAL_BATCH))
+        if rank == 0:
+            torch.save(strategy.plan, Path(out_dir) / f"{name}-plan.pt")
+    torch.save(None, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_zero_bubble_and_v_schedules_match_one_device(tmp_path):
+    torch.manual_seed(0)
+    ref = fit(
+        SequentialRegressor(),
+        reference_loader(regression_data(N_SAMPLES), GLOBAL_BATCH),
+        tmp_path / "ref",
+        **TRAIN,
+    )[0]
+    spawn_gloo(_job, WORLD, tmp_path)
+    for name in CONFIGS:
+        records = [torch.load(tmp_path / name / f"fit-rank{r}.pt") for r in range(WORLD)]
+        params = {k: v for r in records for k, v in r["params"].items()}
+        assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
+        losses = torch.tensor([r["losses"] for r in records]).mean(0)
+        torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name)
+    # V placement: rank 0 holds the first and the last stage, rank 1 the two middle ones.
+    plan = torch.load(tmp_path / "zbv-plan.pt", weights_only=False)
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]
+    assert "V placement: pipeline rank r holds stages r and 2p-1-r" in plan.format_table()
+    rank0 = torch.load(tmp_path / "zbv" / "fit-rank0.pt")["params"]
+    assert set(rank0) == {"layers.0.0.weight", "layers.0.0.bias", "layers.3.weight", "layers.3.bias"}
+
+
+def test_v_placement_is_torchs_and_a_conflicting_stages_per_rank_is_refused():
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for p in (1, 2, 3, 4):
+        for style in ("v", "loop"):
+            expected = generate_stage_to_rank_mapping(p, 2 * p, style=style)
+            assert {s: stage_rank(s, p, 2 * p, style) for s in range(2 * p)} == expected
+    assert PipelineStrategy(schedule="zbv").stages_per_rank == 2
+    assert PipelineStrategy(schedule="dualpipev", stages_per_rank=2).stages_per_rank == 2
+    assert PipelineStrategy(schedule="1f1b").stages_per_rank == 1
+    with pytest.raises(
+        ValueError, match=r"schedule='zbv' runs exactly 2 stages per rank in a V .*stages_per_rank=3"
+    ):
+        PipelineStrategy(schedule="zbv", stages_per_rank=3)
+    with pytest.raises(ValueError, match=r"stages_per_rank=1: drop stages_per_rank"):
+        PipelineStrategy(schedule="dualpipev", stages_per_rank=1)
+
+
+def test_the_traced_path_refuses_v_schedules_with_the_reason():
+    trainer = quiet_trainer(
+        devices=1, max_steps=1, strategy=PipelineStrategy(pipeline_size=1, schedule="zbv")
+    )
+    with pytest.raises(
+        ValueError, match=r"schedule='zbv' needs manual PipelineStages .*top-level nn.Sequential"
+    ):
+        trainer.fit(TinyGPT(), loader(token_data(8), 4))
