@@ -8,6 +8,7 @@ last stage to every stage of the replica and logged there through ``self.log``.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,7 @@ from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
 from lightning_parallel.pipeline.step_logs import LogRecorder, from_record, to_record
+from lightning_parallel.pipeline.timeline import span_of
 from lightning_parallel.strategies._earlier_gradients import earlier_gradients
 from lightning_parallel.strategies._pipeline_precision import scaled_loss
 
@@ -47,7 +49,9 @@ def run_step(
         return result.get("output")
     has_last = parts.runner.has_last
     record = to_record(step.recorder.entries(), *([result["loss"]] if train else [])) if has_last else None
-    leading, logs = from_record(*numbers_from_last_stage(parts, step_name, record), leading=int(train))
+    with span_of(parts.timeline, "log broadcast", "collective"):
+        numbers = numbers_from_last_stage(parts, step_name, record)
+    leading, logs = from_record(*numbers, leading=int(train))
     replay_logs(module, logs, mesh.dp_group)
     return torch.tensor(leading[0], device=module.device) if train else None
 
@@ -79,19 +83,25 @@ class _Step:
         scale = 1.0 / self.module.trainer.accumulate_grad_batches
         losses: list[tuple[torch.Tensor, int]] = []
 
+        timeline = self.parts.timeline if self.parts.timeline and self.parts.timeline.recording else None
+
         def loss_fn(output: Any, index: int) -> torch.Tensor:
-            n_i = batch_size(chunks[index])
-            with self.call.replaying(output), self.recorder.recording(self.module, n_i):
-                loss = loss_of(self.step(chunks[index], *rest), self.step_name)
-            losses.append((loss.detach(), n_i))
-            # Scale the loss, not the gradients: each micro-batch carries its share of the batch
-            # mean, and of the accumulation window (and, under fp16, the GradScaler's scale).
-            return scaled_loss(self.module.trainer.precision_plugin, loss * (n_i / self.n * scale))
+            with span_of(timeline, "loss_fn", "loss", mb=index):
+                n_i = batch_size(chunks[index])
+                with self.call.replaying(output), self.recorder.recording(self.module, n_i):
+                    loss = loss_of(self.step(chunks[index], *rest), self.step_name)
+                losses.append((loss.detach(), n_i))
+                # Scale the loss, not the gradients: each micro-batch carries its share of the batch
+                # mean, and of the accumulation window (and, under fp16, the GradScaler's scale).
+                return scaled_loss(self.module.trainer.precision_plugin, loss * (n_i / self.n * scale))
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         batch_idx = self.args[1] if len(self.args) > 1 else None
         earlier = earlier_gradients(self.module.trainer, self.module, batch_idx)
-        with self.parts.held.collecting(params, earlier):
+        with (
+            self.parts.held.collecting(params, earlier),
+            timeline.torch_schedule() if timeline else nullcontext(),
+        ):
             self.runner.train_step(self.key, self.m, self.stage_args, loss_fn)
         if not self.runner.has_last:
             return {}

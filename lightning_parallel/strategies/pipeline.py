@@ -36,6 +36,7 @@ from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_no
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.recompute import Selection
+from lightning_parallel.pipeline.timeline import Timeline, span_of
 from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
 from lightning_parallel.strategies._pipeline_config import (
     check_fit_supported,
@@ -404,16 +405,24 @@ class PipelineStrategy(DDPStrategy):
         parts = self.parts
         assert parts is not None
 
+        timeline = parts.timeline if parts.timeline is not None and parts.timeline.recording else None
+        synced: list[int] = []
+
         def closure_then_sync() -> Any:
             result = closure()
             # Once per optimizer step, before clipping and the step itself: the tied weights'
             # replicas sum their gradients, then every stage averages over its replicas.
-            reduce_gradients(parts.sharded)  # FSDP2 stages: one reduce-scatter for the whole window
-            parts.shared.sum_gradients()
-            all_reduce_gradients(self.lightning_module.parameters(), parts.mesh.dp_group)
+            with span_of(timeline, "gradient sync", "collective"):
+                reduce_gradients(parts.sharded)  # FSDP2 stages: one reduce-scatter for the whole window
+                parts.shared.sum_gradients()
+                all_reduce_gradients(self.lightning_module.parameters(), parts.mesh.dp_group)
+            synced.append(Timeline.now())
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if timeline is not None and synced:  # clipping (a pipeline all-reduce of the norm) and the step
+            timeline.add("optimizer step", "optimizer", synced[-1], Timeline.now())
+        return out
 
     # ------------------------------------------------------------------------------ state dicts
     @override
