@@ -34,6 +34,7 @@ class PipelineTimeline(Callback):
         steps: the training batches to record, counted from 0 over the whole fit (the global step
             without gradient accumulation). Skip the first one or two: they build the schedule.
         dirpath: where the files go (default: ``<trainer.log_dir or default_root_dir>/pipeline_timeline``).
+        charts: write the Gantt chart of each recorded batch (matplotlib; about half a second each).
 
     Example::
 
@@ -43,12 +44,15 @@ class PipelineTimeline(Callback):
     """
 
     @checks_options
-    def __init__(self, steps: Iterable[int] = (5,), dirpath: str | Path | None = None) -> None:
+    def __init__(
+        self, steps: Iterable[int] = (5,), dirpath: str | Path | None = None, charts: bool = True
+    ) -> None:
         steps = list(steps)
         if not steps or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
             raise ValueError(f"steps must be a non-empty list of batch indices >= 0, got {steps!r}")
         self.steps = sorted(set(steps))
         self.dirpath = None if dirpath is None else Path(dirpath)
+        self.charts = charts
         self.records: list[StepRecord] = []  # on global rank 0: every recorded batch of every rank
         self._batches = 0
         self._timeline: Timeline | None = None
@@ -93,5 +97,6 @@ class PipelineTimeline(Callback):
         assert self.dirpath is not None
         for step, step_records in by_step(records).items():
             rank_zero_info(summarize(step_records).line(what))
-            write_gantt(step_records, self.dirpath / f"step_{step}.png", f"batch {step}: {what}")
+            if self.charts:
+                write_gantt(step_records, self.dirpath / f"step_{step}.png", f"batch {step}: {what}")
         write_trace(self.records, self.dirpath / "trace.json")
