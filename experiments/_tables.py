@@ -392,6 +392,47 @@ def watchdog_calls(rows: Rows) -> str:
     )
 
 
+def schedules(rows: Rows) -> str:
+    placement = {"1f1b": "2 stages", "interleaved_1f1b": "4, looped", "interleaved_zero_bubble": "4, looped",
+                 "zbv": "4, V", "dualpipev": "4, V"}  # fmt: skip
+    header = ["schedule", "stages", "repeats", "samples/s", "vs 1f1b", "efficiency", "schedule's ideal"]
+    header += ["compute", "bubble", "comm wait", "other", "compute inflation", "activation MiB rank 0 / 1"]
+    body = []
+    for r in rows:
+        vs = "1" if r["schedule"] == "1f1b" else timed_col(r, "vs_1f1b", 2, _verdict(r, "vs_1f1b"))
+        body.append(
+            [
+                r["schedule"],
+                placement.get(r["schedule"], "?"),
+                r["repeats"],
+                timed_col(r, "samples_per_s", 1),
+                vs,
+            ]
+            + [timed_col(r, "efficiency", 3), timed_col(r, "ideal_efficiency", 3)]
+            + [_f(r[k], 3) for k in ("compute", "bubble", "comm_wait", "other")]
+            + [timed_col(r, "compute_inflation", 2)]
+            + [f"{_f(r['activation_peak_mib_rank0'], 1)} / {_f(r['activation_peak_mib_rank1'], 1)}"]
+        )
+    f1b = next(r for r in rows if r["schedule"] == "1f1b")
+    note = (
+        f"\n\nm = {f1b['num_microbatches']}, p = {f1b['pipeline_size']}, batch {f1b['batch_size']}. "
+        "Efficiency: throughput over p x one process training the whole model with the same micro-batches, "
+        "in the same repeat (as in the bubble table above). The next columns come from `PipelineTimeline` "
+        "on two recorded steps per run (medians): shares of the ranks' step time spent computing (stage "
+        "forward and backward), in the bubble the schedule itself forces (its ideal: the recorded compute "
+        "replayed with free communication; schedule's ideal = compute / (compute + bubble)), waiting on "
+        "P2P beyond that, and everything else (loss function, log broadcast, gradient sync, optimizer "
+        "step, P2P posts, Python between them). Compute inflation: the ranks' stage compute per step over "
+        "one process's whole step (1.0 = the layers cost the same as pipeline stages as in one process). "
+        f"The 1f1b gap: its efficiency {_f(f1b['efficiency'], 3)} against the bubble-only "
+        f"{_f(f1b['ideal_1f1b_bubble_efficiency'], 3)} is the product of the schedule's ideal "
+        f"({_f(f1b['ideal_efficiency'], 3)}), the share of the step left to compute and bubble (1 - comm "
+        f"wait {_f(f1b['comm_wait'], 3)} - other {_f(f1b['other'], 3)}), and 1 / compute inflation "
+        f"({_f(f1b['compute_inflation'], 2)}): see 'Where the 1f1b gap goes' above the results."
+    )
+    return _table(header, body) + note
+
+
 QUESTIONS = (
     Question(
         "Pipeline overhead: the Trainer against a hand-driven schedule",
@@ -399,6 +440,7 @@ QUESTIONS = (
         (pipeline_overhead,),
     ),
     Question("Pipeline bubble against the number of micro-batches", "pipeline", (pipeline_microbatches,)),
+    Question("Pipeline schedules side by side: where the step goes (timeline)", "schedules", (schedules,)),
     Question("Memory per rank: DDP against PipelineStrategy", "pipeline_memory", (pipeline_memory,)),
     Question(
         "Will it fit? The memory planner's prediction against MemTracker, rank by rank",

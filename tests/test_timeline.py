@@ -79,6 +79,10 @@ def test_the_ideal_replays_the_recorded_order_with_free_communication():
     assert s.bubble == pytest.approx((18 - 12) / 22)  # 2 x 9 ms less the 12 ms of compute
     assert s.comm_wait == 0 and s.other == pytest.approx(4 / 22)
     assert "compute 55%, bubble 27% (schedule's ideal)" in s.line()
+    # Two replicas (ranks 2 and 3 run the same stages on other data): each replays on its own.
+    twins = [StepRecord(0, r.rank + 2, r.label, r.begin, r.end, r.events, replica=1) for r in records]
+    both = summarize(records + twins)
+    assert (both.compute, both.bubble, both.other) == pytest.approx((s.compute, s.bubble, s.other))
     # An order the dependencies cannot replay has no ideal, rather than a wrong one.
     records[0].events[0].args["stage"] = 1
     assert ideal_makespan(records) is None

@@ -76,7 +76,7 @@ class PipelineTimeline(Callback):
             label = f"stage{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
             if parts.mesh.dp_size > 1:
                 label += f", replica {parts.mesh.dp_rank}"
-            self._timeline = parts.timeline = Timeline(label)
+            self._timeline = parts.timeline = Timeline(label, parts.mesh.dp_rank)
             self._timeline.begin_step(self._batches)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:

@@ -47,6 +47,7 @@ class StepRecord:
     begin: int
     end: int
     events: list[Event]
+    replica: int = 0  # the pipeline replica (data-parallel rank) the rank belongs to
 
 
 class Timeline:
@@ -54,6 +55,8 @@ class Timeline:
 
     Args:
         label: how this rank's track is named in the trace (e.g. ``"stages 0, 3"``).
+        replica: the pipeline replica of this rank (its data-parallel rank): the report replays each
+            replica's schedule on its own.
 
     Example::
 
@@ -67,8 +70,8 @@ class Timeline:
         records = timeline.gather()              # a collective: on rank 0, every rank's StepRecord
     """
 
-    def __init__(self, label: str = "") -> None:
-        self.label = label
+    def __init__(self, label: str = "", replica: int = 0) -> None:
+        self.label, self.replica = label, replica
         self.events: list[Event] = []
         self._step: tuple[int, int] | None = None  # (step, begin)
         self._finished: list[StepRecord] = []
@@ -88,7 +91,8 @@ class Timeline:
         assert self._step is not None, "end_step() without begin_step()"
         step, begin = self._step
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self._finished.append(StepRecord(step, rank, self.label, begin, self.now(), self.events))
+        record = StepRecord(step, rank, self.label, begin, self.now(), self.events, self.replica)
+        self._finished.append(record)
         self._step, self.events = None, []
 
     @contextmanager
@@ -128,7 +132,8 @@ class Timeline:
             shift = -offsets[rank]
             for r in records:
                 events = [Event(e.name, e.category, e.start + shift, e.end + shift, e.args) for e in r.events]
-                out.append(StepRecord(r.step, r.rank, r.label, r.begin + shift, r.end + shift, events))
+                begin, end = r.begin + shift, r.end + shift
+                out.append(StepRecord(r.step, r.rank, r.label, begin, end, events, r.replica))
         return out
 
 

@@ -81,17 +81,31 @@ def summarize(records: Sequence[StepRecord]) -> StepSummary:
         for e in r.events:
             measured[e.category] += (e.end - e.start) * 1e-9
     measured["untracked"] = window * len(records) - sum(measured.values())
-    ideal = ideal_makespan(records)
     total = window * len(records)
     compute = measured["compute"]
-    bubble = max(0.0, ideal * len(records) - compute) if ideal is not None else 0.0
+    replicas: dict[int, list[StepRecord]] = defaultdict(list)
+    for r in records:
+        replicas[r.replica].append(r)
+    ideals = {g: ideal_makespan(rs) for g, rs in replicas.items()}  # each replica's schedule on its own
+    ideal = None if None in ideals.values() else max(ideals.values())  # type: ignore[type-var]
+    bubble = 0.0
+    if ideal is not None:
+        bubble = sum(ideals[g] * len(rs) - _compute(rs) for g, rs in replicas.items())  # type: ignore[operator]
+        bubble = max(0.0, bubble)
     comm_wait = max(0.0, min(measured["wait"] - bubble, total - compute - bubble))
     shares = [compute / total, bubble / total, comm_wait / total]
     return StepSummary(records[0].step, window, len(records), dict(measured), ideal, *shares, 1 - sum(shares))
 
 
+def _compute(records: Sequence[StepRecord]) -> float:
+    return sum((e.end - e.start) * 1e-9 for r in records for e in r.events if e.category == "compute")
+
+
 def ideal_makespan(records: Sequence[StepRecord]) -> float | None:
-    """Seconds the recorded compute takes in the schedule's order with free communication (None: no compute).
+    """Seconds one replica's recorded compute takes in its schedule's order with free communication.
+
+    ``records``: the ranks of one pipeline replica in one step. None without compute, or for an order
+    the pipeline's dependencies cannot replay.
 
     Example::
 
