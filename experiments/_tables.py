@@ -424,11 +424,17 @@ def schedules(rows: Rows) -> str:
         "P2P beyond that, and everything else (loss function, log broadcast, gradient sync, optimizer "
         "step, P2P posts, Python between them). Compute inflation: the ranks' stage compute per step over "
         "one process's whole step (1.0 = the layers cost the same as pipeline stages as in one process). "
-        f"The 1f1b gap: its efficiency {_f(f1b['efficiency'], 3)} against the bubble-only "
-        f"{_f(f1b['ideal_1f1b_bubble_efficiency'], 3)} is the product of the schedule's ideal "
-        f"({_f(f1b['ideal_efficiency'], 3)}), the share of the step left to compute and bubble (1 - comm "
-        f"wait {_f(f1b['comm_wait'], 3)} - other {_f(f1b['other'], 3)}), and 1 / compute inflation "
-        f"({_f(f1b['compute_inflation'], 2)}): see 'Where the 1f1b gap goes' above the results."
+        f"The 1f1b gap in these shares (efficiency {_f(f1b['efficiency'], 3)} against the bubble-only "
+        f"{_f(f1b['ideal_1f1b_bubble_efficiency'], 3)}): the schedule's own ideal with these two unequal "
+        f"stages is {_f(f1b['ideal_efficiency'], 3)}; P2P waits beyond its bubble take "
+        f"{_f(f1b['comm_wait'], 3)} of the ranks' time; other {_f(f1b['other'], 3)}. The measured spans "
+        "(which also hold part of the bubble: the last rank waits out the drain in the log broadcast): "
+        f"P2P waits {_f(f1b['wait_share'], 3)}, the loss function {_f(f1b['loss_share'], 3)}, the log "
+        "broadcast and gradient sync "
+        f"{_f(f1b['collective_share'], 3)}, the optimizer step {_f(f1b['optimizer_share'], 3)}, P2P posts "
+        f"{_f(f1b['comm_share'], 3)} and untracked time {_f(f1b['untracked_share'], 3)}. The shares are "
+        "medians over recorded steps and the efficiency over other steps of the same runs, so they do not "
+        'multiply exactly; see "Where the time goes: PipelineTimeline" above.'
     )
     return _table(header, body) + note
 

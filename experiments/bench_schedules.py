@@ -53,6 +53,7 @@ SCHEDULES = {  # name -> stages_per_rank (None: implied)
     "dualpipev": None,
 }
 SHARES = ("compute", "bubble", "comm_wait", "other")
+BREAKDOWN = ("wait", "loss", "collective", "optimizer", "comm", "untracked")
 
 
 @dataclass
@@ -102,6 +103,10 @@ def run_schedule(cfg: Config, bench: Bench, schedule: str, tmp: str, gantt: Path
         for key in SHARES:
             out[key] = statistics.median(getattr(s, key) for s in summaries)
         out["step_compute_s"] = statistics.median(s.measured["compute"] for s in summaries)
+        for cat in BREAKDOWN:  # the parts of "other" (and the P2P waits), as shares of the ranks' time
+            out[f"{cat}_share"] = statistics.median(
+                s.measured.get(cat, 0.0) / (s.window * s.ranks) for s in summaries
+            )
         out["ideal_efficiency"] = statistics.median(s.compute / (s.compute + s.bubble) for s in summaries)
         if gantt is not None:
             step, records = next(iter(by_step(timeline.records).items()))
@@ -169,6 +174,8 @@ def rows_of(cfg: Config, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in (*SHARES, "ideal_efficiency"):
             row |= h.spread(x[key] for x in mine).cells(key, 4)
         row |= h.spread(1 - x["compute"] for x in mine).cells("idle", 4)
+        for cat in BREAKDOWN:
+            row[f"{cat}_share"] = round(h.spread(x[f"{cat}_share"] for x in mine).median, 4)
         row |= h.spread(x["step_compute_s"] / single_step[x["repeat"]] for x in mine).cells(
             "compute_inflation", 3
         )
@@ -214,6 +221,7 @@ COLUMNS = [
     "ideal_efficiency", "ideal_efficiency_min", "ideal_efficiency_max", "ideal_1f1b_bubble_efficiency",
     *(f"{k}{s}" for k in SHARES for s in ("", "_min", "_max")), "idle", "idle_min", "idle_max",
     "compute_inflation", "compute_inflation_min", "compute_inflation_max",
+    *(f"{cat}_share" for cat in BREAKDOWN),
     "activation_peak_mib_rank0", "activation_peak_mib_rank1",
 ]  # fmt: skip
 
