@@ -16,6 +16,7 @@ from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, t
 
 from lightning_parallel import PipelineStrategy, PipelineTimeline
 from lightning_parallel.pipeline.plan import stage_rank
+from lightning_parallel.pipeline.timeline import clock_offsets
 from lightning_parallel.pipeline.timeline_report import by_step, summarize
 
 # 58 samples, global batch 16: the epoch ends on a batch of 10, which num_microbatches=4 does not divide
@@ -41,30 +42,39 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         timeline = PipelineTimeline(steps=[2, 5], dirpath=Path(out_dir) / name / "timeline")
         callbacks = [RankRecorder(Path(out_dir) / name), timeline]
         trainer = quiet_trainer(devices=world, strategy=strategy, callbacks=callbacks, **TRAIN)
-        trainer.fit(SequentialRegressor(), loader(data, GLOBAL_BATCH))
+        # Validation runs forward-only: under a V placement, VForwardOnly (torch's V schedules cannot).
+        trainer.fit(SequentialRegressor(), loader(data, GLOBAL_BATCH), loader(regression_data(16), 8))
         if rank == 0:
             torch.save(strategy.plan, Path(out_dir) / f"{name}-plan.pt")
             torch.save(timeline.records, Path(out_dir) / f"{name}-timeline.pt")
-    torch.save(None, Path(out_dir) / f"rank{rank}.pt")
+    # The round trips that align the clocks of another host, run here on one (where the truth is 0).
+    torch.save(clock_offsets(same_host_clock=False), Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_zero_bubble_and_v_schedules_match_one_device(tmp_path):
     torch.manual_seed(0)
+    data = regression_data(N_SAMPLES)
+    val = reference_loader(regression_data(16), 8)
     ref = fit(
         SequentialRegressor(),
-        reference_loader(regression_data(N_SAMPLES), GLOBAL_BATCH),
+        reference_loader(data, GLOBAL_BATCH),
         tmp_path / "ref",
+        val_dataloaders=val,
         **TRAIN,
-    )[0]
-    spawn_gloo(_job, WORLD, tmp_path)
+    )
+    ref = ref[0]
+    offsets = spawn_gloo(_job, WORLD, tmp_path)[0]
+    assert offsets[0] == 0 and abs(offsets[1]) < 5_000_000, offsets  # within 5 ms of the one clock
     for name in CONFIGS:
         records = [torch.load(tmp_path / name / f"fit-rank{r}.pt") for r in range(WORLD)]
         params = {k: v for r in records for k, v in r["params"].items()}
         assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
         losses = torch.tensor([r["losses"] for r in records]).mean(0)
         torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name)
+        val_loss = records[0]["callback_metrics"]["val_loss"]
+        assert val_loss == pytest.approx(ref["callback_metrics"]["val_loss"], rel=1e-5), name
     # V placement: rank 0 holds the first and the last stage, rank 1 the two middle ones.
     plan = torch.load(tmp_path / "zbv-plan.pt", weights_only=False)
     assert [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]

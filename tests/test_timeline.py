@@ -34,6 +34,28 @@ def test_the_private_torch_names_the_timeline_wraps_are_where_torch_2_13_keeps_t
     assert "_wait_batch_p2p(" in inspect.getsource(schedules.Schedule1F1B._step_microbatches)
 
 
+def test_the_private_torch_names_of_the_v_forward_schedule_are_where_torch_2_13_keeps_them():
+    """If this fails, torch moved them: update pipeline/_v_forward.py (its docstring says what)."""
+    for name in (
+        "_PipelineScheduleRuntime",
+        "_Action",
+        "_ComputationType",
+        "_add_unshard_reshard",
+        "_add_send_recv",
+    ):
+        assert hasattr(schedules, name), name
+    assert list(inspect.signature(schedules._add_send_recv).parameters) == [
+        "compute_actions",
+        "stage_to_rank",
+        "num_stages",
+    ]
+    assert "pipeline_order_with_comms" in inspect.getsource(
+        schedules._PipelineScheduleRuntime._step_microbatches
+    )
+    assert schedules._ComputationType.FORWARD and list(schedules._Action._fields)[:3] == [
+        "stage_index", "computation_type", "microbatch_index"]  # fmt: skip
+
+
 def test_patched_times_the_calls_and_puts_the_originals_back():
     before = [getattr(_PipelineStageBase, n) for n in _timeline_hooks.STAGE_METHODS]
     wait = schedules._wait_batch_p2p

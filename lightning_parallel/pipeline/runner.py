@@ -21,6 +21,8 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from lightning_parallel.pipeline._v_forward import VForwardOnly
+
 SCHEDULES = (
     "gpipe",
     "1f1b",
@@ -178,6 +180,8 @@ class PipelineRunner:
         if cls is ScheduleDualPipeV and num_microbatches < self.num_stages:
             # DualPipeV needs a micro-batch per stage; a short batch runs ZBV on the same V placement.
             cls = ScheduleZBVZeroBubble
+        if not train and cls in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
+            cls = VForwardOnly  # torch's V schedules always run their backward actions
         target = stages if is_multi_stage(cls) else stages[0]
         # scale_grads=False: the loss is scaled instead (see the strategy); torch's default divides
         # every .grad by m after each step, which breaks gradient accumulation across steps.

@@ -10,6 +10,7 @@ turns the records into a summary, a Chrome trace and a Gantt chart.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -118,7 +119,7 @@ class Timeline:
         """Every rank's finished steps, on global rank 0's clock (a collective; None on the other ranks).
 
         ``device``: where the clock readings travel (``"cuda"`` under NCCL). The clocks are aligned by
-        :func:`clock_offsets`, a few timed round trips per rank (NTP's method).
+        :func:`clock_offsets`: one clock per host, a few timed round trips to each other host's ranks.
         """
         finished, self._finished = self._finished, []
         if not (dist.is_available() and dist.is_initialized()):
@@ -137,17 +138,22 @@ class Timeline:
         return out
 
 
-def clock_offsets(device: Any = "cpu", rounds: int = 8) -> list[int]:
+def clock_offsets(device: Any = "cpu", rounds: int = 8, same_host_clock: bool = True) -> list[int]:
     """On global rank 0: each rank's clock minus rank 0's, in ns (zeros elsewhere; a collective).
 
-    Rank 0 sends to each rank in turn and gets its clock reading back, ``rounds`` times; the round
-    trip with the shortest time gives the estimate (the reading taken half-way through it), good to
-    half that round trip (tens of microseconds over gloo on one host).
+    Ranks on rank 0's host share its clock (``perf_counter_ns`` reads the system-wide monotonic
+    clock): their offset is 0, exactly (unless ``same_host_clock=False``). For each other rank, rank 0
+    sends to it and gets its clock reading back, ``rounds`` times; the round trip with the shortest
+    time gives the estimate (the reading taken half-way through it), good to about half that round
+    trip (its asymmetry: a millisecond over gloo on a loaded host).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
+    hosts = all_gather_objects(socket.gethostname())
     offsets = [0] * world
     box = torch.zeros(1, dtype=torch.int64, device=device)
     for peer in range(1, world):
+        if same_host_clock and hosts[peer] == hosts[0]:
+            continue
         best: tuple[int, int] | None = None  # (round trip, offset)
         for _ in range(rounds):
             if rank == 0:
