@@ -432,6 +432,53 @@ def watchdog_calls(rows: Rows) -> str:
     )
 
 
+def schedules(rows: Rows) -> str:
+    placement = {"1f1b": "2 stages", "interleaved_1f1b": "4, looped", "interleaved_zero_bubble": "4, looped",
+                 "zbv": "4, V", "dualpipev": "4, V"}  # fmt: skip
+    header = ["schedule", "stages", "repeats", "samples/s", "vs 1f1b", "efficiency", "schedule's ideal"]
+    header += ["compute", "bubble", "comm wait", "other", "compute inflation", "activation MiB rank 0 / 1"]
+    body = []
+    for r in rows:
+        vs = "1" if r["schedule"] == "1f1b" else timed_col(r, "vs_1f1b", 2, _verdict(r, "vs_1f1b"))
+        body.append(
+            [
+                r["schedule"],
+                placement.get(r["schedule"], "?"),
+                r["repeats"],
+                timed_col(r, "samples_per_s", 1),
+                vs,
+            ]
+            + [timed_col(r, "efficiency", 3), timed_col(r, "ideal_efficiency", 3)]
+            + [_f(r[k], 3) for k in ("compute", "bubble", "comm_wait", "other")]
+            + [timed_col(r, "compute_inflation", 2)]
+            + [f"{_f(r['activation_peak_mib_rank0'], 1)} / {_f(r['activation_peak_mib_rank1'], 1)}"]
+        )
+    f1b = next(r for r in rows if r["schedule"] == "1f1b")
+    note = (
+        f"\n\nm = {f1b['num_microbatches']}, p = {f1b['pipeline_size']}, batch {f1b['batch_size']}. "
+        "Efficiency: throughput over p x one process training the whole model with the same micro-batches, "
+        "in the same repeat (as in the bubble table above). The next columns come from `PipelineTimeline` "
+        "on two recorded steps per run (medians): shares of the ranks' step time spent computing (stage "
+        "forward and backward), in the bubble the schedule itself forces (its ideal: the recorded compute "
+        "replayed with free communication; schedule's ideal = compute / (compute + bubble)), waiting on "
+        "P2P beyond that, and everything else (loss function, log broadcast, gradient sync, optimizer "
+        "step, P2P posts, Python between them). Compute inflation: the ranks' stage compute per step over "
+        "one process's whole step (1.0 = the layers cost the same as pipeline stages as in one process). "
+        f"The 1f1b gap in these shares (efficiency {_f(f1b['efficiency'], 3)} against the bubble-only "
+        f"{_f(f1b['ideal_1f1b_bubble_efficiency'], 3)}): the schedule's own ideal with these two unequal "
+        f"stages is {_f(f1b['ideal_efficiency'], 3)}; P2P waits beyond its bubble take "
+        f"{_f(f1b['comm_wait'], 3)} of the ranks' time; other {_f(f1b['other'], 3)}. The measured spans "
+        "(which also hold part of the bubble: the last rank waits out the drain in the log broadcast): "
+        f"P2P waits {_f(f1b['wait_share'], 3)}, the loss function {_f(f1b['loss_share'], 3)}, the log "
+        "broadcast and gradient sync "
+        f"{_f(f1b['collective_share'], 3)}, the optimizer step {_f(f1b['optimizer_share'], 3)}, P2P posts "
+        f"{_f(f1b['comm_share'], 3)} and untracked time {_f(f1b['untracked_share'], 3)}. The shares are "
+        "medians over recorded steps and the efficiency over other steps of the same runs, so they do not "
+        'multiply exactly; see "Where the time goes: PipelineTimeline" above.'
+    )
+    return _table(header, body) + note
+
+
 QUESTIONS = (
     Question(
         "Pipeline overhead: the Trainer against a hand-driven schedule",
@@ -439,6 +486,7 @@ QUESTIONS = (
         (pipeline_overhead,),
     ),
     Question("Pipeline bubble against the number of micro-batches", "pipeline", (pipeline_microbatches,)),
+    Question("Pipeline schedules side by side: where the step goes (timeline)", "schedules", (schedules,)),
     Question("Memory per rank: DDP against PipelineStrategy", "pipeline_memory", (pipeline_memory,)),
     Question(
         "Memory per rank with the stages sharded: replicas, sharded optimizer state, FSDP2 (pipeline 2 x 2)",

@@ -42,6 +42,7 @@ ALL = "make experiments"  # the row of run_all.csv that holds a full run's total
 
 EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this order
     "pipeline": "bench_pipeline.py",
+    "schedules": "bench_schedules.py",
     "pipeline_memory": "bench_pipeline_memory.py",
     "fsdp_memory": "bench_fsdp_memory.py",
     "metric_sync": "bench_metric_sync.py",

@@ -7,6 +7,7 @@ Importing the package registers its strategies in Lightning's ``StrategyRegistry
 from lightning_parallel.callbacks.accumulation import GradientAccumulationScheduler
 from lightning_parallel.callbacks.checkpoint import CheckpointWriteError, Rank0Checkpoint
 from lightning_parallel.callbacks.metrics import AllReducedMetrics
+from lightning_parallel.callbacks.timeline import PipelineTimeline
 from lightning_parallel.callbacks.watchdog import HangWatchdog
 from lightning_parallel.checkpoint.consolidate import consolidate_checkpoint
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler
@@ -24,6 +25,7 @@ __all__ = [
     "GradientAccumulationScheduler",
     "HangWatchdog",
     "PipelineStrategy",
+    "PipelineTimeline",
     "Rank0Checkpoint",
     "ResumableDistributedSampler",
     "__version__",

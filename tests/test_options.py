@@ -12,6 +12,7 @@ from lightning_parallel import (
     GradientAccumulationScheduler,
     HangWatchdog,
     PipelineStrategy,
+    PipelineTimeline,
     Rank0Checkpoint,
     ResumableDistributedSampler,
 )
@@ -26,6 +27,7 @@ CASES = [
     (Rank0Checkpoint, dict(dirpath="ckpt"), "montor", "monitor"),
     (AllReducedMetrics, dict(), "rank_stat", "rank_stats"),
     (HangWatchdog, dict(), "timout", "timeout"),
+    (PipelineTimeline, dict(steps=[3]), "dir_path", "dirpath"),
     (EvalDistributedSampler, dict(dataset=DATA), "num_replica", "num_replicas"),
     (ResumableDistributedSampler, dict(dataset=DATA), "shufle", "shuffle"),
 ]

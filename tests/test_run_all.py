@@ -198,6 +198,18 @@ KEY_COLUMNS = {
         "ideal_bubble_efficiency",
         "parallelism",
     ],
+    "schedules": [
+        "samples_per_s",
+        "vs_1f1b",
+        "efficiency",
+        "ideal_efficiency",
+        "compute",
+        "bubble",
+        "comm_wait",
+        "other",
+        "compute_inflation",
+        "activation_peak_mib_rank0",
+    ],
     "pipeline_memory": ["ppo_bytes", "ppo_vs_ddp", "activation_peak_bytes", "max_rss_mb"],
     "fsdp_memory": [
         "ppo_bytes",

@@ -44,6 +44,8 @@ from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
 from lightning_parallel.memory.schedule import Action, peak_in_flight, rank_actions
 from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
+from lightning_parallel.pipeline.plan import stage_rank
+from lightning_parallel.pipeline.runner import placement
 from lightning_parallel.pipeline.zero import shard_owners
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
@@ -196,7 +198,8 @@ def _whole_model_rank(facts: ModelFacts, n: int, buckets: bool) -> RankMemory:
 def _pipeline_rank(
     facts: ModelFacts, costs: list[StageCosts], config: ParallelConfig, rank: int
 ) -> RankMemory:
-    local = [c for c in costs if c.index % config.pipeline_size == rank]
+    style, num_stages = placement(config.schedule), len(costs)
+    local = [c for c in costs if stage_rank(c.index, config.pipeline_size, num_stages, style) == rank]
     params = list(dict.fromkeys(k for c in local for k in c.param_keys))  # a tied weight once per rank
     p_bytes = sum(facts.tensors[k].nbytes for k in params)
     g_bytes = sum(facts.tensors[k].grad for k in params)

@@ -37,7 +37,8 @@ class StagePlan:
     """The whole pipeline layout, the same on every rank.
 
     With ``stages_per_rank`` > 1 the stages loop over the pipeline ranks: stage ``s`` runs on
-    pipeline rank ``s % pp_size`` (the order of torch's interleaved and looped schedules).
+    pipeline rank ``s % pp_size`` (the order of torch's interleaved and looped schedules), or, with
+    ``style="v"`` (ZBV, DualPipeV), rank ``r`` holds stages ``r`` and ``2p-1-r``.
 
     Example::
 
@@ -52,6 +53,7 @@ class StagePlan:
     source: str = "the pipelined module"
     notes: tuple[str, ...] = ()
     shared_sizes: tuple[tuple[str, int], ...] = ()  # (canonical name, elements) of tied parameters
+    style: str = "loop"  # stage placement: "loop" or "v" (see stage_rank)
 
     @property
     def num_stages(self) -> int:
@@ -62,7 +64,7 @@ class StagePlan:
         return self.num_stages // self.layout.pp_size
 
     def pp_rank_of(self, stage_index: int) -> int:
-        return stage_index % self.layout.pp_size
+        return stage_rank(stage_index, self.layout.pp_size, self.num_stages, self.style)
 
     def local_stages(self, pp_rank: int) -> list[StageSpec]:
         return [s for s in self.stages if self.pp_rank_of(s.index) == pp_rank]
@@ -97,6 +99,7 @@ class StagePlan:
             format_table(headers, rows),
             f"{self.num_stages} stages on {layout.pp_size} pipeline ranks x {data}{tp}; "
             f"{self.total_parameters():,} parameters in {self.source}",
+            *(["V placement: pipeline rank r holds stages r and 2p-1-r"] if self.style == "v" else []),
             *self.notes,
         ]
         return "\n".join(lines)
@@ -120,20 +123,22 @@ def make_plan(
     shared_sizes: Mapping[str, int] | None = None,
     notes: Sequence[str] = (),
     bytes_per_rank: Sequence[int] | None = None,
+    style: str = "loop",
 ) -> StagePlan:
-    """Build the plan from what each stage runs; stage ``s`` goes to pipeline rank ``s % pp_size``.
+    """Build the plan from what each stage runs; stage ``s`` goes to pipeline rank ``stage_rank(s, ...)``.
 
     ``bytes_per_rank``: per stage, the parameter bytes each rank keeps when the stages are sharded.
     """
     if len(stage_units) % layout.pp_size:
         raise ValueError(f"{len(stage_units)} stages do not loop evenly over {layout.pp_size} pipeline ranks")
+    num_stages = len(stage_units)
     stages = tuple(
         StageSpec(
             index=index,
             units=tuple(units),
             holds=holds[index],
             num_parameters=int(num_parameters[index]),
-            ranks=layout.replicas_of(index % layout.pp_size),
+            ranks=layout.replicas_of(stage_rank(index, layout.pp_size, num_stages, style)),
             cost=None if costs is None else float(costs[index]),
             parameters=frozenset(stage_parameters[index]) if stage_parameters else frozenset(),
             bytes_per_rank=None if bytes_per_rank is None else int(bytes_per_rank[index]),
@@ -141,7 +146,26 @@ def make_plan(
         for index, units in enumerate(stage_units)
     )
     shared = tuple(sorted((shared_sizes or {}).items()))
-    return StagePlan(stages, layout, cost_unit, source, tuple(notes), shared)
+    return StagePlan(stages, layout, cost_unit, source, tuple(notes), shared, style)
+
+
+def stage_rank(stage_index: int, pp_size: int, num_stages: int, style: str = "loop") -> int:
+    """The pipeline rank of a stage: ``"loop"`` (``s % p``) or ``"v"`` (rank r: stages r and 2p-1-r).
+
+    The same mapping as torch's ``generate_stage_to_rank_mapping`` (which the schedules use to address
+    their sends), written here so the plan needs no schedule.
+
+    Example::
+
+        >>> [stage_rank(s, 2, 4, "v") for s in range(4)], [stage_rank(s, 2, 4) for s in range(4)]
+        ([0, 1, 1, 0], [0, 1, 0, 1])
+    """
+    if style == "loop":
+        return stage_index % pp_size
+    if style != "v" or num_stages % pp_size:
+        raise ValueError(f"no {style!r} placement of {num_stages} stages on {pp_size} ranks")
+    lap, pos = divmod(stage_index, pp_size)
+    return pos if lap % 2 == 0 else pp_size - 1 - pos
 
 
 def shard_bytes(shape: Sequence[int], element_size: int, shards: int) -> int:

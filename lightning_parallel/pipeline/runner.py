@@ -15,9 +15,13 @@ import torch
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
+    ScheduleDualPipeV,
     ScheduleGPipe,
+    ScheduleZBVZeroBubble,
     get_schedule_class,
 )
+
+from lightning_parallel.pipeline._v_forward import VForwardOnly
 
 SCHEDULES = (
     "gpipe",
@@ -25,14 +29,31 @@ SCHEDULES = (
     "interleaved_1f1b",
     "looped_bfs",
     "interleaved_zero_bubble",
+    "zbv",
+    "dualpipev",
 )
+# Schedules that place two stages per rank in a V: rank r holds stages r and 2p-1-r.
+V_SCHEDULES = ("zbv", "dualpipev")
+_TORCH_NAMES = {"zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 
 
 def schedule_class(name: str) -> type:
     """The torch schedule class for one of :data:`SCHEDULES` (snake_case names)."""
     if not isinstance(name, str) or name.lower() not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
-    return get_schedule_class(name.lower().replace("_", ""))
+    name = name.lower()
+    return get_schedule_class(_TORCH_NAMES.get(name, name.replace("_", "")))
+
+
+def placement(name: str) -> str:
+    """How a schedule places its stages on the pipeline ranks: ``"v"`` (ZBV, DualPipeV) or ``"loop"``.
+
+    Example::
+
+        >>> placement("zbv"), placement("interleaved_1f1b")
+        ('v', 'loop')
+    """
+    return "v" if name.lower() in V_SCHEDULES else "loop"
 
 
 def is_multi_stage(cls: type) -> bool:
@@ -158,6 +179,11 @@ class PipelineRunner:
             # 1F1B needs at least one micro-batch per stage; a short batch falls back to GPipe,
             # which runs the same stages in the same order of micro-batches.
             cls = ScheduleGPipe
+        if cls is ScheduleDualPipeV and num_microbatches < self.num_stages:
+            # DualPipeV needs a micro-batch per stage; a short batch runs ZBV on the same V placement.
+            cls = ScheduleZBVZeroBubble
+        if not train and cls in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
+            cls = VForwardOnly  # torch's V schedules always run their backward actions
         target = stages if is_multi_stage(cls) else stages[0]
         # scale_grads=False: the loss is scaled instead (see the strategy); torch's default divides
         # every .grad by m after each step, which breaks gradient accumulation across steps.

@@ -18,6 +18,7 @@ from torch import nn
 from lightning_parallel.distributed.tensors import all_reduce_coalesced, broadcast_coalesced, new_subgroups
 from lightning_parallel.parallelize.dtensors import local
 from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.pipeline.plan import stage_rank
 
 
 def alias_table(module: nn.Module) -> dict[str, str]:
@@ -64,8 +65,10 @@ class SharedParameter:
     ]  # ascending; the first one owns it (its values win at start, it counts the norm)
 
 
-def find_shared(stage_parameters: Sequence[Iterable[str]], pp_size: int) -> list[SharedParameter]:
-    """The canonical parameters used by stages on several pipeline ranks (stage ``s``: rank ``s % pp_size``).
+def find_shared(
+    stage_parameters: Sequence[Iterable[str]], pp_size: int, style: str = "loop"
+) -> list[SharedParameter]:
+    """The canonical parameters used by stages on several pipeline ranks (placed by :func:`stage_rank`).
 
     Example::
 
@@ -78,7 +81,7 @@ def find_shared(stage_parameters: Sequence[Iterable[str]], pp_size: int) -> list
             users.setdefault(name, []).append(stage)
     shared = []
     for name, stages in sorted(users.items()):
-        ranks = tuple(sorted({s % pp_size for s in stages}))
+        ranks = tuple(sorted({stage_rank(s, pp_size, len(stage_parameters), style) for s in stages}))
         if len(ranks) > 1:
             shared.append(SharedParameter(name, tuple(stages), ranks))
     return shared

@@ -22,18 +22,19 @@ class LoggedValue:
 
     name: str
     kwargs: dict[str, Any]
-    values: list[float] = field(default_factory=list)
+    values: list[float | torch.Tensor] = field(default_factory=list)  # tensors: read once, when combined
     weights: list[float] = field(default_factory=list)
 
     def combined(self) -> float:
+        values = _numbers(self.values)
         reduce = str(self.kwargs.get("reduce_fx", "mean")).lower()
         if reduce in ("sum", "add"):
-            return float(sum(self.values))
+            return float(sum(values))
         if reduce == "max":
-            return float(max(self.values))
+            return float(max(values))
         if reduce == "min":
-            return float(min(self.values))
-        return float(sum(v * w for v, w in zip(self.values, self.weights)) / sum(self.weights))
+            return float(min(values))
+        return float(sum(v * w for v, w in zip(values, self.weights)) / sum(self.weights))
 
     def replay_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.kwargs)
@@ -79,10 +80,14 @@ class LogRecorder:
                 raise ValueError(
                     f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}: log scalars"
                 )
-            value = value.detach().float().item()
+            # Kept on its device and read when the batch's value is combined: an .item() here would
+            # stall the schedule (a device sync) once per logged name and micro-batch.
+            value = value.detach().reshape(()).float().clone()
+        else:
+            value = float(value)
         weight = kwargs.get("batch_size") or self._samples
         entry = self._entries.setdefault(name, LoggedValue(name, kwargs))
-        entry.values.append(float(value))
+        entry.values.append(value)
         entry.weights.append(float(weight))
 
     def entries(self) -> list[LoggedValue]:
@@ -111,3 +116,12 @@ def from_record(layout: tuple, values: list[float], leading: int = 0) -> tuple[l
             (name, value, {**kwargs, "batch_size": int(samples)} if with_batch_size else dict(kwargs))
         )
     return values[:leading], logs
+
+
+def _numbers(values: list[float | torch.Tensor]) -> list[float]:
+    """Plain numbers; the tensors among them read in one transfer (one device sync, not one per value)."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack(tensors).tolist())
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]

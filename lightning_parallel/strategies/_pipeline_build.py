@@ -28,6 +28,7 @@ from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.shared import SharedReplicas, alias_table, find_shared
 from lightning_parallel.pipeline.split import find_sequential
+from lightning_parallel.pipeline.timeline import Timeline
 from lightning_parallel.strategies._pipeline_config import PipelineConfig, refuse_traced_parallelize
 from lightning_parallel.strategies._pipeline_sequential import sequential_path
 from lightning_parallel.strategies._pipeline_traced import traced_path
@@ -52,6 +53,7 @@ class PipelineParts:
     channels: dict[str, RecordBroadcast] = field(
         default_factory=dict
     )  # last stage -> others, per step method
+    timeline: Timeline | None = None  # set by the PipelineTimeline callback for the steps it records
 
 
 def build_pipeline(
@@ -76,7 +78,9 @@ def build_pipeline(
             refuse_traced_parallelize(config)
         plan, runner, call, twin = traced_path(config, trainer, module, mesh, aliases, device)
     local = {aliases[n]: p for n, p in module.named_parameters(remove_duplicate=False)}
-    shared = SharedReplicas(find_shared([s.parameters for s in plan.stages], layout.pp_size), mesh, local)
+    shared = SharedReplicas(
+        find_shared([s.parameters for s in plan.stages], layout.pp_size, plan.style), mesh, local
+    )
     shared.broadcast_from_owners()
     param_names = {p: aliases[n] for n, p in module.named_parameters()}
     return PipelineParts(mesh, plan, runner, call, shared, param_names, model_keys, model_param_order, twin)

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from lightning_parallel.parallelize.stages import DATA_PARALLEL
 from lightning_parallel.pipeline.partition import PARTITION_METHODS
 from lightning_parallel.pipeline.recompute import Selection, check_selection
-from lightning_parallel.pipeline.runner import is_multi_stage, schedule_class
+from lightning_parallel.pipeline.runner import V_SCHEDULES, is_multi_stage, schedule_class
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def checked_config(
     pipeline_size: int | None,
     num_microbatches: int,
     schedule: str,
-    stages_per_rank: int,
+    stages_per_rank: int | None,
     partition: str | list[int],
     module_name: str | None,
     split_points: list[str] | None,
@@ -84,7 +84,7 @@ def checked_config(
         )
     _check_positive_int("num_microbatches", num_microbatches)
     _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, data_parallel)
-    _check_positive_int("stages_per_rank", stages_per_rank)
+    stages_per_rank = _stages_per_rank(schedule, stages_per_rank)
     if pipeline_size is not None:
         _check_positive_int("pipeline_size", pipeline_size)
     if is_multi_stage(cls) != (stages_per_rank > 1):
@@ -145,6 +145,21 @@ def _check_tensor_parallel(size: Any, plan: Any, data_parallel: str) -> None:
             f"ZeroRedundancyOptimizer broadcasts plain tensors, not the DTensor slices of split weights. "
             f"Use data_parallel='fsdp' (shards parameters, gradients and optimizer state) or 'replicate'"
         )
+
+
+def _stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
+    """The stages per rank: given, or implied (2 for the V schedules, else 1); a V schedule needs 2."""
+    v_shaped = schedule.lower() in V_SCHEDULES
+    if stages_per_rank is None:
+        return 2 if v_shaped else 1
+    _check_positive_int("stages_per_rank", stages_per_rank)
+    if v_shaped and stages_per_rank != 2:
+        raise ValueError(
+            f"schedule={schedule!r} runs exactly 2 stages per rank in a V (rank r holds stages r and "
+            f"2p-1-r), but stages_per_rank={stages_per_rank}: drop stages_per_rank (it is implied) or "
+            f"pass 2"
+        )
+    return stages_per_rank
 
 
 def checked_data_parallel(

@@ -51,10 +51,14 @@ def stage_plan(
     costs: Sequence[float] | None,
     unit: str,
     source: str,
+    style: str = "loop",
 ) -> StagePlan:
-    """The plan of stages given what each runs and the canonical parameters each uses (ties noted)."""
+    """The plan of stages given what each runs and the canonical parameters each uses (ties noted).
+
+    ``style`` places the stages on the ranks (``"v"`` for ZBV and DualPipeV, see ``stage_rank``).
+    """
     sizes = {n: p.numel() for n, p in module.named_parameters()}
-    shared = find_shared(params, layout.pp_size)
+    shared = find_shared(params, layout.pp_size, style)
     notes = [
         f"{p.name} is used by stages {', '.join(map(str, p.stages))}: each of their ranks keeps a replica, "
         f"gradients summed over them"
@@ -69,5 +73,5 @@ def stage_plan(
         per_rank = [sum(shards[n] for n in ps) for ps in params]
     return make_plan(
         units, holds, [sum(sizes[n] for n in ps) for ps in params], layout, costs, unit, source, params,
-        {p.name: sizes[p.name] for p in shared}, notes, per_rank,
+        {p.name: sizes[p.name] for p in shared}, notes, per_rank, style,
     )  # fmt: skip

@@ -12,7 +12,7 @@ from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.profile import layer_times
 from lightning_parallel.pipeline.proxy import PipelinedCall
-from lightning_parallel.pipeline.runner import PipelineRunner
+from lightning_parallel.pipeline.runner import PipelineRunner, placement
 from lightning_parallel.pipeline.split import (
     SequentialStages,
     check_parameters_inside,
@@ -53,7 +53,8 @@ def sequential_path(
         params = stage_parameters(module, seq_name, units)
         cost_per_stage = costs and stage_costs(costs, counts)
         source = f"`{seq_name}` (nn.Sequential)"
-        plan = stage_plan(module, units, holds, params, mesh.layout, cost_per_stage, unit, source)
+        style = placement(config.schedule)
+        plan = stage_plan(module, units, holds, params, mesh.layout, cost_per_stage, unit, source, style)
         proxy, stage_modules, indices = split_sequential(module, seq_name, seq, plan, mesh.pp_rank, device)
     stages = SequentialStages(stage_modules, indices, plan.num_stages, device, mesh.pp_group)
     return (

@@ -8,6 +8,7 @@ last stage to every stage of the replica and logged there through ``self.log``.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,7 @@ from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
 from lightning_parallel.pipeline.step_logs import LogRecorder, from_record, to_record
+from lightning_parallel.pipeline.timeline import span_of
 from lightning_parallel.strategies._earlier_gradients import earlier_gradients
 from lightning_parallel.strategies._pipeline_precision import scaled_loss
 
@@ -40,14 +42,16 @@ def run_step(
     if step_name == "predict_step":
         if parts.runner.has_last:
             result["logs"] = [(e.name, e.combined(), e.replay_kwargs()) for e in step.recorder.entries()]
-        result = from_last_stage(result, mesh)
+        result = from_last_stage(result, mesh, last_pp_rank(parts))
         replay_logs(module, result["logs"], mesh.dp_group)
         if mesh.dp_size > 1:
             return collect_predictions(parts, result.get("output"), batch_idx=args[1])
         return result.get("output")
     has_last = parts.runner.has_last
     record = to_record(step.recorder.entries(), *([result["loss"]] if train else [])) if has_last else None
-    leading, logs = from_record(*numbers_from_last_stage(parts, step_name, record), leading=int(train))
+    with span_of(parts.timeline, "log broadcast", "collective"):
+        numbers = numbers_from_last_stage(parts, step_name, record)
+    leading, logs = from_record(*numbers, leading=int(train))
     replay_logs(module, logs, mesh.dp_group)
     return torch.tensor(leading[0], device=module.device) if train else None
 
@@ -79,19 +83,25 @@ class _Step:
         scale = 1.0 / self.module.trainer.accumulate_grad_batches
         losses: list[tuple[torch.Tensor, int]] = []
 
+        timeline = self.parts.timeline if self.parts.timeline and self.parts.timeline.recording else None
+
         def loss_fn(output: Any, index: int) -> torch.Tensor:
-            n_i = batch_size(chunks[index])
-            with self.call.replaying(output), self.recorder.recording(self.module, n_i):
-                loss = loss_of(self.step(chunks[index], *rest), self.step_name)
-            losses.append((loss.detach(), n_i))
-            # Scale the loss, not the gradients: each micro-batch carries its share of the batch
-            # mean, and of the accumulation window (and, under fp16, the GradScaler's scale).
-            return scaled_loss(self.module.trainer.precision_plugin, loss * (n_i / self.n * scale))
+            with span_of(timeline, "loss_fn", "loss", mb=index):
+                n_i = batch_size(chunks[index])
+                with self.call.replaying(output), self.recorder.recording(self.module, n_i):
+                    loss = loss_of(self.step(chunks[index], *rest), self.step_name)
+                losses.append((loss.detach(), n_i))
+                # Scale the loss, not the gradients: each micro-batch carries its share of the batch
+                # mean, and of the accumulation window (and, under fp16, the GradScaler's scale).
+                return scaled_loss(self.module.trainer.precision_plugin, loss * (n_i / self.n * scale))
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         batch_idx = self.args[1] if len(self.args) > 1 else None
         earlier = earlier_gradients(self.module.trainer, self.module, batch_idx)
-        with self.parts.held.collecting(params, earlier):
+        with (
+            self.parts.held.collecting(params, earlier),
+            timeline.torch_schedule() if timeline else nullcontext(),
+        ):
             self.runner.train_step(self.key, self.m, self.stage_args, loss_fn)
         if not self.runner.has_last:
             return {}
@@ -115,7 +125,7 @@ def collect_predictions(parts: PipelineParts, output: Any, batch_idx: int) -> An
     """
     mesh, counts = parts.mesh, parts.predict_batches
     assert counts is not None
-    last = mesh.pp_size - 1
+    last = last_pp_rank(parts)
     if mesh.tp_rank > 0:  # its tensor-parallel rank 0 holds the same predictions
         return None
     if mesh.pp_rank == last and mesh.dp_rank > 0:
@@ -130,11 +140,16 @@ def collect_predictions(parts: PipelineParts, output: Any, batch_idx: int) -> An
     return interleave_replicas(received)
 
 
-def from_last_stage(result: dict[str, Any], mesh: PipelineMesh) -> dict[str, Any]:
-    """Broadcast the last stage's step result (any picklable object) to every stage of this replica."""
+def last_pp_rank(parts: PipelineParts) -> int:
+    """The pipeline rank holding the last stage: ``p - 1``, or 0 under a V placement (ZBV, DualPipeV)."""
+    return parts.plan.pp_rank_of(parts.plan.num_stages - 1)
+
+
+def from_last_stage(result: dict[str, Any], mesh: PipelineMesh, last: int) -> dict[str, Any]:
+    """Broadcast the step result (any picklable object) from pipeline rank ``last`` to this replica."""
     if mesh.pp_size == 1:
         return result
-    return broadcast_object(result, src=mesh.global_rank(mesh.pp_size - 1), group=mesh.pp_group)
+    return broadcast_object(result, src=mesh.global_rank(last), group=mesh.pp_group)
 
 
 def numbers_from_last_stage(
@@ -151,7 +166,7 @@ def numbers_from_last_stage(
     channel = parts.channels.get(step_name)
     if channel is None:
         channel = parts.channels[step_name] = RecordBroadcast(
-            mesh.global_rank(mesh.pp_size - 1), mesh.pp_group
+            mesh.global_rank(last_pp_rank(parts)), mesh.pp_group
         )
     return channel.broadcast(record)
 

@@ -15,7 +15,7 @@ from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
 from lightning_parallel.pipeline.profile import block_times
-from lightning_parallel.pipeline.runner import PipelineRunner, first_microbatch
+from lightning_parallel.pipeline.runner import PipelineRunner, first_microbatch, placement
 from lightning_parallel.pipeline.split import materialize
 from lightning_parallel.pipeline.trace import call_order, meta_twin, stage_contents, to_meta, trace
 from lightning_parallel.pipeline.traced_split import (
@@ -58,7 +58,8 @@ def traced_path(
                 f"stages_per_rank={config.stages_per_rank} on one pipeline rank is not supported for a "
                 f"traced forward: use pipeline_size >= 2 to interleave, or stages_per_rank=1"
             )
-        plan, stages = _traced_split(module, found, points, mesh, aliases, device, stage_cost, unit)
+        style = placement(config.schedule)
+        plan, stages = _traced_split(module, found, points, mesh, aliases, device, stage_cost, unit, style)
     runner = PipelineRunner(stages, plan.num_stages, config.schedule, config.num_microbatches)
     return plan, runner, found.call, found.twin
 
@@ -111,6 +112,7 @@ def _traced_split(
     device: torch.device,
     costs: list[float] | None,
     unit: str,
+    style: str = "loop",
 ) -> tuple[StagePlan, TracedStages]:
     """Trace at the split points, plan, keep this rank's tensors, and put the stand-in in ``forward``."""
     binding = found.call.bindings[found.call.train]
@@ -120,7 +122,7 @@ def _traced_split(
     units, holds = [c.calls for c in contents], [describe_paths(c.calls) for c in contents]
     called = found.call.path
     source = f"{type(module).__name__}.{f'{called}(...)' if called else 'forward'} (traced)"
-    plan = stage_plan(module, units, holds, params, mesh.layout, costs, unit, source)
+    plan = stage_plan(module, units, holds, params, mesh.layout, costs, unit, source, style)
     indices = [s.index for s in plan.local_stages(mesh.pp_rank)]
     keep_only(module, set().union(*(contents[i].tensors for i in indices)))
     materialize(module, device, aliases)

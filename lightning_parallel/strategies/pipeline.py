@@ -37,6 +37,7 @@ from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_no
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.recompute import Selection
+from lightning_parallel.pipeline.timeline import Timeline, span_of
 from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
 from lightning_parallel.strategies._pipeline_checkpointing import PipelineCheckpointHooks
 from lightning_parallel.strategies._pipeline_config import (
@@ -51,7 +52,7 @@ from lightning_parallel.strategies._pipeline_memory import (
 )
 from lightning_parallel.strategies._pipeline_parallelize import parallelize_parts, tensor_plan
 from lightning_parallel.strategies._pipeline_precision import install_loss_scaling
-from lightning_parallel.strategies._pipeline_step import batch_size, run_step
+from lightning_parallel.strategies._pipeline_step import batch_size, last_pp_rank, run_step
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
 
@@ -81,10 +82,13 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         pipeline_size: pipeline ranks per replica (default: all devices form one pipeline).
         num_microbatches: micro-batches per batch (a batch it does not divide uses the largest
             divisor of its size: equal micro-batches, exact mean loss).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"`` or
-            ``"interleaved_zero_bubble"`` (the schedules of ``torch.distributed.pipelining``).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+            ``"interleaved_zero_bubble"``, ``"zbv"`` or ``"dualpipev"`` (the schedules of
+            ``torch.distributed.pipelining``; the last two place two stages per rank in a V: rank ``r``
+            holds stages ``r`` and ``2p-1-r``).
         stages_per_rank: stages each pipeline rank runs (> 1 for the interleaved and looped
-            schedules); the model is cut into ``pipeline_size x stages_per_rank`` stages.
+            schedules; implied 2 for ``"zbv"`` and ``"dualpipev"``, 1 for the others); the model is
+            cut into ``pipeline_size x stages_per_rank`` stages.
         partition: how to balance the stages: ``"uniform"`` (layer or block counts), ``"parameters"``,
             ``"time"`` (forward+backward time measured on the first batch), or a list of layer (or
             block) counts per stage.
@@ -147,7 +151,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         pipeline_size: int | None = None,
         num_microbatches: int = 4,
         schedule: str = "1f1b",
-        stages_per_rank: int = 1,
+        stages_per_rank: int | None = None,
         partition: str | list[int] = "uniform",
         module_name: str | None = None,
         split_points: list[str] | None = None,
@@ -408,7 +412,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             # How many batches each replica predicts (the sampler does not pad): rank 0 must know
             # which replicas send it predictions at each step.
             counts = all_gather_objects(int(sum(self.lightning_module.trainer.num_predict_batches)))
-            last = parts.mesh.pp_size - 1
+            last = last_pp_rank(parts)
             parts.predict_batches = [
                 counts[parts.mesh.global_rank(last, r)] for r in range(parts.mesh.dp_size)
             ]
@@ -427,17 +431,27 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         parts = self.parts
         assert parts is not None
 
+        timeline = parts.timeline if parts.timeline is not None and parts.timeline.recording else None
+        synced: list[int] = []
+
         def closure_then_sync() -> Any:
             result = closure()
             # Once per optimizer step, before clipping and the step itself: the tied weights'
             # replicas sum their gradients, then every stage averages over its replicas.
-            reduce_gradients(parts.sharded)  # FSDP2 stages: one reduce-scatter for the whole window
-            parts.shared.sum_gradients()
-            fsdp_params = [p for root in parts.sharded for p in root.parameters()]
-            all_reduce_gradients(self.lightning_module.parameters(), parts.mesh.dp_group, skip=fsdp_params)
+            with span_of(timeline, "gradient sync", "collective"):
+                reduce_gradients(parts.sharded)  # FSDP2 stages: one reduce-scatter for the whole window
+                parts.shared.sum_gradients()
+                fsdp_params = [p for root in parts.sharded for p in root.parameters()]
+                all_reduce_gradients(
+                    self.lightning_module.parameters(), parts.mesh.dp_group, skip=fsdp_params
+                )
+            synced.append(Timeline.now())
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if timeline is not None and synced:  # clipping (a pipeline all-reduce of the norm) and the step
+            timeline.add("optimizer step", "optimizer", synced[-1], Timeline.now())
+        return out
 
     # ----------------------------------------------------------------------- meta-device init
     @override

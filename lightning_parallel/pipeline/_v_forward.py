@@ -1,0 +1,55 @@
+"""A forward-only schedule for the V stage placement, from the private torch names it needs (torch 2.13).
+
+torch's V schedules (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) always run their backward
+actions, so an evaluation step (no loss function) fails in them. Evaluation under a V placement runs
+this schedule instead: on each rank, every micro-batch's forward through its first stage, then through
+its second (rank r holds stages r and 2p-1-r), lowered to sends and receives by torch's own runtime
+(the lowering steps of ``_PipelineScheduleRuntime._prepare_schedule_with_comms``, whose own entry
+point insists on backward actions). Private names used: ``_PipelineScheduleRuntime``, ``_Action``,
+``_ComputationType``, ``_add_unshard_reshard``, ``_add_send_recv`` (``torch.distributed.pipelining.
+schedules``) and the runtime's ``pipeline_order_with_comms``; ``tests/test_timeline.py`` fails loudly if
+they move, and ``tests/test_pipeline_schedules.py`` validates under both V schedules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+)
+
+
+class VForwardOnly(_PipelineScheduleRuntime):
+    """Forward-only steps over stages placed in a V.
+
+    Example::
+
+        VForwardOnly([stage_r, stage_2p_1_r], num_microbatches).step(x)   # on rank r
+    """
+
+    def __init__(self, stages: list[Any], n_microbatches: int, **kwargs: Any) -> None:
+        kwargs.pop("loss_fn", None)
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=None, **kwargs)
+        mapping = generate_stage_to_rank_mapping(self.pp_group_size, self._num_stages, style="v")
+        self.pipeline_order = {
+            rank: [
+                _Action(stage, _ComputationType.FORWARD, mb)
+                for stage in sorted(s for s, r in mapping.items() if r == rank)
+                for mb in range(n_microbatches)
+            ]
+            for rank in range(self.pp_group_size)
+        }
+        # What _prepare_schedule_with_comms does, less its check that every stage runs backwards.
+        self.stage_index_to_group_rank = mapping
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = mapping
+        lowered = {rank: _add_unshard_reshard(actions) for rank, actions in self.pipeline_order.items()}
+        self.pipeline_order_with_comms = _add_send_recv(
+            lowered, stage_to_rank=lambda s: mapping[s], num_stages=self._num_stages
+        )
