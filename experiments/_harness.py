@@ -286,10 +286,15 @@ def quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
-def _rank_entry(rank: int, target: Callable, world: int, port: int, out_dir: str, args: tuple) -> None:
+def _rank_entry(
+    rank: int, target: Callable, world: int, port: int, out_dir: str, args: tuple, environ: dict
+) -> None:
     # The variables a launcher like torchrun sets: Lightning then takes the processes as launched
     # externally and joins the process group initialised here, so a target can mix Trainer fits
-    # (devices=world) with plain torch.distributed code on the same ranks.
+    # (devices=world) with plain torch.distributed code on the same ranks. The rest of the
+    # environment is the script's now (a forkserver worker starts with the server's).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -309,8 +314,11 @@ def _rank_entry(rank: int, target: Callable, world: int, port: int, out_dir: str
 
 
 def spawn(target: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """Run ``target(rank, world, *args)`` on ``world`` fresh processes (spawn, gloo initialised, one
-    thread each); return what each rank returned, by rank, brought back through files.
+    """Run ``target(rank, world, *args)`` on ``world`` fresh processes (gloo initialised, one thread
+    each); return what each rank returned, by rank, brought back through files.
+
+    The processes are forkserver workers: the server imports the script's imports once (Python
+    preloads ``__main__``), so a rank starts in a fraction of a second instead of ~7 s of imports.
 
     Inside ``target`` a ``Trainer(accelerator="cpu", devices=world, strategy=...)`` joins these processes
     instead of launching its own. ``target`` must be a module-level function and return plain data
@@ -325,9 +333,8 @@ def spawn(target: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         h.spawn(worker, 2, 10)   # [{"rank": 0, "sum": 0}, {"rank": 1, "sum": 10}]
     """
     with tempfile.TemporaryDirectory(prefix="lp-experiment-") as tmp:
-        mp.start_processes(
-            _rank_entry, (target, world, free_port(), tmp, args), nprocs=world, start_method="spawn"
-        )
+        entry_args = (target, world, free_port(), tmp, args, dict(os.environ))
+        mp.start_processes(_rank_entry, entry_args, nprocs=world, start_method="forkserver")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 

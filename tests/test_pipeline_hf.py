@@ -28,6 +28,7 @@ from mp_harness import (
 from tiny_models import loader
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.parallelize.dtensors import full_tensors
 
 # (family, tied, how the step calls the model, schedule): every family, both kinds of schedule for the
 # four with the most unusual blocks (learned positions, tied and untied RoPE, scaled embeddings,
@@ -53,6 +54,7 @@ CASES = [
 if importlib.util.find_spec("litgpt") is None and not os.environ.get("CI"):  # CI: make test installs it
     CASES = [c for c in CASES if c[2] != "litgpt"]
 STEPS = 2
+FSDP_CASE = ("llama", True, "logits", "interleaved_1f1b")  # its one-device reference, sharded with FSDP2
 VALIDATED = {("qwen2", False, "labels", "interleaved_1f1b"), ("llama", False, "masked", "1f1b")}
 
 
@@ -106,6 +108,16 @@ def _pipelined_fits(rank: int, world: int, port: int, out_dir: str) -> None:
                             callbacks=[RankRecorder(f"{out_dir}/pretrained-run")])  # fmt: skip
     trainer.fit(_pretrained(out_dir), loader(_data("logits"), 8))
     trainer.save_checkpoint(f"{out_dir}/pretrained-run/last.ckpt")
+    # FSDP2 on the traced path: the tied Llama as one stage, sharded over both ranks (each its half of
+    # every batch); the gathered weights are saved by every rank.
+    strategy = PipelineStrategy(pipeline_size=1, num_microbatches=2, data_parallel="fsdp")
+    recorder = RankRecorder(f"{out_dir}/fsdp")
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[recorder])
+    model = _model(FSDP_CASE)
+    trainer.fit(model, loader(_data(FSDP_CASE[2]), 4))
+    held = {type(p).__name__ for p in model.parameters()}
+    params = {k: v.detach().cpu() for k, v in full_tensors(model.state_dict()).items()}
+    torch.save({"losses": recorder.losses, "params": params, "held": held}, f"{out_dir}/fsdp-rank{rank}.pt")
 
 
 @pytest.mark.multiprocess
@@ -138,6 +150,12 @@ def test_hugging_face_families_train_as_on_one_device(tmp_path):
                 got, want = r["callback_metrics"]["val_loss"], ref["callback_metrics"]["val_loss"]
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
+    sharded = [torch.load(tmp_path / "pp" / f"fsdp-rank{r}.pt", weights_only=False) for r in range(2)]
+    for record in sharded:  # every rank gathered the same full weights, each held its shards
+        assert record["held"] == {"DTensor"}, record["held"]
+        assert_close_dicts(record["params"], refs[FSDP_CASE]["params"], rtol=1e-5, atol=1e-5)
+    losses = torch.tensor([r["losses"] for r in sharded]).mean(0)  # the two halves of each batch
+    torch.testing.assert_close(losses, torch.tensor(refs[FSDP_CASE]["losses"]), rtol=1e-5, atol=1e-6)
     records = load_rank_results(tmp_path / "pp" / "pretrained-run")
     assert_close_dicts(merged_params(records), ref_pretrained["params"], rtol=1e-5, atol=1e-5)
     # Back to the Hugging Face format: the consolidated checkpoint -> plain module -> save_pretrained.
