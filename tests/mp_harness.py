@@ -22,17 +22,21 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_parallel.parallelize.dtensors import full_tensors, local
 from lightning_parallel.strategies.launcher import CleanExitMultiProcessingLauncher
 
 __all__ = [
     "START_METHOD",
+    "GatheredRecorder",
     "RankRecorder",
+    "SaveAtEpochEnd",
     "SpawnDDPStrategy",
     "assert_close_dicts",
     "ddp_spawn",
     "fit",
     "load_rank_results",
     "merged_params",
+    "merged_records",
     "processes_with_env",
     "quiet_trainer",
     "reference_loader",
@@ -158,6 +162,52 @@ def merged_params(records: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     for r in records:
         merged.update(r["params"])
     return merged
+
+
+class GatheredRecorder(Callback):
+    """Per rank, for sharded stages (FSDP2, tensor parallel): the losses, the full (gathered) parameters,
+    and how each parameter is held at the start, ``(type, placements, local shape)``; saved to ``path``
+    when fitting ends. Gathering is a collective: every rank records.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path, self.losses, self.held = str(path), [], {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.held = {
+            n: (type(p).__name__, str(getattr(p, "placements", "")), tuple(local(p).shape))
+            for n, p in pl_module.named_parameters()
+        }
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def extra(self, trainer, pl_module) -> dict[str, Any]:
+        """More to save beside the losses, parameters and placements (a subclass's)."""
+        return {}
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        params = {k: v.detach().cpu() for k, v in full_tensors(pl_module.state_dict()).items()}
+        record = {"losses": self.losses, "params": params, "held": self.held}
+        torch.save({**record, **self.extra(trainer, pl_module)}, self.path)
+
+
+class SaveAtEpochEnd(Callback):
+    """Every rank saves a checkpoint (gathered or sharded: the strategy's) at the end of the first epoch."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
+def merged_records(out_dir: Path, name: str, world: int) -> tuple[dict, torch.Tensor, list[dict]]:
+    """The ``{name}-rank{R}.pt`` records of every rank: parameters merged, losses averaged over ranks."""
+    records = [torch.load(out_dir / f"{name}-rank{r}.pt", weights_only=False) for r in range(world)]
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    return merged_params(records), losses, records
 
 
 def assert_close_dicts(

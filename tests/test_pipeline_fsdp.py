@@ -10,14 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader, spawn_gloo
+from mp_harness import (
+    GatheredRecorder,
+    SaveAtEpochEnd,
+    assert_close_dicts,
+    fit,
+    merged_records,
+    quiet_trainer,
+    reference_loader,
+    spawn_gloo,
+)
 from tiny_models import SequentialGPT, SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.memory.config import resolve
 from lightning_parallel.parallelize import fsdp
-from lightning_parallel.parallelize.dtensors import full_tensors, local
+from lightning_parallel.parallelize.dtensors import local
 
 # 48 samples, global batch 16: 3 batches an epoch; with accumulate_grad_batches=2 the windows are
 # [0, 1] and [2] (Lightning steps at the epoch's end): a full and a partial window per epoch.
@@ -41,43 +49,18 @@ class TiedEnds(SequentialRegressor):
 TIED_DATA = dict(n=32, d_in=16, d_out=16)
 
 
-class Record(Callback):
-    """Per rank: the losses, the full (gathered) parameters and how the parameters are held."""
-
-    def __init__(self, path: str) -> None:
-        self.path, self.losses, self.held = path, [], {}
+class Record(GatheredRecorder):
+    """Also: the parameter bytes this rank holds, and those the stage table says each of its ranks keeps."""
 
     def on_train_start(self, trainer, pl_module):
-        # The parameter bytes this rank holds, and those the stage table says each of its ranks keeps.
+        super().on_train_start(trainer, pl_module)
         self.held_bytes = sum(local(p).untyped_storage().nbytes() for p in pl_module.parameters())
         self.table_bytes = [
             s.bytes_per_rank for s in trainer.strategy.plan.stages if trainer.global_rank in s.ranks
         ]
-        self.held = {
-            n: (
-                type(p).__name__,
-                str(getattr(p, "placements", "")),
-                tuple((p.to_local() if hasattr(p, "to_local") else p).shape),
-            )
-            for n, p in pl_module.named_parameters()
-        }
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-    def on_fit_end(self, trainer, pl_module):
-        params = {k: v.detach().cpu() for k, v in full_tensors(pl_module.state_dict()).items()}
-        record = {"losses": self.losses, "params": params, "held": self.held}
-        torch.save({**record, "bytes": (self.held_bytes, self.table_bytes)}, self.path)
-
-
-class SaveAtEpochEnd(Callback):
-    def __init__(self, path):
-        self.path = str(path)
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch == 0:
-            trainer.save_checkpoint(self.path)  # every rank: the sharded state is gathered
+    def extra(self, trainer, pl_module):
+        return {"bytes": (self.held_bytes, self.table_bytes)}
 
 
 # name -> (strategy kwargs, epochs, expected ends of FSDP's backward on each rank: False = a batch's
@@ -108,6 +91,19 @@ GPT_CONFIGS = {
         ONE_EPOCH,
     ),
 }  # fmt: skip
+
+
+# The traced path (TinyGPT: ModuleList blocks, head tied to the embedding), one FSDP root per stage: 44
+# sequences, so each epoch ends on a short batch traced again (the root then runs another graph), and
+# validation runs the forward-only graphs.
+TRACED_DATA, TRACED_VAL = token_data(44), token_data(12, seed=1)
+TRACED_TRAIN = dict(max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2)
+TRACED_CONFIGS = {
+    "traced-fsdp-2x2": dict(pipeline_size=2, data_parallel="fsdp", num_microbatches=4),
+    "traced-hsdp-1x2x2": dict(
+        pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2, num_microbatches=2
+    ),
+}
 
 
 def _gpt() -> SequentialGPT:
@@ -160,6 +156,14 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         )
         with _reductions_recorded(f"{out_dir}/{name}-reductions-rank{rank}.pt"):
             trainer.fit(_gpt(), loader(gpt_data, GPT_BATCH // dp))
+    for name, kwargs in TRACED_CONFIGS.items():
+        dp = world // kwargs["pipeline_size"]
+        torch.manual_seed(0)
+        trainer = quiet_trainer(
+            devices=world, strategy=PipelineStrategy(**kwargs),
+            callbacks=[GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")], **TRACED_TRAIN,
+        )  # fmt: skip
+        trainer.fit(TinyGPT(), loader(TRACED_DATA, 8 // dp), val_dataloaders=loader(TRACED_VAL, 12 // dp))
     # A weight tied across the stages: its sharded replicas sum their local shards' gradients.
     torch.manual_seed(0)
     trainer = quiet_trainer(
@@ -171,15 +175,13 @@ def _job(rank: int, world: int, out_dir: str) -> None:
 
 
 def _merged(out_dir: Path, name: str) -> tuple[dict, torch.Tensor, list[dict]]:
-    records = [torch.load(out_dir / f"{name}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    params = {k: v for r in records for k, v in r["params"].items()}
-    losses = torch.tensor([r["losses"] for r in records]).mean(0)
-    return params, losses, records
+    return merged_records(out_dir, name, WORLD)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_step(tmp_path):
+    """The Sequential path (an MLP, a tied MLP, a tied GPT) and the traced path (a tied GPT)."""
     torch.manual_seed(0)
     data = regression_data(N_SAMPLES)
     ref = fit(AdamRegressor(), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref", **TRAIN)[0]
@@ -189,7 +191,18 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
     gpt_ref = fit(
         _gpt(), reference_loader(token_data(GPT_SAMPLES), GPT_BATCH), tmp_path / "gpt-ref", **GPT_TRAIN
     )[0]
+    torch.manual_seed(0)
+    traced_ref = fit(
+        TinyGPT(), reference_loader(TRACED_DATA, 8), tmp_path / "traced-ref",
+        val_dataloaders=loader(TRACED_VAL, 12), **TRACED_TRAIN,
+    )[0]  # fmt: skip
     spawn_gloo(_job, WORLD, tmp_path)
+    for name in TRACED_CONFIGS:
+        params, losses, records = _merged(tmp_path, name)
+        assert_close_dicts(params, traced_ref["params"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(losses, torch.tensor(traced_ref["losses"]), rtol=1e-5, atol=1e-6)
+        # Every parameter each rank holds is a DTensor over its shards (the tied weight too).
+        assert all({held[0] for held in r["held"].values()} == {"DTensor"} for r in records), name
     for name, (_, _, reductions) in CONFIGS.items():
         params, losses, records = _merged(tmp_path, name)
         assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)

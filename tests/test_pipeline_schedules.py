@@ -86,22 +86,10 @@ def test_zero_bubble_and_v_schedules_match_one_device(tmp_path):
     )[0]
     offsets = spawn_gloo(_job, WORLD, tmp_path)[0]
     for name in TRACED_V:
-        records = [torch.load(tmp_path / f"traced-{name}" / f"fit-rank{r}.pt") for r in range(WORLD)]
-        params = {k: v for r in records for k, v in r["params"].items()}
-        assert_close_dicts(params, gpt_ref["params"], rtol=1e-5, atol=1e-6)
-        losses = torch.tensor([r["losses"] for r in records]).mean(0)
-        torch.testing.assert_close(losses, torch.tensor(gpt_ref["losses"]), rtol=1e-5, atol=1e-6, msg=name)
-        val_loss = records[0]["callback_metrics"]["val_loss"]
-        assert val_loss == pytest.approx(gpt_ref["callback_metrics"]["val_loss"], rel=1e-5), name
+        _assert_as_on_one_device(tmp_path / f"traced-{name}", gpt_ref, name)
     assert offsets[0] == 0 and abs(offsets[1]) < 5_000_000, offsets  # within 5 ms of the one clock
     for name in CONFIGS:
-        records = [torch.load(tmp_path / name / f"fit-rank{r}.pt") for r in range(WORLD)]
-        params = {k: v for r in records for k, v in r["params"].items()}
-        assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
-        losses = torch.tensor([r["losses"] for r in records]).mean(0)
-        torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name)
-        val_loss = records[0]["callback_metrics"]["val_loss"]
-        assert val_loss == pytest.approx(ref["callback_metrics"]["val_loss"], rel=1e-5), name
+        _assert_as_on_one_device(tmp_path / name, ref, name)
     # V placement: rank 0 holds the first and the last stage, rank 1 the two middle ones.
     plan = torch.load(tmp_path / "zbv-plan.pt", weights_only=False)
     assert [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]
@@ -110,6 +98,17 @@ def test_zero_bubble_and_v_schedules_match_one_device(tmp_path):
     assert set(rank0) == {"layers.0.0.weight", "layers.0.0.bias", "layers.3.weight", "layers.3.bias"}
     for name in CONFIGS:
         _check_timeline(tmp_path, name)
+
+
+def _assert_as_on_one_device(run_dir: Path, ref: dict, name: str) -> None:
+    """Every weight, the per-step losses and the validation loss of a run equal one device's."""
+    records = [torch.load(run_dir / f"fit-rank{r}.pt") for r in range(WORLD)]
+    params = {k: v for r in records for k, v in r["params"].items()}
+    assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name)
+    val_loss = records[0]["callback_metrics"]["val_loss"]
+    assert val_loss == pytest.approx(ref["callback_metrics"]["val_loss"], rel=1e-5), name
 
 
 def _check_timeline(out: Path, name: str) -> None:

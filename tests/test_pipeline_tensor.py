@@ -9,8 +9,16 @@ import time
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader, spawn_gloo
+from mp_harness import (
+    GatheredRecorder,
+    SaveAtEpochEnd,
+    assert_close_dicts,
+    fit,
+    merged_records,
+    quiet_trainer,
+    reference_loader,
+    spawn_gloo,
+)
 from tiny_models import TinyGPT, loader, token_data
 from tiny_tp_models import SplitQkvGPT
 from torch import nn
@@ -20,7 +28,6 @@ from lightning_parallel import PipelineStrategy
 from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.parallelize.dtensors import full_tensors
 from lightning_parallel.parallelize.tensor import default_plan, user_plan
 from lightning_parallel.strategies._pipeline_config import refuse_traced_parallelize
 from lightning_parallel.strategies._pipeline_parallelize import tensor_plan
@@ -39,39 +46,6 @@ CONFIGS = {
 }
 
 
-class Record(Callback):
-    """Per rank: the losses, the full (gathered) parameters and how the parameters are held."""
-
-    def __init__(self, path: str) -> None:
-        self.path, self.losses, self.held = path, [], {}
-
-    def on_train_start(self, trainer, pl_module):
-        self.held = {
-            n: (
-                type(p).__name__,
-                str(getattr(p, "placements", "")),
-                tuple((p.to_local() if hasattr(p, "to_local") else p).shape),
-            )
-            for n, p in pl_module.named_parameters()
-        }
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-    def on_fit_end(self, trainer, pl_module):
-        params = {k: v.detach().cpu() for k, v in full_tensors(pl_module.state_dict()).items()}
-        torch.save({"losses": self.losses, "params": params, "held": self.held}, self.path)
-
-
-class SaveAtEpochEnd(Callback):
-    def __init__(self, path):
-        self.path = str(path)
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch == 0:
-            trainer.save_checkpoint(self.path)  # every rank: the split weights are gathered
-
-
 def _job(rank: int, world: int, out_dir: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     data, ckpt = token_data(N_SAMPLES), f"{out_dir}/tp.ckpt"
@@ -79,7 +53,8 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         dp = world // (kwargs["pipeline_size"] * kwargs["tensor_parallel_size"])
         torch.manual_seed(0)
         first = name == "pp2-tp2"
-        callbacks = [Record(f"{out_dir}/{name}-rank{rank}.pt"), *([SaveAtEpochEnd(ckpt)] if first else [])]
+        record = GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")
+        callbacks = [record, *([SaveAtEpochEnd(ckpt)] if first else [])]
         trainer = quiet_trainer(
             devices=world, strategy=PipelineStrategy(num_microbatches=4, **kwargs), callbacks=callbacks,
             limit_val_batches=2, **{**TRAIN, "max_epochs": epochs},
@@ -92,13 +67,6 @@ def _job(rank: int, world: int, out_dir: str) -> None:
     torch.save(None, f"{out_dir}/rank{rank}.pt")
 
 
-def _merged(out_dir, name):
-    records = [torch.load(out_dir / f"{name}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    params = {k: v for r in records for k, v in r["params"].items()}
-    losses = torch.tensor([r["losses"] for r in records]).mean(0)
-    return params, losses, records
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
@@ -109,17 +77,17 @@ def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
     spawn_gloo(_job, WORLD, tmp_path)
     print(f"4-rank job: {time.perf_counter() - start:.1f} s")
     for name in CONFIGS:
-        params, losses, _ = _merged(tmp_path, name)
+        params, losses, _ = merged_records(tmp_path, name, WORLD)
         assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
         expected = torch.tensor(ref["losses"])[-len(losses) :]  # the resumed runs: their second epoch
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     # pp 2 x tp 2: rank 0 (stage 0, tp rank 0) holds the first half of each split weight, as a DTensor.
-    held = _merged(tmp_path, "pp2-tp2")[2]
+    held = merged_records(tmp_path, "pp2-tp2", WORLD)[2]
     assert held[0]["held"]["layers.1.attn.q.weight"] == ("DTensor", "(Shard(dim=0),)", (8, 16))
     assert held[1]["held"]["layers.1.attn.proj.weight"] == ("DTensor", "(Shard(dim=1),)", (16, 8))
     assert held[0]["held"]["layers.0.wte.weight"][0] == "Parameter"  # the embedding stays whole
     # dp 2 (FSDP) x tp 2: a quarter of each split weight, sharded over dp on top of its tp slice (2-D).
-    held = _merged(tmp_path, "dp2-tp2-fsdp")[2][0]["held"]["layers.1.attn.q.weight"]
+    held = merged_records(tmp_path, "dp2-tp2-fsdp", WORLD)[2][0]["held"]["layers.1.attn.q.weight"]
     assert held == ("DTensor", "(_StridedShard(dim=0, sf=2), Shard(dim=0))", (4, 16)), held
     # The checkpoint saved at pp 2 x tp 2 resumes on one device.
     torch.manual_seed(0)

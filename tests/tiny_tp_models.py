@@ -10,6 +10,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
+from tiny_models import TokenModel
 from torch import nn
 
 
@@ -62,30 +63,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class SplitQkvGPT(L.LightningModule):
-    """``layers = Sequential(Embed, Block x depth, LayerNorm, Linear head)``, trained with SGD + momentum."""
+class SplitQkvGPT(TokenModel):
+    """``layers = Sequential(Embed, Block x depth, LayerNorm, Linear head)``, trained with SGD + momentum.
+
+    TokenModel's steps (next-token cross-entropy), another network.
+    """
 
     def __init__(self, vocab: int = 13, dim: int = 16, depth: int = 2, heads: int = 4, block_size: int = 8,
                  lr: float = 0.1):  # fmt: skip
-        super().__init__()
+        L.LightningModule.__init__(self)
         self.lr = lr
         blocks = [Block(dim, heads) for _ in range(depth)]
         self.layers = nn.Sequential(
             Embed(vocab, dim, block_size), *blocks, nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
         )
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.layers(idx)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
