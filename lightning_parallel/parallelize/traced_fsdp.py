@@ -36,7 +36,7 @@ class ShardedTracedStage(nn.Module):
 
         root = ShardedTracedStage(pruned_gpt)
         shard_traced_stage(root, mesh.device_mesh["dp_shard"])
-        root.use_graph(stage_graph, aliases)    # the export graph of this input shape
+        root.use_graph(stage_graph, root.links(stage_graph, aliases))   # this input shape's graph
         root(x)                                 # all-gathers the stage, runs the graph
     """
 
@@ -51,8 +51,9 @@ class ShardedTracedStage(nn.Module):
         self._graph: nn.Module | None = None
         self._links: list[_Link] = []
 
-    def use_graph(self, graph: nn.Module, aliases: Mapping[str, str]) -> None:
-        """Run ``graph`` from now on; its parameter attributes follow this root's (by canonical name)."""
+    def links(self, graph: nn.Module, aliases: Mapping[str, str]) -> list[_Link]:
+        """Where each parameter attribute of ``graph`` takes its tensor from in this root (by canonical
+        name): computed once per graph, followed at every forward."""
         mine: dict[str, tuple[dict[str, Any], str]] = {}
         for path, _ in self.named_parameters(remove_duplicate=False):
             owner, _, leaf = path.rpartition(".")
@@ -62,6 +63,10 @@ class ShardedTracedStage(nn.Module):
             owner, _, leaf = path.rpartition(".")
             slot, name = mine[aliases.get(path, path)]
             links.append((graph.get_submodule(owner)._parameters, leaf, slot, name))
+        return links
+
+    def use_graph(self, graph: nn.Module, links: list[_Link]) -> None:
+        """Run ``graph`` from now on, its parameter attributes following ``links`` (:meth:`links`)."""
         self.__dict__["_graph"], self._links = graph, links
 
     def forward(self, *args: Any) -> Any:

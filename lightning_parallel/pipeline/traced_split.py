@@ -7,6 +7,7 @@ those after the last block (final norm, head) with the last one.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -173,7 +174,8 @@ class TracedStages:
         # wraps that root, which runs the graph of the schedule about to step (see activate).
         self.root: Any = None
         self.stage_cls: type[PipelineStage] = PipelineStage
-        self._graphs: dict[int, nn.Module] = {}
+        # torch stage -> (its graph, the graph's links to the root): dropped with the stage
+        self._graphs: weakref.WeakKeyDictionary[Any, tuple[nn.Module, Any]] = weakref.WeakKeyDictionary()
 
     def pipe_for(self, train: bool, example: tuple[Any, ...]) -> Any:
         """The traced pipe for this input shape (a trace done for planning is used once more)."""
@@ -193,14 +195,15 @@ class TracedStages:
         return (train, _spec(example), dtypes, binding.key if binding is not None else None)
 
     def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
-        pipe = self.pipe_for(mode == "train", to_meta(example))
+        example = to_meta(example)
+        pipe = self.pipe_for(mode == "train", example)
         if pipe.num_stages != self.num_stages:
             raise RuntimeError(
                 f"tracing at a new input shape gave {pipe.num_stages} stages instead of {self.num_stages}: "
                 f"forward calls other modules at this shape"
             )
         real = _real_tensors(self.module, self.aliases)
-        examples = stage_examples(pipe, to_meta(example), mode == "train")
+        examples = stage_examples(pipe, example, mode == "train")
         stages = []
         for index in self.stage_indices:
             stage_module = pipe.get_stage_module(index)
@@ -213,14 +216,15 @@ class TracedStages:
                 stage_module, index, self.num_stages, self.device, self.group, examples[index],
                 self.stage_cls, self.root,
             )  # fmt: skip
-            self._graphs[id(stage)] = stage_module
+            if self.root is not None:
+                self._graphs[stage] = (stage_module, self.root.links(stage_module, self.aliases))
             stages.append(stage)
         return stages
 
     def activate(self, stages: Sequence[Any]) -> None:
         """Before a schedule steps: make a sharded root run that schedule's graph (shapes differ)."""
         if self.root is not None:
-            self.root.use_graph(self._graphs[id(stages[0])], self.aliases)
+            self.root.use_graph(*self._graphs[stages[0]])
 
     def output_merge_spec(self, num_microbatches: int) -> Any:
         """How the last stage's micro-batch outputs merge into the batch's (None: concatenated on dim 0).
