@@ -10,7 +10,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
-from tiny_models import TokenModel
+from tiny_models import TinyGPT, TokenModel
 from torch import nn
 
 
@@ -77,6 +77,20 @@ class SplitQkvGPT(TokenModel):
         self.layers = nn.Sequential(
             Embed(vocab, dim, block_size), *blocks, nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
         )
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class SplitQkvTinyGPT(TinyGPT):
+    """TinyGPT's shape (embeddings, a ModuleList of blocks, a head tied to the token embedding), its blocks
+    with separate q, k, v: the traced path's model for tensor parallelism. SGD + momentum, as SplitQkvGPT.
+    """
+
+    def __init__(self, vocab: int = 13, dim: int = 16, depth: int = 2, heads: int = 4, block_size: int = 8,
+                 lr: float = 0.1):  # fmt: skip
+        super().__init__(vocab, dim, depth, heads, block_size, lr)
+        self.h = nn.ModuleList(Block(dim, heads) for _ in range(depth))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

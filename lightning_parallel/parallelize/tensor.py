@@ -20,7 +20,7 @@ model with one gets split with separate q, k, v layers or with a ``tensor_parall
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -88,29 +88,97 @@ def default_plan(seq: nn.Sequential, seq_name: str, tp_size: int) -> TensorPlan:
         plan = default_plan(model.layers, "layers", 2)
         plan.styles["layers.1.attn.q"]      # ColwiseParallel()
     """
+    layers = [
+        (f"{seq_name}.{name}", layer)
+        for name, layer in seq.named_children()
+        # an embedding, a norm or a single Linear (a head) stays whole on every rank
+        if any(isinstance(m, nn.Linear) for m in layer.modules()) and not isinstance(layer, nn.Linear)
+    ]
+    return block_plan(layers, tp_size, f"`{seq_name}`")
+
+
+def block_plan(
+    blocks: Sequence[tuple[str, nn.Module]], tp_size: int, where: str, local_heads: bool = True
+) -> TensorPlan:
+    """The default plan of each block (attention and MLP split, see :func:`default_plan`).
+
+    Args:
+        blocks: ``(path in the LightningModule, block)`` of each block to split.
+        where: how errors name the blocks' home (``"`layers`"``).
+        local_heads: set each attention's head counts to those of one rank (a module that runs on
+            local shards); off for a traced stage, whose DTensors keep the global shapes, where the
+            head counts are only checked (divisible by ``tp_size``).
+
+    Example::
+
+        plan = block_plan([(f"h.{i}", b) for i, b in enumerate(gpt.h)], 2, "`h`", local_heads=False)
+    """
     styles: dict[str, ParallelStyle] = {}
     heads: dict[str, dict[str, int]] = {}
-    for name, layer in seq.named_children():
-        if not any(isinstance(m, nn.Linear) for m in layer.modules()) or isinstance(layer, nn.Linear):
-            continue  # an embedding, a norm or a single Linear (a head) stays whole on every rank
-        prefix = f"{seq_name}.{name}"
+    for prefix, layer in blocks:
         layer_styles: dict[str, ParallelStyle] = {}
         for path, module in layer.named_modules():
             full = f"{prefix}.{path}" if path else prefix
-            found = _attention(module, full, tp_size) or _mlp(module, full, tp_size)
+            found = _attention(module, full, tp_size, local_heads) or _mlp(module, full, tp_size)
             if found is not None:
                 layer_styles.update({f"{full}.{c}": s for c, s in found[0].items()})
-                if found[1]:
+                if found[1] and local_heads:
                     heads[full] = found[1]
         _check_covered(layer, prefix, layer_styles, tp_size)
         styles.update(layer_styles)
     if not styles:
         raise ValueError(
             f"tensor_parallel_size={tp_size}, but the default tensor-parallel plan found no attention or "
-            f"MLP block to split in `{seq_name}`: pass tensor_parallel_plan={{module path: ParallelStyle}} "
+            f"MLP block to split in {where}: pass tensor_parallel_plan={{module path: ParallelStyle}} "
             f"(as parallelize_module takes), or use tensor_parallel_size=1"
         )
     return TensorPlan(tp_size, styles, heads)
+
+
+def hf_plan(module: nn.Module, tp_size: int) -> TensorPlan | None:
+    """The plan a Hugging Face model inside ``module`` ships (``config.base_model_tp_plan``), or None.
+
+    Its ``"colwise"`` / ``"rowwise"`` entries become ``ColwiseParallel()`` / ``RowwiseParallel()`` on
+    the matching modules (patterns are relative to the base model, ``"layers.*.self_attn.q_proj"``).
+
+    Raises:
+        ValueError: a style other than those two, or head counts / widths that ``tp_size`` does not
+            divide (the message names the config field).
+
+    Example::
+
+        hf_plan(lit_module, 2).styles["model.model.layers.0.self_attn.q_proj"]   # ColwiseParallel()
+    """
+    for path, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        base = getattr(sub, "base_model", None)
+        entries = getattr(config, "base_model_tp_plan", None)
+        if not entries or not isinstance(base, nn.Module):
+            continue
+        base_path = next(p for p, m in module.named_modules() if m is base)
+        for field_name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = getattr(config, field_name, None)
+            if isinstance(value, int) and value % tp_size:
+                raise ValueError(
+                    f"`{path or type(module).__name__}`'s config has {field_name}={value}, which "
+                    f"tensor_parallel_size={tp_size} does not divide: use a tensor_parallel_size that "
+                    f"divides it"
+                )
+        styles: dict[str, ParallelStyle] = {}
+        for pattern, kind in entries.items():
+            if kind not in _HF_STYLES:
+                raise ValueError(
+                    f"{type(sub).__name__}.config.base_model_tp_plan splits `{pattern}` as {kind!r}, which "
+                    f"this strategy does not take (it takes {sorted(_HF_STYLES)}): pass "
+                    f"tensor_parallel_plan={{module path: ParallelStyle}} for this model"
+                )
+            full = f"{base_path}.{pattern}" if base_path else pattern
+            styles.update(dict.fromkeys(_matching(module, full), _HF_STYLES[kind]))
+        return TensorPlan(tp_size, styles)
+    return None
+
+
+_HF_STYLES: dict[str, ParallelStyle] = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
 
 
 def user_plan(
@@ -131,7 +199,7 @@ def user_plan(
         styles = {"layers.*.fc": ColwiseParallel(), "layers.*.out": RowwiseParallel()}
         user_plan(model.layers, "layers", 2, styles)
     """
-    paths = [f"{seq_name}.{p}" for p, _ in seq.named_modules() if p]
+    paths = [f"{seq_name}.{p}" if seq_name else p for p, _ in seq.named_modules() if p]
     styles: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not isinstance(style, ParallelStyle):
@@ -143,8 +211,9 @@ def user_plan(
         matched = [p for p in paths if _matches(pattern, p)]
         if not matched:
             shown = ", ".join(paths[:8]) + (" ..." if len(paths) > 8 else "")
+            home = seq_name or type(seq).__name__
             raise ValueError(
-                f"tensor_parallel_plan pattern {pattern!r} matches no module of `{seq_name}` (paths are "
+                f"tensor_parallel_plan pattern {pattern!r} matches no module of `{home}` (paths are "
                 f"written from the LightningModule, e.g. {shown})"
             )
         styles.update(dict.fromkeys(matched, style))
@@ -176,13 +245,42 @@ def apply_plan(modules: list[nn.Module], names: list[list[str]], plan: TensorPla
                     )
                     for attr, value in counts.items():
                         setattr(target, attr, value)
-        whole = [t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, DTensor)]
-        with torch.no_grad():
-            broadcast_coalesced([t.data for t in whole], mesh.mesh.flatten()[0].item(), mesh.get_group())
+        broadcast_whole(module, mesh)
+
+
+def apply_held_styles(module: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+    """Split the modules of ``plan`` that this rank holds (a traced stage's pruned module), in place.
+
+    Returns the styles applied, by module path. The whole tensors are broadcast as in :func:`apply_plan`.
+
+    Example::
+
+        held = apply_held_styles(pruned_gpt, plan, mesh.device_mesh["tp"])
+    """
+    held = {path: style for path, style in plan.styles.items() if _holds_weights(module, path)}
+    if held:
+        parallelize_module(module, mesh, held)
+    broadcast_whole(module, mesh)
+    return held
+
+
+def _holds_weights(module: nn.Module, path: str) -> bool:
+    try:
+        held = module.get_submodule(path)
+    except AttributeError:  # another stage's block, pruned away on this rank
+        return False
+    return any(t is not None for t in held._parameters.values())
+
+
+def broadcast_whole(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Broadcast ``module``'s parameters and buffers that are not split from tensor-parallel rank 0."""
+    whole = [t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, DTensor)]
+    with torch.no_grad():
+        broadcast_coalesced([t.data for t in whole], mesh.mesh.flatten()[0].item(), mesh.get_group())
 
 
 def _attention(
-    module: nn.Module, path: str, tp: int
+    module: nn.Module, path: str, tp: int, local_heads: bool = True
 ) -> tuple[dict[str, ParallelStyle], dict[str, int]] | None:
     linears = {n for n, c in module.named_children() if isinstance(c, nn.Linear)}
     fused = linears.intersection(FUSED_QKV)
@@ -207,7 +305,7 @@ def _attention(
         for a in (*HEAD_COUNTS, *KV_HEAD_COUNTS)
         if isinstance(getattr(module, a, None), int)
     }
-    if not any(a in counts for a in HEAD_COUNTS):
+    if local_heads and not any(a in counts for a in HEAD_COUNTS):
         raise ValueError(
             f"`{path}` ({type(module).__name__}) holds no head count in an attribute named one of "
             f"{HEAD_COUNTS}: the default plan sets it to heads / tensor_parallel_size so each rank runs its "
@@ -257,6 +355,10 @@ def _check_covered(layer: nn.Module, prefix: str, styles: Mapping[str, ParallelS
             f"(q/k/v + output projection) or MLP (first + output projection) it knows. Pass "
             f"tensor_parallel_plan={{module path: ParallelStyle}} for this model"
         )
+
+
+def _matching(module: nn.Module, pattern: str) -> list[str]:
+    return [p for p, _ in module.named_modules() if p and _matches(pattern, p)]
 
 
 def _matches(pattern: str, path: str) -> bool:

@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from lightning_parallel.parallelize.traced_tensor import run_on_dtensors
+
 # (the graph's slot dict, its name there, the root's slot dict, the name there)
 _Link = tuple[dict[str, Any], str, dict[str, Any], str]
 
@@ -31,6 +33,8 @@ class ShardedTracedStage(nn.Module):
         module: the user's module, pruned to this rank's stage; its children are held as they are
             (shared, so the user's module sees the sharded parameters FSDP puts in their place) and
             its own parameters are registered here too (and put back in it after sharding).
+        tensor_parallel_mesh: set when the modules are split over tensor-parallel ranks too: the graph
+            then runs on DTensors (:func:`~lightning_parallel.parallelize.traced_tensor.run_on_dtensors`).
 
     Example::
 
@@ -40,9 +44,10 @@ class ShardedTracedStage(nn.Module):
         root(x)                                 # all-gathers the stage, runs the graph
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, tensor_parallel_mesh: DeviceMesh | None = None) -> None:
         super().__init__()
         self._owner = [module]  # a list: not registered as a submodule (it is the LightningModule)
+        self._tp_mesh = tensor_parallel_mesh
         for name, child in module.named_children():
             self.add_module(name, child)
         for name, param in module._parameters.items():
@@ -75,6 +80,8 @@ class ShardedTracedStage(nn.Module):
         # FSDP's pre-forward has just set the unsharded parameters on the held modules.
         for graph_slot, graph_name, slot, name in self._links:
             graph_slot[graph_name] = slot[name]
+        if self._tp_mesh is not None:  # its split weights are tensor-parallel DTensors
+            return run_on_dtensors(self._graph, args, self._tp_mesh)
         return self._graph(*args)
 
     def restore_owner_parameters(self) -> None:

@@ -7,6 +7,7 @@ fails and takes the peer rank down), so each distinct batch shape, micro-batch c
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -137,7 +138,8 @@ class PipelineRunner:
             # The step's outputs reach the user's step through loss_fn, one micro-batch at a time: not
             # asking for them merged lets the last stage free each output at its backward (and a
             # forward that returns a scalar loss beside its logits, as nanoGPT's does, needs no merge).
-            schedule.step(*(args if self.has_first else ()), target=target, return_outputs=False)
+            with self._step_context():
+                schedule.step(*(args if self.has_first else ()), target=target, return_outputs=False)
         finally:
             self._loss_fn = None
         if self.has_last and sorted(self._seen) != list(range(num_microbatches)):
@@ -150,7 +152,8 @@ class PipelineRunner:
     def forward(self, key: Hashable, num_microbatches: int, args: tuple[Any, ...] | None) -> Any:
         """Forward only; returns the merged output of the whole batch on the last stage, else None."""
         schedule = self._schedule(("eval", key, num_microbatches), num_microbatches, args, train=False)
-        return schedule.step(*(args if self.has_first else ()))
+        with self._step_context():
+            return schedule.step(*(args if self.has_first else ()))
 
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         # The schedule splits `target` = arange(m) into one index per micro-batch.
@@ -197,6 +200,11 @@ class PipelineRunner:
             self._cache.popitem(last=False)
         self._activate(stages)
         return schedule
+
+    def _step_context(self) -> Any:
+        # Tensor-parallel traced stages need one (see TracedStages.step_context).
+        context = getattr(self.stages, "step_context", None)
+        return context() if context is not None else contextlib.nullcontext()
 
     def _activate(self, stages: list[Any]) -> None:
         # Stages built per input shape may share one module (a sharded traced stage): it must run the

@@ -62,6 +62,13 @@ def meta_twin(module: nn.Module) -> nn.Module:
             copy._parameters = {k: None if v is None else twin_tensor(v) for k, v in m._parameters.items()}
             copy._buffers = {k: None if v is None else twin_tensor(v) for k, v in m._buffers.items()}
             copy._modules = {k: None if v is None else twin_module(v) for k, v in m._modules.items()}
+            # Its own hook dicts: hooks added to the user's module later (parallelize_module's, on
+            # DTensors) must not run when the twin is traced again.
+            for name, value in m.__dict__.items():
+                if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(
+                    value, dict
+                ):
+                    setattr(copy, name, value.__class__(value))
         return modules[id(m)]
 
     return twin_module(module)
@@ -255,14 +262,24 @@ def _is_block(path: str) -> bool:
 
 def _tensors_read(gm: nn.Module) -> list[str]:
     """Every ``get_attr`` target in the stage graph and the graphs nested in it, as a full path."""
+    return [
+        f"{scope}.{n.target}" if scope else n.target
+        for scope, mod in graph_modules(gm)
+        for n in mod.graph.nodes
+        if n.op == "get_attr"
+    ]
+
+
+def graph_modules(gm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The stage module and the modules nested in it that run a graph, with their paths in it.
+
+    Plain ``nn.Module`` containers hold only the aliases the tracer copies around: nothing runs them.
+    """
     found, stack = [], [("", gm)]
     while stack:
         scope, mod = stack.pop()
-        # Plain nn.Module containers hold only the aliases the tracer copies around: nothing reads them.
         if isinstance(mod, (fx.GraphModule, InterpreterModule)):
-            found += [
-                f"{scope}.{n.target}" if scope else n.target for n in mod.graph.nodes if n.op == "get_attr"
-            ]
+            found.append((scope, mod))
         stack += [(f"{scope}.{name}" if scope else name, child) for name, child in mod.named_children()]
     return found
 

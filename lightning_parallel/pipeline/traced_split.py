@@ -7,6 +7,7 @@ those after the last block (final norm, head) with the last one.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -16,6 +17,12 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
+from lightning_parallel.parallelize.traced_tensor import (
+    TensorParallelGraph,
+    place_split_ops,
+    register_missing_shardings,
+    tensor_parallel_step,
+)
 from lightning_parallel.pipeline.call_binding import CallBinding
 from lightning_parallel.pipeline.trace import (
     manual_stage,
@@ -174,8 +181,21 @@ class TracedStages:
         # wraps that root, which runs the graph of the schedule about to step (see activate).
         self.root: Any = None
         self.stage_cls: type[PipelineStage] = PipelineStage
+        # Set when the stages are split over tensor-parallel ranks (split_over): their graphs run on DTensors.
+        self.tensor_parallel_mesh: Any = None
+        self._split_styles: dict[str, Any] = {}
         # torch stage -> (its graph, the graph's links to the root): dropped with the stage
         self._graphs: weakref.WeakKeyDictionary[Any, tuple[nn.Module, Any]] = weakref.WeakKeyDictionary()
+
+    def split_over(self, mesh: Any, styles: Mapping[str, Any]) -> None:
+        """Run the stages' graphs on DTensors over the tensor-parallel ``mesh`` (this rank's modules are
+        split with ``styles``, module path -> ParallelStyle: see parallelize/traced_tensor.py)."""
+        register_missing_shardings()
+        self.tensor_parallel_mesh, self._split_styles = mesh, dict(styles)
+
+    def step_context(self) -> Any:
+        """Around each schedule step (tensor-parallel stages mix plain tensors and DTensors in backward)."""
+        return tensor_parallel_step() if self.tensor_parallel_mesh is not None else contextlib.nullcontext()
 
     def pipe_for(self, train: bool, example: tuple[Any, ...]) -> Any:
         """The traced pipe for this input shape (a trace done for planning is used once more)."""
@@ -208,13 +228,17 @@ class TracedStages:
         for index in self.stage_indices:
             stage_module = pipe.get_stage_module(index)
             point_at(stage_module, real, self.aliases)
+            runs: nn.Module | None = self.root
+            if self.tensor_parallel_mesh is not None:
+                place_split_ops(stage_module, self._split_styles, self.aliases)
+                runs = runs or TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
             if self.wrap_units is not None:
                 self.wrap_units(called_units(stage_module))
             if index == self.num_stages - 1:
                 self._output_ndims = _output_ndims(stage_module)
             stage = manual_stage(
                 stage_module, index, self.num_stages, self.device, self.group, examples[index],
-                self.stage_cls, self.root,
+                self.stage_cls, runs,
             )  # fmt: skip
             if self.root is not None:
                 self._graphs[stage] = (stage_module, self.root.links(stage_module, self.aliases))

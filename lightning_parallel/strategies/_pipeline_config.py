@@ -191,15 +191,6 @@ def checked_data_parallel(
 
 def refuse_traced_parallelize(config: PipelineConfig) -> None:
     """What the traced path's stages cannot take: say why, before its split."""
-    if config.tensor_parallel_size > 1:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} needs the stage modules of a split "
-            f"nn.Sequential, but this module is split by tracing its forward: a traced stage is an export "
-            f"graph that calls none of your modules (tensor parallelism's hooks would never run) and has "
-            f"the whole weights' shapes and head counts baked into its ops. Hold the embedding, the blocks "
-            f"and the head in one top-level nn.Sequential (without split_points), or use "
-            f"tensor_parallel_size=1"
-        )
     if config.parallelize_fn is not None:
         raise ValueError(
             "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split by "

@@ -2,7 +2,8 @@
 
 Glue over :mod:`lightning_parallel.parallelize`: resolves the tensor-parallel plan on the unsplit
 module, then runs tensor parallelism, the user's ``parallelize_fn`` and FSDP2 on the Sequential path's
-stage modules (on the traced path, FSDP2 on one root per stage), and points the strategy's
+stage modules (on the traced path: tensor parallelism on the held modules, whose graphs then run on
+DTensors, and FSDP2 on one root per stage), and points the strategy's
 bookkeeping (parameter names, tied replicas) at the parameters they put in their place.
 """
 
@@ -15,10 +16,18 @@ from torch import nn
 
 from lightning_parallel.parallelize.fsdp import DeferredReduceStage
 from lightning_parallel.parallelize.stages import parallelize_stages
-from lightning_parallel.parallelize.tensor import TensorPlan, default_plan, user_plan
+from lightning_parallel.parallelize.tensor import (
+    TensorPlan,
+    apply_held_styles,
+    block_plan,
+    default_plan,
+    hf_plan,
+    user_plan,
+)
 from lightning_parallel.parallelize.traced_fsdp import ShardedTracedStage, shard_traced_stage
+from lightning_parallel.parallelize.traced_tensor import style_layouts
 from lightning_parallel.pipeline.split import SequentialStages, find_sequential
-from lightning_parallel.pipeline.traced_split import TracedStages
+from lightning_parallel.pipeline.traced_split import TracedStages, find_block_list
 
 if TYPE_CHECKING:
     from lightning_parallel.strategies._pipeline_build import PipelineParts
@@ -26,21 +35,42 @@ if TYPE_CHECKING:
 
 
 def tensor_plan(module: nn.Module, config: PipelineConfig) -> tuple[str, TensorPlan] | None:
-    """The tensor-parallel plan of the module's split Sequential (read before the split), or None.
+    """The tensor-parallel plan (read on the unsplit module, before the split), or None.
 
+    On the Sequential path: the split Sequential's layers (``"layers"``, the plan). On the traced path
+    (``""``, the plan): the user's plan, else a Hugging Face model's own ``base_model_tp_plan``, else
+    the default plan of the block list; every style checked to be one a traced stage can place.
     The same on every rank (a pure function of the module): its errors are raised by all ranks alike.
-    A module the traced path splits gets None here and the traced path's refusal later.
     """
-    if config.tensor_parallel_size == 1 or config.split_points is not None:
+    if config.tensor_parallel_size == 1:
         return None
-    found = find_sequential(module, config.module_name)
-    if found is None:
-        return None
-    name, seq = found
     tp = config.tensor_parallel_size
+    found = find_sequential(module, config.module_name) if config.split_points is None else None
+    if found is not None:
+        name, seq = found
+        if config.tensor_parallel_plan is not None:
+            return name, user_plan(seq, name, tp, config.tensor_parallel_plan)
+        return name, default_plan(seq, name, tp)
     if config.tensor_parallel_plan is not None:
-        return name, user_plan(seq, name, tp, config.tensor_parallel_plan)
-    return name, default_plan(seq, name, tp)
+        plan = user_plan(module, "", tp, config.tensor_parallel_plan)
+    else:
+        plan = hf_plan(module, tp) or _block_list_plan(module, tp)
+    for path, style in plan.styles.items():
+        style_layouts(style, path)
+    return "", plan
+
+
+def _block_list_plan(module: nn.Module, tp: int) -> TensorPlan:
+    try:
+        path, names = find_block_list(module)
+    except ValueError:
+        raise ValueError(
+            f"tensor_parallel_size={tp}: {type(module).__name__} has no nn.ModuleList of blocks for the "
+            f"default tensor-parallel plan to split: pass tensor_parallel_plan={{module path: "
+            f"ColwiseParallel() | RowwiseParallel()}}"
+        ) from None
+    blocks = [(f"{path}.{n}", module.get_submodule(f"{path}.{n}")) for n in names]
+    return block_plan(blocks, tp, f"`{path}`", local_heads=False)
 
 
 def parallelize_parts(
@@ -57,9 +87,14 @@ def parallelize_parts(
     before = dict(module.named_parameters())
     shard_mesh = mesh.data_parallel_mesh()
     seq_name, tp_plan = plan if plan is not None else ("", None)
-    if isinstance(stages, TracedStages):  # refuse_traced_parallelize let only data_parallel="fsdp" by
-        stages.root = ShardedTracedStage(module)
-        roots = [shard_traced_stage(stages.root, shard_mesh)]
+    if isinstance(stages, TracedStages):  # refuse_traced_parallelize let only tp and fsdp by
+        roots = []
+        if tp_plan is not None:
+            held = apply_held_styles(module, tp_plan, mesh.device_mesh["tp"])
+            stages.split_over(mesh.device_mesh["tp"], held)
+        if config.data_parallel == "fsdp":
+            stages.root = ShardedTracedStage(module, stages.tensor_parallel_mesh)
+            roots = [shard_traced_stage(stages.root, shard_mesh)]
     else:
         assert isinstance(stages, SequentialStages)
         names = [[f"{seq_name}.{c}" for c, _ in m.named_children()] for m in stages.modules]
