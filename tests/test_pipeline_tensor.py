@@ -7,6 +7,7 @@ Trainers in turn on the process group the job set up (as under torchrun), so the
 import os
 import time
 
+import hf_env
 import pytest
 import torch
 from mp_harness import (
@@ -20,16 +21,24 @@ from mp_harness import (
     spawn_gloo,
 )
 from tiny_models import TinyGPT, loader, token_data
-from tiny_tp_models import SplitQkvGPT
+from tiny_tp_models import SplitQkvGPT, SplitQkvTinyGPT
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.pipelining._IR import _modify_graph_op_device
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.parallelize.tensor import default_plan, user_plan
-from lightning_parallel.strategies._pipeline_config import refuse_traced_parallelize
+from lightning_parallel.parallelize.tensor import apply_held_styles, default_plan, user_plan
+from lightning_parallel.parallelize.traced_tensor import (
+    TensorParallelGraph,
+    place_split_ops,
+    register_missing_shardings,
+    tensor_parallel_step,
+)
+from lightning_parallel.pipeline.shared import alias_table
+from lightning_parallel.pipeline.trace import meta_twin, point_at, to_meta, trace
 from lightning_parallel.strategies._pipeline_parallelize import tensor_plan
 
 # 48 samples, global batch 16: 3 batches an epoch; accumulate_grad_batches=2 gives the windows [0, 1]
@@ -37,68 +46,167 @@ from lightning_parallel.strategies._pipeline_parallelize import tensor_plan
 N_SAMPLES, GLOBAL_BATCH, WORLD = 48, 16, 4
 TRAIN = dict(max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2)
 
-# name -> (strategy kwargs, epochs). Run in this order inside the spawned job; the later runs resume
-# the first run's checkpoint (saved at pp 2 x tp 2) at other shapes for epoch 2.
+# name -> (model, strategy kwargs, epochs, checkpoint it saves / resumes). Run in this order inside the
+# spawned job: the Sequential GPT's later runs resume its pp 2 x tp 2 checkpoint at other shapes for
+# epoch 2, the traced GPT's FSDP run resumes its own (a traced stage's graph runs on DTensors).
 CONFIGS = {
-    "pp2-tp2": (dict(pipeline_size=2, tensor_parallel_size=2), 2),
-    "dp2-tp2-fsdp": (dict(pipeline_size=1, tensor_parallel_size=2, data_parallel="fsdp"), 2),
-    "dp2-tp2-replicate": (dict(pipeline_size=1, tensor_parallel_size=2), 2),
+    "pp2-tp2": ("sequential", dict(pipeline_size=2, tensor_parallel_size=2), 2, "save:tp.ckpt"),
+    "dp2-tp2-fsdp": (
+        "sequential",
+        dict(pipeline_size=1, tensor_parallel_size=2, data_parallel="fsdp"),
+        2,
+        "resume:tp.ckpt",
+    ),
+    "dp2-tp2-replicate": ("sequential", dict(pipeline_size=1, tensor_parallel_size=2), 2, "resume:tp.ckpt"),
+    "traced-pp2-tp2": ("traced", dict(pipeline_size=2, tensor_parallel_size=2), 2, "save:traced.ckpt"),
+    "traced-dp2-tp2-fsdp": (
+        "traced",
+        dict(pipeline_size=1, tensor_parallel_size=2, data_parallel="fsdp"),
+        2,
+        "resume:traced.ckpt",
+    ),
 }
+MODELS = {"sequential": SplitQkvGPT, "traced": SplitQkvTinyGPT}
+# Hugging Face Llama from config, split with its own base_model_tp_plan: (tied, how the step calls it,
+# strategy kwargs), two optimizer steps each.
+HF_CONFIGS = {
+    "llama-tied-masked-pp2-tp2": (True, "masked", dict(pipeline_size=2, tensor_parallel_size=2)),
+    "llama-untied-labels-dp2-tp2-fsdp": (
+        False,
+        "labels",
+        dict(pipeline_size=1, tensor_parallel_size=2, data_parallel="fsdp"),
+    ),
+}
+HF_STEPS = 2
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    data, ckpt = token_data(N_SAMPLES), f"{out_dir}/tp.ckpt"
-    for name, (kwargs, epochs) in CONFIGS.items():
+    data = token_data(N_SAMPLES)
+    for name, (model, kwargs, epochs, ckpt) in CONFIGS.items():
         dp = world // (kwargs["pipeline_size"] * kwargs["tensor_parallel_size"])
-        torch.manual_seed(0)
-        first = name == "pp2-tp2"
+        action, ckpt = ckpt.split(":")
+        first = action == "save"
         record = GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")
-        callbacks = [record, *([SaveAtEpochEnd(ckpt)] if first else [])]
+        callbacks = [record, *([SaveAtEpochEnd(f"{out_dir}/{ckpt}")] if first else [])]
         trainer = quiet_trainer(
             devices=world, strategy=PipelineStrategy(num_microbatches=4, **kwargs), callbacks=callbacks,
             limit_val_batches=2, **{**TRAIN, "max_epochs": epochs},
         )  # fmt: skip
         trainer.fit(
-            SplitQkvGPT(), loader(data, GLOBAL_BATCH // dp),
+            _seeded(model), loader(data, GLOBAL_BATCH // dp),
             val_dataloaders=loader(data, GLOBAL_BATCH // dp) if first else None,
-            ckpt_path=None if first else ckpt,
+            ckpt_path=None if first else f"{out_dir}/{ckpt}",
         )  # fmt: skip
-    torch.save(None, f"{out_dir}/rank{rank}.pt")
+    for name, (tied, call, kwargs) in HF_CONFIGS.items():
+        dp = world // (kwargs["pipeline_size"] * kwargs["tensor_parallel_size"])
+        trainer = quiet_trainer(
+            devices=world, strategy=PipelineStrategy(num_microbatches=4, **kwargs), max_steps=HF_STEPS,
+            callbacks=[GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")],
+        )  # fmt: skip
+        trainer.fit(_hf_model(tied, call), loader(_hf_data(call), 8 // dp))
+    torch.save(_megatron_collectives(), f"{out_dir}/rank{rank}.pt")
+
+
+def _seeded(model: str):
+    torch.manual_seed(0)
+    return MODELS[model]()
+
+
+def _hf_model(tied: bool, call: str):
+    from hf_models import HFCausalLM  # (skips where transformers is missing, outside CI)
+
+    torch.manual_seed(0)
+    return HFCausalLM("llama", tied=tied, call=call, lr=1e-3)
+
+
+def _hf_data(call: str):
+    from hf_models import hf_token_data
+
+    return hf_token_data(16, padded=call == "masked")
+
+
+def _megatron_collectives() -> dict[str, dict[str, int]]:
+    """The collectives of one traced stage split over 2 tensor-parallel ranks (forward, backward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    torch.manual_seed(0)
+    model, x = SplitQkvTinyGPT(depth=2), torch.randint(0, 13, (2, 8))
+    _, plan = tensor_plan(model, PipelineStrategy(tensor_parallel_size=2).config)
+    aliases = alias_table(model)
+    gm = trace(meta_twin(model), to_meta((x,)), [], train=True).get_stage_module(0)
+    _modify_graph_op_device(gm, torch.device("cpu"))  # the twin was traced on the meta device
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    held = apply_held_styles(model, plan, tp)
+    register_missing_shardings()
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    point_at(gm, {aliases.get(n, n): t for n, t in tensors}, aliases)
+    assert place_split_ops(gm, held, aliases) == set(held)
+    counts = {}
+    with tensor_parallel_step():
+        with CommDebugMode() as forward:
+            out = TensorParallelGraph(gm, tp)(x)
+        with CommDebugMode() as backward:
+            out.square().sum().backward()
+    for name, mode in (("forward", forward), ("backward", backward)):
+        counts[name] = {str(op).rpartition(".")[2]: n for op, n in mode.get_comm_counts().items()}
+    return counts
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
-    torch.manual_seed(0)
     data = token_data(N_SAMPLES)
-    ref = fit(SplitQkvGPT(), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref", **TRAIN)[0]
+    refs = {m: fit(_seeded(m), reference_loader(data, GLOBAL_BATCH), tmp_path / f"ref-{m}", **TRAIN)[0]
+            for m in MODELS}  # fmt: skip
+    hf_refs = {
+        name: fit(_hf_model(tied, call), reference_loader(_hf_data(call), 8),
+                  tmp_path / name, devices=1, max_steps=HF_STEPS)[0]
+        for name, (tied, call, _) in HF_CONFIGS.items()
+    }  # fmt: skip
     start = time.perf_counter()
-    spawn_gloo(_job, WORLD, tmp_path)
+    collectives = spawn_gloo(_job, WORLD, tmp_path)
     print(f"4-rank job: {time.perf_counter() - start:.1f} s")
-    for name in CONFIGS:
+    for name, (model, *_) in CONFIGS.items():
         params, losses, _ = merged_records(tmp_path, name, WORLD)
+        ref = refs[model]
         assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
         expected = torch.tensor(ref["losses"])[-len(losses) :]  # the resumed runs: their second epoch
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    for name in HF_CONFIGS:
+        params, losses, _ = merged_records(tmp_path, name, WORLD)
+        assert_close_dicts(params, hf_refs[name]["params"], rtol=1e-5, atol=1e-5)
+        expected = torch.tensor(hf_refs[name]["losses"])
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     # pp 2 x tp 2: rank 0 (stage 0, tp rank 0) holds the first half of each split weight, as a DTensor.
     held = merged_records(tmp_path, "pp2-tp2", WORLD)[2]
     assert held[0]["held"]["layers.1.attn.q.weight"] == ("DTensor", "(Shard(dim=0),)", (8, 16))
     assert held[1]["held"]["layers.1.attn.proj.weight"] == ("DTensor", "(Shard(dim=1),)", (16, 8))
     assert held[0]["held"]["layers.0.wte.weight"][0] == "Parameter"  # the embedding stays whole
+    held = merged_records(tmp_path, "traced-pp2-tp2", WORLD)[2]
+    assert held[0]["held"]["h.0.attn.q.weight"] == ("DTensor", "(Shard(dim=0),)", (8, 16))
+    assert held[3]["held"]["h.1.mlp.proj.weight"] == ("DTensor", "(Shard(dim=1),)", (16, 32))
+    assert held[0]["held"]["h.0.ln_1.weight"][0] == "Parameter"
+    held = merged_records(tmp_path, "llama-tied-masked-pp2-tp2", WORLD)[2][1]["held"]  # stage 0, tp rank 1
+    assert held["model.model.layers.0.self_attn.k_proj.weight"] == ("DTensor", "(Shard(dim=0),)", (8, 32))
+    assert held["model.model.layers.1.mlp.down_proj.weight"] == ("DTensor", "(Shard(dim=1),)", (32, 32))
     # dp 2 (FSDP) x tp 2: a quarter of each split weight, sharded over dp on top of its tp slice (2-D).
-    held = merged_records(tmp_path, "dp2-tp2-fsdp", WORLD)[2][0]["held"]["layers.1.attn.q.weight"]
-    assert held == ("DTensor", "(_StridedShard(dim=0, sf=2), Shard(dim=0))", (4, 16)), held
-    # The checkpoint saved at pp 2 x tp 2 resumes on one device.
-    torch.manual_seed(0)
-    one = fit(
-        SplitQkvGPT(),
-        reference_loader(data, GLOBAL_BATCH),
-        tmp_path / "one",
-        ckpt_path=tmp_path / "tp.ckpt",
-        **TRAIN,
-    )[0]
-    assert_close_dicts(one["params"], ref["params"], rtol=1e-5, atol=1e-6)
+    for name, path in (
+        ("dp2-tp2-fsdp", "layers.1.attn.q.weight"),
+        ("traced-dp2-tp2-fsdp", "h.0.attn.q.weight"),
+    ):
+        held = merged_records(tmp_path, name, WORLD)[2][0]["held"][path]
+        assert held == ("DTensor", "(_StridedShard(dim=0, sf=2), Shard(dim=0))", (4, 16)), (name, held)
+    # A traced stage split over 2 ranks costs Megatron's collectives: per block, one all-reduce after
+    # the attention and one after the MLP in forward, one for each block input's gradient in backward.
+    for counts in collectives:
+        assert counts == {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}}, counts
+    # The checkpoints saved at pp 2 x tp 2 resume on one device.
+    for model, ckpt in (("sequential", "tp.ckpt"), ("traced", "traced.ckpt")):
+        one = fit(_seeded(model), reference_loader(data, GLOBAL_BATCH), tmp_path / f"one-{model}",
+                  ckpt_path=tmp_path / ckpt, **TRAIN)[0]  # fmt: skip
+        assert_close_dicts(one["params"], refs[model]["params"], rtol=1e-5, atol=1e-6)
 
 
 def test_the_default_plan_splits_attention_and_mlp_and_divides_the_heads():
@@ -158,13 +266,54 @@ def test_tensor_parallel_options_are_checked():
         PipelineStrategy(tensor_parallel_plna={})
 
 
-def test_the_traced_path_refuses_tensor_parallelism_with_the_reason():
+def test_the_traced_path_plans_the_block_list_and_refuses_what_it_cannot_place():
     config = PipelineStrategy(pipeline_size=1, tensor_parallel_size=2).config
+    name, plan = tensor_plan(SplitQkvTinyGPT(), config)
+    assert name == "" and plan.head_counts == {}  # a traced stage's DTensors keep the global shapes
+    assert {p: type(s).__name__ for p, s in plan.styles.items() if p.startswith("h.1.")} == {
+        "h.1.attn.q": "ColwiseParallel", "h.1.attn.k": "ColwiseParallel", "h.1.attn.v": "ColwiseParallel",
+        "h.1.attn.proj": "RowwiseParallel", "h.1.mlp.fc": "ColwiseParallel",
+        "h.1.mlp.proj": "RowwiseParallel",
+    }  # fmt: skip
     with pytest.raises(
-        ValueError, match=r"tensor_parallel_size=2 needs the stage modules of a split nn.Sequential"
+        ValueError, match=r"`h.0.attn` \(CausalSelfAttention\) projects q, k and v with one fused"
     ):
-        refuse_traced_parallelize(config)
-    assert tensor_plan(TinyGPT(), config) is None  # no Sequential: the traced path's refusal speaks
+        tensor_plan(TinyGPT(), config)
+    with pytest.raises(
+        ValueError, match=r"`h.0.attn` \(Attention\) has heads=4, which tensor_parallel_size=3"
+    ):
+        tensor_plan(SplitQkvTinyGPT(), PipelineStrategy(pipeline_size=1, tensor_parallel_size=3).config)
+    sequence = PipelineStrategy(tensor_parallel_size=2, tensor_parallel_plan={"ln_f": SequenceParallel()})
+    with pytest.raises(
+        ValueError, match=r"`ln_f` is split with SequenceParallel, but a traced forward takes"
+    ):
+        tensor_plan(SplitQkvTinyGPT(), sequence.config)
+
+
+def test_a_hugging_face_model_is_split_with_its_own_plan():
+    hf_env.require("transformers")
+    from hf_models import HFCausalLM, hf_config
+
+    config = PipelineStrategy(tensor_parallel_size=2).config
+    _, plan = tensor_plan(HFCausalLM("llama"), config)
+    assert {p: type(s).__name__ for p, s in plan.styles.items() if ".layers.3." in p} == {
+        f"model.model.layers.3.{p}": style
+        for p, style in (
+            ("self_attn.q_proj", "ColwiseParallel"), ("self_attn.k_proj", "ColwiseParallel"),
+            ("self_attn.v_proj", "ColwiseParallel"), ("self_attn.o_proj", "RowwiseParallel"),
+            ("mlp.gate_proj", "ColwiseParallel"), ("mlp.up_proj", "ColwiseParallel"),
+            ("mlp.down_proj", "RowwiseParallel"),
+        )
+    }  # fmt: skip
+    four = PipelineStrategy(tensor_parallel_size=4).config  # 2 key/value heads
+    with pytest.raises(ValueError, match="config has num_key_value_heads=2, which tensor_parallel_size=4"):
+        tensor_plan(HFCausalLM("llama"), four)
+    gpt2 = HFCausalLM("gpt2")  # no base_model_tp_plan, and Conv1D layers: the default plan finds nothing
+    assert hf_config("gpt2").base_model_tp_plan is None
+    with pytest.raises(
+        ValueError, match=r"found no attention or MLP block to split in `model\.transformer\.h`"
+    ):
+        tensor_plan(gpt2, config)
 
 
 def test_the_planner_measures_one_tensor_parallel_rank_s_local_model():

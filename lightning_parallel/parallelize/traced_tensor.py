@@ -24,6 +24,7 @@ public ``register_sharding``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -47,7 +48,7 @@ _SPLIT_OPS = {aten.linear.default: (0, 1), aten.embedding.default: (1, 0)}
 
 def place_split_ops(
     stage_module: nn.Module, styles: Mapping[str, ParallelStyle], aliases: Mapping[str, str]
-) -> int:
+) -> set[str]:
     """Write each split module's input and output layouts into the graph around the op reading its weight.
 
     Args:
@@ -57,35 +58,51 @@ def place_split_ops(
         aliases: the unsplit module's alias table (name -> canonical name).
 
     Returns:
-        How many ops were placed (a stage holding split modules places at least one).
+        The split modules whose ops were placed. One whose weight the graph reads in another op (a
+        ``F.linear`` on a transposed weight...) is warned about: it runs right, with the layouts DTensor
+        picks (often more communication).
 
     Example::
 
         place_split_ops(stage_module, {"h.0.attn.q": ColwiseParallel()}, alias_table(model))
     """
-    placed = 0
+    placed: set[str] = set()
+    read: set[str] = set()
     for scope, mod in graph_modules(stage_module):
         graph: fx.Graph = mod.graph
-        attrs = {n: f"{scope}.{n.target}" if scope else n.target for n in graph.nodes if n.op == "get_attr"}
+        owners = {
+            n: aliases.get(path, path).rpartition(".")[0]
+            for n in graph.nodes
+            if n.op == "get_attr"
+            for path in (f"{scope}.{n.target}" if scope else n.target,)
+        }
+        read |= {o for o in owners.values() if o in styles}
         changed = False
         for node in list(graph.nodes):
             where = _SPLIT_OPS.get(node.target) if node.op == "call_function" else None
-            if where is None or attrs.get(node.args[where[1]]) is None:
+            owner = owners.get(node.args[where[1]]) if where is not None else None
+            if owner not in styles:
                 continue
-            owner = aliases.get(attrs[node.args[where[1]]], attrs[node.args[where[1]]]).rpartition(".")[0]
-            style = styles.get(owner)
-            if style is None:
-                continue
-            before, after = style_layouts(style, owner, embedding=node.target is aten.embedding.default)
+            embedding = node.target is aten.embedding.default
+            before, after = style_layouts(styles[owner], owner, embedding=embedding)
             with graph.inserting_before(node):
                 node.update_arg(where[0], graph.call_function(to_layout, (node.args[where[0]], *before)))
             with graph.inserting_after(node):
                 out = graph.call_function(to_layout, (node, *after))
             node.replace_all_uses_with(out, delete_user_cb=lambda user, out=out: user is not out)
-            placed, changed = placed + 1, True
+            placed.add(owner)
+            changed = True
         if changed:
             graph.lint()
             (mod.graph_module if hasattr(mod, "graph_module") else mod).recompile()
+    if read - placed:
+        warnings.warn(
+            f"tensor parallelism: the traced graph reads the split weights of {sorted(read - placed)} in ops "
+            f"other than linear/embedding, so their layouts could not be written around them: they run "
+            f"correctly, with the layouts DTensor picks (often more communication). Split such modules "
+            f"with tensor_parallel_plan, or leave them whole",
+            stacklevel=2,
+        )
     return placed
 
 
