@@ -147,6 +147,7 @@ def cases(quick: bool) -> list[Case]:
         Case("pp 1x4 1f1b m=4 +hsdp 2x2 (Sequential)", pp, 4, 1, 4, model="seq", fsdp_shards=2),
         Case("pp 2x1 1f1b m=4 tp=2 (Sequential)", pp, 4, 2, 4, model="seq-tp", tensor_parallel=2),
         Case("pp 1x1 1f1b m=2 tp=2 (Sequential)", pp, 2, 1, 2, model="seq-tp", tensor_parallel=2),
+        Case("pp 2x1 1f1b m=4 tp=2 (HF Llama)", pp, 4, 2, 4, model="hf-llama", tensor_parallel=2),
     ]  # fmt: skip
 
 

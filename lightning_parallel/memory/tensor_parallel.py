@@ -16,7 +16,7 @@ import copy
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_parallel.parallelize.tensor import default_plan
+from lightning_parallel.parallelize.tensor import default_plan, traced_plan
 from lightning_parallel.pipeline.split import find_sequential
 
 
@@ -24,8 +24,7 @@ def local_model(module: nn.Module, tp_size: int) -> nn.Module:
     """A copy of ``module`` computing what one of ``tp_size`` tensor-parallel ranks computes.
 
     Raises:
-        ValueError: no top-level ``nn.Sequential`` (tensor parallelism runs on the Sequential path
-            only), or a block the default plan cannot split (its error, naming the module).
+        ValueError: a block the default plan cannot split (its error, naming the module).
 
     Example::
 
@@ -34,12 +33,10 @@ def local_model(module: nn.Module, tp_size: int) -> nn.Module:
     if tp_size == 1:
         return module
     found = find_sequential(module)
-    if found is None:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} needs the layers in one top-level nn.Sequential (the traced "
-            f"path's stages refuse DTensor parameters): {type(module).__name__} has none"
-        )
-    plan = default_plan(found[1], found[0], tp_size)
+    if found is not None:
+        plan = default_plan(found[1], found[0], tp_size)
+    else:  # the traced path's plan, with the head counts of one rank (a Hugging Face attention reads -1)
+        plan = traced_plan(module, tp_size, local_heads=True)
     local = copy.deepcopy(module)
     for path, style in plan.styles.items():
         parent_path, _, name = path.rpartition(".")

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lightning_parallel.distributed.tensors import broadcast_coalesced
+from lightning_parallel.pipeline.traced_split import find_block_list
 
 ATTENTION_INPUTS = (
     ("q", "k", "v"),
@@ -179,6 +180,40 @@ def hf_plan(module: nn.Module, tp_size: int) -> TensorPlan | None:
 
 
 _HF_STYLES: dict[str, ParallelStyle] = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+
+
+def traced_plan(
+    module: nn.Module,
+    tp_size: int,
+    styles: Mapping[str, ParallelStyle] | None = None,
+    local_heads: bool = False,
+) -> TensorPlan:
+    """The plan of a module the traced path splits: ``styles`` (the user's), else a Hugging Face model's
+    own ``base_model_tp_plan`` (:func:`hf_plan`), else the default plan of its block list.
+
+    Args:
+        local_heads: divide the attention head counts (the planner's local model); a traced stage
+            keeps them (its DTensors have the global shapes).
+
+    Example::
+
+        traced_plan(gpt, 2).styles["h.0.attn.q"]       # ColwiseParallel()
+    """
+    if styles is not None:
+        return user_plan(module, "", tp_size, styles)
+    found = hf_plan(module, tp_size)
+    if found is not None:
+        return found
+    try:
+        path, names = find_block_list(module)
+    except ValueError:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size}: {type(module).__name__} has no nn.ModuleList of blocks for "
+            f"the default tensor-parallel plan to split: pass tensor_parallel_plan={{module path: "
+            f"ColwiseParallel() | RowwiseParallel()}}"
+        ) from None
+    blocks = [(f"{path}.{n}", module.get_submodule(f"{path}.{n}")) for n in names]
+    return block_plan(blocks, tp_size, f"`{path}`", local_heads=local_heads)
 
 
 def user_plan(

@@ -19,15 +19,14 @@ from lightning_parallel.parallelize.stages import parallelize_stages
 from lightning_parallel.parallelize.tensor import (
     TensorPlan,
     apply_held_styles,
-    block_plan,
     default_plan,
-    hf_plan,
+    traced_plan,
     user_plan,
 )
 from lightning_parallel.parallelize.traced_fsdp import ShardedTracedStage, shard_traced_stage
 from lightning_parallel.parallelize.traced_tensor import style_layouts
 from lightning_parallel.pipeline.split import SequentialStages, find_sequential
-from lightning_parallel.pipeline.traced_split import TracedStages, find_block_list
+from lightning_parallel.pipeline.traced_split import TracedStages
 
 if TYPE_CHECKING:
     from lightning_parallel.strategies._pipeline_build import PipelineParts
@@ -51,26 +50,10 @@ def tensor_plan(module: nn.Module, config: PipelineConfig) -> tuple[str, TensorP
         if config.tensor_parallel_plan is not None:
             return name, user_plan(seq, name, tp, config.tensor_parallel_plan)
         return name, default_plan(seq, name, tp)
-    if config.tensor_parallel_plan is not None:
-        plan = user_plan(module, "", tp, config.tensor_parallel_plan)
-    else:
-        plan = hf_plan(module, tp) or _block_list_plan(module, tp)
+    plan = traced_plan(module, tp, config.tensor_parallel_plan)
     for path, style in plan.styles.items():
         style_layouts(style, path)
     return "", plan
-
-
-def _block_list_plan(module: nn.Module, tp: int) -> TensorPlan:
-    try:
-        path, names = find_block_list(module)
-    except ValueError:
-        raise ValueError(
-            f"tensor_parallel_size={tp}: {type(module).__name__} has no nn.ModuleList of blocks for the "
-            f"default tensor-parallel plan to split: pass tensor_parallel_plan={{module path: "
-            f"ColwiseParallel() | RowwiseParallel()}}"
-        ) from None
-    blocks = [(f"{path}.{n}", module.get_submodule(f"{path}.{n}")) for n in names]
-    return block_plan(blocks, tp, f"`{path}`", local_heads=False)
 
 
 def parallelize_parts(

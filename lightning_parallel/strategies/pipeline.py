@@ -117,8 +117,9 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         tensor_parallel_size: ranks each stage's blocks are split over (Megatron-style, with
             ``parallelize_module``; world size = ``pipeline_size x`` data-parallel ``x
             tensor_parallel_size``). The default plan splits attention q/k/v and the first MLP
-            projection column-wise and the output projections row-wise, and divides the head count; a
-            split ``nn.Sequential`` only. ``data_parallel`` acts over the data-parallel ranks on top.
+            projection column-wise and the output projections row-wise (a split ``nn.Sequential``: and
+            divides the head count; a traced forward: its graph runs on DTensors; a Hugging Face model:
+            its own ``base_model_tp_plan``). ``data_parallel`` acts over the data-parallel ranks on top.
         tensor_parallel_plan: ``{module path pattern: ParallelStyle}`` (as ``parallelize_module``
             takes; paths from the LightningModule, ``*`` one segment) replacing the default plan.
         shard_optimizer_state: ``True`` is ``data_parallel="zero1"`` (the older name).

@@ -1,57 +1,90 @@
-"""pp 2 x dp 2 (FSDP) x tp 2 against one device: 8 processes, run by hand (~140 s on 2 loaded cores).
+"""pp 2 x dp 2 (FSDP) x tp 2 against one device: 8 processes, run by hand (not in the suite).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python tests/scripts/tensor_parallel_8_ranks.py
 
-One epoch with accumulation and clipping; losses and every gathered parameter to 1e-5.
+The Sequential GPT (one epoch, accumulation and clipping), the traced GPT (the same) and a Hugging Face
+Llama from config split with its own plan (two steps): losses and every gathered parameter to 1e-5.
 """
 
 import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mp_harness import assert_close_dicts, fit, quiet_trainer, reference_loader, spawn_gloo
-from test_pipeline_tensor import Record
-from tiny_models import loader, token_data
-from tiny_tp_models import SplitQkvGPT
+import hf_env  # noqa: F401,E402  (.hf_packages on the path)
+from mp_harness import (  # noqa: E402
+    GatheredRecorder,
+    assert_close_dicts,
+    fit,
+    merged_records,
+    quiet_trainer,
+    reference_loader,
+    spawn_gloo,
+)
+from tiny_models import loader, token_data  # noqa: E402
+from tiny_tp_models import SplitQkvGPT, SplitQkvTinyGPT  # noqa: E402
 
-from lightning_parallel import PipelineStrategy
+from lightning_parallel import PipelineStrategy  # noqa: E402
 
 TRAIN = dict(max_epochs=1, gradient_clip_val=0.5, accumulate_grad_batches=2)
+HF_STEPS = 2
+
+
+def _llama():
+    from hf_models import HFCausalLM
+
+    torch.manual_seed(0)
+    return HFCausalLM("llama", tied=True, call="masked", lr=1e-3)
+
+
+def _gpt(cls):
+    torch.manual_seed(0)
+    return cls()
+
+
+def _hf_data():
+    from hf_models import hf_token_data
+
+    return hf_token_data(16, padded=True)
+
+
+# name -> (model factory, data, global batch, Trainer arguments)
+RUNS = {
+    "sequential": (lambda: _gpt(SplitQkvGPT), lambda: token_data(48), 16, TRAIN),
+    "traced": (lambda: _gpt(SplitQkvTinyGPT), lambda: token_data(48), 16, TRAIN),
+    "llama": (_llama, _hf_data, 8, dict(max_steps=HF_STEPS)),
+}
 
 
 def job(rank, world, out):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    torch.manual_seed(0)
-    t = quiet_trainer(
-        devices=world,
-        strategy=PipelineStrategy(
+    for name, (model, data, batch, train) in RUNS.items():
+        strategy = PipelineStrategy(
             pipeline_size=2, tensor_parallel_size=2, data_parallel="fsdp", num_microbatches=4
-        ),
-        callbacks=[Record(f"{out}/r-rank{rank}.pt")],
-        **TRAIN,
-    )
-    t.fit(SplitQkvGPT(), loader(token_data(48), 8))
+        )
+        t = quiet_trainer(
+            devices=world, strategy=strategy, callbacks=[GatheredRecorder(f"{out}/{name}-rank{rank}.pt")], **train
+        )
+        t.fit(model(), loader(data(), batch // 2))
     torch.save(None, f"{out}/rank{rank}.pt")
 
 
 if __name__ == "__main__":
     out = tempfile.mkdtemp()
-    torch.manual_seed(0)
-    ref = fit(SplitQkvGPT(), reference_loader(token_data(48), 16), f"{out}/ref", **TRAIN)[0]
+    refs = {
+        name: fit(model(), reference_loader(data(), batch), f"{out}/ref-{name}", devices=1, **train)[0]
+        for name, (model, data, batch, train) in RUNS.items()
+    }
     start = time.perf_counter()
     spawn_gloo(job, 8, out)
     print(f"8-rank job: {time.perf_counter() - start:.1f} s")
-    recs = [torch.load(f"{out}/r-rank{r}.pt", weights_only=False) for r in range(8)]
-    params = {k: v for r in recs for k, v in r["params"].items()}
-    assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
-    losses = torch.tensor([r["losses"] for r in recs]).mean(0)
-    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
-    print(
-        "pp2 x dp2 (fsdp) x tp2 equals one device:",
-        recs[0]["held"]["layers.1.attn.q.weight"],
-        losses.tolist(),
-    )
+    for name in RUNS:
+        params, losses, records = merged_records(Path(out), name, 8)
+        assert_close_dicts(params, refs[name]["params"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(losses, torch.tensor(refs[name]["losses"]), rtol=1e-5, atol=1e-6)
+        split = next(v for k, v in records[0]["held"].items() if v[0] == "DTensor" and "q" in k.split(".")[-2])
+        print(f"{name}: pp2 x dp2 (fsdp) x tp2 equals one device; a q weight held as {split}; losses {losses.tolist()}")
