@@ -13,13 +13,17 @@ half the global batch each). Per rank:
   costs in collectives (two all-reduces per block forward and backward, gloo on CPU) against
   replicas (one gradient all-reduce per step), not what a GPU node would show.
 
-The model is ``models.SequentialCharLM(split_qkv=True)`` (separate q, k, v: what the default plan
-splits), width 256, 4 blocks, AdamW. Byte counts do not depend on the load (one run); the timings do.
-Writes ``tensor_parallel.csv`` and ``tensor_parallel.png`` under ``--out-dir``.
+Two models, each against its own pp 2 x dp 2 baseline: ``models.SequentialCharLM(split_qkv=True)``
+(separate q, k, v: what the default plan splits; the Sequential path, whose stage modules run on local
+slices) and a Hugging Face Llama from config (``hf_decoders.HFDecoderLM``, split with its own
+``base_model_tp_plan`` on the traced path, whose stage graphs run on DTensors: the dispatch of every
+op through DTensor's sharding propagation is part of what its step time shows). Width 256, 4 blocks,
+AdamW. Byte counts do not depend on the load (one run); the timings do. Writes ``tensor_parallel.csv``
+and ``tensor_parallel.png`` under ``--out-dir``.
 
 Usage::
 
-    python experiments/bench_tensor_parallel.py     # ~1-2 minutes on 2 cores
+    python experiments/bench_tensor_parallel.py     # ~3 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -36,8 +40,19 @@ from typing_extensions import override
 
 from lightning_parallel import PipelineStrategy
 
-RUNS = {"pp 2 x dp 2": dict(pipeline_size=2), "pp 2 x tp 2": dict(pipeline_size=2, tensor_parallel_size=2)}
+SHAPES = {"pp 2 x dp 2": dict(pipeline_size=2), "pp 2 x tp 2": dict(pipeline_size=2, tensor_parallel_size=2)}
+MODELS = ("Sequential", "HF Llama (traced)")
+RUNS = [f"{model}: {shape}" for model in MODELS for shape in SHAPES]
 DIM, DEPTH, SEQ_LEN, GLOBAL_BATCH, STEPS = 256, 4, 64, 16, 6
+
+
+def build(model: str) -> Any:
+    torch.manual_seed(0)
+    if model == "Sequential":
+        return SequentialCharLM(dim=DIM, depth=DEPTH, seq_len=SEQ_LEN, split_qkv=True)
+    from hf_decoders import HFDecoderLM
+
+    return HFDecoderLM("llama", dim=DIM, depth=DEPTH, seq_len=SEQ_LEN)
 
 
 def local_bytes(tensors: Any) -> int:
@@ -85,31 +100,29 @@ def worker(rank: int, world: int) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (GLOBAL_BATCH * STEPS, SEQ_LEN + 1), generator=g)
     data = TensorDataset(x[:, :-1], x[:, 1:])
-    for name, kwargs in RUNS.items():
+    for name in RUNS:
+        model, shape = name.split(": ")
+        kwargs = SHAPES[shape]
         probe = Probe()
         strategy = PipelineStrategy(num_microbatches=4, **kwargs)
         trainer = h.quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[probe])
-        torch.manual_seed(0)
         replicas = world // (2 * kwargs.get("tensor_parallel_size", 1))
-        trainer.fit(
-            SequentialCharLM(dim=DIM, depth=DEPTH, seq_len=SEQ_LEN, split_qkv=True),
-            DataLoader(data, batch_size=GLOBAL_BATCH // replicas),
-        )
+        trainer.fit(build(model), DataLoader(data, batch_size=GLOBAL_BATCH // replicas))
         s = h.spread(probe.times)
         records.append(
-            dict(run=name, rank=rank, world_size=world, model_dim=DIM, model_depth=DEPTH,
-                 global_batch=GLOBAL_BATCH, ppo_bytes=probe.ppo, step_s=s.median, step_s_min=s.lo,
-                 step_s_max=s.hi, steps_timed=len(probe.times))
+            dict(run=name, model=model, shape=shape, rank=rank, world_size=world, model_dim=DIM,
+                 model_depth=DEPTH, global_batch=GLOBAL_BATCH, ppo_bytes=probe.ppo, step_s=s.median,
+                 step_s_min=s.lo, step_s_max=s.hi, steps_timed=len(probe.times))
         )  # fmt: skip
     return records
 
 
 def plot(path: Any, rows: list[dict[str, Any]]) -> None:
-    fig, (ax1, ax2) = h.figure(ncols=2, size=(10, 4))
+    fig, (ax1, ax2) = h.figure(ncols=2, size=(11, 4))
     for offset, name in enumerate(RUNS):
         mine = [r for r in rows if r["run"] == name]
-        xs = [r["rank"] + 0.2 * (offset - 0.5) for r in mine]
-        ax1.bar(xs, [r["ppo_bytes"] / 2**20 for r in mine], width=0.4, label=name)
+        xs = [r["rank"] + 0.2 * (offset - 1.5) for r in mine]
+        ax1.bar(xs, [r["ppo_bytes"] / 2**20 for r in mine], width=0.2, label=name)
         low = [r["step_s"] - r["step_s_min"] for r in mine]
         high = [r["step_s_max"] - r["step_s"] for r in mine]
         ax2.errorbar(
@@ -134,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     h.quiet()
     start = time.perf_counter()
     rows = [r for records in h.spawn(worker, 4) for r in records]
-    rows.sort(key=lambda r: (list(RUNS).index(r["run"]), r["rank"]))
-    base = {r["rank"]: r for r in rows if r["run"] == "pp 2 x dp 2"}
-    for r in rows:
-        r["ppo_vs_dp"] = round(r["ppo_bytes"] / base[r["rank"]]["ppo_bytes"], 4)
-        r["step_vs_dp"] = round(r["step_s"] / base[r["rank"]]["step_s"], 4)
+    rows.sort(key=lambda r: (RUNS.index(r["run"]), r["rank"]))
+    base = {(r["model"], r["rank"]): r for r in rows if r["shape"] == "pp 2 x dp 2"}
+    for r in rows:  # each model against its own replicas
+        r["ppo_vs_dp"] = round(r["ppo_bytes"] / base[r["model"], r["rank"]]["ppo_bytes"], 4)
+        r["step_vs_dp"] = round(r["step_s"] / base[r["model"], r["rank"]]["step_s"], 4)
     h.write_csv(args.out_dir / "tensor_parallel.csv", rows)
     plot(args.out_dir / "tensor_parallel.png", rows)
     for r in rows:
-        print(f"{r['run']:<12} rank {r['rank']}: {r['ppo_bytes'] / 2**20:7.2f} MiB ({r['ppo_vs_dp']:.2f}x), "
+        print(f"{r['run']:<32} rank {r['rank']}: {r['ppo_bytes'] / 2**20:7.2f} MiB ({r['ppo_vs_dp']:.2f}x), "
               f"step {r['step_s']:.3f} s ({r['step_vs_dp']:.2f}x)")  # fmt: skip
     print(f"done in {time.perf_counter() - start:.0f} s")
     return 0

@@ -26,10 +26,11 @@ from torch import nn
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from lightning_parallel import PipelineStrategy
+from lightning_parallel import PipelineStrategy, consolidate_checkpoint
 from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.memory.tensor_parallel import local_model
 from lightning_parallel.parallelize.tensor import apply_held_styles, default_plan, user_plan
 from lightning_parallel.parallelize.traced_tensor import (
     TensorParallelGraph,
@@ -47,8 +48,9 @@ N_SAMPLES, GLOBAL_BATCH, WORLD = 48, 16, 4
 TRAIN = dict(max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2)
 
 # name -> (model, strategy kwargs, epochs, checkpoint it saves / resumes). Run in this order inside the
-# spawned job: the Sequential GPT's later runs resume its pp 2 x tp 2 checkpoint at other shapes for
-# epoch 2, the traced GPT's FSDP run resumes its own (a traced stage's graph runs on DTensors).
+# spawned job: the Sequential GPT's later runs resume its pp 2 x tp 2 checkpoint (one consolidated
+# file) at other shapes for epoch 2; the traced GPT's FSDP run resumes its own, a distributed (DCP)
+# directory of tensor-parallel shards (a traced stage's graph runs on DTensors).
 CONFIGS = {
     "pp2-tp2": ("sequential", dict(pipeline_size=2, tensor_parallel_size=2), 2, "save:tp.ckpt"),
     "dp2-tp2-fsdp": (
@@ -58,7 +60,12 @@ CONFIGS = {
         "resume:tp.ckpt",
     ),
     "dp2-tp2-replicate": ("sequential", dict(pipeline_size=1, tensor_parallel_size=2), 2, "resume:tp.ckpt"),
-    "traced-pp2-tp2": ("traced", dict(pipeline_size=2, tensor_parallel_size=2), 2, "save:traced.ckpt"),
+    "traced-pp2-tp2": (
+        "traced",
+        dict(pipeline_size=2, tensor_parallel_size=2, save_distributed_checkpoint=True),
+        2,
+        "save:traced.ckpt",
+    ),
     "traced-dp2-tp2-fsdp": (
         "traced",
         dict(pipeline_size=1, tensor_parallel_size=2, data_parallel="fsdp"),
@@ -202,8 +209,10 @@ def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
     # the attention and one after the MLP in forward, one for each block input's gradient in backward.
     for counts in collectives:
         assert counts == {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}}, counts
-    # The checkpoints saved at pp 2 x tp 2 resume on one device.
-    for model, ckpt in (("sequential", "tp.ckpt"), ("traced", "traced.ckpt")):
+    # The checkpoints saved at pp 2 x tp 2 resume on one device (the DCP directory once consolidated).
+    assert (tmp_path / "traced.ckpt").is_dir()
+    consolidate_checkpoint(tmp_path / "traced.ckpt", tmp_path / "traced-full.ckpt")
+    for model, ckpt in (("sequential", "tp.ckpt"), ("traced", "traced-full.ckpt")):
         one = fit(_seeded(model), reference_loader(data, GLOBAL_BATCH), tmp_path / f"one-{model}",
                   ckpt_path=tmp_path / ckpt, **TRAIN)[0]  # fmt: skip
         assert_close_dicts(one["params"], refs[model]["params"], rtol=1e-5, atol=1e-6)
@@ -332,3 +341,17 @@ def test_the_planner_measures_one_tensor_parallel_rank_s_local_model():
     assert split.config.label() == "pp 2x1 1f1b m=2 tp=2"
     with pytest.raises(ValueError, match="measured for tensor_parallel_size=1 but the config asks 2"):
         predict(measure_model(model, batch), ParallelConfig("pipeline", 4, 2, 2, tensor_parallel_size=2))
+
+
+def test_the_planner_measures_a_traced_model_s_local_model():
+    model, batch = SplitQkvTinyGPT(), token_data(8)[:8]
+    local = local_model(model, 2)
+    assert local.h[0].attn.heads == 2 and local.h[0].attn.q.out_features == 8  # (of 4 heads, width 16)
+    assert local.h[0].mlp.proj.in_features == 32 and local.lm_head.weight is local.wte.weight
+    whole = predict(measure_model(model, batch), ParallelConfig("pipeline", 1, 1, 2))
+    split = predict(measure_model(model, batch, tensor_parallel_size=2), ParallelConfig("pipeline", 2, 1, 2,
+                    tensor_parallel_size=2))  # fmt: skip
+    halved = sum(
+        p.numel() for b in model.h for n, p in b.named_parameters() if "ln" not in n and "proj.bias" not in n
+    )
+    assert whole.ranks[0].parameters - split.ranks[0].parameters == 4 * halved // 2  # fp32 bytes
