@@ -72,8 +72,25 @@ CONFIGS = {
         2,
         "resume:traced.ckpt",
     ),
+    # recomputation and an interleaved schedule (two traced stages per rank) on the same DTensor graphs
+    "traced-interleaved-ac": (
+        "traced-4-blocks",
+        dict(
+            pipeline_size=2,
+            tensor_parallel_size=2,
+            schedule="interleaved_1f1b",
+            stages_per_rank=2,
+            activation_checkpointing=True,
+        ),
+        2,
+        "save:",
+    ),
 }
-MODELS = {"sequential": SplitQkvGPT, "traced": SplitQkvTinyGPT}
+MODELS = {
+    "sequential": SplitQkvGPT,
+    "traced": SplitQkvTinyGPT,
+    "traced-4-blocks": lambda: SplitQkvTinyGPT(depth=4),
+}
 # Hugging Face Llama from config, split with its own base_model_tp_plan: (tied, how the step calls it,
 # strategy kwargs), two optimizer steps each.
 HF_CONFIGS = {
@@ -95,7 +112,7 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         action, ckpt = ckpt.split(":")
         first = action == "save"
         record = GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")
-        callbacks = [record, *([SaveAtEpochEnd(f"{out_dir}/{ckpt}")] if first else [])]
+        callbacks = [record, *([SaveAtEpochEnd(f"{out_dir}/{ckpt}")] if first and ckpt else [])]
         trainer = quiet_trainer(
             devices=world, strategy=PipelineStrategy(num_microbatches=4, **kwargs), callbacks=callbacks,
             limit_val_batches=2, **{**TRAIN, "max_epochs": epochs},

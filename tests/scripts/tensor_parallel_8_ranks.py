@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import hf_env  # noqa: F401,E402  (.hf_packages on the path)
-from mp_harness import (  # noqa: E402
+import hf_env  # noqa: F401  (.hf_packages on the path)
+from mp_harness import (
     GatheredRecorder,
     assert_close_dicts,
     fit,
@@ -25,10 +25,10 @@ from mp_harness import (  # noqa: E402
     reference_loader,
     spawn_gloo,
 )
-from tiny_models import loader, token_data  # noqa: E402
-from tiny_tp_models import SplitQkvGPT, SplitQkvTinyGPT  # noqa: E402
+from tiny_models import loader, token_data
+from tiny_tp_models import SplitQkvGPT, SplitQkvTinyGPT
 
-from lightning_parallel import PipelineStrategy  # noqa: E402
+from lightning_parallel import PipelineStrategy
 
 TRAIN = dict(max_epochs=1, gradient_clip_val=0.5, accumulate_grad_batches=2)
 HF_STEPS = 2
@@ -66,9 +66,8 @@ def job(rank, world, out):
         strategy = PipelineStrategy(
             pipeline_size=2, tensor_parallel_size=2, data_parallel="fsdp", num_microbatches=4
         )
-        t = quiet_trainer(
-            devices=world, strategy=strategy, callbacks=[GatheredRecorder(f"{out}/{name}-rank{rank}.pt")], **train
-        )
+        record = GatheredRecorder(f"{out}/{name}-rank{rank}.pt")
+        t = quiet_trainer(devices=world, strategy=strategy, callbacks=[record], **train)
         t.fit(model(), loader(data(), batch // 2))
     torch.save(None, f"{out}/rank{rank}.pt")
 
@@ -86,5 +85,7 @@ if __name__ == "__main__":
         params, losses, records = merged_records(Path(out), name, 8)
         assert_close_dicts(params, refs[name]["params"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(losses, torch.tensor(refs[name]["losses"]), rtol=1e-5, atol=1e-6)
-        split = next(v for k, v in records[0]["held"].items() if v[0] == "DTensor" and "q" in k.split(".")[-2])
-        print(f"{name}: pp2 x dp2 (fsdp) x tp2 equals one device; a q weight held as {split}; losses {losses.tolist()}")
+        held = records[0]["held"]
+        split = next(v for k, v in held.items() if v[0] == "DTensor" and "q" in k.split(".")[-2])
+        print(f"{name}: pp2 x dp2 (fsdp) x tp2 equals one device; a q weight held as {split}; losses "
+              f"{losses.tolist()}")  # fmt: skip
