@@ -155,9 +155,13 @@ def tensor_parallel(rows: Rows) -> str:
     r0 = rows[0]
     note = (
         f"4 processes, width {r0['model_dim']} x {r0['model_depth']} blocks, "
-        f"global batch {r0['global_batch']}; "
-        "bytes: one run (they do not depend on the load); step times on 2 shared CPU cores with gloo, where "
-        "tensor parallelism's per-block all-reduces cost more than on a GPU node."
+        f"global batch {r0['global_batch']}; each model against its own replicas. `Sequential`: "
+        "`SequentialCharLM` with separate q, k, v, its stage modules running on their local slices; "
+        "`HF Llama (traced)`: a `LlamaForCausalLM` from config split with its own `base_model_tp_plan`, "
+        "its traced stage graphs running on DTensors (every op dispatched through DTensor's sharding "
+        "propagation: part of its step time). Bytes: one run (they do not depend on the load); step times "
+        "on 2 shared CPU cores with gloo, where tensor parallelism's per-block all-reduces cost more than "
+        "on a GPU node."
     )
     return _table(header, body) + "\n\n" + note
 

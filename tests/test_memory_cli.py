@@ -125,6 +125,19 @@ def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys)
     out = capsys.readouterr().out
     assert code == 0, out
     assert "4 pipeline units (blocks `model.model.layers`)" in out and "pp 2x1 1f1b m=8" in out
+    assert "tp=" not in out
+    # Tensor-parallel shapes too, each measured on one tp rank's local model (its split weights halved).
+    code = main(["lightning_parallel.memory.hf:causal_lm", "--init", f"config={tmp_path}", "--meta",
+                 "--batch", "long:16", "long:16", "--global-batch-size", "8", "--devices", "4",
+                 "--memory", "1GiB", "--optimizer", "AdamW", "--tensor-parallel-sizes", "1", "2"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = {ln.split("  ")[0]: ln for ln in out.splitlines() if ln.startswith(("ddp", "pp "))}
+    assert "pp 2x1 1f1b m=4 tp=2" in rows and "pp 1x2 1f1b m=4 +zero tp=2" not in rows, sorted(rows)
+    assert "pp 2x1 1f1b m=4 +zero tp=2" not in rows  # ZeRO-1 does not take split weights
+    with pytest.raises(SystemExit):
+        main(["lightning_parallel.memory.hf:causal_lm", "--devices", "4", "--memory", "1GiB",
+              "--tensor-parallel-sizes", "two"])  # fmt: skip
 
 
 def _readme_planner_section() -> tuple[list[str], str, re.Match[str]]:

@@ -30,7 +30,14 @@ from torch import nn
 from lightning_parallel.memory.config import PRECISIONS
 from lightning_parallel.memory.estimate import format_bytes
 from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.memory.planner import SCHEDULES, candidate_configs, fastest_fit, format_plan, plan
+from lightning_parallel.memory.planner import (
+    SCHEDULES,
+    candidate_configs,
+    fastest_fit,
+    format_plan,
+    plan,
+    ranked,
+)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
@@ -140,6 +147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", help="a torch.optim class, when configure_optimizers needs a Trainer")
     p.add_argument("--pipeline-sizes", type=int, nargs="*", help="pipeline sizes to try (default: divisors)")
     p.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=SCHEDULES)
+    p.add_argument(
+        "--tensor-parallel-sizes", type=int, nargs="+", default=[1],
+        help="tensor-parallel sizes to try (default 1: none), e.g. 1 2 4",
+    )  # fmt: skip
     p.add_argument("--meta", action="store_true", help="build the model on the meta device (large models)")
     return p.parse_args(argv)
 
@@ -173,21 +184,29 @@ def main(argv: list[str] | None = None) -> int:
         budget = parse_bytes(args.memory)
         model, batch, optimizer = build(args)
         step = None if args.batch else (lambda module, b: module(b))
-        facts = measure_model(model, batch, args.precision, optimizer, **({"step": step} if step else {}))
+        candidates, facts = [], None
+        for tp in args.tensor_parallel_sizes:
+            # Each tensor-parallel size is measured on one tp rank's local model (memory/tensor_parallel).
+            found = measure_model(model, batch, args.precision, optimizer, tensor_parallel_size=tp,
+                                  **({"step": step} if step else {}))  # fmt: skip
+            facts = facts or found
+            configs = candidate_configs(
+                args.devices,
+                len(found.layout.blocks()),
+                args.global_batch_size,
+                args.precision,
+                args.pipeline_sizes,
+                tuple(args.schedules),
+                fsdp=found.layout.kind == "sequential",  # FSDP2 shards the stages of a split Sequential
+                tensor_parallel_size=tp,
+            )
+            candidates += plan(found, configs, args.global_batch_size)
+        assert facts is not None
         blocks = len(facts.layout.blocks())
-        configs = candidate_configs(
-            args.devices,
-            blocks,
-            args.global_batch_size,
-            args.precision,
-            args.pipeline_sizes,
-            tuple(args.schedules),
-            fsdp=facts.layout.kind == "sequential",  # FSDP2 shards the stages of a split Sequential
-        )
-        if not configs:
+        if not candidates:
             raise ValueError(f"no configuration divides the global batch ({args.global_batch_size}) evenly "
                              f"over {args.devices} devices: use a multiple of {args.devices}")  # fmt: skip
-        candidates = plan(facts, configs, args.global_batch_size)
+        candidates = ranked(candidates)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -17,7 +17,10 @@ scaling (1.0 = N devices each doing 1/N of the work, no waiting):
   ``bench_pipeline.py`` measured about 1.5% per micro-batch for one process on CPU);
 - a sharded optimizer state broadcasts each updated parameter once per step: a flat 2%; FSDP2 stages
   (their parameters, gradients and optimizer state sharded) all-gather each stage once per step and
-  reduce-scatter its gradients: a flat 3%.
+  reduce-scatter its gradients: a flat 3%;
+- tensor parallelism over t ranks all-reduces each block's activations twice per direction, on the
+  critical path: a flat 10% (a guess for fast links within a node; ``bench_tensor_parallel.py`` measured
+  1.7-1.9x the step on 2 CPU cores with gloo, where nothing is fast).
 
 Ties go to DDP (Lightning's own strategy, whose all-reduce overlaps the backward), then to the
 smaller peak. Communication (DDP's all-reduce of every gradient against a pipeline's activations) is
@@ -60,12 +63,15 @@ def candidate_configs(
     pipeline_sizes: list[int] | None = None,
     schedules: tuple[str, ...] = SCHEDULES,
     fsdp: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> list[ParallelConfig]:
     """DDP and every pipeline shape the model and batch allow, with and without each memory option.
 
     Micro-batches m in {p, 2p, 4p} (1, 2, 4 for p = 1) that divide the per-replica batch. With
     several replicas, the stages' data parallelism: plain replicas, ZeRO-1, and with ``fsdp`` (a
-    model split as an ``nn.Sequential``, whose stages FSDP2 can shard) FSDP2 over all replicas.
+    model split as an ``nn.Sequential``, whose stages FSDP2 can shard) FSDP2 over all replicas. With
+    ``tensor_parallel_size`` t > 1, pipelines of ``devices / t`` ranks whose stages are split over t
+    (no DDP, no ZeRO-1: it does not take split weights).
 
     Raises:
         ValueError: a requested pipeline size does not divide ``devices`` or exceeds the blocks.
@@ -74,30 +80,36 @@ def candidate_configs(
 
         candidate_configs(devices=4, num_blocks=10, global_batch=32)
     """
-    sizes = pipeline_sizes or [p for p in range(1, devices + 1) if devices % p == 0]
+    tp = tensor_parallel_size
+    if tp < 1 or devices % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide the devices ({devices})")
+    ranks = devices // tp  # the pipeline x data-parallel ranks of one tensor-parallel coordinate
+    sizes = pipeline_sizes or [p for p in range(1, ranks + 1) if ranks % p == 0]
+    if pipeline_sizes and tp > 1:
+        sizes = [p for p in sizes if ranks % p == 0]  # the others are tried at tp = 1
     for p in sizes:
-        if devices % p or p > num_blocks:
+        if ranks % p or p > num_blocks:
             raise ValueError(
                 f"pipeline size {p} does not fit: it must divide the devices ({devices}) and be at most "
                 f"the number of blocks ({num_blocks})"
             )
     whole = "single_device" if devices == 1 else "ddp"
-    out = [ParallelConfig(whole, devices, precision=precision)] if global_batch % devices == 0 else []
+    ddp = global_batch % devices == 0 and tp == 1
+    out = [ParallelConfig(whole, devices, precision=precision)] if ddp else []
     for p in sizes:
-        dp = devices // p
+        dp = ranks // p
         if global_batch % dp:
             continue
         per_replica = global_batch // dp
         for schedule, v in _schedules(p, num_blocks, schedules):
             for m in _microbatches(p, per_replica):
                 for ac in (False, True):
-                    for mode in (
-                        ("replicate", "zero1", *(["fsdp"] if fsdp else [])) if dp > 1 else ("replicate",)
-                    ):
+                    modes = ("replicate", *(["zero1"] if tp == 1 else []), *(["fsdp"] if fsdp else []))
+                    for mode in modes if dp > 1 else ("replicate",):
                         out.append(
                             ParallelConfig(
                                 "pipeline", devices, p, m, schedule, v, "uniform", ac,
-                                precision=precision, data_parallel=mode,
+                                precision=precision, data_parallel=mode, tensor_parallel_size=tp,
                             )
                         )  # fmt: skip
     return out
@@ -116,7 +128,12 @@ def plan(facts: ModelFacts, configs: list[ParallelConfig], global_batch: int) ->
         estimate = predict(facts, config, samples=batch)
         bubble, time = _time(facts, config, batch)
         out.append(Candidate(config, estimate, batch, time, bubble))
-    return sorted(out, key=lambda c: (round(c.time, 6), c.config.strategy == "pipeline", c.peak))
+    return ranked(out)
+
+
+def ranked(candidates: list[Candidate]) -> list[Candidate]:
+    """Fastest first by the cost model; ties to DDP, then to the smaller peak (several plans merged)."""
+    return sorted(candidates, key=lambda c: (round(c.time, 6), c.config.strategy == "pipeline", c.peak))
 
 
 def fastest_fit(candidates: list[Candidate], budget: int) -> Candidate | None:
@@ -174,4 +191,5 @@ def _time(facts: ModelFacts, config: ParallelConfig, batch: int) -> tuple[float,
     overhead = 1 + 0.01 * (v * m - 1)
     time = imbalance / (1 - bubble) * (1 + recomputed / 3) * overhead
     time *= {"zero1": 1.02, "fsdp": 1.03}.get(config.data_parallel, 1.0)
+    time *= 1.10 if config.tensor_parallel_size > 1 else 1.0
     return bubble, time
