@@ -118,7 +118,7 @@ def worker(rank: int, world: int) -> list[dict[str, Any]]:
 
 
 def plot(path: Any, rows: list[dict[str, Any]]) -> None:
-    fig, (ax1, ax2) = h.figure(ncols=2, size=(11, 4))
+    fig, (ax1, ax2) = h.figure(ncols=2, size=(11, 5))
     for offset, name in enumerate(RUNS):
         mine = [r for r in rows if r["run"] == name]
         xs = [r["rank"] + 0.2 * (offset - 1.5) for r in mine]
@@ -136,7 +136,8 @@ def plot(path: Any, rows: list[dict[str, Any]]) -> None:
     ax1.set(xlabel="rank", ylabel="MiB", title="parameters + gradients + AdamW state per rank")
     ax2.set(xlabel="rank", ylabel="s", title="step time (median, min-max over steps)")
     for ax in (ax1, ax2):
-        ax.legend(fontsize=8)
+        ax.set_xticks(sorted({r["rank"] for r in rows}))
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
         ax.grid(alpha=0.3)
     h.save_figure(fig, path)
 
