@@ -129,7 +129,8 @@ def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys)
     # Tensor-parallel shapes too, each measured on one tp rank's local model (its split weights halved).
     code = main(["lightning_parallel.memory.hf:causal_lm", "--init", f"config={tmp_path}", "--meta",
                  "--batch", "long:16", "long:16", "--global-batch-size", "8", "--devices", "4",
-                 "--memory", "1GiB", "--optimizer", "AdamW", "--tensor-parallel-sizes", "1", "2"])  # fmt: skip
+                 "--memory", "1GiB", "--optimizer", "AdamW",
+                 "--tensor-parallel-sizes", "1", "2"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
     rows = {ln.split("  ")[0]: ln for ln in out.splitlines() if ln.startswith(("ddp", "pp "))}

@@ -91,10 +91,12 @@ MODELS = {
     "traced": SplitQkvTinyGPT,
     "traced-4-blocks": lambda: SplitQkvTinyGPT(depth=4),
 }
-# Hugging Face Llama from config, split with its own base_model_tp_plan: (tied, how the step calls it,
-# strategy kwargs), two optimizer steps each.
+# Hugging Face decoders from config (the family begins the name), split with their own
+# base_model_tp_plan: (tied, how the step calls it, strategy kwargs), two optimizer steps each. GPT-NeoX
+# splits its fused query_key_value column-wise (its rows are grouped by head), with partial rotary.
 HF_CONFIGS = {
     "llama-tied-masked-pp2-tp2": (True, "masked", dict(pipeline_size=2, tensor_parallel_size=2)),
+    "neox-untied-logits-pp2-tp2": (False, "logits", dict(pipeline_size=2, tensor_parallel_size=2)),
     "llama-untied-labels-dp2-tp2-fsdp": (
         False,
         "labels",
@@ -128,7 +130,7 @@ def _job(rank: int, world: int, out_dir: str) -> None:
             devices=world, strategy=PipelineStrategy(num_microbatches=4, **kwargs), max_steps=HF_STEPS,
             callbacks=[GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")],
         )  # fmt: skip
-        trainer.fit(_hf_model(tied, call), loader(_hf_data(call), 8 // dp))
+        trainer.fit(_hf_model(name, tied, call), loader(_hf_data(call), 8 // dp))
     torch.save(_megatron_collectives(), f"{out_dir}/rank{rank}.pt")
 
 
@@ -137,11 +139,11 @@ def _seeded(model: str):
     return MODELS[model]()
 
 
-def _hf_model(tied: bool, call: str):
+def _hf_model(name: str, tied: bool, call: str):
     from hf_models import HFCausalLM  # (skips where transformers is missing, outside CI)
 
     torch.manual_seed(0)
-    return HFCausalLM("llama", tied=tied, call=call, lr=1e-3)
+    return HFCausalLM(name.split("-")[0], tied=tied, call=call, lr=1e-3)
 
 
 def _hf_data(call: str):
@@ -185,7 +187,7 @@ def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
     refs = {m: fit(_seeded(m), reference_loader(data, GLOBAL_BATCH), tmp_path / f"ref-{m}", **TRAIN)[0]
             for m in MODELS}  # fmt: skip
     hf_refs = {
-        name: fit(_hf_model(tied, call), reference_loader(_hf_data(call), 8),
+        name: fit(_hf_model(name, tied, call), reference_loader(_hf_data(call), 8),
                   tmp_path / name, devices=1, max_steps=HF_STEPS)[0]
         for name, (tied, call, _) in HF_CONFIGS.items()
     }  # fmt: skip
