@@ -66,9 +66,27 @@ class TensorPlan:
     head_counts: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def format_table(self) -> str:
-        lines = [f"  {path}: {type(style).__name__}" for path, style in self.styles.items()]
-        lines += [f"  {path}: {attrs} per rank" for path, attrs in self.head_counts.items()]
+        """One line per module pattern: the block index written ``*``, the number of blocks after it.
+
+        Example::
+
+            print(plan.format_table())
+            # tensor-parallel plan over 2 ranks:
+            #   layers.*.attn.q: ColwiseParallel (2 blocks)
+        """
+        rows: dict[str, int] = {}
+        for path, style in self.styles.items():
+            key = f"{_pattern(path)}: {type(style).__name__}"
+            rows[key] = rows.get(key, 0) + 1
+        for path, attrs in self.head_counts.items():
+            key = f"{_pattern(path)}: {attrs} per rank"
+            rows[key] = rows.get(key, 0) + 1
+        lines = [f"  {key}" + (f" ({n} blocks)" if n > 1 else "") for key, n in rows.items()]
         return f"tensor-parallel plan over {self.tp_size} ranks:\n" + "\n".join(lines)
+
+
+def _pattern(path: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
 
 
 def default_plan(seq: nn.Sequential, seq_name: str, tp_size: int) -> TensorPlan:

@@ -228,10 +228,11 @@ class TracedStages:
         for index in self.stage_indices:
             stage_module = pipe.get_stage_module(index)
             point_at(stage_module, real, self.aliases)
-            runs: nn.Module | None = self.root
+            runs: nn.Module | None = self.root  # what the torch stage runs (None: the stage module)
             if self.tensor_parallel_mesh is not None:
                 place_split_ops(stage_module, self._split_styles, self.aliases)
-                runs = runs or TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
+                if runs is None:  # (a sharded root runs its graph on DTensors itself)
+                    runs = TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
             if self.wrap_units is not None:
                 self.wrap_units(called_units(stage_module))
             if index == self.num_stages - 1:
