@@ -121,7 +121,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             divides the head count; a traced forward: its graph runs on DTensors; a Hugging Face model:
             its own ``base_model_tp_plan``). ``data_parallel`` acts over the data-parallel ranks on top.
         tensor_parallel_plan: ``{module path pattern: ParallelStyle}`` (as ``parallelize_module``
-            takes; paths from the LightningModule, ``*`` one segment) replacing the default plan.
+            takes; paths from the LightningModule, ``*`` one segment) replacing the default plan (a
+            traced forward takes ``ColwiseParallel`` and ``RowwiseParallel``).
         shard_optimizer_state: ``True`` is ``data_parallel="zero1"`` (the older name).
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         num_stages: deprecated name of ``pipeline_size``.
