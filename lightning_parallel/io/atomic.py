@@ -5,9 +5,10 @@ directory (streamed, never serialised into memory first) while a SHA-256 of the 
 on the way. Where Linux ``O_TMPFILE`` works, that file has no name until it is complete (see
 :mod:`lightning_parallel.io.tempfiles`), so a killed write leaves nothing behind;
 :func:`temp_file_method` says which kind a directory gets.
-The digest and a little metadata go into the zip archive's end-of-central-directory *comment*, so
-the file stays an ordinary ``torch.load``-able checkpoint and carries its own integrity check: no
-sidecar file that could disagree with it after a crash. The file is then fsynced, renamed over the
+The digest and a little metadata go into the zip archive's end-of-central-directory *comment*
+(:mod:`lightning_parallel.io.zip_tag`, whose reading and verifying functions this module's namespace
+offers too), so the file stays an ordinary ``torch.load``-able checkpoint and carries its own integrity
+check: no sidecar file that could disagree with it after a crash. The file is then fsynced, renamed over the
 destination (atomic on POSIX within one filesystem) and the directory is fsynced, so at any instant
 of a SIGKILL the destination holds either the complete old file or the complete new one.
 
@@ -19,19 +20,25 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
-import json
 import os
 import shutil
-import struct
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 import torch
 
 from lightning_parallel.io import tempfiles
 from lightning_parallel.io.tempfiles import temp_file_method, temp_path_for
+from lightning_parallel.io.zip_tag import (
+    FORMAT,
+    CheckpointVerification,
+    _HashingWriter,
+    append_tag,
+    list_tagged_checkpoints,
+    newest_first,
+    read_tag,
+    verify_checkpoint,
+)
 
 __all__ = [
     "FORMAT",
@@ -54,12 +61,6 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-FORMAT = "lightning_parallel.rank0ckpt/1"
-_EOCD_SIG = b"PK\x05\x06"
-_EOCD_SIZE = 22
-_MAX_COMMENT = 0xFFFF
-_CHUNK = 8 << 20
-
 
 class CheckpointFileError(RuntimeError):
     """Writing a checkpoint file failed; the message names the file and the cause."""
@@ -70,6 +71,7 @@ class DiskFullError(CheckpointFileError):
 
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_COPY_CHUNK = 8 << 20
 
 
 def fsync_dir(directory: str) -> None:
@@ -161,48 +163,6 @@ def _write_named(path: str, write: Callable[[BinaryIO], Any]) -> Any:
     return result
 
 
-class _HashingWriter:
-    """A write-only file object that hashes what passes through it (``torch.save`` streams into it)."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self._f = f
-        self.sha = hashlib.sha256()
-        self.size = 0
-        self.error: OSError | None = None  # torch.save reports a failed write as "unexpected pos"
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.sha.update(view)
-        try:
-            self._f.write(view)
-        except OSError as err:
-            self.error = err
-            raise
-        self.size += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
-def _append_tag(f: BinaryIO, size: int, tag: dict[str, Any]) -> None:
-    """Put ``tag`` (JSON) into the zip comment of the archive that ends at ``size`` in ``f``."""
-    f.flush()
-    f.seek(size - _EOCD_SIZE)
-    eocd = f.read(_EOCD_SIZE)
-    if eocd[:4] != _EOCD_SIG or eocd[-2:] != b"\x00\x00":
-        raise RuntimeError("torch.save did not end the archive with an empty end-of-central-directory record")
-    comment = json.dumps(tag, sort_keys=True).encode()
-    if len(comment) > _MAX_COMMENT:
-        raise ValueError(
-            f"checkpoint tag is {len(comment)} bytes; the zip comment holds at most {_MAX_COMMENT}"
-        )
-    f.seek(size - 2)
-    f.write(struct.pack("<H", len(comment)))
-    f.seek(size)
-    f.write(comment)
-
-
 def save_checkpoint_file(obj: Any, path: str, meta: dict[str, Any] | None = None) -> str:
     """Stream ``obj`` with ``torch.save`` into ``path`` atomically and durably; return its SHA-256.
 
@@ -227,7 +187,7 @@ def save_checkpoint_file(obj: Any, path: str, meta: dict[str, Any] | None = None
         finally:
             written[0] = writer.size
         digest = writer.sha.hexdigest()
-        _append_tag(f, writer.size, {"format": FORMAT, "sha256": digest, **(meta or {})})
+        append_tag(f, writer.size, {"format": FORMAT, "sha256": digest, **(meta or {})})
         return digest
 
     return atomic_write(path, write, needed=lambda: max(written[0], _tensor_bytes(obj)))
@@ -247,111 +207,6 @@ def _tensor_bytes(obj: Any) -> int:
         elif isinstance(item, list | tuple):
             stack.extend(item)
     return sum(storages.values())
-
-
-def read_tag(path: str) -> tuple[dict[str, Any] | None, int]:
-    """Return (tag, payload_end) of a checkpoint: the JSON in its zip comment and where the comment starts.
-
-    ``tag`` is None for a file without our tag (foreign, truncated, or not a zip archive).
-    """
-    size = os.path.getsize(path)
-    tail_len = min(size, _EOCD_SIZE + _MAX_COMMENT)
-    with open(path, "rb") as f:
-        f.seek(size - tail_len)
-        tail = f.read(tail_len)
-    pos = tail.rfind(_EOCD_SIG)
-    while pos >= 0:
-        (comment_len,) = struct.unpack("<H", tail[pos + 20 : pos + 22]) if pos + 22 <= len(tail) else (-1,)
-        if pos + _EOCD_SIZE + comment_len == len(tail):
-            comment = tail[pos + _EOCD_SIZE :]
-            return _parse_tag(comment), size - tail_len + pos + _EOCD_SIZE
-        pos = tail.rfind(_EOCD_SIG, 0, pos)
-    return None, size
-
-
-def _parse_tag(comment: bytes) -> dict[str, Any] | None:
-    try:
-        tag = json.loads(comment.decode())
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return tag if isinstance(tag, dict) and tag.get("format") == FORMAT else None
-
-
-@dataclass
-class CheckpointVerification:
-    """Outcome of :func:`verify_checkpoint`: ``status`` is "ok", "mismatch", "untagged" or "unreadable"."""
-
-    path: str
-    status: str
-    expected: str | None = None
-    actual: str | None = None
-    tag: dict[str, Any] = field(default_factory=dict)
-    reason: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def describe(self) -> str:
-        if self.status == "mismatch":
-            return (
-                f"checkpoint {self.path!r} is corrupt: SHA-256 hash mismatch "
-                f"(expected {self.expected}, got {self.actual})"
-            )
-        if self.status == "unreadable":
-            return f"checkpoint {self.path!r} cannot be read: {self.reason}"
-        if self.status == "untagged":
-            return f"checkpoint {self.path!r} carries no content hash ({self.reason})"
-        return f"checkpoint {self.path!r} verifies (sha256 {self.actual})"
-
-
-def verify_checkpoint(path: str) -> CheckpointVerification:
-    """Recompute the content hash of a checkpoint written by :func:`save_checkpoint_file` and compare.
-
-    Example::
-
-        result = verify_checkpoint("ckpt/last.ckpt")
-        if not result.ok:
-            print(result.describe())
-    """
-    try:
-        tag, payload_end = read_tag(path)
-        if tag is None:
-            with open(path, "rb") as f:
-                looks_zip = f.read(2) == b"PK"
-            reason = "zip archive without an end record: truncated?" if looks_zip else "no hash tag"
-            return CheckpointVerification(path, "untagged", reason=reason)
-        sha = hashlib.sha256()
-        with open(path, "rb") as f:
-            remaining = payload_end - 2  # the comment-length field is hashed as written: zero
-            while remaining > 0:
-                chunk = f.read(min(_CHUNK, remaining))
-                if not chunk:
-                    break
-                sha.update(chunk)
-                remaining -= len(chunk)
-        sha.update(b"\x00\x00")
-    except OSError as err:
-        return CheckpointVerification(path, "unreadable", reason=str(err))
-    actual = sha.hexdigest()
-    status = "ok" if actual == tag.get("sha256") else "mismatch"
-    return CheckpointVerification(path, status, expected=tag.get("sha256"), actual=actual, tag=tag)
-
-
-def list_tagged_checkpoints(directory: str, suffix: str = ".ckpt") -> list[tuple[str, dict[str, Any]]]:
-    """Every ``*suffix`` file in ``directory`` that carries our tag, with the tag (hashes not checked)."""
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if not name.endswith(suffix) or name.startswith(".") or not os.path.isfile(path):
-            continue
-        with contextlib.suppress(OSError):
-            tag, _ = read_tag(path)
-            if tag is not None:
-                found.append((path, tag))
-    return found
 
 
 def remove_orphans(directory: str) -> list[str]:
@@ -386,7 +241,7 @@ def atomic_symlink(target: str, linkpath: str) -> None:
         os.symlink(os.path.relpath(target, directory), tmp)
     except OSError:
         with open(target, "rb") as src:
-            atomic_write(linkpath, lambda f: shutil.copyfileobj(src, f, _CHUNK))
+            atomic_write(linkpath, lambda f: shutil.copyfileobj(src, f, _COPY_CHUNK))
         return
     try:
         os.replace(tmp, linkpath)
@@ -435,17 +290,3 @@ def created_for_now(directory: str) -> Iterator[None]:
         for path in missing:
             with contextlib.suppress(OSError):  # not empty (a file was written), or gone already
                 os.rmdir(path)
-
-
-def newest_first(entries: Iterable[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    """Order tagged checkpoints newest first: by global step, then modification time."""
-
-    def key(entry: tuple[str, dict[str, Any]]) -> tuple[int, float]:
-        path, tag = entry
-        try:
-            mtime = os.path.getmtime(path)
-        except OSError:
-            mtime = 0.0
-        return int(tag.get("step", -1)), mtime
-
-    return sorted(entries, key=key, reverse=True)
