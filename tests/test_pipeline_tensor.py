@@ -10,6 +10,7 @@ import time
 import hf_env
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 from mp_harness import (
     GatheredRecorder,
     SaveAtEpochEnd,
@@ -24,7 +25,12 @@ from tiny_models import TinyGPT, loader, token_data
 from tiny_tp_models import SplitQkvGPT, SplitQkvTinyGPT
 from torch import nn
 from torch.distributed.pipelining._IR import _modify_graph_op_device
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from lightning_parallel import PipelineStrategy, consolidate_checkpoint
 from lightning_parallel.memory.config import ParallelConfig
@@ -38,6 +44,7 @@ from lightning_parallel.parallelize.traced_tensor import (
     register_missing_shardings,
     tensor_parallel_step,
 )
+from lightning_parallel.pipeline.loss_scale import agree_on_overflow
 from lightning_parallel.pipeline.shared import alias_table
 from lightning_parallel.pipeline.trace import meta_twin, point_at, to_meta, trace
 from lightning_parallel.strategies._pipeline_parallelize import tensor_plan
@@ -131,7 +138,25 @@ def _job(rank: int, world: int, out_dir: str) -> None:
             callbacks=[GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")],
         )  # fmt: skip
         trainer.fit(_hf_model(name, tied, call), loader(_hf_data(call), 8 // dp))
-    torch.save(_megatron_collectives(), f"{out_dir}/rank{rank}.pt")
+    trainer = quiet_trainer(
+        devices=world, strategy=PipelineStrategy(num_microbatches=4, pipeline_size=2, tensor_parallel_size=2),
+        callbacks=[GatheredRecorder(f"{out_dir}/traced-pp2-tp2-16-mixed-rank{rank}.pt")], **FP16_TRAIN,
+        **_fp16(),
+    )  # fmt: skip
+    trainer.fit(_seeded("traced"), loader(data, GLOBAL_BATCH))
+    torch.save(
+        {**_megatron_collectives(), "overflow": _overflow_in_one_shard(rank)}, f"{out_dir}/rank{rank}.pt"
+    )
+
+
+# fp16 with a GradScaler (its scale doubling every 2 clean steps) on the traced stages' DTensor gradients.
+# Tensor parallelism sums each row-wise projection in two fp16 halves: close to one device, not equal.
+FP16_TRAIN = dict(max_epochs=2, gradient_clip_val=0.5)
+
+
+def _fp16() -> dict:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=2)
+    return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
 
 
 def _seeded(model: str):
@@ -150,6 +175,28 @@ def _hf_data(call: str):
     from hf_models import hf_token_data
 
     return hf_token_data(16, padded=call == "masked")
+
+
+def _overflow_in_one_shard(rank: int) -> tuple[bool, float, float]:
+    """fp16 under tensor parallelism: an inf in one rank's shard of a split gradient skips every rank's
+    step. Each rank unscales its DTensor and plain gradients; returns (found_inf, a plain gradient and a
+    split one after unscaling)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    split, whole = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    parallelize_module(split, tp, ColwiseParallel())
+    for p in (split.weight, whole.weight):
+        p.grad = torch.full_like(p, 8.0)
+    if rank == 1:
+        split.weight.grad.to_local()[0, 0] = float("inf")  # tp rank 1 of the first replica only
+    optimizer = torch.optim.SGD([split.weight, whole.weight], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    agree_on_overflow(scaler)
+    scaler.scale(torch.ones(()))  # (the scale is made at the first scale())
+    scaler.unscale_(optimizer)
+    found = next(iter(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()))
+    return bool(found.item()), whole.weight.grad[0, 0].item(), split.weight.grad.to_local()[-1, -1].item()
 
 
 def _megatron_collectives() -> dict[str, dict[str, int]]:
@@ -200,6 +247,11 @@ def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
         assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
         expected = torch.tensor(ref["losses"])[-len(losses) :]  # the resumed runs: their second epoch
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    fp16_ref = fit(_seeded("traced"), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref-fp16",
+                   **FP16_TRAIN, **_fp16())[0]  # fmt: skip
+    params, losses, _ = merged_records(tmp_path, "traced-pp2-tp2-16-mixed", WORLD)
+    torch.testing.assert_close(losses, torch.tensor(fp16_ref["losses"]), rtol=2e-3, atol=2e-3)
+    assert_close_dicts(params, fp16_ref["params"], rtol=1e-2, atol=1e-3)
     for name in HF_CONFIGS:
         params, losses, _ = merged_records(tmp_path, name, WORLD)
         assert_close_dicts(params, hf_refs[name]["params"], rtol=1e-5, atol=1e-5)
@@ -227,6 +279,8 @@ def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
     # A traced stage split over 2 ranks costs Megatron's collectives: per block, one all-reduce after
     # the attention and one after the MLP in forward, one for each block input's gradient in backward.
     for counts in collectives:
+        overflow = counts.pop("overflow")
+        assert overflow == (True, 2.0, 2.0), overflow  # every rank found it; 8 / 4 unscaled in place
         assert counts == {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}}, counts
     # The checkpoints saved at pp 2 x tp 2 resume on one device (the DCP directory once consolidated).
     assert (tmp_path / "traced.ckpt").is_dir()

@@ -10,9 +10,12 @@ scale (Megatron all-reduces ``found_inf`` over its model-parallel group the same
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.distributed.tensors import all_reduce_coalesced
 
@@ -39,11 +42,45 @@ def agree_on_overflow(scaler: torch.amp.GradScaler, group: Any | None = None) ->
     unscale = getattr(scaler.unscale_, "__wrapped__", scaler.unscale_)
 
     def unscale_and_agree(optimizer: torch.optim.Optimizer) -> None:
-        unscale(optimizer)
+        with _local_gradients(optimizer):
+            unscale(optimizer)
         agree_found_inf(scaler, optimizer, group)
 
     unscale_and_agree.__wrapped__ = unscale  # type: ignore[attr-defined]
     scaler.unscale_ = unscale_and_agree  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _local_gradients(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """While ``unscale_`` runs: the optimizer's DTensor gradients (FSDP2, tensor parallelism) seen as
+    their local shards.
+
+    GradScaler checks and unscales each device's gradients in one op; DTensor's rule for it takes only
+    lists of DTensors, while a stage holds DTensor and plain gradients side by side. GradScaler reads
+    nothing but ``param.grad`` of each parameter, so for the call each DTensor-gradient parameter is
+    stood in for by a plain alias of its local gradient shard whose ``grad`` is that shard (no copy:
+    the unscale writes through). ``found_inf`` is then this rank's; :func:`agree_found_inf` makes it the
+    world's right after.
+    """
+    saved = [group["params"] for group in optimizer.param_groups]
+    if not any(isinstance(p.grad, DTensor) for params in saved for p in params):
+        yield
+        return
+    with torch.no_grad():
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = [_local_stand_in(p.grad) if isinstance(p.grad, DTensor) else p for p in params]
+    try:
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
+
+
+def _local_stand_in(grad: DTensor) -> torch.Tensor:
+    local = grad.to_local()
+    stand_in = local.detach()
+    stand_in.grad = local
+    return stand_in
 
 
 def agree_found_inf(
