@@ -56,7 +56,8 @@ def _local_gradients(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     their local shards.
 
     GradScaler checks and unscales each device's gradients in one op; DTensor's rule for it takes only
-    lists of DTensors, while a stage holds DTensor and plain gradients side by side. GradScaler reads
+    lists of DTensors, while a tensor-parallel stage holds DTensor (split) and plain (whole) gradients
+    side by side. GradScaler reads
     nothing but ``param.grad`` of each parameter, so for the call each DTensor-gradient parameter is
     stood in for by a plain alias of its local gradient shard whose ``grad`` is that shard (no copy:
     the unscale writes through). ``found_inf`` is then this rank's; :func:`agree_found_inf` makes it the
