@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -192,13 +193,8 @@ def run_on_dtensors(graph: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -
 
     # The whole (unsplit) parameters enter as replicated DTensors too, for the call only: so their
     # gradients come back plain (summed where partial), as the optimizer and the replicas expect.
-    whole = [
-        (slot, name, p)
-        for _, mod in graph_modules(graph)
-        for slot in (mod._parameters,)
-        for name, p in slot.items()
-        if p is not None and not isinstance(p, DTensor)
-    ]
+    whole = [(slot, name, slot[name]) for slot, name in _parameter_slots(graph)]
+    whole = [(slot, name, p) for slot, name, p in whole if p is not None and not isinstance(p, DTensor)]
     try:
         for slot, name, p in whole:
             slot[name] = enter(p)
@@ -206,6 +202,19 @@ def run_on_dtensors(graph: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -
     finally:
         for slot, name, p in whole:
             slot[name] = p
+
+
+# graph -> where its parameters sit ((the owning module's parameter dict, name) pairs): found once per
+# graph, not at every micro-batch's forward. The tensors in them are read at each call (a sharded root
+# points them at the gathered parameters before it runs the graph).
+_slots: weakref.WeakKeyDictionary[nn.Module, list[tuple[dict[str, Any], str]]] = weakref.WeakKeyDictionary()
+
+
+def _parameter_slots(graph: nn.Module) -> list[tuple[dict[str, Any], str]]:
+    if graph not in _slots:
+        modules = [mod for _, mod in graph_modules(graph)]
+        _slots[graph] = [(mod._parameters, name) for mod in modules for name in mod._parameters]
+    return _slots[graph]
 
 
 def _leave(t: Any) -> Any:
