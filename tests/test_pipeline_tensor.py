@@ -37,7 +37,8 @@ from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.memory.tensor_parallel import local_model
-from lightning_parallel.parallelize.tensor import apply_held_styles, default_plan, user_plan
+from lightning_parallel.parallelize.tensor import default_plan, user_plan
+from lightning_parallel.parallelize.tensor_apply import apply_held_styles
 from lightning_parallel.parallelize.traced_tensor import (
     TensorParallelGraph,
     place_split_ops,

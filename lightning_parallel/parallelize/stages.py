@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.parallelize.fsdp import shard_stage
-from lightning_parallel.parallelize.tensor import TensorPlan, apply_plan
+from lightning_parallel.parallelize.tensor import TensorPlan
+from lightning_parallel.parallelize.tensor_apply import apply_plan
 
 DATA_PARALLEL = ("replicate", "zero1", "fsdp")
 

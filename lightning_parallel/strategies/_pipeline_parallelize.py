@@ -16,13 +16,8 @@ from torch import nn
 
 from lightning_parallel.parallelize.fsdp import DeferredReduceStage
 from lightning_parallel.parallelize.stages import parallelize_stages
-from lightning_parallel.parallelize.tensor import (
-    TensorPlan,
-    apply_held_styles,
-    default_plan,
-    traced_plan,
-    user_plan,
-)
+from lightning_parallel.parallelize.tensor import TensorPlan, default_plan, traced_plan, user_plan
+from lightning_parallel.parallelize.tensor_apply import apply_held_styles
 from lightning_parallel.parallelize.traced_fsdp import ShardedTracedStage, shard_traced_stage
 from lightning_parallel.parallelize.traced_tensor import style_layouts
 from lightning_parallel.pipeline.split import SequentialStages, find_sequential
