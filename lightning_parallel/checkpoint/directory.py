@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from lightning_parallel.distributed.agree import agree, decide_on, distributed_ready
 from lightning_parallel.distributed.collectives import all_gather_objects, broadcast_object
-from lightning_parallel.io import atomic
+from lightning_parallel.io import atomic, zip_tag
 from lightning_parallel.io.tempfiles import temp_path_for
 
 __all__ = [
@@ -168,18 +168,12 @@ def is_checkpoint_dir(path: str) -> bool:
 
 def list_tagged_dirs(directory: str, suffix: str = ".ckpt") -> list[tuple[str, dict[str, Any]]]:
     """Every ``*suffix`` checkpoint directory in ``directory`` whose meta.pt carries our tag, with the tag."""
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        ours = name.endswith(suffix) and not name.startswith(".") and not os.path.islink(path)
-        if ours and is_checkpoint_dir(path):
-            with contextlib.suppress(OSError):
-                tag, _ = atomic.read_tag(os.path.join(path, META_NAME))
-                if tag is not None:
-                    found.append((path, tag))
-    return found
+
+    def meta_of(path: str) -> str | None:
+        ours = not os.path.islink(path) and is_checkpoint_dir(path)
+        return os.path.join(path, META_NAME) if ours else None
+
+    return zip_tag.list_tagged(directory, suffix, meta_of)
 
 
 def verify_checkpoint_dir(path: str, rank: int = 0, world: int = 1) -> atomic.CheckpointVerification:

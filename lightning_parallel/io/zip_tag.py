@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -168,15 +168,31 @@ def verify_checkpoint(path: str) -> CheckpointVerification:
 
 def list_tagged_checkpoints(directory: str, suffix: str = ".ckpt") -> list[tuple[str, dict[str, Any]]]:
     """Every ``*suffix`` file in ``directory`` that carries our tag, with the tag (hashes not checked)."""
+    return list_tagged(directory, suffix, lambda path: path if os.path.isfile(path) else None)
+
+
+def list_tagged(
+    directory: str, suffix: str, tagged_file: Callable[[str], str | None]
+) -> list[tuple[str, dict[str, Any]]]:
+    """Every ``*suffix`` entry of ``directory`` (not hidden) whose ``tagged_file(path)`` carries our tag.
+
+    ``tagged_file`` names the file holding an entry's tag (the entry itself, or a file inside it), or
+    None for an entry that is not one of ours. Unreadable entries are skipped.
+
+    Example::
+
+        list_tagged("ckpts", ".ckpt", lambda p: p if os.path.isfile(p) else None)
+    """
     if not os.path.isdir(directory):
         return []
     found = []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
-        if not name.endswith(suffix) or name.startswith(".") or not os.path.isfile(path):
+        holder = tagged_file(path) if name.endswith(suffix) and not name.startswith(".") else None
+        if holder is None:
             continue
         with contextlib.suppress(OSError):
-            tag, _ = read_tag(path)
+            tag, _ = read_tag(holder)
             if tag is not None:
                 found.append((path, tag))
     return found
