@@ -11,6 +11,7 @@ pipeline stages.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -21,13 +22,19 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.pipelining import Pipe, PipelineStage, SplitPoint
-from torch.distributed.pipelining._IR import _modify_graph_op_device, annotate_split_points
+from torch.distributed.pipelining import Pipe, SplitPoint
+from torch.distributed.pipelining._IR import (
+    MultiUseParameterConfig,
+    annotate_split_points,
+)
+from torch.export import Dim
 from torch.export.unflatten import InterpreterModule
 
 from lightning_parallel.pipeline.call_binding import CallBinding, bound_forward
 from lightning_parallel.pipeline.graph_regions import inline_wrapped_regions
 from lightning_parallel.pipeline.relay import relay_skips
+from lightning_parallel.pipeline.stage_shapes import keeping_rng
+from lightning_parallel.pipeline.symbolic_sizes import localize_sizes
 
 
 class PipelineTraceError(RuntimeError):
@@ -116,8 +123,15 @@ def trace(
     split_points: Sequence[str],
     train: bool,
     binding: CallBinding | None = None,
+    dynamic: bool = True,
 ) -> Pipe:
     """``torch.distributed.pipelining.pipeline`` on the twin, split before each of ``split_points``.
+
+    With ``dynamic`` (the default) every dimension of every input is exported as ``Dim.AUTO``: the
+    program keeps a size symbolic wherever the model lets it (the batch and sequence lengths of a
+    transformer), so one trace serves every such shape; where the model fixes a size (its width),
+    export specialises it. Where export fails with dynamic dimensions but not without, the pipe is
+    the static one and ``pipe.dynamic_failure`` says why (else it is ``None``).
 
     ``pipeline()`` marks a split point by patching the module's ``forward`` in place; the patches
     are undone here so the twin can be traced again at another shape.
@@ -129,8 +143,8 @@ def trace(
         with warnings.catch_warnings():
             # torch 2.13's export warns about its own pytree internals on every trace: not the user's concern.
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            with _bound(twin, binding):
-                pipe = _pipeline(twin, example, split_points)
+            with _bound(twin, binding), keeping_rng():
+                pipe = _pipeline(twin, example, split_points, dynamic)
     except RuntimeError as err:
         raise _trace_error(twin, err) from None
     finally:
@@ -148,20 +162,57 @@ def _bound(module: nn.Module, binding: CallBinding | None) -> Any:
     return bound_forward(module, binding) if binding is not None else contextlib.nullcontext()
 
 
-def _pipeline(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str]) -> Pipe:
-    """torch's ``pipeline(twin, example, split_spec)``, with the no-grad regions inlined before the split.
+def _pipeline(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str], dynamic: bool) -> Pipe:
+    """torch's ``pipeline(twin, example, split_spec)``, exported with dynamic sizes, regions inlined.
 
-    ``pipeline()`` takes a split spec or a split policy, not both; the policy hook is where the traced
-    graph can be changed before it is cut, so the split points are annotated here as ``pipeline()``
-    does (with its private ``annotate_split_points``, torch 2.13) and the policy inlines the regions
-    (:mod:`~lightning_parallel.pipeline.graph_regions`, for pytorch#184361).
+    ``pipeline()`` is ``torch.export`` (with static shapes only) followed by ``Pipe._from_traced``,
+    which cuts the exported program; the export is made here (:func:`export_for_pipeline`) and handed
+    to that step (private, torch 2.13; test_trace.py fails loudly if it moves). The split points are
+    annotated as ``pipeline()`` does (its private ``annotate_split_points``), and the split policy,
+    the hook where the graph can be changed before the cut, inlines the no-grad regions
+    (:mod:`~lightning_parallel.pipeline.graph_regions`, for pytorch#184361) and makes every stage
+    compute the sizes it uses (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
     """
     annotate_split_points(twin, {p: SplitPoint.BEGINNING for p in split_points})
-    return Pipe.from_tracing(twin, example, split_policy=_before_split)
+    program, failure = export_for_pipeline(twin, example, dynamic)
+    pipe = Pipe._from_traced(twin, program, MultiUseParameterConfig.REPLICATE, split_policy=_before_split)
+    pipe.dynamic_failure = failure
+    return pipe
+
+
+def export_for_pipeline(
+    module: nn.Module, example: tuple[Any, ...], dynamic: bool = True
+) -> tuple[torch.export.ExportedProgram, str | None]:
+    """``torch.export`` of ``module(*example)``, every input dimension ``Dim.AUTO`` if ``dynamic``.
+
+    Returns the program and, when the dynamic export failed and a static one was made instead, the
+    first line of export's reason (``None`` otherwise).
+
+    Raises:
+        RuntimeError: export failed (its error is the ``__cause__``), as ``pipeline()`` raises it.
+    """
+    failure = None
+    if dynamic:
+        try:
+            return torch.export.export(module, example, dynamic_shapes=_auto_dims(module, example)), None
+        except Exception as err:  # export raises many types; the static export below says if it is the shape
+            failure = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    try:
+        return torch.export.export(module, example), failure
+    except Exception as err:
+        raise RuntimeError("torch.export could not capture the module's forward as one graph") from err
+
+
+def _auto_dims(module: nn.Module, example: tuple[Any, ...]) -> tuple[Any, ...]:
+    specs = tuple({d: Dim.AUTO for d in range(t.dim())} if torch.is_tensor(t) else None for t in example)
+    params = list(inspect.signature(module.forward).parameters.values())
+    if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
+        return (specs,)  # forward(*tensors) (a bound call): one spec, a tuple, for the varargs
+    return specs
 
 
 def _before_split(gm: fx.GraphModule) -> fx.GraphModule:
-    return device_args_as_keywords(inline_wrapped_regions(gm))
+    return localize_sizes(device_args_as_keywords(inline_wrapped_regions(gm)))
 
 
 def device_args_as_keywords(gm: fx.GraphModule) -> fx.GraphModule:
@@ -308,59 +359,3 @@ def point_at(stage_module: nn.Module, real: Mapping[str, torch.Tensor], aliases:
             raise RuntimeError(f"internal error: stage reads {path}, which this rank does not hold")
         else:
             del slot[leaf]
-
-
-def stage_examples(pipe: Pipe, example: tuple[Any, ...], train: bool) -> list[tuple[tuple, tuple]]:
-    """Each stage's inputs and outputs for one micro-batch, as fake tensors: the stages' static metadata.
-
-    The stages are run in turn on fake tensors (free), in the mode of the schedule, so each tensor
-    knows whether autograd tracks it: a stage receives its gradient only for those outputs, which the
-    graph's own fake values do not say (export records no ``requires_grad``). Run before the stage
-    modules are pointed at real tensors.
-    """
-    out = []
-    with torch.set_grad_enabled(train), FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        args = tuple(fake.from_tensor(a) if torch.is_tensor(a) else a for a in example)
-        for index in range(pipe.num_stages):
-            outputs = pipe.get_stage_module(index)(*args)
-            outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-            out.append((args, outputs))
-            args = outputs
-    return out
-
-
-def manual_stage(
-    stage_module: nn.Module,
-    index: int,
-    num_stages: int,
-    device: torch.device,
-    group: Any,
-    examples: tuple[tuple, tuple],
-    stage_cls: type[PipelineStage] = PipelineStage,
-    submodule: nn.Module | None = None,
-) -> PipelineStage:
-    """A traced stage module as torch's manual ``PipelineStage`` (the frontend every schedule accepts).
-
-    torch's traced stages (``Pipe.build_stage``) refuse DTensor parameters and fail the V-shaped
-    schedules' P2P warm-up (ZBV, DualPipeV: "Pair is not connected"). After :func:`relay_skips` a
-    stage reads only its neighbour's outputs, in their order, which is what a manual stage sends and
-    receives. Its shapes are given (``examples``, from :func:`stage_examples`): a manual stage left
-    to infer them runs its forward once on uninitialised buffers, which a stage that indexes with a
-    received tensor (a loss computed from relayed labels) cannot survive. The tracer recorded devices
-    in the graph (``torch.ones(..., device=meta)``): they are moved to ``device`` first, as
-    ``Pipe.build_stage`` does, with the same private helper (``_modify_graph_op_device``, torch 2.13).
-
-    Args:
-        submodule: what the torch stage runs, if not ``stage_module`` (a sharded root running it).
-    """
-    _modify_graph_op_device(stage_module, device)
-    inputs, outputs = (tuple(_meta_like(t) for t in ts) for ts in examples)
-    return stage_cls(
-        stage_module if submodule is None else submodule, index, num_stages, device,
-        input_args=inputs, output_args=outputs, group=group,
-    )  # fmt: skip
-
-
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return meta.requires_grad_(t.requires_grad)

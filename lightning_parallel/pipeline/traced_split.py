@@ -8,13 +8,16 @@ those after the last block (final norm, head) with the last one.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
 from lightning_parallel.parallelize.traced_tensor import (
@@ -24,14 +27,8 @@ from lightning_parallel.parallelize.traced_tensor import (
     tensor_parallel_step,
 )
 from lightning_parallel.pipeline.call_binding import CallBinding
-from lightning_parallel.pipeline.trace import (
-    manual_stage,
-    point_at,
-    stage_examples,
-    to_meta,
-    trace,
-    unit_calls,
-)
+from lightning_parallel.pipeline.stage_shapes import StageShapes
+from lightning_parallel.pipeline.trace import point_at, to_meta, trace, unit_calls
 
 
 def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
@@ -136,8 +133,38 @@ def keep_only(module: nn.Module, keep: set[str]) -> None:
             del slot[leaf]  # (an unset slot such as ``bias=None`` stays: reset_parameters reads it)
 
 
+@dataclass
+class TracedProgram:
+    """One traced pipe and the stages this rank prepared of it (shared by every shape it serves)."""
+
+    key: tuple  # (mode, parameter dtypes, way of calling)
+    pipe: Any
+    shapes: StageShapes
+    prepared: dict[int, tuple[nn.Module, nn.Module | None, Any]] = field(default_factory=dict)
+
+
+def retrace_message(shapes: StageShapes, example: Sequence[Any]) -> str:
+    """Why a traced program does not serve ``example``: the fixed sizes that differ."""
+    tensors = [t for t in example if torch.is_tensor(t)]
+    fixed = []
+    for i, (dims, t) in enumerate(zip(shapes.dynamic_dims, tensors)):
+        traced = shapes.traced_shape(i)
+        fixed += [f"input {i} dim {d}: {traced[d]} -> {t.shape[d]}" for d in range(t.dim()) if d not in dims
+                  and d < len(traced) and traced[d] != t.shape[d]]  # fmt: skip
+    return (
+        f"PipelineStrategy: the traced forward fixed sizes that this batch changes ({'; '.join(fixed)}): "
+        f"it is traced again for them. Sizes of 1 are always fixed by torch.export; a model that branches "
+        f"on a size fixes it too. Pad batches to a few lengths to bound the traces"
+    )
+
+
 class TracedStages:
-    """This rank's traced stages; traces the meta twin again for each new input shape.
+    """This rank's traced stages: the meta twin traced once per mode, the stages built per input shape.
+
+    ``forward`` is exported with dynamic sizes (:func:`~lightning_parallel.pipeline.trace.trace`), so
+    one trace serves every sequence length and micro-batch size the model allows; a shape it cannot
+    serve (a size the model fixed, or a model that cannot be exported with dynamic sizes) is traced
+    again, with one warning saying why.
 
     Args:
         twin: the module's meta twin (:func:`~lightning_parallel.pipeline.trace.meta_twin`).
@@ -148,6 +175,7 @@ class TracedStages:
         device, group: where the stages run, and the pipeline process group.
         bindings: how the user's step calls the traced module, per mode (training: True), kept up to
             date by the stand-in (:class:`~lightning_parallel.pipeline.call_binding.TracedCall`).
+        warn: how to say that a shape is traced again (``rank_zero_warn`` in the strategy).
 
     Example::
 
@@ -155,7 +183,8 @@ class TracedStages:
         stages.build("train", 4, example_microbatch)     # [torch PipelineStage for stage 0]
     """
 
-    needs_example = True  # a new shape is traced again on every rank from the call's input
+    needs_example = True  # a new shape's stages are built on every rank from the call's input
+    max_programs = 4  # traced programs kept (one serves every shape when the sizes are dynamic)
 
     def __init__(
         self,
@@ -167,6 +196,7 @@ class TracedStages:
         device: torch.device,
         group: Any,
         bindings: Mapping[bool, CallBinding] | None = None,
+        warn: Callable[[str], Any] = warnings.warn,
     ) -> None:
         self.twin, self.split_points = twin, list(split_points)
         self.bindings = bindings if bindings is not None else {}
@@ -176,7 +206,9 @@ class TracedStages:
         self.wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None
         self.traces = 0  # how many times forward was traced (tests and benchmarks read it)
         self._output_ndims: tuple[bool, list[int]] | None = None  # (a tuple?, ndim of each output)
-        self._pipes: dict[Any, Any] = {}
+        self._programs: list[TracedProgram] = []  # least recently used first
+        self.warn = warn
+        self._warned: set[str] = set()
         # Set when the stage is sharded with FSDP2 (parallelize/traced_fsdp.py): the torch stage then
         # wraps that root, which runs the graph of the schedule about to step (see activate).
         self.root: Any = None
@@ -197,54 +229,110 @@ class TracedStages:
         """Around each schedule step (tensor-parallel stages mix plain tensors and DTensors in backward)."""
         return tensor_parallel_step() if self.tensor_parallel_mesh is not None else contextlib.nullcontext()
 
-    def pipe_for(self, train: bool, example: tuple[Any, ...]) -> Any:
-        """The traced pipe for this input shape (a trace done for planning is used once more)."""
-        binding = self.bindings.get(train)
-        pipe = self._pipes.pop(self._key(train, example), None)
-        if pipe is None:
-            pipe = trace(self.twin, example, self.split_points, train, binding)
-            self.traces += 1
-        return pipe
-
     def keep_for_later(self, train: bool, example: tuple[Any, ...], pipe: Any) -> None:
-        self._pipes[self._key(train, example)] = pipe
-
-    def _key(self, train: bool, example: tuple[Any, ...]) -> tuple:
-        binding = self.bindings.get(train)
-        dtypes = tuple(t.dtype for t in self.twin.parameters())
-        return (train, _spec(example), dtypes, binding.key if binding is not None else None)
+        """Serve the shapes ``pipe`` (traced for planning, at ``example``) serves: no trace again for them."""
+        self._programs.append(self._program(train, example, pipe))
 
     def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
+        """This rank's torch stages for micro-batches shaped as ``example``: milliseconds, once traced.
+
+        A traced program (one per mode, way of calling and parameter dtypes) serves every shape its
+        dynamic sizes cover; the stages' send and receive shapes for this one are evaluated from it.
+
+        The stages are torch's manual ``PipelineStage`` (the frontend every schedule accepts): torch's
+        traced stages (``Pipe.build_stage``) refuse DTensor parameters and fail the V-shaped schedules'
+        P2P warm-up (ZBV, DualPipeV: "Pair is not connected"). After ``relay_skips`` a stage reads only
+        its neighbour's outputs, in their order, which is what a manual stage sends and receives. Its
+        shapes are given (static mode): a manual stage left to infer them runs its forward once on
+        uninitialised buffers, which a stage that indexes with a received tensor (a loss computed from
+        relayed labels) cannot survive.
+        """
         example = to_meta(example)
-        pipe = self.pipe_for(mode == "train", example)
+        program = self._program_for(mode == "train", example)
+        examples = program.shapes.examples(example)
+        stages = []
+        for index in self.stage_indices:
+            stage_module, runs, links = self._prepared(program, index)
+            inputs, outputs = examples[index]
+            stage = self.stage_cls(
+                stage_module if runs is None else runs, index, self.num_stages, self.device,
+                input_args=inputs, output_args=outputs, group=self.group,
+            )  # fmt: skip
+            if links is not None:
+                self._graphs[stage] = (stage_module, links)
+            stages.append(stage)
+        if self.num_stages - 1 in self.stage_indices:
+            self._output_ndims = _output_ndims(program.pipe.get_stage_module(self.num_stages - 1))
+        return stages
+
+    def _program_for(self, train: bool, example: tuple[Any, ...]) -> TracedProgram:
+        """The traced program that serves ``example``, most recently used first; traced if none does."""
+        key = self._key(train)
+        same_call = [p for p in self._programs if p.key == key]
+        for program in reversed(same_call):
+            if program.shapes.serves(example):
+                self._programs.remove(program)
+                self._programs.append(program)
+                return program
+        pipe = trace(self.twin, example, self.split_points, train, self.bindings.get(train))
+        self.traces += 1
+        program = self._program(train, example, pipe)
+        if same_call:
+            self._warn_once("retrace", retrace_message(same_call[-1].shapes, example))
+        self._programs.append(program)
+        if len(self._programs) > self.max_programs:
+            self._programs.pop(0)
+        return program
+
+    def _program(self, train: bool, example: tuple[Any, ...], pipe: Any) -> TracedProgram:
         if pipe.num_stages != self.num_stages:
             raise RuntimeError(
                 f"tracing at a new input shape gave {pipe.num_stages} stages instead of {self.num_stages}: "
                 f"forward calls other modules at this shape"
             )
-        real = _real_tensors(self.module, self.aliases)
-        examples = stage_examples(pipe, example, mode == "train")
-        stages = []
-        for index in self.stage_indices:
-            stage_module = pipe.get_stage_module(index)
-            point_at(stage_module, real, self.aliases)
-            runs: nn.Module | None = self.root  # what the torch stage runs (None: the stage module)
-            if self.tensor_parallel_mesh is not None:
-                place_split_ops(stage_module, self._split_styles, self.aliases)
-                if runs is None:  # (a sharded root runs its graph on DTensors itself)
-                    runs = TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
-            if self.wrap_units is not None:
-                self.wrap_units(called_units(stage_module))
-            if index == self.num_stages - 1:
-                self._output_ndims = _output_ndims(stage_module)
-            stage = manual_stage(
-                stage_module, index, self.num_stages, self.device, self.group, examples[index],
-                self.stage_cls, runs,
-            )  # fmt: skip
-            if self.root is not None:
-                self._graphs[stage] = (stage_module, self.root.links(stage_module, self.aliases))
-            stages.append(stage)
-        return stages
+        if getattr(pipe, "dynamic_failure", None):
+            self._warn_once(
+                "static",
+                f"PipelineStrategy: forward could not be exported with dynamic sizes "
+                f"({pipe.dynamic_failure}); each new input shape is traced again. Pad batches to a few "
+                f"lengths (a collate function padding to a multiple of 64, say) to bound the traces",
+            )
+        return TracedProgram(self._key(train), pipe, StageShapes(pipe, example, train))
+
+    def _key(self, train: bool) -> tuple:
+        binding = self.bindings.get(train)
+        dtypes = tuple(t.dtype for t in self.twin.parameters())
+        return (train, dtypes, binding.key if binding is not None else None)
+
+    def _prepared(self, program: TracedProgram, index: int) -> tuple[nn.Module, nn.Module | None, Any]:
+        """Stage ``index`` of ``program`` made ready to run on this rank, once: (graph, what runs it, links).
+
+        Its graph is pointed at this rank's real tensors and devices, tensor-parallel layouts are
+        written into it, its units wrapped for recomputation; the torch stages of every input shape
+        then share it.
+        """
+        if index in program.prepared:
+            return program.prepared[index]
+        stage_module = program.pipe.get_stage_module(index)
+        point_at(stage_module, _real_tensors(self.module, self.aliases), self.aliases)
+        # The tracer recorded devices in the graph (``torch.ones(..., device=meta)``): moved to the
+        # stage's device as ``Pipe.build_stage`` does, with the same private helper (torch 2.13).
+        _modify_graph_op_device(stage_module, self.device)
+        runs: nn.Module | None = self.root  # what the torch stage runs (None: the stage module)
+        if self.tensor_parallel_mesh is not None:
+            place_split_ops(stage_module, self._split_styles, self.aliases)
+            if runs is None:  # (a sharded root runs its graph on DTensors itself)
+                runs = TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
+        if self.wrap_units is not None:
+            self.wrap_units(called_units(stage_module))
+        links = self.root.links(stage_module, self.aliases) if self.root is not None else None
+        program.prepared[index] = (stage_module, runs, links)
+        return program.prepared[index]
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            self.warn(message)
 
     def activate(self, stages: Sequence[Any]) -> None:
         """Before a schedule steps: make a sharded root run that schedule's graph (shapes differ)."""
@@ -283,10 +371,3 @@ def _output_ndims(stage_module: nn.Module) -> tuple[bool, list[int]]:
 def _real_tensors(module: nn.Module, aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     return {aliases.get(name, name): t for name, t in named}
-
-
-def _spec(example: tuple[Any, ...]) -> tuple:
-    return tuple(
-        (tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t)
-        for t in torch.utils._pytree.tree_leaves(example)
-    )

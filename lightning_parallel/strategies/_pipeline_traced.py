@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
@@ -129,8 +130,9 @@ def _traced_split(
     found.call.held = f"stages {', '.join(plan.stages[i].holds for i in indices)}"
     found.call.install(module, found.call.path)  # self(x) in the user's steps now goes through the pipeline
     stages = TracedStages(
-        found.twin, points, indices, module, aliases, device, mesh.pp_group, found.call.bindings
-    )
+        found.twin, points, indices, module, aliases, device, mesh.pp_group, found.call.bindings,
+        warn=rank_zero_warn,
+    )  # fmt: skip
     if found.call.train:
         stages.keep_for_later(True, found.example, pipe)
     return plan, stages

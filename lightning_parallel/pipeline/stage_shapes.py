@@ -1,0 +1,150 @@
+"""What each traced stage sends and receives, for any input its traced program serves, without running it.
+
+torch's manual ``PipelineStage`` is given the shapes of its inputs and outputs for one micro-batch
+(static mode: no metadata exchange, no dummy forward). A program traced with dynamic dimensions has
+symbolic shapes in its graphs (``(s0, s1, 32)``); :class:`StageShapes` reads them once, and for each
+new input (another sequence length, a short last batch) evaluates them with the input's sizes: a few
+hundred microseconds for any depth, where running the stages on fake tensors costs a few milliseconds
+per block. What autograd tracks (``requires_grad``) and the dtypes are read once, from one run on
+fake tensors at the traced shape, since export's values do not record them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining import Pipe
+
+from lightning_parallel.pipeline.symbolic_sizes import evaluate_shape, symbol_values
+
+StageExample = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (inputs, outputs), meta tensors
+
+
+class StageShapes:
+    """The stages' input and output tensors (as meta tensors) of a traced pipe, for any served input.
+
+    Args:
+        pipe: the traced pipe (its stage graphs carry the traced values, symbolic where dynamic).
+        example: the input it was traced at (meta tensors), run once on fake tensors.
+        train: the mode of the schedules it serves (what autograd tracks differs).
+
+    Example::
+
+        shapes = StageShapes(pipe, example, train=True)
+        shapes.serves(new_example)                 # False: a static dimension differs
+        inputs, outputs = shapes.examples(new_example)[1]   # stage 1's, with the new sizes
+    """
+
+    def __init__(self, pipe: Pipe, example: tuple[Any, ...], train: bool) -> None:
+        self.num_stages = pipe.num_stages
+        self._fake = stage_examples(pipe, example, train)
+        self._traced = [_traced_values(pipe.get_stage_module(i)) for i in range(pipe.num_stages)]
+        self.symbolic = all(
+            len(vals) == len(fake) and all(torch.is_tensor(v) for v in vals)
+            for (ins, outs), (fake_in, fake_out) in zip(self._traced, self._fake)
+            for vals, fake in ((ins, fake_in), (outs, fake_out))
+        )
+
+    @property
+    def dynamic_dims(self) -> list[list[int]]:
+        """For each input of the traced call, the dimensions the program leaves free."""
+        if not self.symbolic:
+            return [[] for _ in self._fake[0][0]]
+        return [[d for d, s in enumerate(t.shape) if isinstance(s, torch.SymInt)] for t in self._traced[0][0]]
+
+    def traced_shape(self, index: int) -> tuple[int, ...]:
+        """The shape input ``index`` of the traced call had when it was traced."""
+        return tuple(self._fake[0][0][index].shape)
+
+    def serves(self, example: Sequence[Any]) -> bool:
+        """Whether the traced program runs this input (every static dimension agrees)."""
+        return self._values(example) is not None
+
+    def examples(self, example: Sequence[Any]) -> list[StageExample]:
+        """Each stage's inputs and outputs for one micro-batch ``example`` (meta tensors).
+
+        Raises:
+            ValueError: the traced program does not serve this input (see :meth:`serves`).
+        """
+        values = self._values(example)
+        if values is None:
+            raise ValueError("internal error: these stage shapes were traced for another input shape")
+        return [
+            (self._metas(ins, fake_in, values), self._metas(outs, fake_out, values))
+            for (ins, outs), (fake_in, fake_out) in zip(self._traced, self._fake)
+        ]
+
+    def _values(self, example: Sequence[Any]) -> dict[Any, int] | None:
+        tensors = [t for t in example if torch.is_tensor(t)]
+        if not self.symbolic:
+            same = [tuple(t.shape) for t in tensors] == [tuple(f.shape) for f in self._fake[0][0]]
+            return {} if same else None
+        try:
+            return symbol_values([t.shape for t in self._traced[0][0]], [t.shape for t in tensors])
+        except ValueError:
+            return None
+
+    def _metas(self, traced: Sequence[Any], fake: Sequence[torch.Tensor], values: dict[Any, int]) -> tuple:
+        if not self.symbolic:  # (a static trace: its one shape)
+            return tuple(_meta(tuple(f.shape), f.stride(), f) for f in fake)
+        return tuple(
+            _meta(evaluate_shape(t.shape, values), evaluate_shape(t.stride(), values), f)
+            for t, f in zip(traced, fake)
+        )
+
+
+def stage_examples(pipe: Pipe, example: tuple[Any, ...], train: bool) -> list[StageExample]:
+    """Each stage's inputs and outputs for one micro-batch, as fake tensors: the stages' static metadata.
+
+    The stages are run in turn on fake tensors (free), in the mode of the schedule, so each tensor
+    knows whether autograd tracks it: a stage receives its gradient only for those outputs, which the
+    graph's own fake values do not say (export records no ``requires_grad``). Run before the stage
+    modules are pointed at real tensors.
+    """
+    return run_on_fake([pipe.get_stage_module(i) for i in range(pipe.num_stages)], example, train)
+
+
+def run_on_fake(stage_modules: Sequence[torch.nn.Module], example: Sequence[Any], train: bool) -> list:
+    """Run ``stage_modules`` in turn on fake tensors of ``example``: each one's (inputs, outputs).
+
+    Nothing is allocated and the random number generators are left as they were (a fake dropout
+    draws from them): the training that follows is the one a single device runs.
+    """
+    out = []
+    with (
+        keeping_rng(),
+        torch.set_grad_enabled(train),
+        FakeTensorMode(allow_non_fake_inputs=True) as fake,
+    ):
+        args = tuple(fake.from_tensor(a) if torch.is_tensor(a) else a for a in example)
+        for stage_module in stage_modules:
+            outputs = stage_module(*args)
+            outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+            out.append((args, outputs))
+            args = outputs
+    return out
+
+
+def keeping_rng() -> Any:
+    """Restore the CPU's and the current accelerator's random state on exit (as torch's schedules do
+    around their own shape inference)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.random.fork_rng(devices=[torch.cuda.current_device()])
+    return torch.random.fork_rng(devices=[])
+
+
+def _traced_values(stage_module: torch.nn.Module) -> tuple[list[Any], list[Any]]:
+    """The traced values of a stage graph's placeholders and outputs (``None`` where none was recorded)."""
+    graph = stage_module.graph
+    inputs = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    result = next(n for n in graph.nodes if n.op == "output").args[0]
+    outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+    return inputs, [getattr(o, "meta", {}).get("val") for o in outputs]
+
+
+def _meta(shape: tuple[int, ...], stride: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_strided(shape, stride, dtype=like.dtype, device="meta")
+    return meta.requires_grad_(like.requires_grad)

@@ -1,0 +1,180 @@
+"""Sizes in a graph traced with dynamic dimensions: computed inside each stage, evaluated for a new input.
+
+A forward exported with a dynamic sequence length (and micro-batch size) reads those sizes with
+``aten.sym_size.int(input_ids, 1)`` in the first stage and uses them everywhere (``view(x, [b, t, 4,
+8])`` in every block). Cut into stages, every later stage would receive the sizes as inputs, and a
+pipeline stage sends tensors only. :func:`localize_sizes` makes each stage compute the sizes it uses
+from a tensor it already has (its input ``x`` of shape ``(b, t, 32)`` knows ``t``), so stages exchange
+exactly the tensors they exchanged before. :func:`evaluate_shape` turns a symbolic shape of the traced
+program into the concrete one for a given input, without running anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.distributed.pipelining._IR import aten_pipe_split_alias
+
+_ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default)
+
+
+def is_symbolic(value: Any) -> bool:
+    """A ``SymInt`` / ``SymFloat`` / ``SymBool`` (a size, or a value computed from sizes)."""
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def localize_sizes(gm: fx.GraphModule) -> fx.GraphModule:
+    """Recompute in each stage every symbolic size it uses from a tensor of its own; returns ``gm``.
+
+    Stages are the runs of nodes between torch's ``pipe_split`` markers (what ``pipeline()`` cuts).
+    Runtime size assertions export adds (``_assert_scalar``) are dropped: they check ranges the
+    stages' kernels check again, and each would pull its sizes across a stage boundary.
+
+    Raises:
+        RuntimeError: a size a later stage uses cannot be recomputed there (no tensor of that stage
+            has it as a dimension, and it is not computed from such sizes).
+    """
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _ASSERTS]:
+        gm.graph.erase_node(node)
+    stage_of = _stages(gm.graph)
+    local: dict[tuple[int, fx.Node], fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op == "output" or node not in stage_of:
+            continue
+        for arg in _symbolic_args(node):
+            if stage_of.get(arg, 0) != stage_of[node]:
+                copy = _recompute(gm.graph, arg, stage_of[node], node, stage_of, local)
+                node.replace_input_with(arg, copy)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _stages(graph: fx.Graph) -> dict[fx.Node, int]:
+    """The stage index of every node but placeholders and the output, as ``pipeline()`` will cut."""
+    stage, out = 0, {}
+    for node in graph.nodes:
+        if (node.op, node.target) == ("call_function", aten_pipe_split_alias):
+            stage += 1
+        if node.op not in ("placeholder", "get_attr", "output"):
+            out[node] = stage
+    return out
+
+
+def _symbolic_args(node: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) if _is_size(a) else None)
+    return list(dict.fromkeys(found))
+
+
+def _is_size(node: fx.Node) -> bool:
+    return is_symbolic(node.meta.get("val"))
+
+
+def _recompute(
+    graph: fx.Graph,
+    size: fx.Node,
+    stage: int,
+    before: fx.Node,
+    stage_of: Mapping[fx.Node, int],
+    local: dict[tuple[int, fx.Node], fx.Node],
+) -> fx.Node:
+    """A node of ``stage``, placed before ``before``, that computes the value of ``size`` there."""
+    if (stage, size) in local:
+        return local[(stage, size)]
+    source = _tensor_with_dim(graph, size.meta["val"], stage, before, stage_of)
+    with graph.inserting_before(before):
+        if source is not None:
+            tensor, dim = source
+            copy = graph.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
+        elif size.op == "call_function" and not _reads_tensors(size):
+            args, kwargs = fx.node.map_arg(
+                (size.args, size.kwargs),
+                lambda a: _recompute(graph, a, stage, before, stage_of, local) if _is_size(a) else a,
+            )
+            copy = graph.call_function(size.target, args, kwargs)
+        else:
+            raise RuntimeError(
+                f"internal error: stage {stage} uses the size `{size.name}` ({size.meta['val']}) that only "
+                f"an earlier stage can compute, and no tensor of stage {stage} has it as a dimension"
+            )
+    # The outliner that follows groups nodes by the module they were traced in: the user's.
+    copy.meta.update({k: v for k, v in before.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    copy.meta["val"] = size.meta["val"]
+    local[(stage, size)] = copy
+    return copy
+
+
+def _reads_tensors(node: fx.Node) -> bool:
+    found: list[bool] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(torch.is_tensor(a.meta.get("val"))))
+    return any(found)
+
+
+def _tensor_with_dim(
+    graph: fx.Graph, value: Any, stage: int, before: fx.Node, stage_of: Mapping[fx.Node, int]
+) -> tuple[fx.Node, int] | None:
+    """A tensor ``stage`` already holds before ``before`` with a dimension equal to ``value``.
+
+    What a stage holds: the tensors it computes, and those it receives (an earlier stage's tensors
+    that some node of this stage reads). Reading a size must never make a tensor cross a boundary.
+    """
+    expr = value.node.expr if isinstance(value, torch.SymInt) else None
+    if expr is None:
+        return None
+    for node in graph.nodes:
+        if node is before:
+            break
+        val = node.meta.get("val")
+        if not torch.is_tensor(val) or not _held_by(node, stage, stage_of):
+            continue
+        for dim, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                return node, dim
+    return None
+
+
+def _held_by(node: fx.Node, stage: int, stage_of: Mapping[fx.Node, int]) -> bool:
+    if stage_of.get(node) == stage:
+        return True
+    return any(stage_of.get(user) == stage for user in node.users)
+
+
+def symbol_values(shapes: Sequence[Sequence[Any]], concrete: Sequence[Sequence[int]]) -> dict[Any, int]:
+    """The value of every size symbol, read from the traced inputs' shapes against concrete ones.
+
+    Raises:
+        ValueError: a static dimension of the trace differs from the concrete input's (the program
+            does not serve that shape), or the inputs disagree on a symbol's value.
+    """
+    values: dict[Any, int] = {}
+    for index, (traced, real) in enumerate(zip(shapes, concrete)):
+        if len(traced) != len(real):
+            raise ValueError(f"input {index} has {len(real)} dimensions, traced with {len(traced)}")
+        for dim, (t, r) in enumerate(zip(traced, real)):
+            if not isinstance(t, torch.SymInt):
+                if int(t) != int(r):
+                    raise ValueError(f"input {index} dim {dim} is {r}, traced as the constant {t}")
+                continue
+            expr = t.node.expr
+            if isinstance(expr, sympy.Symbol) and values.setdefault(expr, int(r)) != int(r):
+                raise ValueError(f"input {index} dim {dim} is {r}, but {expr} is {values[expr]}")
+    return values
+
+
+def evaluate_shape(shape: Sequence[Any], values: Mapping[Any, int]) -> tuple[int, ...]:
+    """A traced (symbolic) shape or stride, evaluated for the given symbol values."""
+    return tuple(_evaluate(s, values) for s in shape)
+
+
+def _evaluate(size: Any, values: Mapping[Any, int]) -> int:
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    result = sympy.sympify(sympy.sympify(size.node.expr).xreplace(values))
+    if not result.is_number:
+        raise ValueError(f"the size {size} depends on a value not among the inputs' sizes")
+    return int(result)
