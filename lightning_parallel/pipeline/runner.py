@@ -129,9 +129,9 @@ class PipelineRunner:
         schedule = self._schedule(cache_key, num_microbatches, args, train=True)
         # torch 2.13 infers a new manual PipelineStage's metadata at its first step by calling loss_fn
         # once on a dummy output of micro-batch 0, before the real micro-batches: that call must not
-        # reach the user's training_step (it would log or update metrics with garbage). Traced stages
-        # are given their metadata from the graph (static mode) and make no such call.
-        self._metadata_call_pending = self.has_last and new and not self.stages.needs_example
+        # reach the user's training_step (it would log or update metrics with garbage). Stages given
+        # their shapes (static mode: traced stages, Sequential stages sized on fake tensors) make none.
+        self._metadata_call_pending = self.has_last and new and not self.stages.static
         target = torch.arange(num_microbatches) if self.has_last else None
         self._loss_fn, self._seen = loss_fn, []
         try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +15,8 @@ from lightning_parallel.pipeline.plan import StagePlan, describe_layers
 from lightning_parallel.pipeline.pretrained import load_pending
 from lightning_parallel.pipeline.proxy import PipelinedSequential
 from lightning_parallel.pipeline.shared import alias_table, retie
+from lightning_parallel.pipeline.stage_shapes import StageExample, meta_like, run_on_fake
+from lightning_parallel.pipeline.trace import meta_twin
 
 
 def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential] | None:
@@ -112,13 +115,21 @@ class StageModule(nn.Sequential):
 class SequentialStages:
     """This rank's stage modules of a split Sequential; the runner builds torch stages from them per shape.
 
+    Args:
+        modules, indices: this rank's stage modules and their stage indices.
+        num_stages, device, group: the pipeline's stage count, this rank's device, the pipeline group.
+        twins: every stage's layers on the meta device (:func:`stage_twins`), run on fake tensors to
+            give each new input shape's stages their send and receive shapes (torch's static mode:
+            no dummy forward and backward at the first step). Without them (or where the layers
+            cannot run on fake tensors) torch infers the shapes at each new schedule's first step.
+        warn: how to say once that the shapes are inferred by torch (``rank_zero_warn`` in the strategy).
+
     Example::
 
         stages = SequentialStages([stage_module], [0], num_stages=2, device=device, group=pp_group)
-        stages.build("train", 4, None)      # [PipelineStage(stage_module, 0, 2, ...)]
+        stages.build("train", 4, example)      # [PipelineStage(stage_module, 0, 2, ...)]
     """
 
-    needs_example = False  # manual PipelineStages infer their shapes from the first micro-batch
     stage_cls: type[PipelineStage] = PipelineStage  # DeferredReduceStage once the stages are FSDP roots
 
     def __init__(
@@ -128,19 +139,61 @@ class SequentialStages:
         num_stages: int,
         device: torch.device,
         group: Any,
+        twins: Sequence[nn.Module] | None = None,
+        warn: Callable[[str], Any] = warnings.warn,
     ) -> None:
         self.modules, self.stage_indices = list(modules), list(indices)
         self.num_stages, self.device, self.group = num_stages, device, group
+        self.twins = list(twins) if twins is not None else None
+        self.warn = warn
+        self.static = self.twins is not None  # whether the last build gave torch the shapes
+
+    @property
+    def needs_example(self) -> bool:
+        """Whether every rank needs the first micro-batch's input to build a new shape's stages."""
+        return self.twins is not None
 
     def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
-        return [
-            self.stage_cls(m, i, self.num_stages, self.device, group=self.group)
-            for m, i in zip(self.modules, self.stage_indices)
-        ]
+        shapes = self._shapes(mode == "train", example) if self.twins is not None else None
+        self.static = shapes is not None
+        stages = []
+        for module, index in zip(self.modules, self.stage_indices):
+            given = {"input_args": shapes[index][0], "output_args": shapes[index][1]} if shapes else {}
+            stages.append(
+                self.stage_cls(module, index, self.num_stages, self.device, group=self.group, **given)
+            )
+        return stages
+
+    def _shapes(self, train: bool, example: tuple[Any, ...] | None) -> list[StageExample] | None:
+        assert self.twins is not None
+        if example is None:
+            raise RuntimeError("internal error: a new Sequential schedule needs the input on every rank")
+        for twin in self.twins:
+            twin.train(train)
+        try:
+            fake = run_on_fake(self.twins, example, train, self.device)
+        except Exception as err:  # any layer may refuse fake tensors (a value read with .item())
+            self.warn(
+                f"PipelineStrategy: the Sequential's layers could not run on fake tensors to size the "
+                f"stages ({type(err).__name__}: {err}); torch infers each new batch shape's stage shapes "
+                f"at its first step instead (one more forward and backward of a micro-batch per shape)"
+            )
+            self.twins = None
+            return None
+        return [tuple(tuple(meta_like(t) for t in ts) for ts in pair) for pair in fake]
 
     def units(self) -> list[tuple[str, nn.Module]]:
         """The layers of this rank's stages (what activation checkpointing may wrap)."""
         return [(name, layer) for m in self.modules for name, layer in m.named_children()]
+
+
+def stage_twins(seq: nn.Sequential, plan: StagePlan) -> list[StageModule]:
+    """Every stage's layers of ``seq`` on the meta device (ties kept): what sizes the stages for a shape."""
+    twin = meta_twin(seq)
+    return [
+        StageModule(OrderedDict((name, twin._modules[name]) for name in stage.units), stage.index)
+        for stage in plan.stages
+    ]
 
 
 def split_sequential(

@@ -107,11 +107,18 @@ def stage_examples(pipe: Pipe, example: tuple[Any, ...], train: bool) -> list[St
     return run_on_fake([pipe.get_stage_module(i) for i in range(pipe.num_stages)], example, train)
 
 
-def run_on_fake(stage_modules: Sequence[torch.nn.Module], example: Sequence[Any], train: bool) -> list:
+def run_on_fake(
+    stage_modules: Sequence[torch.nn.Module],
+    example: Sequence[Any],
+    train: bool,
+    device: torch.device | None = None,
+) -> list[StageExample]:
     """Run ``stage_modules`` in turn on fake tensors of ``example``: each one's (inputs, outputs).
 
-    Nothing is allocated and the random number generators are left as they were (a fake dropout
-    draws from them): the training that follows is the one a single device runs.
+    Nothing is allocated and the random number generators are left as they were. With ``device``,
+    each module's (meta) parameters and buffers take part as fake tensors on that device, and the
+    example's tensors as fake tensors on theirs: every branch on a device and every autocast region
+    (``torch.autocast("cpu")`` casts no meta tensor) takes the path the real stage will take.
     """
     out = []
     with (
@@ -121,11 +128,26 @@ def run_on_fake(stage_modules: Sequence[torch.nn.Module], example: Sequence[Any]
     ):
         args = tuple(fake.from_tensor(a) if torch.is_tensor(a) else a for a in example)
         for stage_module in stage_modules:
-            outputs = stage_module(*args)
+            if device is None:
+                outputs = stage_module(*args)
+            else:
+                outputs = torch.func.functional_call(stage_module, _fake_state(stage_module, device), args)
             outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
             out.append((args, outputs))
             args = outputs
     return out
+
+
+def _fake_state(module: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """``module``'s parameters and buffers as empty tensors on ``device`` (fake: under a FakeTensorMode)."""
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    made: dict[int, torch.Tensor] = {}
+    for _, t in named:
+        if id(t) not in made:
+            made[id(t)] = torch.empty_strided(
+                t.shape, t.stride(), dtype=t.dtype, device=device
+            ).requires_grad_(t.requires_grad)
+    return {name: made[id(t)] for name, t in named}
 
 
 def keeping_rng() -> Any:
@@ -143,6 +165,11 @@ def _traced_values(stage_module: torch.nn.Module) -> tuple[list[Any], list[Any]]
     result = next(n for n in graph.nodes if n.op == "output").args[0]
     outputs = list(result) if isinstance(result, (tuple, list)) else [result]
     return inputs, [getattr(o, "meta", {}).get("val") for o in outputs]
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty meta tensor with ``t``'s shape, strides, dtype and ``requires_grad``."""
+    return _meta(tuple(t.shape), t.stride(), t)
 
 
 def _meta(shape: tuple[int, ...], stride: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

@@ -184,6 +184,7 @@ class TracedStages:
     """
 
     needs_example = True  # a new shape's stages are built on every rank from the call's input
+    static = True  # the torch stages are given their shapes (no dummy forward at their first step)
     max_programs = 4  # traced programs kept (one serves every shape when the sizes are dynamic)
 
     def __init__(

@@ -46,7 +46,9 @@ class PipelineParts:
     param_names: dict[nn.Parameter, str]  # this rank's parameters -> canonical names
     model_keys: list[str]  # the unsplit module's state-dict keys
     model_param_order: list[str]  # the unsplit module's parameter names, in parameters() order
-    twin: nn.Module | None = None  # the traced path's meta twin (precision is applied to it too)
+    twin: nn.Module | None = (
+        None  # the meta twin stages are sized (and traced) on; precision applies to it too
+    )
     held: HeldGradients = field(default_factory=HeldGradients)
     predict_batches: list[int] | None = None
     sharded: list[nn.Module] = field(default_factory=list)  # stage modules that are FSDP roots

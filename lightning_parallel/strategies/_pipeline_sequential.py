@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
@@ -20,6 +21,7 @@ from lightning_parallel.pipeline.split import (
     split_sequential,
     stage_descriptions,
     stage_parameters,
+    stage_twins,
 )
 from lightning_parallel.strategies._pipeline_config import PipelineConfig
 from lightning_parallel.strategies._pipeline_input import SequentialCapture, captured_input
@@ -33,7 +35,7 @@ def sequential_path(
     found: tuple[str, nn.Sequential],
     mesh: PipelineMesh,
     device: torch.device,
-) -> tuple[StagePlan, PipelineRunner, PipelinedCall, None]:
+) -> tuple[StagePlan, PipelineRunner, PipelinedCall, nn.Module]:
     seq_name, seq = found
     num_stages = mesh.pp_size * config.stages_per_rank
     with failing_together():
@@ -55,13 +57,16 @@ def sequential_path(
         source = f"`{seq_name}` (nn.Sequential)"
         style = placement(config.schedule)
         plan = stage_plan(module, units, holds, params, mesh.layout, cost_per_stage, unit, source, style)
+        twins = stage_twins(seq, plan)  # (before the split drops the other stages' layers)
         proxy, stage_modules, indices = split_sequential(module, seq_name, seq, plan, mesh.pp_rank, device)
-    stages = SequentialStages(stage_modules, indices, plan.num_stages, device, mesh.pp_group)
+    stages = SequentialStages(
+        stage_modules, indices, plan.num_stages, device, mesh.pp_group, twins, warn=rank_zero_warn
+    )
     return (
         plan,
         PipelineRunner(stages, plan.num_stages, config.schedule, config.num_microbatches),
         proxy.call,
-        None,
+        nn.ModuleList(twins),  # (the strategy gives the twins the precision it gives the model)
     )
 
 
