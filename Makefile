@@ -23,6 +23,9 @@ $(VENV)/.installed: pyproject.toml
 	rm -rf $(HF_PACKAGES)
 	$(PY) -m pip install --quiet --target $(HF_PACKAGES) "transformers==5.23.0"
 	$(PY) -m pip install --quiet --no-deps --target $(HF_PACKAGES) "litgpt==0.5.13"
+	# peft (LoRA adapters) for the fine-tuning tests; it imports accelerate and psutil, whose own
+	# dependencies (torch, numpy, ...) are there already: no deps, so pip never pulls another torch.
+	$(PY) -m pip install --quiet --no-deps --target $(HF_PACKAGES) "peft==0.21.2" "accelerate==1.15.0" "psutil==7.2.2"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -8,11 +8,13 @@ from lightning_parallel.callbacks.accumulation import GradientAccumulationSchedu
 from lightning_parallel.callbacks.checkpoint import CheckpointWriteError, Rank0Checkpoint
 from lightning_parallel.callbacks.metrics import AllReducedMetrics
 from lightning_parallel.callbacks.timeline import PipelineTimeline
+from lightning_parallel.callbacks.token_loss import TokenWeightedLoss
 from lightning_parallel.callbacks.watchdog import HangWatchdog
 from lightning_parallel.checkpoint.consolidate import consolidate_checkpoint
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
 from lightning_parallel.memory.estimate import estimate_memory
+from lightning_parallel.pipeline.item_weights import labelled_tokens
 from lightning_parallel.pipeline.pretrained import load_pretrained
 from lightning_parallel.strategies import PipelineStrategy, register_strategies
 
@@ -28,9 +30,11 @@ __all__ = [
     "PipelineTimeline",
     "Rank0Checkpoint",
     "ResumableDistributedSampler",
+    "TokenWeightedLoss",
     "__version__",
     "consolidate_checkpoint",
     "estimate_memory",
+    "labelled_tokens",
     "load_pretrained",
 ]
 

@@ -15,6 +15,8 @@ from lightning_parallel import (
     PipelineTimeline,
     Rank0Checkpoint,
     ResumableDistributedSampler,
+    TokenWeightedLoss,
+    labelled_tokens,
 )
 from lightning_parallel._options import unknown_option_error
 
@@ -30,6 +32,7 @@ CASES = [
     (PipelineTimeline, dict(steps=[3]), "dir_path", "dirpath"),
     (EvalDistributedSampler, dict(dataset=DATA), "num_replica", "num_replicas"),
     (ResumableDistributedSampler, dict(dataset=DATA), "shufle", "shuffle"),
+    (TokenWeightedLoss, dict(count=labelled_tokens()), "counts", "count"),
 ]
 
 

@@ -185,9 +185,15 @@ def test_a_single_stage_is_built_around_the_real_tensors():
     pipe = trace(twin, to_meta((TOKENS,)), [], train=True)
     stages.keep_for_later(True, to_meta((TOKENS,)), pipe)
     [stage] = stages.build("train", 2, (TOKENS,))
-    assert stages.traces == 0  # the pipe traced for planning is used, not traced again
+    assert stages.traces == 1  # the pipe traced for planning is used, not traced again
     assert stage.stage_index == 0 and stage.num_stages == 1
     assert stage.submod.get_submodule("lm_head").weight is model.wte.weight
     torch.testing.assert_close(stage.submod(TOKENS), model(TOKENS))
-    stages.build("eval", 2, (TOKENS,))
+    for shape in [(3, 5), (1, 7), (5, 2)]:  # other lengths and micro-batch sizes: the same program
+        tokens = torch.randint(0, 13, shape)
+        [other] = stages.build("train", 1, (tokens,))
+        assert other.submod is stage.submod
+        torch.testing.assert_close(other.submod(tokens), model(tokens))
     assert stages.traces == 1
+    stages.build("eval", 2, (TOKENS,))
+    assert stages.traces == 2

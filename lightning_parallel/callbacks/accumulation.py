@@ -43,6 +43,7 @@ from lightning_parallel.callbacks._accumulation_internals import (
     _override_window_boundaries,
     _set_train_progress_total,
 )
+from lightning_parallel.callbacks.token_loss import TokenWeightedLoss
 from lightning_parallel.data.accumulation_plan import (
     AccumulationPlan,
     Window,
@@ -240,7 +241,10 @@ class GradientAccumulationScheduler(Callback):
                 stacklevel=2,
             )
         n_i = expected if expected is not None else (actual or 0)
-        self._multiplier = loss_multiplier(window, n_i, trainer.accumulate_grad_batches)
+        # Item-weighted losses (TokenWeightedLoss, or a pipelined Hugging Face loss from labels=) weight
+        # each batch by its items, which subsumes this sample weighting: it must not apply on top.
+        weighted = _weights_items(trainer)
+        self._multiplier = 1.0 if weighted else loss_multiplier(window, n_i, trainer.accumulate_grad_batches)
 
     @override
     def on_train_batch_end(
@@ -299,6 +303,13 @@ class GradientAccumulationScheduler(Callback):
         if self._window is None or batch_idx not in self._window:
             return None
         return batch_idx == self._window.start
+
+
+def _weights_items(trainer: pl.Trainer) -> bool:
+    """Whether the training loss is item-weighted: a TokenWeightedLoss, or the strategy's own counting."""
+    return getattr(trainer.strategy, "weights_items", False) or any(
+        isinstance(c, TokenWeightedLoss) for c in trainer.callbacks
+    )
 
 
 def _data_parallel_size(strategy: pl.strategies.Strategy) -> int:

@@ -149,11 +149,25 @@ class PipelineRunner:
                 f"(checked against torch 2.13)"
             )
 
-    def forward(self, key: Hashable, num_microbatches: int, args: tuple[Any, ...] | None) -> Any:
-        """Forward only; returns the merged output of the whole batch on the last stage, else None."""
+    def forward(
+        self,
+        key: Hashable,
+        num_microbatches: int,
+        args: tuple[Any, ...] | None,
+        merge_weights: list[float] | None = None,
+    ) -> Any:
+        """Forward only; returns the merged output of the whole batch on the last stage, else None.
+
+        ``merge_weights``: what each micro-batch counts for when scalar outputs (a mean loss computed
+        inside the model) are merged into the batch's (default: equally).
+        """
         schedule = self._schedule(("eval", key, num_microbatches), num_microbatches, args, train=False)
-        with self._step_context():
-            return schedule.step(*(args if self.has_first else ()))
+        self.stages.merge_weights = merge_weights
+        try:
+            with self._step_context():
+                return schedule.step(*(args if self.has_first else ()))
+        finally:
+            self.stages.merge_weights = None
 
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         # The schedule splits `target` = arange(m) into one index per micro-batch.

@@ -147,6 +147,7 @@ class SequentialStages:
         self.twins = list(twins) if twins is not None else None
         self.warn = warn
         self.static = self.twins is not None  # whether the last build gave torch the shapes
+        self.merge_weights: list[float] | None = None  # (outputs concatenate on dim 0: unused)
 
     @property
     def needs_example(self) -> bool:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from lightning_parallel.pipeline.item_weights import weighted_mean
+
 
 @dataclass
 class LoggedValue:
@@ -23,7 +25,8 @@ class LoggedValue:
     name: str
     kwargs: dict[str, Any]
     values: list[float | torch.Tensor] = field(default_factory=list)  # tensors: read once, when combined
-    weights: list[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # what each value counts for in the batch's mean
+    samples: list[float] = field(default_factory=list)  # the batch size each was logged with
 
     def combined(self) -> float:
         values = _numbers(self.values)
@@ -34,12 +37,12 @@ class LoggedValue:
             return float(max(values))
         if reduce == "min":
             return float(min(values))
-        return float(sum(v * w for v, w in zip(values, self.weights)) / sum(self.weights))
+        return weighted_mean(values, self.weights)
 
     def replay_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.kwargs)
-        if "batch_size" in kwargs or len(self.weights) > 1:
-            kwargs["batch_size"] = int(sum(self.weights))
+        if "batch_size" in kwargs or len(self.samples) > 1:
+            kwargs["batch_size"] = int(sum(self.samples))
         return kwargs
 
 
@@ -56,11 +59,16 @@ class LogRecorder:
 
     def __init__(self) -> None:
         self._entries: dict[str, LoggedValue] = {}
-        self._samples = 0
+        self._samples = 0.0
+        self._weight = 0.0
 
     @contextmanager
-    def recording(self, module: torch.nn.Module, samples: int) -> Iterator[None]:
-        self._samples = samples
+    def recording(
+        self, module: torch.nn.Module, samples: float, weight: float | None = None
+    ) -> Iterator[None]:
+        """Record ``module``'s ``self.log`` calls of one (micro-)batch of ``samples``, its values counting
+        ``weight`` in the batch's mean (its items: labelled tokens; default: its samples)."""
+        self._samples, self._weight = samples, samples if weight is None else weight
         # An instance attribute shadows LightningModule.log (log_dict calls self.log, so it is
         # covered too); deleting it restores the real method.
         module.log = self.log
@@ -85,10 +93,11 @@ class LogRecorder:
             value = value.detach().reshape(()).float().clone()
         else:
             value = float(value)
-        weight = kwargs.get("batch_size") or self._samples
+        given = kwargs.get("batch_size")
         entry = self._entries.setdefault(name, LoggedValue(name, kwargs))
         entry.values.append(value)
-        entry.weights.append(float(weight))
+        entry.weights.append(float(given or self._weight))
+        entry.samples.append(float(given or self._samples))
 
     def entries(self) -> list[LoggedValue]:
         return list(self._entries.values())
@@ -103,7 +112,7 @@ def to_record(entries: list[LoggedValue], *leading: float) -> tuple[tuple, list[
     layout = tuple((e.name, e.kwargs, "batch_size" in e.replay_kwargs()) for e in entries)
     values = list(leading)
     for e in entries:
-        values += [e.combined(), float(sum(e.weights))]
+        values += [e.combined(), float(sum(e.samples))]
     return layout, values
 
 

@@ -8,6 +8,7 @@ those after the last block (final norm, head) with the last one.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -205,9 +206,10 @@ class TracedStages:
         self.device, self.group = device, group
         self.num_stages = len(self.split_points) + 1
         self.wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None
-        self.traces = 0  # how many times forward was traced (tests and benchmarks read it)
+        self.traces = 0  # how many times forward was traced, the one for planning included (tests read it)
         self._output_ndims: tuple[bool, list[int]] | None = None  # (a tuple?, ndim of each output)
         self._programs: list[TracedProgram] = []  # least recently used first
+        self.merge_weights: list[float] | None = None  # set by the runner for one forward-only step
         self.warn = warn
         self._warned: set[str] = set()
         # Set when the stage is sharded with FSDP2 (parallelize/traced_fsdp.py): the torch stage then
@@ -233,6 +235,7 @@ class TracedStages:
     def keep_for_later(self, train: bool, example: tuple[Any, ...], pipe: Any) -> None:
         """Serve the shapes ``pipe`` (traced for planning, at ``example``) serves: no trace again for them."""
         self._programs.append(self._program(train, example, pipe))
+        self.traces += 1
 
     def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
         """This rank's torch stages for micro-batches shaped as ``example``: milliseconds, once traced.
@@ -344,15 +347,26 @@ class TracedStages:
         """How the last stage's micro-batch outputs merge into the batch's (None: concatenated on dim 0).
 
         A scalar output (the loss a Hugging Face model computes from ``labels=``) cannot be concatenated:
-        it is averaged over the equal micro-batches, the batch's mean when each counts the same tokens.
-        torch's merge takes a private ``_CustomReducer`` for that (checked against torch 2.13).
+        it is the mean of the micro-batches' values, weighted by ``merge_weights`` when the step sets
+        them (their labelled tokens: the batch's token mean), else equally. torch's merge takes a private
+        ``_CustomReducer`` for that (checked against torch 2.13), fed the micro-batches in order.
         """
         ndims = self._output_ndims
         if ndims is None or all(d != 0 for d in ndims[1]):
             return None
-        mean = _CustomReducer(torch.tensor(0.0), lambda acc, x: acc + x / num_microbatches)
-        specs = tuple(TensorChunkSpec(0) if d != 0 else mean for d in ndims[1])
+        specs = tuple(TensorChunkSpec(0) if d != 0 else self._scalar_mean(num_microbatches) for d in ndims[1])
         return specs if ndims[0] else specs[0]
+
+    def _scalar_mean(self, num_microbatches: int) -> _CustomReducer:
+        index = itertools.count()
+
+        def add(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            i = next(index) % num_microbatches
+            weights = self.merge_weights or [1.0] * num_microbatches
+            share = weights[i] / sum(weights) if sum(weights) else 0.0
+            return total + value * share if share else total + torch.zeros_like(value)
+
+        return _CustomReducer(torch.tensor(0.0), add)
 
 
 def called_units(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -30,6 +30,7 @@ from lightning_parallel.pipeline.shared import SharedReplicas, alias_table, find
 from lightning_parallel.pipeline.split import find_sequential
 from lightning_parallel.pipeline.timeline import Timeline
 from lightning_parallel.strategies._pipeline_config import PipelineConfig, refuse_traced_parallelize
+from lightning_parallel.strategies._pipeline_items import StepItems
 from lightning_parallel.strategies._pipeline_sequential import sequential_path
 from lightning_parallel.strategies._pipeline_traced import traced_path
 
@@ -56,6 +57,7 @@ class PipelineParts:
         default_factory=dict
     )  # last stage -> others, per step method
     timeline: Timeline | None = None  # set by the PipelineTimeline callback for the steps it records
+    items: StepItems | None = None  # how training steps count their items (token-exact losses), if they do
 
 
 def build_pipeline(

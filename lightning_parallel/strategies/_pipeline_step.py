@@ -18,6 +18,7 @@ from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.collectives import broadcast_object, recv_object, send_object
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.parallelize.fsdp import reshard
+from lightning_parallel.pipeline.item_weights import weighted_mean
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
@@ -74,26 +75,30 @@ class _Step:
         self.key = shape_key(args[0])
         self.recorder = LogRecorder()
         self.call.train = train  # the traced path's stand-in keeps one way of calling per mode
-        needed = self.runner.needs_input(self.key, self.m, train)
+        self.items = parts.items if step_name != "predict_step" else None
+        # Items read from the call's labels: every rank counts them in training, the last stage in
+        # evaluation (to weight the micro-batches' mean losses it merges).
+        from_call = self.items is not None and self.items.from_call and (train or self.runner.has_last)
+        needed = self.runner.needs_input(self.key, self.m, train) or from_call
         self.stage_args = self.call.capture(self.step, *args) if needed else None
 
     def train(self) -> dict[str, Any]:
         batch, rest = self.args[0], self.args[1:]
         chunks = [c[0] for c in split_args_kwargs_into_chunks((batch,), None, self.m)[0]]
-        scale = 1.0 / self.module.trainer.accumulate_grad_batches
-        losses: list[tuple[torch.Tensor, int]] = []
+        weights, counts = self._loss_weights(chunks)
+        losses: list[torch.Tensor] = []
 
         timeline = self.parts.timeline if self.parts.timeline and self.parts.timeline.recording else None
 
         def loss_fn(output: Any, index: int) -> torch.Tensor:
             with span_of(timeline, "loss_fn", "loss", mb=index):
                 n_i = batch_size(chunks[index])
-                with self.call.replaying(output), self.recorder.recording(self.module, n_i):
+                with self.call.replaying(output), self.recorder.recording(self.module, n_i, counts[index]):
                     loss = loss_of(self.step(chunks[index], *rest), self.step_name)
-                losses.append((loss.detach(), n_i))
-                # Scale the loss, not the gradients: each micro-batch carries its share of the batch
-                # mean, and of the accumulation window (and, under fp16, the GradScaler's scale).
-                return scaled_loss(self.module.trainer.precision_plugin, loss * (n_i / self.n * scale))
+                losses.append(loss.detach())
+                # Scale the loss, not the gradients: each micro-batch carries its share of the step's
+                # mean (and, under fp16, the GradScaler's scale).
+                return scaled_loss(self.module.trainer.precision_plugin, loss * weights[index])
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         batch_idx = self.args[1] if len(self.args) > 1 else None
@@ -105,10 +110,38 @@ class _Step:
             self.runner.train_step(self.key, self.m, self.stage_args, loss_fn)
         if not self.runner.has_last:
             return {}
-        return {"loss": float(sum(loss.float() * n_i for loss, n_i in losses) / self.n)}
+        return {"loss": weighted_mean([float(v) for v in torch.stack(losses).float().tolist()], counts)}
+
+    def _loss_weights(self, chunks: list[Any]) -> tuple[list[float], list[float]]:
+        """What each micro-batch's loss is multiplied by before backward, and what it counts (its items).
+
+        Sample-weighted: each micro-batch carries its share of the batch and of the accumulation window
+        (``n_i / n / accumulate_grad_batches``, as Lightning divides a batch's loss). Item-weighted: its
+        items over the window's reference count; the optimizer step scales the gradients to the token
+        mean of every batch of the step over every replica (:class:`ItemWindow`).
+        """
+        samples = [float(batch_size(c)) for c in chunks]
+        counts = self._item_counts(chunks)
+        if counts is None:
+            scale = 1.0 / self.module.trainer.accumulate_grad_batches
+            return [n_i / self.n * scale for n_i in samples], samples
+        reference = self.items.window.add_batch(sum(counts), self.parts.mesh.dp_group)
+        return [c / reference for c in counts], counts
+
+    def _item_counts(self, chunks: list[Any]) -> list[float] | None:
+        """Each micro-batch's items, or None when this step does not count items."""
+        if self.items is None:
+            return None
+        binding = getattr(self.call, "bindings", {}).get(self.call.train)
+        return self.items.per_microbatch(chunks, self.stage_args, binding)
 
     def evaluate(self) -> dict[str, Any]:
-        output = self.runner.forward(self.key, self.m, self.stage_args)
+        merge_weights = None
+        if self.items is not None and self.runner.has_last:
+            # A mean loss the model returns per micro-batch (labels=) merges weighted by their items.
+            chunks = [c[0] for c in split_args_kwargs_into_chunks((self.args[0],), None, self.m)[0]]
+            merge_weights = self._item_counts(chunks)
+        output = self.runner.forward(self.key, self.m, self.stage_args, merge_weights)
         reshard(self.parts.sharded)  # FSDP2 stages keep their gathered weights after forward-only steps
         if not self.runner.has_last:
             return {}

@@ -34,6 +34,7 @@ from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.distributed.collectives import all_gather_objects
 from lightning_parallel.parallelize.fsdp import reduce_gradients
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
+from lightning_parallel.pipeline.item_weights import ItemCount, scale_gradients
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.recompute import Selection
@@ -45,6 +46,7 @@ from lightning_parallel.strategies._pipeline_config import (
     checked_config,
     renamed_num_stages,
 )
+from lightning_parallel.strategies._pipeline_items import step_items
 from lightning_parallel.strategies._pipeline_memory import (
     install_checkpointing,
     shard_optimizers,
@@ -210,6 +212,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         self._release_registered = False
         self._first_batch_checked = False
         self._tensor_plan: Any = None
+        self._item_count: ItemCount | None = None
 
     # ----------------------------------------------------------------------------------- layout
     @property
@@ -309,6 +312,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
                 self.config, trainer, self.lightning_module, self.layout, self.root_device, self._mesh
             )
             install_checkpointing(self.parts, self.config.activation_checkpointing, naming)
+            self.parts.items = step_items(self.lightning_module, self.parts.call, self._item_count)
             rank_zero_info(
                 f"PipelineStrategy stage plan ({self.config.schedule}):\n{self.parts.plan.format_table()}"
             )
@@ -327,6 +331,22 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             self._install_global_clipping()
             install_loss_scaling(self.precision_plugin, self.optimizers)  # 16-mixed: one skip decision
         self.setup_precision_plugin()
+
+    def weight_items_by(self, count: ItemCount | None) -> None:
+        """Make each optimizer step's loss the mean over its items, as ``count(micro_batch)`` counts them.
+
+        What :class:`~lightning_parallel.TokenWeightedLoss` calls at setup. Without it, a Hugging Face
+        model whose loss the step takes from ``labels=`` is counted as that loss counts (automatic);
+        any other step is weighted by samples.
+        """
+        if self.parts is not None:
+            raise RuntimeError("weight_items_by must be called before the strategy's setup")
+        self._item_count = count
+
+    @property
+    def weights_items(self) -> bool:
+        """Whether training losses are item-weighted (token-exact) rather than sample-weighted."""
+        return self.parts is not None and self.parts.items is not None
 
     def _register_release(self) -> None:
         if not self._release_registered:
@@ -447,6 +467,9 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
                 all_reduce_gradients(
                     self.lightning_module.parameters(), parts.mesh.dp_group, skip=fsdp_params
                 )
+                if parts.items is not None:  # the step's token mean over every replica
+                    factor = parts.items.window.gradient_factor(parts.mesh.dp_size)
+                    scale_gradients(self.lightning_module.parameters(), factor)
             synced.append(Timeline.now())
             return result
 
