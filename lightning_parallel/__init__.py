@@ -12,6 +12,7 @@ from lightning_parallel.callbacks.token_loss import TokenWeightedLoss
 from lightning_parallel.callbacks.watchdog import HangWatchdog
 from lightning_parallel.checkpoint.consolidate import consolidate_checkpoint
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler
+from lightning_parallel.data.padding import pad_to_multiple, padding_to_multiple
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
 from lightning_parallel.memory.estimate import estimate_memory
 from lightning_parallel.pipeline.item_weights import labelled_tokens
@@ -36,6 +37,8 @@ __all__ = [
     "estimate_memory",
     "labelled_tokens",
     "load_pretrained",
+    "pad_to_multiple",
+    "padding_to_multiple",
 ]
 
 register_strategies()

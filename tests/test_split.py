@@ -18,6 +18,7 @@ from lightning_parallel.pipeline.split import (
     split_sequential,
     stage_descriptions,
     stage_parameters,
+    stage_twins,
 )
 
 
@@ -164,3 +165,40 @@ def test_materialize_reties_what_to_empty_unties_and_leaves_real_modules_alone()
     materialize(real, torch.device("cpu"))
     for name, p in real.named_parameters():
         assert p is before[name][0] and torch.equal(p, before[name][1])
+
+
+class ValueReader(nn.Module):
+    """A layer that reads a tensor's value: it cannot run on fake tensors."""
+
+    def forward(self, x):
+        return x * float(x.abs().max().item() > 0)
+
+
+def test_sequential_stages_are_sized_on_fake_tensors_of_the_real_device_for_every_shape():
+    torch.manual_seed(0)
+    model = TiedLM()
+    plan = _plan([2, 3], pp_size=2)
+    twins = stage_twins(model.layers, plan)
+    assert all(p.is_meta for t in twins for p in t.parameters())
+    assert twins[1]._modules["4"].weight is twins[0]._modules["0"].weight  # the tie, kept
+    _, stages, indices = split_sequential(model, "layers", model.layers, plan, 1, torch.device("cpu"))
+    holder = SequentialStages(stages, indices, plan.num_stages, torch.device("cpu"), None, twins)
+    assert holder.needs_example
+    for shape in [(3,), (5, 2)]:  # token ids of any shape: the stages' shapes follow, nothing is traced
+        tokens = torch.zeros(shape, dtype=torch.long)
+        (in0, out0), (in1, out1) = holder._shapes(True, (tokens,))
+        assert tuple(in0[0].shape) == shape and tuple(out0[0].shape) == (*shape, 4)
+        assert (
+            tuple(in1[0].shape) == (*shape, 4)
+            and in1[0].requires_grad
+            and tuple(out1[0].shape) == (*shape, 7)
+        )
+        assert all(t.is_meta for t in (*in0, *out0, *in1, *out1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts what the real stages would cast
+        (_, out0), _ = holder._shapes(True, (torch.zeros(3, dtype=torch.long),))
+    assert out0[0].dtype == torch.bfloat16
+    warned = []
+    fragile = SequentialStages(stages, indices, 2, torch.device("cpu"), None,
+                               [nn.Sequential(ValueReader()), twins[1]], warn=warned.append)  # fmt: skip
+    assert fragile._shapes(True, (torch.ones(3, 4),)) is None and not fragile.needs_example
+    assert len(warned) == 1 and "could not run on fake tensors" in warned[0]

@@ -180,7 +180,7 @@ def test_a_single_stage_is_built_around_the_real_tensors():
     """torch's _PipelineStage asks the process group its rank: an in-process group of one (no spawn)."""
     model = TinyGPT(depth=2)
     twin = meta_twin(model)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _one_process_group()
     stages = TracedStages(twin, [], [0], model, alias_table(model), torch.device("cpu"), None)
     pipe = trace(twin, to_meta((TOKENS,)), [], train=True)
     stages.keep_for_later(True, to_meta((TOKENS,)), pipe)
@@ -189,7 +189,7 @@ def test_a_single_stage_is_built_around_the_real_tensors():
     assert stage.stage_index == 0 and stage.num_stages == 1
     assert stage.submod.get_submodule("lm_head").weight is model.wte.weight
     torch.testing.assert_close(stage.submod(TOKENS), model(TOKENS))
-    for shape in [(3, 5), (1, 7), (5, 2)]:  # other lengths and micro-batch sizes: the same program
+    for shape in [(3, 5), (2, 7), (5, 2)]:  # other lengths and micro-batch sizes: the same program
         tokens = torch.randint(0, 13, shape)
         [other] = stages.build("train", 1, (tokens,))
         assert other.submod is stage.submod
@@ -197,3 +197,54 @@ def test_a_single_stage_is_built_around_the_real_tensors():
     assert stages.traces == 1
     stages.build("eval", 2, (TOKENS,))
     assert stages.traces == 2
+
+
+def _one_process_group() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class LengthBranchGPT(TinyGPT):
+    """A forward that branches on its sequence length: export keeps the length dynamic within a range."""
+
+    def forward(self, idx):
+        logits = super().forward(idx)
+        return logits * 2 if idx.shape[1] > 4 else logits
+
+
+def test_a_length_outside_the_traced_range_is_traced_again_with_one_warning():
+    torch.manual_seed(0)
+    model = LengthBranchGPT(depth=2)
+    _one_process_group()
+    warned = []
+    stages = TracedStages(meta_twin(model), [], [0], model, alias_table(model), torch.device("cpu"), None,
+                          warn=warned.append)  # fmt: skip
+    for length, traces in [(8, 1), (6, 1), (3, 2), (2, 2), (7, 2), (4, 2)]:
+        tokens = torch.randint(0, 13, (2, length))
+        [stage] = stages.build("train", 1, (tokens,))
+        assert stages.traces == traces, (length, stages.traces)
+        torch.testing.assert_close(stage.submod(tokens), model(tokens))  # the branch of this length
+    assert len(warned) == 1 and "input 0 dim 1: 3, outside the traced range [5, ...)" in warned[0], warned
+
+
+def test_a_forward_that_cannot_be_exported_with_dynamic_sizes_falls_back_to_one_trace_per_shape(monkeypatch):
+    export = torch.export.export
+
+    def static_only(*args, dynamic_shapes=None, **kwargs):
+        if dynamic_shapes is not None:
+            raise RuntimeError("Could not guard on data-dependent expression u0 (a stand-in)")
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", static_only)
+    model = TinyGPT(depth=2)
+    _one_process_group()
+    warned = []
+    stages = TracedStages(meta_twin(model), [], [0], model, alias_table(model), torch.device("cpu"), None,
+                          warn=warned.append)  # fmt: skip
+    for length in (5, 6, 5):
+        tokens = torch.randint(0, 13, (2, length))
+        [stage] = stages.build("train", 1, (tokens,))
+        torch.testing.assert_close(stage.submod(tokens), model(tokens))
+    assert stages.traces == 2  # one per shape; the second 5 is served by the first trace
+    assert "could not be exported with dynamic sizes (RuntimeError: Could not guard" in warned[0], warned
+    assert len(warned) == 2 and "6" in warned[1]  # and the retrace for the new shape says why

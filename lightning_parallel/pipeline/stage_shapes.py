@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import Pipe
 
-from lightning_parallel.pipeline.symbolic_sizes import evaluate_shape, symbol_values
+from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, evaluate_shape, symbol_values
 
 StageExample = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (inputs, outputs), meta tensors
 
@@ -40,6 +40,7 @@ class StageShapes:
 
     def __init__(self, pipe: Pipe, example: tuple[Any, ...], train: bool) -> None:
         self.num_stages = pipe.num_stages
+        self.constraints = getattr(pipe, "size_constraints", None) or SizeConstraints()
         self._fake = stage_examples(pipe, example, train)
         self._traced = [_traced_values(pipe.get_stage_module(i)) for i in range(pipe.num_stages)]
         self.symbolic = all(
@@ -60,8 +61,26 @@ class StageShapes:
         return tuple(self._fake[0][0][index].shape)
 
     def serves(self, example: Sequence[Any]) -> bool:
-        """Whether the traced program runs this input (every static dimension agrees)."""
+        """Whether the traced program runs this input: static sizes agree, dynamic ones are in range."""
         return self._values(example) is not None
+
+    def mismatch(self, example: Sequence[Any]) -> str:
+        """Why the program does not serve ``example``: the sizes that differ or fall outside its range."""
+        tensors = [t for t in example if torch.is_tensor(t)]
+        found = []
+        for i, (traced, real) in enumerate(zip(self._traced[0][0], tensors)):
+            shape = traced.shape if self.symbolic else self._fake[0][0][i].shape
+            if len(shape) != real.dim():
+                found.append(f"input {i} has {real.dim()} dimensions, traced with {len(shape)}")
+                continue
+            for d, (t, r) in enumerate(zip(shape, real.shape)):
+                if not isinstance(t, torch.SymInt) and int(t) != r:
+                    found.append(f"input {i} dim {d}: {int(t)} -> {r}")
+                elif isinstance(t, torch.SymInt) and not self.constraints.allow({t.node.expr: int(r)}):
+                    found.append(
+                        f"input {i} dim {d}: {r}, outside the traced range {self.constraints.range(t)}"
+                    )
+        return "; ".join(found) or "the sizes break a relation the trace assumed between them"
 
     def examples(self, example: Sequence[Any]) -> list[StageExample]:
         """Each stage's inputs and outputs for one micro-batch ``example`` (meta tensors).
@@ -83,9 +102,10 @@ class StageShapes:
             same = [tuple(t.shape) for t in tensors] == [tuple(f.shape) for f in self._fake[0][0]]
             return {} if same else None
         try:
-            return symbol_values([t.shape for t in self._traced[0][0]], [t.shape for t in tensors])
+            values = symbol_values([t.shape for t in self._traced[0][0]], [t.shape for t in tensors])
         except ValueError:
             return None
+        return values if self.constraints.allow(values) else None
 
     def _metas(self, traced: Sequence[Any], fake: Sequence[torch.Tensor], values: dict[Any, int]) -> tuple:
         if not self.symbolic:  # (a static trace: its one shape)

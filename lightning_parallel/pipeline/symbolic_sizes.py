@@ -12,6 +12,7 @@ program into the concrete one for a given input, without running anything.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -31,8 +32,9 @@ def localize_sizes(gm: fx.GraphModule) -> fx.GraphModule:
     """Recompute in each stage every symbolic size it uses from a tensor of its own; returns ``gm``.
 
     Stages are the runs of nodes between torch's ``pipe_split`` markers (what ``pipeline()`` cuts).
-    Runtime size assertions export adds (``_assert_scalar``) are dropped: they check ranges the
-    stages' kernels check again, and each would pull its sizes across a stage boundary.
+    Runtime size assertions export adds (``_assert_scalar``) are dropped, since each would pull its
+    sizes across a stage boundary: :class:`SizeConstraints` checks them for each new input shape,
+    before any stage runs.
 
     Raises:
         RuntimeError: a size a later stage uses cannot be recomputed there (no tensor of that stage
@@ -142,6 +144,67 @@ def _held_by(node: fx.Node, stage: int, stage_of: Mapping[fx.Node, int]) -> bool
     if stage_of.get(node) == stage:
         return True
     return any(stage_of.get(user) == stage for user in node.users)
+
+
+@dataclass(frozen=True)
+class SizeConstraints:
+    """What the sizes of an exported program must satisfy for it to be the model's program.
+
+    ``torch.export`` records a guard on a dynamic size (``if t > 4:`` in forward) as a range of its
+    symbol (``t >= 5``) or, where no range expresses it, as a runtime assertion in the graph; the
+    program computes the model only for sizes that satisfy them. (Every dynamic size is at least 2:
+    export specialises sizes of 0 and 1.)
+    """
+
+    ranges: tuple[tuple[Any, int | None, int | None], ...] = ()  # (symbol, lowest, highest or None)
+    assertions: tuple[Any, ...] = ()  # sympy relations of the symbols
+
+    @classmethod
+    def of(cls, program: torch.export.ExportedProgram) -> SizeConstraints:
+        ranges = tuple(
+            (symbol, _bound(vr.lower), _bound(vr.upper)) for symbol, vr in program.range_constraints.items()
+        )
+        assertions = tuple(
+            node.args[0].meta["val"].node.expr
+            for node in program.graph.nodes
+            if node.op == "call_function"
+            and node.target is torch.ops.aten._assert_scalar.default
+            and isinstance(node.args[0], fx.Node)
+            and is_symbolic(node.args[0].meta.get("val"))
+        )
+        return cls(ranges, assertions)
+
+    def range(self, size: torch.SymInt) -> str:
+        """The range of one dynamic size, as ``[2, 4]`` or ``[5, ...)``."""
+        for symbol, lowest, highest in self.ranges:
+            if symbol == size.node.expr:
+                return f"[{lowest}, {highest}]" if highest is not None else f"[{lowest}, ...)"
+        return "[2, ...)"
+
+    def allow(self, values: Mapping[Any, int]) -> bool:
+        """Whether sizes with these symbol values satisfy every range and assertion."""
+        for symbol, lowest, highest in self.ranges:
+            value = values.get(symbol)
+            if value is None:
+                continue
+            if (lowest is not None and value < lowest) or (highest is not None and value > highest):
+                return False
+        return all(_holds(a, values) for a in self.assertions)
+
+
+def _holds(assertion: Any, values: Mapping[Any, int]) -> bool:
+    result = sympy.sympify(assertion).xreplace(values)
+    return bool(result) if result in (sympy.true, sympy.false) or isinstance(result, bool) else True
+
+
+def _bound(value: Any) -> int | None:
+    """A range's end as an int, or None for torch's infinities (``int_oo``: no bound)."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (AttributeError, OverflowError, TypeError, ValueError):  # int_oo, oo: their int() fails
+        return None
 
 
 def symbol_values(shapes: Sequence[Sequence[Any]], concrete: Sequence[Sequence[int]]) -> dict[Any, int]:

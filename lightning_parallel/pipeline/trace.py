@@ -34,7 +34,7 @@ from lightning_parallel.pipeline.call_binding import CallBinding, bound_forward
 from lightning_parallel.pipeline.graph_regions import inline_wrapped_regions
 from lightning_parallel.pipeline.relay import relay_skips
 from lightning_parallel.pipeline.stage_shapes import keeping_rng
-from lightning_parallel.pipeline.symbolic_sizes import localize_sizes
+from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, localize_sizes
 
 
 class PipelineTraceError(RuntimeError):
@@ -131,7 +131,9 @@ def trace(
     program keeps a size symbolic wherever the model lets it (the batch and sequence lengths of a
     transformer), so one trace serves every such shape; where the model fixes a size (its width),
     export specialises it. Where export fails with dynamic dimensions but not without, the pipe is
-    the static one and ``pipe.dynamic_failure`` says why (else it is ``None``).
+    the static one and ``pipe.dynamic_failure`` says why (else it is ``None``). The sizes the program
+    holds for are ``pipe.size_constraints`` (:class:`~lightning_parallel.pipeline.symbolic_sizes.
+    SizeConstraints`).
 
     ``pipeline()`` marks a split point by patching the module's ``forward`` in place; the patches
     are undone here so the twin can be traced again at another shape.
@@ -177,6 +179,7 @@ def _pipeline(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[
     program, failure = export_for_pipeline(twin, example, dynamic)
     pipe = Pipe._from_traced(twin, program, MultiUseParameterConfig.REPLICATE, split_policy=_before_split)
     pipe.dynamic_failure = failure
+    pipe.size_constraints = SizeConstraints.of(program)  # (the stage graphs no longer hold them)
     return pipe
 
 

@@ -145,17 +145,12 @@ class TracedProgram:
 
 
 def retrace_message(shapes: StageShapes, example: Sequence[Any]) -> str:
-    """Why a traced program does not serve ``example``: the fixed sizes that differ."""
-    tensors = [t for t in example if torch.is_tensor(t)]
-    fixed = []
-    for i, (dims, t) in enumerate(zip(shapes.dynamic_dims, tensors)):
-        traced = shapes.traced_shape(i)
-        fixed += [f"input {i} dim {d}: {traced[d]} -> {t.shape[d]}" for d in range(t.dim()) if d not in dims
-                  and d < len(traced) and traced[d] != t.shape[d]]  # fmt: skip
+    """Why a traced program does not serve ``example``, and what to do about it."""
     return (
-        f"PipelineStrategy: the traced forward fixed sizes that this batch changes ({'; '.join(fixed)}): "
-        f"it is traced again for them. Sizes of 1 are always fixed by torch.export; a model that branches "
-        f"on a size fixes it too. Pad batches to a few lengths to bound the traces"
+        f"PipelineStrategy: this batch's sizes are not the traced forward's ({shapes.mismatch(example)}): "
+        f"it is traced again for them. torch.export fixes sizes of 1, and a model that branches on a size "
+        f"fixes it or its range. Pad batches to a few lengths to bound the traces (lightning_parallel."
+        f"padding_to_multiple, or a Hugging Face collator's pad_to_multiple_of)"
     )
 
 
@@ -299,7 +294,8 @@ class TracedStages:
                 "static",
                 f"PipelineStrategy: forward could not be exported with dynamic sizes "
                 f"({pipe.dynamic_failure}); each new input shape is traced again. Pad batches to a few "
-                f"lengths (a collate function padding to a multiple of 64, say) to bound the traces",
+                f"lengths to bound the traces (lightning_parallel.padding_to_multiple, or a Hugging Face "
+                f"collator's pad_to_multiple_of)",
             )
         return TracedProgram(self._key(train), pipe, StageShapes(pipe, example, train))
 
