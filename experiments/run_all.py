@@ -51,6 +51,7 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "scaling_charlm": "scaling_charlm.py",
     "gpt_pipeline": "bench_gpt_pipeline.py",
     "hf_pipeline": "bench_hf_pipeline.py",
+    "varlen": "bench_varlen.py",
     "hf_pretrained_memory": "hf_pretrained_memory.py",
     "watchdog": "bench_watchdog.py",
     "memory_validation": "memory_validation.py",

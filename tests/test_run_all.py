@@ -186,6 +186,17 @@ KEY_COLUMNS = {
     "gpt_tracing": ["trace_s", "trace_s_min", "trace_s_max"],
     "hf_pipeline": ["samples_per_s", "samples_per_s_min", "step_ms", "ratio", "ratio_max", "max_loss_diff"],
     "hf_tracing": ["trace_s", "trace_s_min", "trace_s_max"],
+    "varlen": [
+        "fit_s",
+        "fit_s_max",
+        "ratio",
+        "ratio_min",
+        "steps_per_s",
+        "tokens_per_s",
+        "traces",
+        "lengths",
+    ],
+    "varlen_new_length": ["s", "s_min", "s_max", "layers"],
     "hf_pretrained_memory": ["held_mib", "peak_rss_mib", "peak_ratio_to_whole"],
     "pipeline_overhead": ["hand_samples_per_s", "trainer_samples_per_s", "ratio", "fast_ratio"],
     "pipeline_microbatches": [
