@@ -11,7 +11,7 @@ fake tensors at the traced shape, since export's values do not record them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -114,6 +114,84 @@ class StageShapes:
             _meta(evaluate_shape(t.shape, values), evaluate_shape(t.stride(), values), f)
             for t, f in zip(traced, fake)
         )
+
+
+class ChainedShapes:
+    """The shapes of a chain of separately exported stages (a split Sequential), for any served input.
+
+    Each stage twin is exported once with dynamic sizes; for a new input the sizes are bound stage by
+    stage (stage ``k``'s inputs are stage ``k - 1``'s evaluated outputs) and every stage's constraints
+    checked. Dtypes and ``requires_grad`` come from one run on fake tensors (``fake``) at a traced shape.
+
+    Example::
+
+        shapes = ChainedShapes.export(stage_twins, fake_examples, True, export_for_pipeline)
+        shapes.examples(new_example)    # each stage's (inputs, outputs), or None if not served
+    """
+
+    def __init__(
+        self, programs: Sequence[torch.export.ExportedProgram], fake: Sequence[StageExample]
+    ) -> None:
+        self._stages = [(_user_values(p), SizeConstraints.of(p)) for p in programs]
+        self._fake = list(fake)
+
+    @classmethod
+    def export(
+        cls,
+        stage_modules: Sequence[torch.nn.Module],
+        fake: Sequence[StageExample],
+        train: bool,
+        export: Callable[[torch.nn.Module, tuple[Any, ...]], tuple[torch.export.ExportedProgram, Any]],
+    ) -> ChainedShapes:
+        """``export`` each stage module (with dynamic sizes) on meta inputs shaped as its ``fake`` inputs.
+
+        Raises:
+            Exception: what export raises for a module it cannot capture.
+        """
+        programs = []
+        for module, (inputs, _) in zip(stage_modules, fake):
+            module.train(train)
+            example = tuple(meta_like(t).detach() for t in inputs)
+            with keeping_rng(), torch.set_grad_enabled(train):
+                programs.append(export(module, example)[0])
+        return cls(programs, fake)
+
+    def examples(self, example: Sequence[Any]) -> list[StageExample] | None:
+        shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
+        out = []
+        for ((ins, outs), constraints), (fake_in, fake_out) in zip(self._stages, self._fake):
+            try:
+                values = symbol_values([t.shape for t in ins], shapes)
+            except ValueError:
+                return None
+            if not constraints.allow(values):
+                return None
+            made_in = tuple(_meta(s, _contiguous(s), f) for s, f in zip(shapes, fake_in))
+            made_out = tuple(
+                _meta(evaluate_shape(t.shape, values), evaluate_shape(t.stride(), values), f)
+                for t, f in zip(outs, fake_out)
+            )
+            out.append((made_in, made_out))
+            shapes = [tuple(t.shape) for t in made_out]
+        return out
+
+
+def _user_values(program: torch.export.ExportedProgram) -> tuple[list[Any], list[Any]]:
+    """The traced values of a program's user inputs and outputs (its parameters and buffers left out)."""
+    signature = program.graph_signature
+    nodes = {n.name: n for n in program.graph.nodes}
+    inputs = [nodes[name].meta["val"] for name in signature.user_inputs]
+    output = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    outputs = [o.meta["val"] for o in output[: len(signature.user_outputs)]]
+    return inputs, outputs
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def stage_examples(pipe: Pipe, example: tuple[Any, ...], train: bool) -> list[StageExample]:
