@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.agree import failing_together
-from lightning_parallel.distributed.collectives import all_gather_objects
+from lightning_parallel.distributed.collectives import all_gather_objects, broadcast_object
 from lightning_parallel.parallelize.fsdp import reduce_gradients
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
 from lightning_parallel.pipeline.item_weights import ItemCount, scale_gradients
@@ -416,6 +416,40 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
                     f"batch size of at least {m} (ideally a multiple of it), or fewer micro-batches"
                 )
         return run_step(self.parts, self.lightning_module, step_name, args, train)
+
+    # ------------------------------------------------------------------ collectives in a step
+    def _step_group(self, group: Any) -> Any:
+        """In the user's step, the default (world) group means the step's data-parallel ranks.
+
+        Only the stage running the step's code reaches a collective there: its data-parallel ranks
+        (the last stage's, after the model call) are the ranks that can meet in it.
+        """
+        parts = self.parts
+        if parts is None or not parts.scope.active or not (group is None or group is dist.group.WORLD):
+            return group
+        return parts.mesh.dp_group
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return super().all_gather(tensor, group=self._step_group(group), sync_grads=sync_grads)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return super().reduce(tensor, group=self._step_group(group), reduce_op=reduce_op)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        group = self._step_group(None)
+        if group is None:
+            return super().barrier(*args, **kwargs)
+        dist.barrier(group=group)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        group = self._step_group(None)
+        if group is None:
+            return super().broadcast(obj, src)
+        return broadcast_object(obj, src=dist.get_global_rank(group, src), group=group)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
