@@ -116,10 +116,11 @@ class StageMetrics:
 class BatchWindow:
     """Each Metric called during one training step's micro-batches: its value over the whole batch.
 
-    While :meth:`collecting`, every call ``metric(...)`` also updates a twin of the metric (a copy, reset
-    at each step) with the same inputs; :meth:`finish` then sets each called metric's step value (what
-    Lightning logs on step) to its twin's ``compute()``: the metric over the batch's micro-batches
-    together. The twin syncs only if the metric has ``dist_sync_on_step=True``, as ``forward`` does.
+    While :meth:`collecting`, every call ``metric(...)`` also updates a twin of the metric (a copy made at
+    its first call, reset at each step) with the same inputs; :meth:`finish` then sets each called
+    metric's step value (what Lightning logs on step) to its twin's ``compute()``: the metric over the
+    batch's micro-batches together. The twin syncs only if the metric has ``dist_sync_on_step=True``, as
+    ``forward`` does. The cost: a metric called in a step is updated twice per micro-batch.
 
     Example::
 
@@ -136,15 +137,13 @@ class BatchWindow:
 
     @contextmanager
     def collecting(self) -> Iterator[None]:
-        pairs = [(m, self._twin_of(m)) for m in self.metrics]
         called: dict[int, tuple[Metric, Metric]] = {}
-        for metric, twin in pairs:
-            twin.reset()
-            metric.forward = _tee(metric, metric.forward, twin, called)
+        for metric in self.metrics:
+            metric.forward = self._tee(metric, metric.forward, called)
         try:
             yield
         finally:
-            for metric, _ in pairs:
+            for metric in self.metrics:
                 del metric.forward
             self._called = list(called.values())
 
@@ -152,24 +151,37 @@ class BatchWindow:
         for metric, twin in self._called:
             set_step_value(metric, twin.compute())
 
-    def _twin_of(self, metric: Metric) -> Metric:
+    def _tee(self, metric: Metric, forward: Callable, called: dict) -> Callable:
+        def tee(*args: Any, **kwargs: Any) -> Any:
+            if id(metric) not in called:  # the first call of this step
+                called[id(metric)] = (metric, self._reset_twin(metric))
+            out = forward(*args, **kwargs)
+            called[id(metric)][1].update(*args, **kwargs)
+            return out
+
+        return tee
+
+    def _reset_twin(self, metric: Metric) -> Metric:
+        """The metric's twin, reset; made at the metric's first call (a metric never called has none)."""
         twin = self.twins.get(id(metric))
         if twin is None:
-            # Copied before its forward is patched; the copy computes with torchmetrics' own compute.
-            twin = self.twins[id(metric)] = copy.deepcopy(metric)
+            # The copy computes with torchmetrics' own compute (torchmetrics does not copy ``compute``).
+            twin = self.twins[id(metric)] = _copy_without_hooks(metric)
+            twin.__dict__.pop("forward", None)  # this window's stand-in
             if not metric.dist_sync_on_step:
                 twin.distributed_available_fn = _never
+        twin.reset()
         return twin
 
 
-def _tee(metric: Metric, forward: Callable, twin: Metric, called: dict) -> Callable:
-    def tee(*args: Any, **kwargs: Any) -> Any:
-        out = forward(*args, **kwargs)
-        twin.update(*args, **kwargs)
-        called[id(metric)] = (metric, twin)
-        return out
-
-    return tee
+def _copy_without_hooks(metric: Metric) -> Metric:
+    """A deep copy of ``metric`` without the module hooks others put on it (a profiler's do not copy)."""
+    memo: dict[int, Any] = {}
+    for module in metric.modules():
+        for name, value in vars(module).items():
+            if name.endswith("hooks") and isinstance(value, dict):
+                memo[id(value)] = type(value)()
+    return copy.deepcopy(metric, memo)
 
 
 def _never() -> bool:

@@ -47,7 +47,8 @@ def run_step(
     """
     mesh = parts.mesh
     step = _Step(parts, module, step_name, args, train)
-    window = parts.metrics.window() if parts.metrics is not None and train and parts.runner.has_last else None
+    split = train and step.m > 1 and parts.runner.has_last  # the step runs once per micro-batch here
+    window = parts.metrics.window() if split and parts.metrics is not None else None
     with window.collecting() if window is not None else nullcontext():
         result = step.train() if train else step.evaluate()
     if step_name == "predict_step":
