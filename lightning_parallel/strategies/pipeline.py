@@ -44,6 +44,7 @@ from lightning_parallel.strategies._pipeline_checkpointing import PipelineCheckp
 from lightning_parallel.strategies._pipeline_config import (
     check_fit_supported,
     checked_config,
+    refuse_unsupported_callbacks,
     renamed_num_stages,
 )
 from lightning_parallel.strategies._pipeline_items import step_items
@@ -55,6 +56,7 @@ from lightning_parallel.strategies._pipeline_memory import (
 from lightning_parallel.strategies._pipeline_parallelize import parallelize_parts, tensor_plan
 from lightning_parallel.strategies._pipeline_precision import install_loss_scaling
 from lightning_parallel.strategies._pipeline_step import batch_size, last_pp_rank, run_step
+from lightning_parallel.strategies._pipeline_summary import summarize_before_split
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
 
@@ -293,6 +295,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     # ------------------------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
+        if self._lightning_module is not None and self._lightning_module._trainer is not None:
+            refuse_unsupported_callbacks(self._lightning_module.trainer)  # before the callbacks' own setup
         super().setup_environment()
         if self._mesh is None:  # the one device mesh: every rank builds it (a collective)
             self._mesh = build_mesh(self.root_device.type, self.layout)
@@ -305,6 +309,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             check_fit_supported(trainer, self)
         first = self.parts is None
         if self.parts is None:
+            if trainer.state.fn == TrainerFn.FITTING:
+                summarize_before_split(trainer, self.lightning_module, self)  # the whole model's table
             naming = unit_naming(self.lightning_module, self.config)  # read on the unsplit module
             with failing_together():
                 self._tensor_plan = tensor_plan(self.lightning_module, self.config)
