@@ -74,8 +74,12 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
 
     Each rank builds and keeps only its own stage(s); the user's ``training_step`` /
     ``validation_step`` / ``test_step`` / ``predict_step`` run unchanged (on the last stage, once per
-    micro-batch in training); what they log reaches the logger on global rank 0. Gradients are
-    reduced over the data-parallel ranks once per optimizer step.
+    micro-batch in training); what they log, torchmetrics Metrics included, reaches the logger on global
+    rank 0 and is the same on every rank. In a step, ``self.all_gather`` and the strategy's ``reduce``,
+    ``broadcast`` and ``barrier`` run over the data-parallel ranks of the stage running it (the last
+    stage's replicas, after the model call); a ``torch.distributed`` collective there over other ranks
+    is refused on every rank, with the fix. Gradients are reduced over the data-parallel ranks once per
+    optimizer step.
 
     The ranks form one device mesh, ``strategy.device_mesh``, with dimensions ``("pp",
     "dp_replicate", "dp_shard", "tp")``. After the split each stage module is parallelized on it:
