@@ -8,8 +8,8 @@ the group runs the block, the call goes through; otherwise ``refused(name)`` dec
 error that names the call and the fix, or stand in for it). Pure PyTorch, no Lightning.
 
 The functions are replaced in ``torch.distributed`` (and ``distributed_c10d``) only for the block's
-duration and only for the calling thread; whatever was there before (the HangWatchdog's wrappers) is
-put back as it was.
+duration, and act only on the calling thread; whatever was there before (the HangWatchdog's wrappers)
+is put back as it was.
 """
 
 from __future__ import annotations
@@ -56,32 +56,40 @@ def collectives_limited_to(ranks: frozenset[int], refused: Callable[[str], Any])
     if not (dist.is_available() and dist.is_initialized()):
         yield
         return
-    thread = threading.get_ident()
     saved: list[tuple[Any, str, Any]] = []
     for name in COLLECTIVES:
         for module in _MODULES:
             current = getattr(module, name, None)
             if callable(current):
                 saved.append((module, name, current))
-                setattr(module, name, _limited(name, current, ranks, refused, thread))
+                setattr(module, name, _limited(name, current))
+    previous, _LIMITS.active = getattr(_LIMITS, "active", None), (ranks, refused)
     try:
         yield
     finally:
+        _LIMITS.active = previous
         for module, name, current in reversed(saved):
             setattr(module, name, current)
 
 
-def _limited(
-    name: str, original: Callable, ranks: frozenset[int], refused: Callable[[str], Any], thread: int
-) -> Callable:
+_LIMITS = threading.local()  # .active: (ranks, refused) inside a block on this thread, else None
+_WRAPPERS: dict[Callable, Callable] = {}  # one wrapper per function, made once (its signature read once)
+
+
+def _limited(name: str, original: Callable) -> Callable:
+    wrapper = _WRAPPERS.get(original)
+    if wrapper is not None:
+        return wrapper
     group_of = _group_argument(original)
 
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != thread or group_ranks(group_of(args, kwargs)) <= ranks:
+        active = getattr(_LIMITS, "active", None)  # another thread's calls go through
+        if active is None or group_ranks(group_of(args, kwargs)) <= active[0]:
             return original(*args, **kwargs)
-        return refused(name)
+        return active[1](name)
 
+    _WRAPPERS[original] = call
     return call
 
 
