@@ -225,7 +225,7 @@ def _logged(log_dir: Path, key: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_learning_rate_monitor_and_early_stopping_act_as_on_one_device(runs):
     ref, records, out = runs
     lrs = _logged(out / "ref", "lr-SGD")
@@ -237,7 +237,7 @@ def test_learning_rate_monitor_and_early_stopping_act_as_on_one_device(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_model_summary_counts_the_whole_model(runs):
     ref, records, _ = runs
     total, trainable, params = records[0]["walkthrough"]["summary"]
@@ -246,7 +246,7 @@ def test_model_summary_counts_the_whole_model(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_validate_test_and_predict_the_best_checkpoint(runs):
     ref, records, _ = runs
     expected = ref["walkthrough"]
@@ -264,7 +264,7 @@ def test_validate_test_and_predict_the_best_checkpoint(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_checkpoints_saved_from_user_code_hold_the_whole_model(runs):
     _, _, out = runs
     names = sorted(os.path.basename(p) for p in glob.glob(str(out / "ref" / "user-*.ckpt")))
@@ -281,7 +281,7 @@ def test_checkpoints_saved_from_user_code_hold_the_whole_model(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_gradients_seen_before_the_optimizer_step_are_the_stages_own(runs):
     ref, records, _ = runs
     expected = ref["walkthrough"]["grads"]
@@ -295,7 +295,7 @@ def test_gradients_seen_before_the_optimizer_step_are_the_stages_own(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_a_datamodule_prepares_once_per_run_and_sets_up_on_every_rank(runs):
     _, records, out = runs
     # fit, validate, test and predict each prepare once, on local rank 0 (all 4 ranks share this node)
@@ -305,7 +305,7 @@ def test_a_datamodule_prepares_once_per_run_and_sets_up_on_every_rank(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_profilers_time_the_pipelined_steps(runs):
     _, records, _ = runs
     profiled = records[0]["profilers"]
@@ -316,7 +316,7 @@ def test_profilers_time_the_pipelined_steps(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_the_learning_rate_finder_sees_one_devices_losses(runs):
     ref, records, _ = runs
     for record in records:
@@ -327,7 +327,7 @@ def test_the_learning_rate_finder_sees_one_devices_losses(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_weight_averaging_and_batch_size_finding_are_refused_with_the_fix(runs):
     _, records, _ = runs
     for record in records:

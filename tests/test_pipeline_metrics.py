@@ -218,7 +218,7 @@ METRIC_COLUMNS = {
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_logged_metrics_equal_one_device_at_every_step_and_epoch(runs, name):
     """Accuracy, running means, perplexity, AUROC (list states), a collection, on both split paths."""
@@ -242,7 +242,7 @@ def test_logged_metrics_equal_one_device_at_every_step_and_epoch(runs, name):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_metric_state_is_saved_from_the_last_stage_and_restored(runs):
     """A persistent Metric state in the consolidated checkpoint is the last stage's, as Lightning saves it.
 
@@ -258,7 +258,7 @@ def test_metric_state_is_saved_from_the_last_stage_and_restored(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("where", ["validation_step-after", "validation_step-before", "training_step-after"])
 def test_a_world_collective_in_a_step_is_refused_on_every_rank(runs, where):
     outcomes = [torch.load(runs / f"raw-{where}-rank{r}.pt") for r in range(WORLD)]
@@ -275,7 +275,7 @@ def test_a_world_collective_in_a_step_is_refused_on_every_rank(runs, where):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_collectives_in_steps_run_over_the_last_stages_replicas(runs):
     rows, ref = _rows(runs, "collectives"), _rows(runs, "seq-pp2-dp2-ref")
     for (step, key), value in rows.items():
