@@ -125,8 +125,8 @@ def _walkthrough(out: Path, replicas: int) -> dict:
     strategy = PipelineStrategy(pipeline_size=2, num_microbatches=2) if replicas > 1 else "auto"
     trainer = quiet_trainer(
         devices=WORLD if replicas > 1 else 1, strategy=strategy, max_epochs=MAX_EPOCHS, log_every_n_steps=1,
-        logger=CSVLogger(out, name="", version=""), enable_checkpointing=True, enable_model_summary=True,
-        callbacks=[LearningRateMonitor(), stopping, best, summary, saved],
+        logger=CSVLogger(out / "logs", name="", version=""), enable_checkpointing=True,
+        enable_model_summary=True, callbacks=[LearningRateMonitor(), stopping, best, summary, saved],
     )  # fmt: skip
     trainer.fit(model, datamodule=data)
     trainer.save_checkpoint(out / "user-after-fit.ckpt")  # user code after fit, on every rank
@@ -228,8 +228,8 @@ def _logged(log_dir: Path, key: str) -> list[tuple[int, float]]:
 @pytest.mark.timeout(180)
 def test_learning_rate_monitor_and_early_stopping_act_as_on_one_device(runs):
     ref, records, out = runs
-    lrs = _logged(out / "ref", "lr-SGD")
-    assert len(lrs) > 1 and _logged(out / "pp", "lr-SGD") == lrs  # logged from global rank 0
+    lrs = _logged(out / "ref" / "logs", "lr-SGD")
+    assert len(lrs) > 1 and _logged(out / "pp" / "logs", "lr-SGD") == lrs  # logged from global rank 0
     stopped = ref["walkthrough"]["stopped"]
     assert 0 < stopped[1] < MAX_EPOCHS - 1, stopped  # EarlyStopping stopped the reference early
     for record in records:  # on a Metric's epoch value, the same on every rank

@@ -20,7 +20,18 @@ __all__ = ["CollectiveOutsideStepError", "StepScope"]
 
 
 class CollectiveOutsideStepError(RuntimeError):
-    """A ``torch.distributed`` collective in a step, over ranks that do not run that step."""
+    """A ``torch.distributed`` collective in a step, over ranks that do not run that step.
+
+    Raised under ``PipelineStrategy`` on every rank, at the first such call; the message names the
+    call and the fix.
+
+    Example::
+
+        def validation_step(self, batch, batch_idx):
+            loss = self.loss(batch)
+            torch.distributed.all_reduce(loss)     # CollectiveOutsideStepError: the world group
+            torch.distributed.all_reduce(loss, group=self.trainer.strategy.data_parallel_group)  # runs
+    """
 
 
 class StepScope:
