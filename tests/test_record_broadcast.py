@@ -23,7 +23,15 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     ]
     records.append((("many",), [float(i) for i in range(40)]))  # more values than the agreed capacity
     got = [channel.broadcast(record if rank == 1 else None) for record in records]
-    torch.save({"got": got, "objects": channel.object_broadcasts}, os.path.join(out_dir, f"rank{rank}.pt"))
+    objects = channel.object_broadcasts
+    raised = None
+    try:  # an error on the source travels in the record's place: every rank raises it
+        channel.broadcast(None, error=ValueError("step failed") if rank == 1 else None)
+    except ValueError as err:
+        raised = (str(err), getattr(err, "__notes__", []))
+    after = channel.broadcast((("loss",), [0.75]) if rank == 1 else None)  # and the channel goes on
+    record = {"got": got, "objects": objects, "raised": raised, "after": after}
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.multiprocess
@@ -39,3 +47,6 @@ def test_numbers_arrive_exactly_and_the_layout_travels_only_when_it_changes(tmp_
     ]
     assert r0["got"][4] == (("many",), [float(i) for i in range(40)])
     assert r0["objects"] == r1["objects"] == 3  # first record, new layout, too many values
+    assert r1["raised"] == ("step failed", [])
+    assert r0["raised"] == ("step failed", ["raised on global rank 1; this rank stops with it"])
+    assert r0["after"] == r1["after"] == (("loss",), [0.75])

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.agree import failing_together
-from lightning_parallel.distributed.collectives import all_gather_objects
+from lightning_parallel.distributed.collectives import all_gather_objects, broadcast_object
 from lightning_parallel.parallelize.fsdp import reduce_gradients
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
 from lightning_parallel.pipeline.item_weights import ItemCount, scale_gradients
@@ -44,6 +44,7 @@ from lightning_parallel.strategies._pipeline_checkpointing import PipelineCheckp
 from lightning_parallel.strategies._pipeline_config import (
     check_fit_supported,
     checked_config,
+    refuse_unsupported_callbacks,
     renamed_num_stages,
 )
 from lightning_parallel.strategies._pipeline_items import step_items
@@ -55,6 +56,7 @@ from lightning_parallel.strategies._pipeline_memory import (
 from lightning_parallel.strategies._pipeline_parallelize import parallelize_parts, tensor_plan
 from lightning_parallel.strategies._pipeline_precision import install_loss_scaling
 from lightning_parallel.strategies._pipeline_step import batch_size, last_pp_rank, run_step
+from lightning_parallel.strategies._pipeline_summary import summarize_before_split
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
 
@@ -72,8 +74,12 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
 
     Each rank builds and keeps only its own stage(s); the user's ``training_step`` /
     ``validation_step`` / ``test_step`` / ``predict_step`` run unchanged (on the last stage, once per
-    micro-batch in training); what they log reaches the logger on global rank 0. Gradients are
-    reduced over the data-parallel ranks once per optimizer step.
+    micro-batch in training); what they log, torchmetrics Metrics included, reaches the logger on global
+    rank 0 and is the same on every rank. In a step, ``self.all_gather`` and the strategy's ``reduce``,
+    ``broadcast`` and ``barrier`` run over the data-parallel ranks of the stage running it (the last
+    stage's replicas, after the model call); a ``torch.distributed`` collective there over other ranks
+    is refused on every rank, with the fix. Gradients are reduced over the data-parallel ranks once per
+    optimizer step.
 
     The ranks form one device mesh, ``strategy.device_mesh``, with dimensions ``("pp",
     "dp_replicate", "dp_shard", "tp")``. After the split each stage module is parallelized on it:
@@ -293,6 +299,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     # ------------------------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
+        if self._lightning_module is not None and self._lightning_module._trainer is not None:
+            refuse_unsupported_callbacks(self._lightning_module.trainer)  # before the callbacks' own setup
         super().setup_environment()
         if self._mesh is None:  # the one device mesh: every rank builds it (a collective)
             self._mesh = build_mesh(self.root_device.type, self.layout)
@@ -305,6 +313,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             check_fit_supported(trainer, self)
         first = self.parts is None
         if self.parts is None:
+            if trainer.state.fn == TrainerFn.FITTING:
+                summarize_before_split(trainer, self.lightning_module, self)  # the whole model's table
             naming = unit_naming(self.lightning_module, self.config)  # read on the unsplit module
             with failing_together():
                 self._tensor_plan = tensor_plan(self.lightning_module, self.config)
@@ -416,6 +426,40 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
                     f"batch size of at least {m} (ideally a multiple of it), or fewer micro-batches"
                 )
         return run_step(self.parts, self.lightning_module, step_name, args, train)
+
+    # ------------------------------------------------------------------ collectives in a step
+    def _step_group(self, group: Any) -> Any:
+        """In the user's step, the default (world) group means the step's data-parallel ranks.
+
+        Only the stage running the step's code reaches a collective there: its data-parallel ranks
+        (the last stage's, after the model call) are the ranks that can meet in it.
+        """
+        parts = self.parts
+        if parts is None or not parts.scope.active or not (group is None or group is dist.group.WORLD):
+            return group
+        return parts.mesh.dp_group
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return super().all_gather(tensor, group=self._step_group(group), sync_grads=sync_grads)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return super().reduce(tensor, group=self._step_group(group), reduce_op=reduce_op)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        group = self._step_group(None)
+        if group is None:
+            return super().barrier(*args, **kwargs)
+        dist.barrier(group=group)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        group = self._step_group(None)
+        if group is None:
+            return super().broadcast(obj, src)
+        return broadcast_object(obj, src=dist.get_global_rank(group, src), group=group)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
