@@ -186,19 +186,23 @@ def _pipeline(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[
 def export_for_pipeline(
     module: nn.Module, example: tuple[Any, ...], dynamic: bool = True
 ) -> tuple[torch.export.ExportedProgram, str | None]:
-    """``torch.export`` of ``module(*example)``, every input dimension ``Dim.AUTO`` if ``dynamic``.
+    """``torch.export`` of ``module(*example)``, with dynamic sizes if ``dynamic``.
 
-    Returns the program and, when the dynamic export failed and a static one was made instead, the
-    first line of export's reason (``None`` otherwise).
+    Every input dimension is ``Dim.AUTO`` (dynamic where the model lets it, specialised where it
+    does not), except the micro-batch dimension (dim 0 of every input, one size): tried first as a
+    ``Dim`` from 1, so a micro-batch of one sample (a short last batch) is served too, which
+    ``Dim.AUTO`` never allows (it specialises sizes of 0 and 1). Returns the program and, when no
+    dynamic export succeeded and a static one was made instead, the first line of export's reason
+    (``None`` otherwise).
 
     Raises:
         RuntimeError: export failed (its error is the ``__cause__``), as ``pipeline()`` raises it.
     """
     failure = None
-    if dynamic:
+    for batch in (Dim("microbatch", min=1), Dim.AUTO) if dynamic else ():
         try:
-            return torch.export.export(module, example, dynamic_shapes=_auto_dims(module, example)), None
-        except Exception as err:  # export raises many types; the static export below says if it is the shape
+            return torch.export.export(module, example, dynamic_shapes=_dims(module, example, batch)), None
+        except Exception as err:  # export raises many types; the next attempt says whether it is the shape
             failure = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
     try:
         return torch.export.export(module, example), failure
@@ -206,8 +210,11 @@ def export_for_pipeline(
         raise RuntimeError("torch.export could not capture the module's forward as one graph") from err
 
 
-def _auto_dims(module: nn.Module, example: tuple[Any, ...]) -> tuple[Any, ...]:
-    specs = tuple({d: Dim.AUTO for d in range(t.dim())} if torch.is_tensor(t) else None for t in example)
+def _dims(module: nn.Module, example: tuple[Any, ...], batch: Any) -> tuple[Any, ...]:
+    specs = tuple(
+        {d: batch if d == 0 else Dim.AUTO for d in range(t.dim())} if torch.is_tensor(t) and t.dim() else None
+        for t in example
+    )
     params = list(inspect.signature(module.forward).parameters.values())
     if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
         return (specs,)  # forward(*tensors) (a bound call): one spec, a tuple, for the varargs
