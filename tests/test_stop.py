@@ -17,7 +17,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from mp_harness import processes_with_env
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed import stop
@@ -154,6 +153,7 @@ class Job:
 JOBS = [
     Job("spawn: SIGTERM to every process (the issue's case)", "spawn", "job"),
     Job("fork: SIGTERM to the launcher", "fork", "launcher"),
+    Job("fork: SIGTERM to rank 1 alone", "fork", "rank 1"),
     Job("fork: SIGINT to every process", "fork", "job", signal.SIGINT, status=1),
     Job(
         "forkserver: SIGTERM to every process, ranks blocked in a collective",
@@ -163,10 +163,24 @@ JOBS = [
         says=f"rank 1: still running {GRACE:g} s after SIGTERM (main thread at distributed_c10d.py",
     ),
     Job("script launcher: SIGTERM to every process", "popen", "job", saves=True),
-    Job("script launcher: SIGTERM to rank 1 alone", "popen", "rank 1", saves=True),
     Job("torchrun: SIGTERM to every process", "torchrun", "job", status=None, saves=True),
     Job("SLURM: SIGTERM to every rank", "slurm", "job", saves=True, says="Bypassing SIGTERM"),
 ]
+
+
+def _processes_by_marker() -> dict[str, list[int]]:
+    """The live processes of each job, by the ``LP_STOP_JOB`` marker in their environment (one /proc scan)."""
+    found: dict[str, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.startswith(b"LP_STOP_JOB="):
+                found.setdefault(entry[12:].decode(), []).append(int(pid))
+    return found
 
 
 def _free_port() -> int:
@@ -229,14 +243,16 @@ def test_a_stop_ends_every_process_of_the_job_on_every_launch_path(tmp_path):
             _signal(job, outs[job.name])
         deadline = time.monotonic() + GRACE + 30
         while time.monotonic() < deadline and any(j.gone is None for j in JOBS):
+            left = _processes_by_marker()
             for job in JOBS:
                 ended = job.gone is None and all(p.poll() is not None for p in job.procs)
-                if ended and not processes_with_env(f"LP_STOP_JOB={markers[job.name]}"):
+                if ended and not left.get(markers[job.name]):
                     job.gone = time.monotonic() - job.signalled
-            time.sleep(0.2)
+            time.sleep(0.1)
     finally:
+        left = _processes_by_marker()
         for job in JOBS:
-            for pid in processes_with_env(f"LP_STOP_JOB={markers[job.name]}"):
+            for pid in left.get(markers[job.name], []):
                 os.kill(pid, signal.SIGKILL)
     problems = []
     for job in JOBS:

@@ -7,9 +7,8 @@ Two sides of one job:
   anyway: ``signal.set_wakeup_fd`` makes the C-level handler write the signal's number to a socket that
   a daemon thread reads. From that moment the process has ``grace`` seconds to stop by itself (the
   Python handler's orderly stop, e.g. Lightning's); then the thread ends it with ``os._exit(128 +
-  signal)``, the status a shell gives a process a signal ended. The guard can also pass the signal to
-  the job's launcher (so a stop sent to one rank reaches every rank) and make the rank die with its
-  launcher (``PR_SET_PDEATHSIG`` where the launcher is the parent, a watch thread otherwise);
+  signal)``, the status a shell gives a process a signal ended. The guard also makes the rank die with
+  its launcher (``PR_SET_PDEATHSIG`` where the launcher is the parent, a watch thread otherwise);
 * **the launcher** of spawned or forked ranks runs :func:`forwarding_stop_signals`: a stop signal is
   passed to every rank, the ranks get ``grace`` seconds (plus a margin for their own exit), the ones
   still alive are killed, and the launcher ends with the signal's status.
@@ -46,6 +45,7 @@ __all__ = [
     "die_with_parent",
     "exit_status",
     "forwarding_stop_signals",
+    "stopped_status",
 ]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -68,6 +68,24 @@ def exit_status(signum: int) -> int:
         exit_status(signal.SIGTERM)   # 143
     """
     return 128 + int(signum)
+
+
+def stopped_status(exit_code: int | None) -> int | None:
+    """The job's exit status if a process that exited with ``exit_code`` was stopped, else None.
+
+    128 + SIGTERM/SIGINT (a stop that ran its course), or minus the signal (killed by it), as
+    ``multiprocessing`` reports a child's exit.
+
+    Example::
+
+        stopped_status(-15)   # 143
+        stopped_status(1)     # None
+    """
+    if exit_code is None:
+        return None
+    codes = {exit_status(s): exit_status(s) for s in STOP_SIGNALS}
+    codes.update({-int(s): exit_status(s) for s in STOP_SIGNALS})
+    return codes.get(exit_code)
 
 
 def check_grace(grace: float | timedelta, owner: str) -> float:
@@ -129,13 +147,11 @@ class StopGuard:
         name: who this is in messages (``"rank 1"``).
         launcher: the pid of the process that started this one: the guard ends this process (SIGTERM to
             itself, then ``grace``) when it dies.
-        pass_to_launcher: pass a stop signal on to ``launcher``, which passes it to every rank: a stop
-            sent to one rank stops the job (for launchers that take it so: this package's).
         on_hard_exit: called just before the hard exit (e.g. to kill the processes this one started).
 
     Example::
 
-        guard = StopGuard(grace=30.0, name="rank 1", launcher=os.getppid(), pass_to_launcher=True)
+        guard = StopGuard(grace=30.0, name="rank 1", launcher=os.getppid())
         guard.start()
         try:
             train()
@@ -148,12 +164,10 @@ class StopGuard:
         grace: float = DEFAULT_GRACE,
         name: str = "this process",
         launcher: int | None = None,
-        pass_to_launcher: bool = False,
         on_hard_exit: Callable[[], Any] | None = None,
     ) -> None:
         self.grace = check_grace(grace, "StopGuard")
         self.name, self.launcher, self.on_hard_exit = name, launcher, on_hard_exit
-        self.pass_to_launcher = pass_to_launcher
         self.signum: int | None = None  # the first stop signal received
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -212,9 +226,6 @@ class StopGuard:
             if self.signum is not None:
                 return
             self.signum = int(signum)
-        if self.launcher is not None and self.pass_to_launcher:
-            with contextlib.suppress(OSError):
-                os.kill(self.launcher, signum)  # the launcher passes it to every rank
         self._spawn(self._deadline, "deadline", keep=True)
 
     # --------------------------------------------------------------------------------- threads
@@ -337,7 +348,7 @@ def forwarding_stop_signals(
 
     def handler(signum: int, frame: FrameType | None) -> None:
         if stopping:
-            return  # one stop at a time; a rank passing the signal back lands here
+            return  # one stop at a time
         stopping.append(signum)
         procs = [p for p in children() if p.is_alive()]
         for p in procs:

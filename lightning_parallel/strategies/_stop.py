@@ -3,8 +3,7 @@
 Lightning glue over :mod:`lightning_parallel.distributed.stop`. Each rank starts a
 :class:`~lightning_parallel.distributed.stop.StopGuard` (``grace`` seconds from a SIGTERM/SIGINT to its
 hard exit) knowing who launched it: this package's spawn/fork launcher, rank 0 of a script launch, or
-torchrun's agent; the rank dies with that launcher, and passes a stop on to it where it forwards stops
-to every rank.
+torchrun's agent; the rank dies with that launcher.
 
 Lightning 2.6.6 answers SIGTERM in each rank by setting ``trainer.received_sigterm``, on which the fit
 loop raises ``SIGTERMException`` (``on_exception`` hooks such as ``ModelCheckpoint(save_on_exception=
@@ -78,24 +77,23 @@ def start_rank_guard(strategy: Any, grace: float) -> tuple[StopGuard | None, boo
     """This rank's guard, and whether it was started here (False: its launcher's, or none).
 
     None for one process or off the main thread. The launcher is the pid in
-    ``LIGHTNING_PARALLEL_LAUNCHER_PID`` (rank 0 of a script launch; the rank passes stops to it) or
-    torchrun's agent (the parent; it ends the other workers itself).
+    ``LIGHTNING_PARALLEL_LAUNCHER_PID`` (rank 0 of a script launch) or torchrun's agent (the parent).
     """
     guard = current_guard()
     if guard is not None or strategy.world_size < 2:
         return guard, False
     if threading.current_thread() is not threading.main_thread():
         return None, False
-    launcher, pass_on = None, False
+    launcher = None
     if os.environ.get(LAUNCHER_PID_ENV):
-        launcher, pass_on = int(os.environ[LAUNCHER_PID_ENV]), True
+        launcher = int(os.environ[LAUNCHER_PID_ENV])
     elif os.environ.get(_TORCHRUN_ENV):
         launcher = os.getppid()
     on_hard_exit = None
     if isinstance(strategy.launcher, _SubprocessScriptLauncher) and strategy.launcher.procs:
         on_hard_exit = lambda: strategy.launcher.kill(_get_sigkill_signal())  # noqa: E731
     name = f"rank {strategy.global_rank}"
-    return StopGuard(grace, name, launcher, pass_on, on_hard_exit).start(), True
+    return StopGuard(grace, name, launcher, on_hard_exit).start(), True
 
 
 def mark_stopped_exit(exception: BaseException) -> None:

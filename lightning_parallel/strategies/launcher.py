@@ -17,9 +17,17 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
 )
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.multiprocessing.spawn import ProcessExitedException
 from typing_extensions import override
 
-from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, forwarding_stop_signals
+from lightning_parallel.distributed.stop import (
+    DEFAULT_GRACE,
+    StopGuard,
+    exit_status,
+    forwarding_stop_signals,
+    stopped_status,
+)
 from lightning_parallel.pipeline.shared import alias_table, retie
 from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
 
@@ -42,9 +50,9 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
     A stop is a stop (the strategy's ``stop_grace_period``, 30 s by default): SIGTERM or SIGINT to the
     main process goes on to every worker, which then has that long to stop (Lightning stops the fit at
     the next batch); the workers still alive are then killed, and the main process exits with 128 +
-    the signal (SIGINT: Lightning's KeyboardInterrupt path). Each worker dies with the main process,
-    passes a stop sent to it alone on to the main process (so every rank stops), and ends itself
-    ``stop_grace_period`` after a stop, also when it is blocked in a collective
+    the signal (SIGINT: Lightning's KeyboardInterrupt path), as it does when the workers stopped by
+    themselves (a signal to one of them, or to each). Each worker dies with the main process and ends
+    itself ``stop_grace_period`` after a stop, also when it is blocked in a collective
     (:class:`~lightning_parallel.distributed.stop.StopGuard`).
     """
 
@@ -66,6 +74,13 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
         try:
             with forwarding_stop_signals(workers, self.stop_grace_period):
                 return super().launch(function, *args, trainer=trainer, **kwargs)
+        except ProcessExitedException as err:
+            # Ranks told to stop (one of them, or each by its scheduler) exit with 128 + the signal, or
+            # die of it: the job then ends with that status too.
+            status = stopped_status(err.exit_code)
+            if status is None:
+                raise
+            raise SystemExit(status) from err
         finally:
             self._parent_state = None
 
@@ -76,11 +91,14 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
         guard = self._start_guard(process_idx)
         try:
             self._run_worker(process_idx, trainer, function, args, kwargs, *rest)
-        except (SystemExit, KeyboardInterrupt):
-            if guard is None or guard.exit_code is None:
+        except (SystemExit, KeyboardInterrupt) as stop:
+            signalled = guard is not None and guard.exit_code is not None
+            if not signalled and not isinstance(stop, SIGTERMException):
                 raise
+            # Stopped (also a rank that Lightning stopped with the others): the stop's status, and no
+            # interpreter teardown (see below).
             _flush()
-            os._exit(guard.exit_code)  # stopped: no interpreter teardown (see below), the stop's status
+            os._exit(guard.exit_code if signalled else exit_status(signal.SIGTERM))
 
     def _start_guard(self, process_idx: int) -> StopGuard | None:
         """In the worker: the stop guard, and the default signal handlers (a fork inherits the launcher's)."""
@@ -91,7 +109,7 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
         node = self._strategy.cluster_environment.node_rank() if self._strategy.cluster_environment else 0
         rank = node * self._strategy.num_processes + process_idx
         grace = self.stop_grace_period
-        return StopGuard(grace, f"rank {rank}", launcher=self._launcher_pid, pass_to_launcher=True).start()
+        return StopGuard(grace, f"rank {rank}", launcher=self._launcher_pid).start()
 
     def _run_worker(
         self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any, *rest: Any
