@@ -185,6 +185,20 @@ class Watchdog:
                 pass
         self._channel, self._server = None, None
 
+    def await_verdict(self) -> bool:
+        """Block while the watchdog may still find a rank gone (``gone_after`` and two periods).
+
+        For a rank whose collective failed because a peer died: the judge then reports that peer as
+        gone and every rank exits with the report, instead of each with its own communication error.
+        Returns False if no verdict came (the process exits on a verdict; this never returns then).
+        """
+        if self._thread is None:
+            return False
+        deadline = time.monotonic() + self.gone_after + 2 * self.period + 2.0
+        while time.monotonic() < deadline and self._thread.is_alive() and self._lost is None:
+            time.sleep(0.05)
+        return False
+
     def _host_store(self) -> tuple[str, int]:
         # Every rank already reaches MASTER_ADDR (where rank 0 runs under Lightning's launchers,
         # torchrun and SLURM); the server listens on all interfaces.
