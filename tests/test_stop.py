@@ -41,6 +41,9 @@ def test_a_grace_period_that_is_not_a_positive_duration_is_refused_with_its_valu
         PipelineStrategy(stop_grace_periods=3)
     assert PipelineStrategy(stop_grace_period=timedelta(minutes=1)).stop_grace_period == 60.0
     assert stop.exit_status(signal.SIGTERM) == 143
+    # How a launcher reads its ranks' ends: stopped (128 + signal, or killed by it), or failed.
+    statuses = [stop.stopped_status(c) for c in (143, -15, 130, -2, 1, -9, None)]
+    assert statuses == [143, 143, 130, 130, None, None, None]
 
 
 # --- the mechanics, in processes that load only distributed/stop.py (no torch: milliseconds) ----------

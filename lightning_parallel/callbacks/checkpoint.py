@@ -70,7 +70,9 @@ class Rank0Checkpoint(ResumingCheckpoint):
       ``dirpath`` fails at setup;
     * ``async_save=True`` copies the state into CPU buffers (allocated at the first save and reused,
       pinned for CUDA tensors: +1.0x the checkpoint's size in host memory while fitting) and writes
-      it on a background thread (one save in flight; all complete before ``fit`` returns);
+      it on a background thread (one save in flight; all complete before ``fit`` returns); under
+      ``PipelineStrategy(save_distributed_checkpoint=True)`` every rank does so for its own shards, the
+      write's collectives on a gloo group of their own (``checkpoint.directory_async``);
     * a mid-epoch checkpoint records the data position of a :class:`ResumableDistributedSampler`,
       which then resumes exactly, also at another world size. Use it in the training loader:
       ``DataLoader(ds, batch_size=B, sampler=ResumableDistributedSampler(ds))``.

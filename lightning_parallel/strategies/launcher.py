@@ -70,7 +70,10 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
         if self._start_method == "forkserver":
             self._parent_state = forkserver_parent_state(self._strategy)
         self._launcher_pid = os.getpid()  # travels to the workers with the launcher
-        workers = lambda: self.procs or multiprocessing.active_children()  # noqa: E731
+
+        def workers() -> list:  # this launch's (a previous one's are dead), or those still starting
+            return [p for p in self.procs if p.is_alive()] or multiprocessing.active_children()
+
         try:
             with forwarding_stop_signals(workers, self.stop_grace_period):
                 return super().launch(function, *args, trainer=trainer, **kwargs)
