@@ -155,9 +155,14 @@ class Job:
 
 JOBS = [
     Job("spawn: SIGTERM to every process (the issue's case)", "spawn", "job"),
-    Job("fork: SIGTERM to the launcher", "fork", "launcher"),
+    Job(
+        "fork: SIGINT to the launcher (Lightning's KeyboardInterrupt path)",
+        "fork",
+        "launcher",
+        signal.SIGINT,
+        status=1,
+    ),
     Job("fork: SIGTERM to rank 1 alone", "fork", "rank 1"),
-    Job("fork: SIGINT to every process", "fork", "job", signal.SIGINT, status=1),
     Job(
         "forkserver: SIGTERM to every process, ranks blocked in a collective",
         "forkserver",
