@@ -259,6 +259,8 @@ KEY_COLUMNS = {
         "orphans",
         "orphan_mib",
     ],
+    "dcp_async": ["stall_s", "total_s", "stall_vs_sync"],
+    "dcp_kill": ["kills", "listed", "complete", "loadable", "partial_left", "removed_at_start", "exact"],
     "accumulation_equivalence": ["loss"],
     "scaling_charlm": [
         "samples_per_s",
