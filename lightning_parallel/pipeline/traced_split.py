@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from lightning_parallel.parallelize.traced_tensor import (
 from lightning_parallel.pipeline.call_binding import CallBinding
 from lightning_parallel.pipeline.stage_shapes import StageShapes
 from lightning_parallel.pipeline.trace import point_at, to_meta, trace, unit_calls
+from lightning_parallel.pipeline.trace_errors import TraceStepFailed, explain, ours, step
 
 
 def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
@@ -273,7 +274,7 @@ class TracedStages:
                 self._programs.remove(program)
                 self._programs.append(program)
                 return program
-        pipe = trace(self.twin, example, self.split_points, train, self.bindings.get(train))
+        pipe = self._trace(train, example)
         self.traces += 1
         program = self._program(train, example, pipe)
         if same_call:
@@ -282,6 +283,20 @@ class TracedStages:
         if len(self._programs) > self.max_programs:
             self._programs.pop(0)
         return program
+
+    def _trace(self, train: bool, example: tuple[Any, ...]) -> Any:
+        """Trace again for a shape no program serves; a failure says whose it is (trace_errors.py)."""
+        try:
+            return trace(
+                self.twin, example, self.split_points, train, self.bindings.get(train), device=self.device
+            )
+        except TraceStepFailed as failed:
+            shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
+            note = (
+                f"traced again for inputs of shapes {shapes}; not checked against the module itself, "
+                f"which this rank holds only its stages of"
+            )
+            raise explain(failed, f"{type(self.twin).__name__}.forward", note=note) from failed.error
 
     def _program(self, train: bool, example: tuple[Any, ...], pipe: Any) -> TracedProgram:
         if pipe.num_stages != self.num_stages:
@@ -297,7 +312,9 @@ class TracedStages:
                 f"lengths to bound the traces (lightning_parallel.padding_to_multiple, or a Hugging Face "
                 f"collator's pad_to_multiple_of)",
             )
-        return TracedProgram(self._key(train), pipe, StageShapes(pipe, example, train))
+        with _building("sizing the stages' inputs and outputs on fake tensors"):
+            shapes = StageShapes(pipe, example, train, self.device)
+        return TracedProgram(self._key(train), pipe, shapes)
 
     def _key(self, train: bool) -> tuple:
         binding = self.bindings.get(train)
@@ -314,10 +331,11 @@ class TracedStages:
         if index in program.prepared:
             return program.prepared[index]
         stage_module = program.pipe.get_stage_module(index)
-        point_at(stage_module, _real_tensors(self.module, self.aliases), self.aliases)
-        # The tracer recorded devices in the graph (``torch.ones(..., device=meta)``): moved to the
-        # stage's device as ``Pipe.build_stage`` does, with the same private helper (torch 2.13).
-        _modify_graph_op_device(stage_module, self.device)
+        with _building(f"building stage {index} around this rank's tensors"):
+            point_at(stage_module, _real_tensors(self.module, self.aliases), self.aliases)
+            # The tracer recorded devices in the graph (``torch.ones(..., device=cuda:0)``): moved to
+            # the stage's device as ``Pipe.build_stage`` does, with the same private helper (torch 2.13).
+            _modify_graph_op_device(stage_module, self.device)
         runs: nn.Module | None = self.root  # what the torch stage runs (None: the stage module)
         if self.tensor_parallel_mesh is not None:
             place_split_ops(stage_module, self._split_styles, self.aliases)
@@ -363,6 +381,16 @@ class TracedStages:
             return total + value * share if share else total + torch.zeros_like(value)
 
         return _CustomReducer(torch.tensor(0.0), add)
+
+
+@contextlib.contextmanager
+def _building(name: str) -> Iterator[None]:
+    """A failure of this package's own stage building, reported as such (trace_errors.py)."""
+    try:
+        with step(name):
+            yield
+    except TraceStepFailed as failed:
+        raise ours(failed, "forward", exported=True) from failed.error
 
 
 def called_units(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:
