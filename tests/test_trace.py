@@ -16,6 +16,7 @@ from lightning_parallel.pipeline.shared import alias_table
 from lightning_parallel.pipeline.trace import call_order, meta_twin, point_at, stage_contents, to_meta, trace
 from lightning_parallel.pipeline.traced_split import (
     TracedStages,
+    block_entry,
     block_extras,
     check_split_points,
     find_block_list,
@@ -128,6 +129,19 @@ def test_the_block_list_with_most_parameters_is_where_stages_begin():
 
     assert find_block_list(TwoLists()) == ("big", ["0", "1"])
     assert find_block_list(TinyGPT(depth=3)) == ("h", ["0", "1", "2"])
+
+    class Numbered(nn.Module):  # torchtitan's layout: layers in a ModuleDict keyed by block numbers
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(3)})
+            self.named = nn.ModuleDict({"a": nn.Linear(9, 9), "b": nn.Linear(9, 9)})  # not blocks
+
+    assert find_block_list(Numbered()) == ("layers", ["0", "1", "2"])
+    # A block that is only a container (x-transformers: norm, layer, residual) is entered at its first call.
+    order = ["emb", "layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1", "head"]
+    assert block_entry(order, "layers.1") == "layers.1.0" and block_entry(order, "head") == "head"
+    with pytest.raises(ValueError, match=r"`layers.2` is never called by forward, nor anything inside it"):
+        block_entry(order, "layers.2")
     with pytest.raises(
         ValueError, match=r"Linear has no nn\.ModuleList of blocks to split at: pass .*split_points"
     ):
@@ -296,3 +310,26 @@ def test_a_device_aware_stage_runs_as_the_model_on_the_cpu():
         [stage] = stages.build("train", 1, (tokens,))
         torch.testing.assert_close(stage.submod(tokens), model(tokens))
     assert stages.traces == 1
+
+
+def test_the_twin_runs_its_own_modules_through_lambdas_and_bound_methods():
+    """minGPT keeps ``self.mlpf = lambda x: m.c_proj(m.act(m.c_fc(x)))``: the twin's copy must call the
+    twin's modules, or export lifts the user's real weights as constants that no gradient reaches."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 4)
+            m = self.lin
+            self.mlpf = lambda x: m(x) * 2
+            self.project = self.out.forward
+
+        def forward(self, x):
+            return self.project(self.mlpf(x))
+
+    block = Block()
+    twin = meta_twin(block)
+    assert twin.mlpf is not block.mlpf and twin.mlpf.__closure__[0].cell_contents is twin.lin
+    assert twin.project.__self__ is twin.out and block.project.__self__ is block.out
+    pipe = trace(twin, to_meta((torch.ones(2, 4),)), [], train=True)
+    assert stage_contents(pipe)[0].tensors == {"lin.weight", "lin.bias", "out.weight", "out.bias"}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import types
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,11 +24,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.distributed.pipelining import Pipe, SplitPoint
-from torch.distributed.pipelining._IR import (
-    MultiUseParameterConfig,
-    annotate_split_points,
-)
+from torch.distributed.pipelining import Pipe, pipe_split
+from torch.distributed.pipelining._IR import MultiUseParameterConfig
 from torch.export import Dim
 from torch.export.unflatten import InterpreterModule
 
@@ -79,7 +77,43 @@ def meta_twin(module: nn.Module) -> nn.Module:
                     setattr(copy, name, value.__class__(value))
         return modules[id(m)]
 
-    return twin_module(module)
+    twin = twin_module(module)
+    for copy in modules.values():
+        _rebind_callables(copy, modules)
+    return twin
+
+
+def _rebind_callables(copy: nn.Module, twins: Mapping[int, nn.Module]) -> None:
+    """Point the module-calling attributes the copy shares with the original at the twin's modules.
+
+    A block that keeps ``self.mlpf = lambda x: m.c_proj(m.act(m.c_fc(x)))`` (minGPT) or a bound
+    ``other.forward`` as an attribute would otherwise run the user's modules, with real weights the
+    export lifts as constants (no gradient reaches them): the twin gets its own lambda, closing over
+    the twin's modules, and the method bound to the twin's module.
+    """
+    for name, value in list(vars(copy).items()):
+        if isinstance(value, types.MethodType) and id(value.__self__) in twins:
+            setattr(copy, name, types.MethodType(value.__func__, twins[id(value.__self__)]))
+        elif isinstance(value, types.FunctionType) and value.__closure__:
+            cells = [c.cell_contents if _filled(c) else None for c in value.__closure__]
+            if any(isinstance(v, nn.Module) and id(v) in twins for v in cells):
+                closure = tuple(
+                    types.CellType(twins[id(v)]) if isinstance(v, nn.Module) and id(v) in twins else c
+                    for v, c in zip(cells, value.__closure__)
+                )
+                rebound = types.FunctionType(
+                    value.__code__, value.__globals__, value.__name__, value.__defaults__, closure
+                )
+                rebound.__kwdefaults__ = value.__kwdefaults__
+                setattr(copy, name, rebound)
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def to_meta(tree: Any) -> Any:
@@ -150,16 +184,18 @@ def trace(
     holds for are ``pipe.size_constraints`` (:class:`~lightning_parallel.pipeline.symbolic_sizes.
     SizeConstraints`).
 
-    ``pipeline()`` marks a split point by patching the module's ``forward`` in place; the patches
-    are undone here so the twin can be traced again at another shape.
+    A split point is marked by a forward pre-hook, removed afterwards, so the twin can be traced
+    again at another shape.
 
     Raises:
         TraceStepFailed: a step failed (:mod:`~lightning_parallel.pipeline.trace_errors` says whose
             failure it is: the forward's, or this package's).
     """
     twin.train(train)
-    targets = [twin.get_submodule(p) for p in split_points]
-    saved = [(m, m.__dict__.get("forward")) for m in targets]
+    # Each stage begins with torch's pipe_split marker, recorded by a pre-hook of the module where it
+    # begins (torch's annotate_split_points patches the module's forward instead, which makes export
+    # record the module's children by relative paths: x-transformers' blocks then cannot be cut).
+    hooks = [twin.get_submodule(p).register_forward_pre_hook(_split_before) for p in split_points]
     try:
         with warnings.catch_warnings():
             # torch 2.13's export warns about its own pytree internals on every trace: not the user's concern.
@@ -167,15 +203,15 @@ def trace(
             with _bound(twin, binding), keeping_rng():
                 pipe = _pipeline(twin, example, split_points, dynamic, device)
     finally:
-        for m, forward in saved:
-            m.__dict__.pop("_orig_forward", None)
-            if forward is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = forward
+        for hook in hooks:
+            hook.remove()
     with step("relaying values read past the next stage"):
         relay_skips(pipe)  # a value made before the blocks and read by every block reaches the later stages
     return run_generated_code(pipe)
+
+
+def _split_before(_module: nn.Module, _args: Any) -> None:
+    pipe_split()
 
 
 def _bound(module: nn.Module, binding: CallBinding | None) -> Any:
@@ -194,13 +230,12 @@ def _pipeline(
     ``pipeline()`` is ``torch.export`` (with static shapes only) followed by ``Pipe._from_traced``,
     which cuts the exported program; the export is made here (:func:`export_for_pipeline`, on fake
     tensors of ``device``) and handed to that step (private, torch 2.13; test_trace.py fails loudly if
-    it moves). The split points are annotated as ``pipeline()`` does (its private
-    ``annotate_split_points``), and the split policy, the hook where the graph can be changed before
+    it moves). The split points are marked with torch's ``pipe_split()`` (see :func:`trace`), and the
+    split policy, the hook where the graph can be changed before
     the cut, inlines the no-grad regions (:mod:`~lightning_parallel.pipeline.graph_regions`, for
     pytorch#184361) and makes every stage compute the sizes it uses
     (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
     """
-    annotate_split_points(twin, {p: SplitPoint.BEGINNING for p in split_points})
     with faked_on(twin, device) as fake:
         try:
             program, failure = export_for_pipeline(twin, fake.inputs(example), dynamic)

@@ -34,7 +34,8 @@ from lightning_parallel.pipeline.trace_errors import TraceStepFailed, explain, o
 
 
 def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
-    """The ``nn.ModuleList`` (or nested ``nn.Sequential``) holding most parameters: its path and children.
+    """The ``nn.ModuleList`` (or nested ``nn.Sequential``, or ``nn.ModuleDict`` keyed by block numbers, as
+    torchtitan's models hold their layers) with most parameters: its path and children.
 
     Raises:
         ValueError: the module has no such list to split at.
@@ -42,7 +43,7 @@ def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
     lists = [
         (sum(p.numel() for p in m.parameters()), path, list(m._modules))
         for path, m in module.named_modules()
-        if path and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0
+        if path and len(m._modules) > 0 and (isinstance(m, (nn.ModuleList, nn.Sequential)) or _numbered(m))
     ]
     if not lists:
         raise ValueError(
@@ -52,6 +53,10 @@ def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
         )
     _, path, names = max(lists, key=lambda entry: entry[0])
     return path, names
+
+
+def _numbered(m: nn.Module) -> bool:
+    return isinstance(m, nn.ModuleDict) and all(name.isdigit() for name in m._modules)
 
 
 def check_split_points(
@@ -89,6 +94,24 @@ def _blocks_hint(module: nn.Module) -> str:
     except ValueError:
         return "(no nn.ModuleList found)"
     return f"{path}.{names[0]} .. {path}.{names[-1]}"
+
+
+def block_entry(order: Sequence[str], block: str) -> str:
+    """Where a stage beginning at ``block`` is split: the block, or where a block that is only a container
+    (x-transformers' ``layers.2``, a ``ModuleList`` of norm, layer and residual) is first entered.
+
+    Raises:
+        ValueError: forward never calls the block or anything inside it.
+    """
+    if block in order:
+        return block
+    inside = [p for p in order if p.startswith(f"{block}.")]
+    if not inside:
+        raise ValueError(
+            f"`{block}` is never called by forward, nor anything inside it: name the stage beginnings with "
+            f"split_points=[...] (module paths forward calls)"
+        )
+    return inside[0]
 
 
 def block_extras(module: nn.Module, order: Sequence[str], block_path: str) -> tuple[int, int]:

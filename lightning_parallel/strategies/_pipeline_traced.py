@@ -28,6 +28,7 @@ from lightning_parallel.pipeline.trace import call_order, meta_twin, stage_conte
 from lightning_parallel.pipeline.trace_errors import TraceStepFailed, explain, export_check, ours
 from lightning_parallel.pipeline.traced_split import (
     TracedStages,
+    block_entry,
     block_extras,
     check_split_points,
     find_block_list,
@@ -57,7 +58,8 @@ def traced_path(
         if found.blocks:
             what = ("blocks", f"`{found.block_path}`")
             counts = units_per_stage(config.partition, costs, len(found.blocks), num_stages, what)
-            points = [f"{found.block_path}.{found.blocks[sum(counts[:s])]}" for s in range(1, num_stages)]
+            blocks = [f"{found.block_path}.{found.blocks[sum(counts[:s])]}" for s in range(1, num_stages)]
+            points = [block_entry(found.order, b) for b in blocks]
             stage_cost = costs and stage_costs(costs, counts)
         if mesh.pp_size == 1 and config.stages_per_rank > 1:
             # torch 2.13's traced stages warm up their links by sending to the neighbouring stage's
