@@ -35,9 +35,12 @@ from lightning_parallel.pipeline.graph_regions import inline_wrapped_regions
 from lightning_parallel.pipeline.relay import relay_skips
 from lightning_parallel.pipeline.stage_shapes import keeping_rng
 from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, localize_sizes
-from lightning_parallel.pipeline.trace_errors import EXPORT, PipelineTraceError, TraceStepFailed, step
-
-__all__ = ["PipelineTraceError", "call_order", "meta_twin", "point_at", "stage_contents", "to_meta", "trace"]
+from lightning_parallel.pipeline.trace_errors import (
+    EXPORT,
+    PipelineTraceError,  # noqa: F401  (re-exported from its old home)
+    TraceStepFailed,
+    step,
+)
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
@@ -231,10 +234,9 @@ def _pipeline(
     which cuts the exported program; the export is made here (:func:`export_for_pipeline`, on fake
     tensors of ``device``) and handed to that step (private, torch 2.13; test_trace.py fails loudly if
     it moves). The split points are marked with torch's ``pipe_split()`` (see :func:`trace`), and the
-    split policy, the hook where the graph can be changed before
-    the cut, inlines the no-grad regions (:mod:`~lightning_parallel.pipeline.graph_regions`, for
-    pytorch#184361) and makes every stage compute the sizes it uses
-    (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
+    split policy, the hook where the graph can be changed before the cut, inlines the no-grad
+    regions (:mod:`~lightning_parallel.pipeline.graph_regions`, for pytorch#184361) and makes every
+    stage compute the sizes it uses (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
     """
     with faked_on(twin, device) as fake:
         try:

@@ -319,7 +319,11 @@ class TracedStages:
                 f"traced again for inputs of shapes {shapes}; not checked against the module itself, "
                 f"which this rank holds only its stages of"
             )
-            raise explain(failed, f"{type(self.twin).__name__}.forward", note=note) from failed.error
+            raise explain(failed, self._what, note=note) from failed.error
+
+    @property
+    def _what(self) -> str:
+        return f"{type(self.twin).__name__}.forward"
 
     def _program(self, train: bool, example: tuple[Any, ...], pipe: Any) -> TracedProgram:
         if pipe.num_stages != self.num_stages:
@@ -335,7 +339,7 @@ class TracedStages:
                 f"lengths to bound the traces (lightning_parallel.padding_to_multiple, or a Hugging Face "
                 f"collator's pad_to_multiple_of)",
             )
-        with _building("sizing the stages' inputs and outputs on fake tensors"):
+        with _building("sizing the stages' inputs and outputs on fake tensors", self._what):
             shapes = StageShapes(pipe, example, train, self.device)
         return TracedProgram(self._key(train), pipe, shapes)
 
@@ -354,7 +358,7 @@ class TracedStages:
         if index in program.prepared:
             return program.prepared[index]
         stage_module = program.pipe.get_stage_module(index)
-        with _building(f"building stage {index} around this rank's tensors"):
+        with _building(f"building stage {index} around this rank's tensors", self._what):
             point_at(stage_module, _real_tensors(self.module, self.aliases), self.aliases)
             # The tracer recorded devices in the graph (``torch.ones(..., device=cuda:0)``): moved to
             # the stage's device as ``Pipe.build_stage`` does, with the same private helper (torch 2.13).
@@ -407,13 +411,13 @@ class TracedStages:
 
 
 @contextlib.contextmanager
-def _building(name: str) -> Iterator[None]:
+def _building(name: str, what: str) -> Iterator[None]:
     """A failure of this package's own stage building, reported as such (trace_errors.py)."""
     try:
         with step(name):
             yield
     except TraceStepFailed as failed:
-        raise ours(failed, "forward", exported=True) from failed.error
+        raise ours(failed, what, exported=True) from failed.error
 
 
 def called_units(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:
