@@ -11,6 +11,7 @@ fake tensors at the traced shape, since export's values do not record them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import Pipe
 
+from lightning_parallel.pipeline.fake_device import faked_on, trace_device
 from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, evaluate_shape, symbol_values
 
 StageExample = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (inputs, outputs), meta tensors
@@ -30,6 +32,7 @@ class StageShapes:
         pipe: the traced pipe (its stage graphs carry the traced values, symbolic where dynamic).
         example: the input it was traced at (meta tensors), run once on fake tensors.
         train: the mode of the schedules it serves (what autograd tracks differs).
+        device: the device the stages run on (their fake tensors', default: the CPU).
 
     Example::
 
@@ -38,10 +41,12 @@ class StageShapes:
         inputs, outputs = shapes.examples(new_example)[1]   # stage 1's, with the new sizes
     """
 
-    def __init__(self, pipe: Pipe, example: tuple[Any, ...], train: bool) -> None:
+    def __init__(
+        self, pipe: Pipe, example: tuple[Any, ...], train: bool, device: torch.device | str | None = None
+    ) -> None:
         self.num_stages = pipe.num_stages
         self.constraints = getattr(pipe, "size_constraints", None) or SizeConstraints()
-        self._fake = stage_examples(pipe, example, train)
+        self._fake = stage_examples(pipe, example, train, device)
         self._traced = [_traced_values(pipe.get_stage_module(i)) for i in range(pipe.num_stages)]
         self.symbolic = all(
             len(vals) == len(fake) and all(torch.is_tensor(v) for v in vals)
@@ -194,15 +199,18 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def stage_examples(pipe: Pipe, example: tuple[Any, ...], train: bool) -> list[StageExample]:
+def stage_examples(
+    pipe: Pipe, example: tuple[Any, ...], train: bool, device: torch.device | str | None = None
+) -> list[StageExample]:
     """Each stage's inputs and outputs for one micro-batch, as fake tensors: the stages' static metadata.
 
-    The stages are run in turn on fake tensors (free), in the mode of the schedule, so each tensor
-    knows whether autograd tracks it: a stage receives its gradient only for those outputs, which the
-    graph's own fake values do not say (export records no ``requires_grad``). Run before the stage
-    modules are pointed at real tensors.
+    The stages are run in turn on fake tensors of ``device`` (free; default: the CPU), in the mode of
+    the schedule, so each tensor knows whether autograd tracks it: a stage receives its gradient only
+    for those outputs, which the graph's own fake values do not say (export records no
+    ``requires_grad``). Run before the stage modules are pointed at real tensors.
     """
-    return run_on_fake([pipe.get_stage_module(i) for i in range(pipe.num_stages)], example, train)
+    modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    return run_on_fake(modules, example, train, trace_device(device))
 
 
 def run_on_fake(
@@ -214,38 +222,26 @@ def run_on_fake(
     """Run ``stage_modules`` in turn on fake tensors of ``example``: each one's (inputs, outputs).
 
     Nothing is allocated and the random number generators are left as they were. With ``device``,
-    each module's (meta) parameters and buffers take part as fake tensors on that device, and the
-    example's tensors as fake tensors on theirs: every branch on a device and every autocast region
-    (``torch.autocast("cpu")`` casts no meta tensor) takes the path the real stage will take.
+    each module's (meta) parameters and buffers, and the example's tensors, take part as fake tensors
+    on that device (:mod:`~lightning_parallel.pipeline.fake_device`): every branch on a device and
+    every autocast region (``torch.autocast("cpu")`` casts no meta tensor) takes the path the real
+    stage will take. Without it, the tensors take part on the devices they are on.
     """
     out = []
-    with (
-        keeping_rng(),
-        torch.set_grad_enabled(train),
-        FakeTensorMode(allow_non_fake_inputs=True) as fake,
-    ):
-        args = tuple(fake.from_tensor(a) if torch.is_tensor(a) else a for a in example)
+    with keeping_rng(), torch.set_grad_enabled(train), contextlib.ExitStack() as stack:
+        if device is None:
+            mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            args = tuple(mode.from_tensor(a) if torch.is_tensor(a) else a for a in example)
+        else:
+            fake = stack.enter_context(faked_on(stage_modules, device))
+            args = tuple(fake.inputs(tuple(example)))
+            stack.enter_context(fake.mode)
         for stage_module in stage_modules:
-            if device is None:
-                outputs = stage_module(*args)
-            else:
-                outputs = torch.func.functional_call(stage_module, _fake_state(stage_module, device), args)
+            outputs = stage_module(*args)
             outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
             out.append((args, outputs))
             args = outputs
     return out
-
-
-def _fake_state(module: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """``module``'s parameters and buffers as empty tensors on ``device`` (fake: under a FakeTensorMode)."""
-    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    made: dict[int, torch.Tensor] = {}
-    for _, t in named:
-        if id(t) not in made:
-            made[id(t)] = torch.empty_strided(
-                t.shape, t.stride(), dtype=t.dtype, device=device
-            ).requires_grad_(t.requires_grad)
-    return {name: made[id(t)] for name, t in named}
 
 
 def keeping_rng() -> Any:
