@@ -5,7 +5,8 @@ torchrun --nproc-per-node 2 stop_job.py --out DIR ...          # torchrun starts
 SLURM_PROCID=R ... python stop_job.py --out DIR ...             # each rank started as under SLURM
 
 Each rank writes ``ready-rank{R}`` (its pid) once training runs; with ``--block`` rank 1 then calls a
-barrier that rank 0 never calls, so both ranks sit in a collective when the signal comes. A
+barrier (after a batch) that rank 0 never calls, so both ranks sit in a communication when the signal
+comes. A
 ``Rank0Checkpoint(save_on_exception=True)`` saves when Lightning stops the fit on SIGTERM.
 """
 
@@ -35,10 +36,14 @@ class Job(SequentialRegressor):
             with open(ready + ".tmp", "w") as f:
                 f.write(str(os.getpid()))
             os.replace(ready + ".tmp", ready)
-        if self.block and self.global_step == 3 and self.global_rank == 1:
-            dist.barrier()  # rank 0 never calls it: both ranks wait in a collective from now on
         time.sleep(0.05)  # a step that takes a while: the job is training when the signal comes
         return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # Outside the step (where a collective over other stages' ranks is refused): rank 0 never
+        # calls it and goes on to the next batch's pipeline receive, so both ranks wait from now on.
+        if self.block and self.global_step == 3 and self.global_rank == 1:
+            dist.barrier()
 
 
 def main() -> None:
