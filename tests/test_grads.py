@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 from mp_harness import spawn_gloo
 
-from lightning_parallel.pipeline.grads import HeldGradients, all_reduce_gradients, clip_grad_norm_across
+from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
+from lightning_parallel.pipeline.held_gradients import HeldGradients
 
 
 def _params_with_grads(seed=0, scale=1.0):

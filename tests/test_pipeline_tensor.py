@@ -46,8 +46,9 @@ from lightning_parallel.parallelize.traced_tensor import (
     tensor_parallel_step,
 )
 from lightning_parallel.pipeline.loss_scale import agree_on_overflow
-from lightning_parallel.pipeline.shared import alias_table
-from lightning_parallel.pipeline.trace import meta_twin, point_at, to_meta, trace
+from lightning_parallel.pipeline.stage_graphs import point_at
+from lightning_parallel.pipeline.trace import trace
+from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.strategies._pipeline_parallelize import tensor_plan
 
 # 48 samples, global batch 16: 3 batches an epoch; accumulate_grad_batches=2 gives the windows [0, 1]

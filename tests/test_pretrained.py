@@ -6,9 +6,9 @@ from hf_models import hf_config, hf_model
 from transformers import AutoModelForCausalLM
 
 from lightning_parallel import load_pretrained
-from lightning_parallel.pipeline.shared import alias_table
 from lightning_parallel.pipeline.split import materialize
 from lightning_parallel.pipeline.traced_split import keep_only
+from lightning_parallel.pipeline.twin import alias_table
 
 
 @pytest.fixture(scope="module")

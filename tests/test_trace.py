@@ -12,8 +12,8 @@ import torch.distributed as dist
 from tiny_models import DeviceAwareGPT, TinyGPT
 from torch import nn
 
-from lightning_parallel.pipeline.shared import alias_table
-from lightning_parallel.pipeline.trace import call_order, meta_twin, point_at, stage_contents, to_meta, trace
+from lightning_parallel.pipeline.stage_graphs import point_at, stage_contents
+from lightning_parallel.pipeline.trace import call_order, trace
 from lightning_parallel.pipeline.traced_split import (
     TracedStages,
     block_entry,
@@ -22,6 +22,7 @@ from lightning_parallel.pipeline.traced_split import (
     find_block_list,
     keep_only,
 )
+from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch.export, inside torch
 TOKENS = torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(0))

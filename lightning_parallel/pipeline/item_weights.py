@@ -22,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -152,14 +152,6 @@ def scale_gradients(params: Iterable[torch.Tensor], factor: float) -> None:
     grads = [local(p.grad) for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, factor)
-
-
-def weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:
-    """The mean of ``values`` weighted by ``weights``; values of weight 0 (a NaN loss of no items) skipped."""
-    kept = [(v, w) for v, w in zip(values, weights) if w]
-    if not kept:
-        return float("nan")
-    return sum(v * w for v, w in kept) / sum(w for _, w in kept)
 
 
 def _collective_device(group: Any) -> torch.device:

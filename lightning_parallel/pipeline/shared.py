@@ -21,39 +21,6 @@ from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.plan import stage_rank
 
 
-def alias_table(module: nn.Module) -> dict[str, str]:
-    """Every name by which ``module`` reaches a parameter or buffer -> its canonical name.
-
-    The canonical name is the one ``named_parameters()`` / ``named_buffers()`` report (the first
-    registration), as in a single-device optimizer's ``param_names``.
-
-    Example::
-
-        >>> gpt = nn.ModuleDict({"wte": nn.Embedding(10, 4), "lm_head": nn.Linear(4, 10, bias=False)})
-        >>> gpt.lm_head.weight = gpt.wte.weight  # tied
-        >>> alias_table(gpt)["lm_head.weight"]
-        'wte.weight'
-    """
-    table: dict[str, str] = {}
-    for named in (
-        module.named_parameters(remove_duplicate=False),
-        module.named_buffers(remove_duplicate=False),
-    ):
-        first: dict[int, str] = {}
-        for name, tensor in named:
-            table[name] = first.setdefault(id(tensor), name)
-    return table
-
-
-def retie(module: nn.Module, aliases: Mapping[str, str]) -> None:
-    """Point every alias present in ``module`` at its canonical tensor again (``to_empty`` unties them)."""
-    tensors = dict(module.named_parameters(remove_duplicate=False))
-    for alias, canonical in aliases.items():
-        if alias != canonical and alias in tensors and canonical in tensors:
-            owner, _, leaf = alias.rpartition(".")
-            module.get_submodule(owner)._parameters[leaf] = tensors[canonical]
-
-
 @dataclass(frozen=True)
 class SharedParameter:
     """A parameter that stages on more than one pipeline rank use."""

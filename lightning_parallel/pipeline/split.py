@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_parallel.pipeline.export import export_for_pipeline
 from lightning_parallel.pipeline.plan import StagePlan, describe_layers
 from lightning_parallel.pipeline.pretrained import load_pending
 from lightning_parallel.pipeline.proxy import PipelinedSequential
-from lightning_parallel.pipeline.shared import alias_table, retie
 from lightning_parallel.pipeline.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
-from lightning_parallel.pipeline.trace import export_for_pipeline, meta_twin
+from lightning_parallel.pipeline.twin import alias_table, meta_twin, retie
 
 
 def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential] | None:

@@ -13,12 +13,8 @@ modules it yields are then pointed at this rank's real tensors and wrapped in to
 from __future__ import annotations
 
 import contextlib
-import inspect
-import re
-import types
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,10 +22,10 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining import Pipe, pipe_split
 from torch.distributed.pipelining._IR import MultiUseParameterConfig
-from torch.export import Dim
 from torch.export.unflatten import InterpreterModule
 
 from lightning_parallel.pipeline.call_binding import CallBinding, bound_forward
+from lightning_parallel.pipeline.export import export_for_pipeline
 from lightning_parallel.pipeline.fake_device import FakeDevice, faked_on, trace_device
 from lightning_parallel.pipeline.graph_regions import inline_wrapped_regions
 from lightning_parallel.pipeline.relay import relay_skips
@@ -37,93 +33,9 @@ from lightning_parallel.pipeline.stage_shapes import keeping_rng
 from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, localize_sizes
 from lightning_parallel.pipeline.trace_errors import (
     EXPORT,
-    PipelineTraceError,  # noqa: F401  (re-exported from its old home)
     TraceStepFailed,
     step,
 )
-
-
-def meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers live on the meta device (ties kept).
-
-    Each submodule is a shallow copy (its other attributes are shared), so building it costs no
-    memory and tracing it never touches the user's module.
-
-    Example::
-
-        twin = meta_twin(gpt)
-        twin.lm_head.weight is twin.wte.weight      # True when gpt ties them
-    """
-    tensors: dict[int, torch.Tensor] = {}
-    modules: dict[int, nn.Module] = {}
-
-    def twin_tensor(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in tensors:
-            meta = torch.empty_like(t, device="meta")
-            tensors[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-        return tensors[id(t)]
-
-    def twin_module(m: nn.Module) -> nn.Module:
-        if id(m) not in modules:
-            copy = m.__class__.__new__(m.__class__)
-            copy.__dict__.update(m.__dict__)
-            modules[id(m)] = copy
-            copy._parameters = {k: None if v is None else twin_tensor(v) for k, v in m._parameters.items()}
-            copy._buffers = {k: None if v is None else twin_tensor(v) for k, v in m._buffers.items()}
-            copy._modules = {k: None if v is None else twin_module(v) for k, v in m._modules.items()}
-            # Its own hook dicts: hooks added to the user's module later (parallelize_module's, on
-            # DTensors) must not run when the twin is traced again.
-            for name, value in m.__dict__.items():
-                if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(
-                    value, dict
-                ):
-                    setattr(copy, name, value.__class__(value))
-        return modules[id(m)]
-
-    twin = twin_module(module)
-    for copy in modules.values():
-        _rebind_callables(copy, modules)
-    return twin
-
-
-def _rebind_callables(copy: nn.Module, twins: Mapping[int, nn.Module]) -> None:
-    """Point the module-calling attributes the copy shares with the original at the twin's modules.
-
-    A block that keeps ``self.mlpf = lambda x: m.c_proj(m.act(m.c_fc(x)))`` (minGPT) or a bound
-    ``other.forward`` as an attribute would otherwise run the user's modules, with real weights the
-    export lifts as constants (no gradient reaches them): the twin gets its own lambda, closing over
-    the twin's modules, and the method bound to the twin's module.
-    """
-    for name, value in list(vars(copy).items()):
-        if isinstance(value, types.MethodType) and id(value.__self__) in twins:
-            setattr(copy, name, types.MethodType(value.__func__, twins[id(value.__self__)]))
-        elif isinstance(value, types.FunctionType) and value.__closure__:
-            cells = [c.cell_contents if _filled(c) else None for c in value.__closure__]
-            if any(isinstance(v, nn.Module) and id(v) in twins for v in cells):
-                closure = tuple(
-                    types.CellType(twins[id(v)]) if isinstance(v, nn.Module) and id(v) in twins else c
-                    for v, c in zip(cells, value.__closure__)
-                )
-                rebound = types.FunctionType(
-                    value.__code__, value.__globals__, value.__name__, value.__defaults__, closure
-                )
-                rebound.__kwdefaults__ = value.__kwdefaults__
-                setattr(copy, name, rebound)
-
-
-def _filled(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018
-    except ValueError:  # an empty cell
-        return False
-    return True
-
-
-def to_meta(tree: Any) -> Any:
-    """The same structure with every tensor replaced by an empty meta tensor of its shape and dtype."""
-    return torch.utils._pytree.tree_map(
-        lambda t: torch.empty_like(t, device="meta") if torch.is_tensor(t) else t, tree
-    )
 
 
 def call_order(
@@ -262,51 +174,6 @@ def _hold_originals(program: torch.export.ExportedProgram, fake: FakeDevice) -> 
             table[name] = fake.original(value)
 
 
-def export_for_pipeline(
-    module: nn.Module, example: tuple[Any, ...], dynamic: bool = True
-) -> tuple[torch.export.ExportedProgram, str | None]:
-    """``torch.export`` of ``module(*example)``, with dynamic sizes if ``dynamic``.
-
-    Every input dimension is ``Dim.AUTO`` (dynamic where the model lets it, specialised where it
-    does not), except the micro-batch dimension (dim 0 of every input, one size): tried first as a
-    ``Dim`` from 1, so a micro-batch of one sample (a short last batch) is served too, which
-    ``Dim.AUTO`` never allows (it specialises sizes of 0 and 1). Returns the program and, when no
-    dynamic export succeeded and a static one was made instead, the first line of export's reason
-    (``None`` otherwise).
-
-    Raises:
-        RuntimeError: export failed (its error is the ``__cause__``), as ``pipeline()`` raises it.
-    """
-    failure = None
-    for batch in (Dim("microbatch", min=1), Dim.AUTO) if dynamic else ():
-        try:
-            fresh = _fresh(example)
-            return torch.export.export(module, fresh, dynamic_shapes=_dims(module, fresh, batch)), None
-        except Exception as err:  # export raises many types; the next attempt says whether it is the shape
-            failure = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-    try:
-        return torch.export.export(module, _fresh(example)), failure
-    except Exception as err:
-        raise RuntimeError("torch.export could not capture the module's forward as one graph") from err
-
-
-def _fresh(example: tuple[Any, ...]) -> tuple[Any, ...]:
-    """New tensor objects for one export attempt: a failed export leaves its dimension markers on its
-    inputs (``_dynamo_dynamic_indices``), which would make the next attempt's sizes what the last asked."""
-    return tuple(t.detach().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t for t in example)
-
-
-def _dims(module: nn.Module, example: tuple[Any, ...], batch: Any) -> tuple[Any, ...]:
-    specs = tuple(
-        {d: batch if d == 0 else Dim.AUTO for d in range(t.dim())} if torch.is_tensor(t) and t.dim() else None
-        for t in example
-    )
-    params = list(inspect.signature(module.forward).parameters.values())
-    if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
-        return (specs,)  # forward(*tensors) (a bound call): one spec, a tuple, for the varargs
-    return specs
-
-
 def _before_split(gm: fx.GraphModule) -> fx.GraphModule:
     return localize_sizes(device_args_as_keywords(inline_wrapped_regions(gm)))
 
@@ -351,92 +218,3 @@ def run_generated_code(pipe: Pipe) -> Pipe:
                 raise RuntimeError("torch's InterpreterModule lost `_run_with_interpreter` (checked on 2.13)")
             module._run_with_interpreter = False
     return pipe
-
-
-@dataclass(frozen=True)
-class StageContents:
-    """What one traced stage runs: the module paths its graph calls and the tensors it reads."""
-
-    calls: tuple[str, ...]
-    tensors: frozenset[str]  # paths of the parameters and buffers its graph reads (the module's own names)
-
-
-def stage_contents(pipe: Pipe) -> list[StageContents]:
-    """The contents of every stage of a traced pipe, in stage order."""
-    out = []
-    for index in range(pipe.num_stages):
-        gm = pipe.get_stage_module(index)
-        calls = tuple(path for path, _ in unit_calls(gm))
-        out.append(StageContents(calls, frozenset(_tensors_read(gm))))
-    return out
-
-
-def unit_calls(gm: nn.Module, scope: str = "") -> list[tuple[str, nn.Module]]:
-    """The modules a stage graph calls, by their paths in the user's module, down to the blocks.
-
-    A call that holds blocks (numbered children of a list: ``model.layers.0``) is replaced by its own
-    calls, so a Hugging Face stage reads ``model.model.embed_tokens, model.model.layers.0-1``, not
-    ``model``; blocks themselves, and calls that hold none, are units as they are.
-    """
-    out: list[tuple[str, nn.Module]] = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        path, sub = f"{scope}.{node.target}" if scope else node.target, gm.get_submodule(node.target)
-        inner = unit_calls(sub, path) if hasattr(sub, "graph") and not _is_block(path) else []
-        out += inner if any(_is_block(p) for p, _ in inner) else [(path, sub)]
-    return out
-
-
-def _is_block(path: str) -> bool:
-    return re.fullmatch(r".*\.\d+", path) is not None
-
-
-def _tensors_read(gm: nn.Module) -> list[str]:
-    """Every ``get_attr`` target in the stage graph and the graphs nested in it, as a full path."""
-    return [
-        f"{scope}.{n.target}" if scope else n.target
-        for scope, mod in graph_modules(gm)
-        for n in mod.graph.nodes
-        if n.op == "get_attr"
-    ]
-
-
-def graph_modules(gm: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The stage module and the modules nested in it that run a graph, with their paths in it.
-
-    Plain ``nn.Module`` containers hold only the aliases the tracer copies around: nothing runs them.
-    """
-    found, stack = [], [("", gm)]
-    while stack:
-        scope, mod = stack.pop()
-        if isinstance(mod, (fx.GraphModule, InterpreterModule)):
-            found.append((scope, mod))
-        stack += [(f"{scope}.{name}" if scope else name, child) for name, child in mod.named_children()]
-    return found
-
-
-def point_at(stage_module: nn.Module, real: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
-    """Replace the twin's meta tensors in a stage module by this rank's real ones, by canonical name.
-
-    Tensors the stage graph does not read (aliases the tracer leaves behind) are dropped; constants
-    that export lifted out of ``forward`` (``torch.tensor(...)`` made there) keep their traced value.
-    """
-    read = set(_tensors_read(stage_module))
-    named = [
-        *stage_module.named_parameters(remove_duplicate=False),
-        *stage_module.named_buffers(remove_duplicate=False),
-    ]
-    for path, _ in named:
-        owner_path, _, leaf = path.rpartition(".")
-        owner = stage_module.get_submodule(owner_path)
-        slot = owner._parameters if leaf in owner._parameters else owner._buffers
-        tensor = real.get(aliases.get(path, path))
-        if tensor is not None:
-            slot[leaf] = tensor
-        elif path in read and path not in aliases and not slot[leaf].is_meta:
-            continue  # a constant export lifted out of forward (litgpt Gemma's embedding scale): keep it
-        elif path in read:
-            raise RuntimeError(f"internal error: stage reads {path}, which this rank does not hold")
-        else:
-            del slot[leaf]

@@ -28,9 +28,11 @@ from lightning_parallel.parallelize.traced_tensor import (
     tensor_parallel_step,
 )
 from lightning_parallel.pipeline.call_binding import CallBinding
+from lightning_parallel.pipeline.stage_graphs import point_at, unit_calls
 from lightning_parallel.pipeline.stage_shapes import StageShapes
-from lightning_parallel.pipeline.trace import point_at, to_meta, trace, unit_calls
+from lightning_parallel.pipeline.trace import trace
 from lightning_parallel.pipeline.trace_errors import TraceStepFailed, explain, ours, step
+from lightning_parallel.pipeline.twin import to_meta
 
 
 def find_block_list(module: nn.Module) -> tuple[str, list[str]]:

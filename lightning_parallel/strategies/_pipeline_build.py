@@ -21,16 +21,17 @@ from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
-from lightning_parallel.pipeline.grads import HeldGradients
+from lightning_parallel.pipeline.held_gradients import HeldGradients
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
 from lightning_parallel.pipeline.metrics import StageMetrics
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
-from lightning_parallel.pipeline.shared import SharedReplicas, alias_table, find_shared
+from lightning_parallel.pipeline.shared import SharedReplicas, find_shared
 from lightning_parallel.pipeline.split import find_sequential
 from lightning_parallel.pipeline.step_scope import StepScope
 from lightning_parallel.pipeline.timeline import Timeline
+from lightning_parallel.pipeline.twin import alias_table
 from lightning_parallel.strategies._pipeline_config import PipelineConfig, refuse_traced_parallelize
 from lightning_parallel.strategies._pipeline_items import StepItems
 from lightning_parallel.strategies._pipeline_sequential import sequential_path

@@ -21,12 +21,17 @@ from lightning_parallel.distributed.collectives import broadcast_object, recv_ob
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.parallelize.fsdp import reshard
 from lightning_parallel.pipeline._torchmetrics_internals import set_step_value
-from lightning_parallel.pipeline.item_weights import weighted_mean
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.metrics import StageMetrics
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
-from lightning_parallel.pipeline.step_logs import LoggedMetric, LogRecorder, from_record, to_record
+from lightning_parallel.pipeline.step_logs import (
+    LoggedMetric,
+    LogRecorder,
+    from_record,
+    to_record,
+    weighted_mean,
+)
 from lightning_parallel.pipeline.timeline import span_of
 from lightning_parallel.strategies._earlier_gradients import earlier_gradients
 from lightning_parallel.strategies._pipeline_precision import scaled_loss

@@ -24,7 +24,8 @@ from lightning_parallel.pipeline.plan import StagePlan, describe_paths
 from lightning_parallel.pipeline.profile import block_times
 from lightning_parallel.pipeline.runner import PipelineRunner, first_microbatch, placement
 from lightning_parallel.pipeline.split import materialize
-from lightning_parallel.pipeline.trace import call_order, meta_twin, stage_contents, to_meta, trace
+from lightning_parallel.pipeline.stage_graphs import stage_contents
+from lightning_parallel.pipeline.trace import call_order, trace
 from lightning_parallel.pipeline.trace_errors import TraceStepFailed, explain, export_check, ours
 from lightning_parallel.pipeline.traced_split import (
     TracedStages,
@@ -34,6 +35,7 @@ from lightning_parallel.pipeline.traced_split import (
     find_block_list,
     keep_only,
 )
+from lightning_parallel.pipeline.twin import meta_twin, to_meta
 from lightning_parallel.strategies._pipeline_config import PipelineConfig
 from lightning_parallel.strategies._pipeline_input import example_input, microbatches
 from lightning_parallel.strategies._pipeline_plan import measured, stage_plan, units_per_stage

@@ -28,7 +28,7 @@ from lightning_parallel.distributed.stop import (
     forwarding_stop_signals,
     stopped_status,
 )
-from lightning_parallel.pipeline.shared import alias_table, retie
+from lightning_parallel.pipeline.twin import alias_table, retie
 from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
 
 
