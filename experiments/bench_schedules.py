@@ -42,7 +42,7 @@ from bench_pipeline_memory import SavedTensorMeter
 from lightning.pytorch.callbacks import Callback
 
 from lightning_parallel import PipelineStrategy, PipelineTimeline
-from lightning_parallel.pipeline.timeline_report import by_step, summarize, write_gantt
+from lightning_parallel.timeline.report import by_step, summarize, write_gantt
 
 P, M = 2, 8
 SCHEDULES = {  # name -> stages_per_rank (None: implied)

@@ -52,10 +52,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.grads.zero import local_state_bytes
 from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.pipeline.zero import local_state_bytes
 
 TOLERANCE = 0.15
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_parallel import CheckpointWriteError, PipelineStrategy, Rank0Checkpoint, consolidate_checkpoint
 from lightning_parallel.checkpoint import directory
-from lightning_parallel.parallelize.dtensors import full_tensors
+from lightning_parallel.distributed.dtensors import full_tensors
 
 N_SAMPLES, GLOBAL_BATCH, WORLD = 48, 16, 4
 TRAIN = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)  # 2 optimizer steps an epoch

@@ -35,7 +35,7 @@ from lightning_parallel import (
     TokenWeightedLoss,
     labelled_tokens,
 )
-from lightning_parallel.parallelize.dtensors import full_tensors
+from lightning_parallel.distributed.dtensors import full_tensors
 
 hf_env.require("peft")
 

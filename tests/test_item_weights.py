@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_parallel import TokenWeightedLoss, labelled_tokens
-from lightning_parallel.pipeline.item_weights import ItemWindow, hugging_face_count, scale_gradients
+from lightning_parallel.grads.item_weights import ItemWindow, hugging_face_count, scale_gradients
 from lightning_parallel.pipeline.step_logs import weighted_mean
 
 

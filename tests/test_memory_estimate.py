@@ -12,6 +12,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy, estimate_memory
+from lightning_parallel.grads.zero import shard_sizes
 from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
 from lightning_parallel.memory.estimate import format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
@@ -19,7 +20,6 @@ from lightning_parallel.memory.optimizer import StateSize, optimizers_from, stat
 from lightning_parallel.memory.planner import candidate_configs, fastest_fit, format_plan, plan
 from lightning_parallel.memory.probe import probe_activations, probe_sizes
 from lightning_parallel.memory.units import find_units
-from lightning_parallel.pipeline.zero import shard_sizes
 
 
 class TinyGPT(nn.Module):

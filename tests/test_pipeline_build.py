@@ -1,4 +1,4 @@
-"""strategies/_pipeline_build.py: the plan chosen from the module, in one process (no pipeline run)."""
+"""strategies/pipeline/build.py: the plan chosen from the module, in one process (no pipeline run)."""
 
 import pytest
 from mp_harness import quiet_trainer

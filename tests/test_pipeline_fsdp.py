@@ -23,9 +23,9 @@ from mp_harness import (
 from tiny_models import SequentialGPT, SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.memory.config import resolve
 from lightning_parallel.parallelize import fsdp
-from lightning_parallel.parallelize.dtensors import local
 
 # 48 samples, global batch 16: 3 batches an epoch; with accumulate_grad_batches=2 the windows are
 # [0, 1] and [2] (Lightning steps at the epoch's end): a full and a partial window per epoch.

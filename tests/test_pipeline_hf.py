@@ -29,7 +29,7 @@ from third_party_models import image_data, third_party_model, token_data
 from tiny_models import loader
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.parallelize.dtensors import full_tensors
+from lightning_parallel.distributed.dtensors import full_tensors
 
 # (family, tied, how the step calls the model, schedule): every family, both kinds of schedule for the
 # four with the most unusual blocks (learned positions, tied and untied RoPE, scaled embeddings,

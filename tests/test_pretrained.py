@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from lightning_parallel import load_pretrained
 from lightning_parallel.pipeline.split import materialize
-from lightning_parallel.pipeline.traced_split import keep_only
 from lightning_parallel.pipeline.twin import alias_table
+from lightning_parallel.traced.split import keep_only
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ class PipelineRunner:
 
     Args:
         stages: where this rank's torch stages come from (:class:`~lightning_parallel.pipeline.split.
-            SequentialStages` or :class:`~lightning_parallel.pipeline.trace.TracedStages`): its
+            SequentialStages` or :class:`~lightning_parallel.traced.trace.TracedStages`): its
             ``stage_indices``, and ``build(mode, num_microbatches, example)`` for each new shape.
         num_stages: stages in the whole pipeline.
         schedule: a name from :data:`SCHEDULES`.

@@ -23,9 +23,9 @@ from lightning_parallel.pipeline.split import (
     stage_parameters,
     stage_twins,
 )
-from lightning_parallel.strategies._pipeline_config import PipelineConfig
-from lightning_parallel.strategies._pipeline_input import SequentialCapture, captured_input
-from lightning_parallel.strategies._pipeline_plan import measured, stage_plan, units_per_stage
+from lightning_parallel.strategies.pipeline.call_input import SequentialCapture, captured_input
+from lightning_parallel.strategies.pipeline.config import PipelineConfig
+from lightning_parallel.strategies.pipeline.plan import measured, stage_plan, units_per_stage
 
 
 def sequential_path(

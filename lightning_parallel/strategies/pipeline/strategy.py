@@ -34,39 +34,39 @@ from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.distributed.collectives import all_gather_objects, broadcast_object
 from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, check_grace
+from lightning_parallel.grads.item_weights import ItemCount, scale_gradients
+from lightning_parallel.grads.reduce import all_reduce_gradients, clip_grad_norm_across
 from lightning_parallel.parallelize.fsdp import reduce_gradients
-from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
-from lightning_parallel.pipeline.item_weights import ItemCount, scale_gradients
+from lightning_parallel.parallelize.recompute import Selection
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
 from lightning_parallel.pipeline.plan import StagePlan
-from lightning_parallel.pipeline.recompute import Selection
-from lightning_parallel.pipeline.timeline import Timeline, span_of
-from lightning_parallel.strategies._pipeline_build import PipelineParts, build_pipeline
-from lightning_parallel.strategies._pipeline_checkpointing import PipelineCheckpointHooks
-from lightning_parallel.strategies._pipeline_config import (
+from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
+from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline
+from lightning_parallel.strategies.pipeline.checkpointing import PipelineCheckpointHooks
+from lightning_parallel.strategies.pipeline.config import (
     check_fit_supported,
     checked_config,
     refuse_unsupported_callbacks,
     renamed_num_stages,
 )
-from lightning_parallel.strategies._pipeline_items import step_items
-from lightning_parallel.strategies._pipeline_memory import (
+from lightning_parallel.strategies.pipeline.items import step_items
+from lightning_parallel.strategies.pipeline.loss_scale import install_loss_scaling
+from lightning_parallel.strategies.pipeline.memory import (
     install_checkpointing,
     shard_optimizers,
     unit_naming,
 )
-from lightning_parallel.strategies._pipeline_parallelize import parallelize_parts, tensor_plan
-from lightning_parallel.strategies._pipeline_precision import install_loss_scaling
-from lightning_parallel.strategies._pipeline_step import batch_size, last_pp_rank, run_step
-from lightning_parallel.strategies._pipeline_summary import summarize_before_split
-from lightning_parallel.strategies._stop import (
+from lightning_parallel.strategies.pipeline.parallelize import parallelize_parts, tensor_plan
+from lightning_parallel.strategies.pipeline.step import batch_size, last_pp_rank, run_step
+from lightning_parallel.strategies.pipeline.stop import (
     StoppingScriptLauncher,
     agree_to_stop,
     keep_lightning_sigterm_handling,
     mark_stopped_exit,
     start_rank_guard,
 )
-from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
+from lightning_parallel.strategies.pipeline.summary import summarize_before_split
+from lightning_parallel.timeline.recorder import Timeline, span_of
 
 
 class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):

@@ -1,7 +1,7 @@
 """The traced path: ``forward`` is traced with torch.export on a meta twin and split at the blocks.
 
 The twin is traced as fake tensors of this rank's device (pipeline/fake_device.py); a failure is
-checked against torch.export of the user's module before it is reported (pipeline/trace_errors.py).
+checked against torch.export of the user's module before it is reported (traced/errors.py).
 """
 
 from __future__ import annotations
@@ -17,17 +17,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
-from lightning_parallel.pipeline.call_binding import CallBinding, TracedCall, bound_forward
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
 from lightning_parallel.pipeline.profile import block_times
 from lightning_parallel.pipeline.runner import PipelineRunner, first_microbatch, placement
 from lightning_parallel.pipeline.split import materialize
-from lightning_parallel.pipeline.stage_graphs import stage_contents
-from lightning_parallel.pipeline.trace import call_order, trace
-from lightning_parallel.pipeline.trace_errors import TraceStepFailed, explain, export_check, ours
-from lightning_parallel.pipeline.traced_split import (
+from lightning_parallel.pipeline.twin import meta_twin, to_meta
+from lightning_parallel.strategies.pipeline.call_input import example_input, microbatches
+from lightning_parallel.strategies.pipeline.config import PipelineConfig
+from lightning_parallel.strategies.pipeline.plan import measured, stage_plan, units_per_stage
+from lightning_parallel.traced.call_binding import CallBinding, TracedCall, bound_forward
+from lightning_parallel.traced.errors import TraceStepFailed, explain, export_check, ours
+from lightning_parallel.traced.split import (
     TracedStages,
     block_entry,
     block_extras,
@@ -35,10 +37,8 @@ from lightning_parallel.pipeline.traced_split import (
     find_block_list,
     keep_only,
 )
-from lightning_parallel.pipeline.twin import meta_twin, to_meta
-from lightning_parallel.strategies._pipeline_config import PipelineConfig
-from lightning_parallel.strategies._pipeline_input import example_input, microbatches
-from lightning_parallel.strategies._pipeline_plan import measured, stage_plan, units_per_stage
+from lightning_parallel.traced.stage_graphs import stage_contents
+from lightning_parallel.traced.trace import call_order, trace
 
 
 def traced_path(

@@ -1,7 +1,7 @@
 """PipelineStrategy's memory options: recompute the stages' units, shard optimizer state over replicas.
 
-Glue only: the mechanics are :mod:`lightning_parallel.pipeline.recompute` and
-:mod:`lightning_parallel.pipeline.zero`. A unit is named by its path in the LightningModule: a layer
+Glue only: the mechanics are :mod:`lightning_parallel.parallelize.recompute` and
+:mod:`lightning_parallel.grads.zero`. A unit is named by its path in the LightningModule: a layer
 of the split Sequential (``"layers.3"``) or a module the traced stages call (``"h.2"``, ``"lm_head"``).
 """
 
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.pipeline.recompute import Selection, apply_activation_checkpointing
+from lightning_parallel.grads.zero import shard_optimizer_state
+from lightning_parallel.parallelize.recompute import Selection, apply_activation_checkpointing
 from lightning_parallel.pipeline.split import SequentialStages, find_sequential
-from lightning_parallel.pipeline.traced_split import find_block_list
-from lightning_parallel.pipeline.zero import shard_optimizer_state
+from lightning_parallel.traced.split import find_block_list
 
 if TYPE_CHECKING:
     import torch
 
     from lightning_parallel.pipeline.mesh import PipelineMesh
-    from lightning_parallel.strategies._pipeline_build import PipelineParts
-    from lightning_parallel.strategies._pipeline_config import PipelineConfig
+    from lightning_parallel.strategies.pipeline.build import PipelineParts
+    from lightning_parallel.strategies.pipeline.config import PipelineConfig
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ from lightning_parallel.parallelize.fsdp import DeferredReduceStage
 from lightning_parallel.parallelize.stages import parallelize_stages
 from lightning_parallel.parallelize.tensor import TensorPlan, default_plan, traced_plan, user_plan
 from lightning_parallel.parallelize.tensor_apply import apply_held_styles
-from lightning_parallel.parallelize.traced_fsdp import ShardedTracedStage, shard_traced_stage
-from lightning_parallel.parallelize.traced_tensor import style_layouts
 from lightning_parallel.pipeline.split import SequentialStages, find_sequential
-from lightning_parallel.pipeline.traced_split import TracedStages
+from lightning_parallel.traced.fsdp import ShardedTracedStage, shard_traced_stage
+from lightning_parallel.traced.split import TracedStages
+from lightning_parallel.traced.tensor_parallel import style_layouts
 
 if TYPE_CHECKING:
-    from lightning_parallel.strategies._pipeline_build import PipelineParts
-    from lightning_parallel.strategies._pipeline_config import PipelineConfig
+    from lightning_parallel.strategies.pipeline.build import PipelineParts
+    from lightning_parallel.strategies.pipeline.config import PipelineConfig
 
 
 def tensor_plan(module: nn.Module, config: PipelineConfig) -> tuple[str, TensorPlan] | None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.distributed.tensors import all_reduce_coalesced, broadcast_coalesced, new_subgroups
-from lightning_parallel.parallelize.dtensors import local
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.plan import stage_rank
 

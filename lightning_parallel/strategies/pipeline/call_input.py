@@ -15,9 +15,9 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_parallel.pipeline.call_binding import TracedCall
 from lightning_parallel.pipeline.proxy import CapturedInput, PipelinedCall
 from lightning_parallel.pipeline.step_logs import LogRecorder
+from lightning_parallel.traced.call_binding import TracedCall
 
 
 def microbatches(args: tuple[Any, ...], num_microbatches: int) -> int:

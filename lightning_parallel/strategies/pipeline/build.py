@@ -2,9 +2,9 @@
 
 Two ways to split, one result (:class:`PipelineParts`):
 
-* the **Sequential path** (:mod:`._pipeline_sequential`), when the module holds its layers in one
+* the **Sequential path** (:mod:`.sequential`), when the module holds its layers in one
   top-level ``nn.Sequential``: the Sequential's children are partitioned into stages;
-* the **traced path** (:mod:`._pipeline_traced`) otherwise, or with ``split_points``: ``forward`` is
+* the **traced path** (:mod:`.traced`) otherwise, or with ``split_points``: ``forward`` is
   split with torch's tracing frontend on a meta twin of the module.
 
 Every collective here is reached by every rank: the local work that may fail on one rank runs under
@@ -21,21 +21,21 @@ from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
-from lightning_parallel.pipeline.held_gradients import HeldGradients
+from lightning_parallel.grads.held import HeldGradients
+from lightning_parallel.grads.tied import SharedReplicas, find_shared
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
 from lightning_parallel.pipeline.metrics import StageMetrics
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
-from lightning_parallel.pipeline.shared import SharedReplicas, find_shared
 from lightning_parallel.pipeline.split import find_sequential
 from lightning_parallel.pipeline.step_scope import StepScope
-from lightning_parallel.pipeline.timeline import Timeline
 from lightning_parallel.pipeline.twin import alias_table
-from lightning_parallel.strategies._pipeline_config import PipelineConfig, refuse_traced_parallelize
-from lightning_parallel.strategies._pipeline_items import StepItems
-from lightning_parallel.strategies._pipeline_sequential import sequential_path
-from lightning_parallel.strategies._pipeline_traced import traced_path
+from lightning_parallel.strategies.pipeline.config import PipelineConfig, refuse_traced_parallelize
+from lightning_parallel.strategies.pipeline.items import StepItems
+from lightning_parallel.strategies.pipeline.sequential import sequential_path
+from lightning_parallel.strategies.pipeline.traced import traced_path
+from lightning_parallel.timeline.recorder import Timeline
 
 
 @dataclass

@@ -21,18 +21,18 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
-from lightning_parallel.parallelize.traced_tensor import (
+from lightning_parallel.pipeline.stage_shapes import StageShapes
+from lightning_parallel.pipeline.twin import to_meta
+from lightning_parallel.traced.call_binding import CallBinding
+from lightning_parallel.traced.errors import TraceStepFailed, explain, ours, step
+from lightning_parallel.traced.stage_graphs import point_at, unit_calls
+from lightning_parallel.traced.tensor_parallel import (
     TensorParallelGraph,
     place_split_ops,
     register_missing_shardings,
     tensor_parallel_step,
 )
-from lightning_parallel.pipeline.call_binding import CallBinding
-from lightning_parallel.pipeline.stage_graphs import point_at, unit_calls
-from lightning_parallel.pipeline.stage_shapes import StageShapes
-from lightning_parallel.pipeline.trace import trace
-from lightning_parallel.pipeline.trace_errors import TraceStepFailed, explain, ours, step
-from lightning_parallel.pipeline.twin import to_meta
+from lightning_parallel.traced.trace import trace
 
 
 def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
@@ -183,20 +183,20 @@ def retrace_message(shapes: StageShapes, example: Sequence[Any]) -> str:
 class TracedStages:
     """This rank's traced stages: the meta twin traced once per mode, the stages built per input shape.
 
-    ``forward`` is exported with dynamic sizes (:func:`~lightning_parallel.pipeline.trace.trace`), so
+    ``forward`` is exported with dynamic sizes (:func:`~lightning_parallel.traced.trace.trace`), so
     one trace serves every sequence length and micro-batch size the model allows; a shape it cannot
     serve (a size the model fixed, or a model that cannot be exported with dynamic sizes) is traced
     again, with one warning saying why.
 
     Args:
-        twin: the module's meta twin (:func:`~lightning_parallel.pipeline.trace.meta_twin`).
+        twin: the module's meta twin (:func:`~lightning_parallel.traced.trace.meta_twin`).
         split_points: module paths where stages 1.. begin.
         stage_indices: this rank's stages.
         module: the user's module, pruned to this rank's tensors (the real parameters and buffers).
         aliases: the unsplit module's alias table (name -> canonical name).
         device, group: where the stages run, and the pipeline process group.
         bindings: how the user's step calls the traced module, per mode (training: True), kept up to
-            date by the stand-in (:class:`~lightning_parallel.pipeline.call_binding.TracedCall`).
+            date by the stand-in (:class:`~lightning_parallel.traced.call_binding.TracedCall`).
         warn: how to say that a shape is traced again (``rank_zero_warn`` in the strategy).
 
     Example::
@@ -233,7 +233,7 @@ class TracedStages:
         self.merge_weights: list[float] | None = None  # set by the runner for one forward-only step
         self.warn = warn
         self._warned: set[str] = set()
-        # Set when the stage is sharded with FSDP2 (parallelize/traced_fsdp.py): the torch stage then
+        # Set when the stage is sharded with FSDP2 (traced/fsdp.py): the torch stage then
         # wraps that root, which runs the graph of the schedule about to step (see activate).
         self.root: Any = None
         self.stage_cls: type[PipelineStage] = PipelineStage
@@ -245,7 +245,7 @@ class TracedStages:
 
     def split_over(self, mesh: Any, styles: Mapping[str, Any]) -> None:
         """Run the stages' graphs on DTensors over the tensor-parallel ``mesh`` (this rank's modules are
-        split with ``styles``, module path -> ParallelStyle: see parallelize/traced_tensor.py)."""
+        split with ``styles``, module path -> ParallelStyle: see traced/tensor_parallel.py)."""
         register_missing_shardings()
         self.tensor_parallel_mesh, self._split_styles = mesh, dict(styles)
 
@@ -310,7 +310,7 @@ class TracedStages:
         return program
 
     def _trace(self, train: bool, example: tuple[Any, ...]) -> Any:
-        """Trace again for a shape no program serves; a failure says whose it is (trace_errors.py)."""
+        """Trace again for a shape no program serves; a failure says whose it is (traced/errors.py)."""
         try:
             return trace(
                 self.twin, example, self.split_points, train, self.bindings.get(train), device=self.device
@@ -414,7 +414,7 @@ class TracedStages:
 
 @contextlib.contextmanager
 def _building(name: str, what: str) -> Iterator[None]:
-    """A failure of this package's own stage building, reported as such (trace_errors.py)."""
+    """A failure of this package's own stage building, reported as such (traced/errors.py)."""
     try:
         with step(name):
             yield

@@ -9,9 +9,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
+from lightning_parallel.parallelize.recompute import Selection, check_selection
 from lightning_parallel.parallelize.stages import DATA_PARALLEL
 from lightning_parallel.pipeline.partition import PARTITION_METHODS
-from lightning_parallel.pipeline.recompute import Selection, check_selection
 from lightning_parallel.pipeline.runner import V_SCHEDULES, is_multi_stage, schedule_class
 
 

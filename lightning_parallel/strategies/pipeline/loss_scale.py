@@ -4,7 +4,7 @@ Lightning scales the loss in ``pre_backward`` and runs ``loss.backward()`` itsel
 backward runs inside the schedule, on the last stage's per-micro-batch losses, so the scale is applied
 there (:func:`scaled_loss`). Everything after backward is Lightning's: ``unscale_`` before clipping,
 ``scaler.step`` skipping on inf, ``scaler.update`` growing or backing off. What the pipeline adds is the
-agreement (:func:`~lightning_parallel.pipeline.loss_scale.agree_on_overflow`): found_inf is the world's
+agreement (:func:`~lightning_parallel.grads.loss_scale.agree_on_overflow`): found_inf is the world's
 before any rank steps, so every stage and replica skips together and the scale is the same everywhere.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
-from lightning_parallel.pipeline.loss_scale import agree_on_overflow
+from lightning_parallel.grads.loss_scale import agree_on_overflow
 
 
 def loss_scaler(plugin: Precision) -> torch.amp.GradScaler | None:

@@ -25,7 +25,7 @@ from lightning_parallel.distributed.agree import agree, distributed_ready
 from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers
 
 if TYPE_CHECKING:
-    from lightning_parallel.strategies._pipeline_build import PipelineParts
+    from lightning_parallel.strategies.pipeline.build import PipelineParts
 
 _TYPE = "optimizer_type"  # travels in the optimizer state from optimizer_state() to the save
 

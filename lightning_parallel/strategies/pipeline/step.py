@@ -20,9 +20,8 @@ from lightning_parallel.distributed.agree import packed_error, unpacked_error
 from lightning_parallel.distributed.collectives import broadcast_object, recv_object, send_object
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.parallelize.fsdp import reshard
-from lightning_parallel.pipeline._torchmetrics_internals import set_step_value
 from lightning_parallel.pipeline.mesh import PipelineMesh
-from lightning_parallel.pipeline.metrics import StageMetrics
+from lightning_parallel.pipeline.metrics import StageMetrics, replay_step_value
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
 from lightning_parallel.pipeline.step_logs import (
@@ -32,14 +31,14 @@ from lightning_parallel.pipeline.step_logs import (
     to_record,
     weighted_mean,
 )
-from lightning_parallel.pipeline.timeline import span_of
-from lightning_parallel.strategies._earlier_gradients import earlier_gradients
-from lightning_parallel.strategies._pipeline_precision import scaled_loss
+from lightning_parallel.strategies.pipeline.earlier_gradients import earlier_gradients
+from lightning_parallel.strategies.pipeline.loss_scale import scaled_loss
+from lightning_parallel.timeline.recorder import span_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_parallel.strategies._pipeline_build import PipelineParts
+    from lightning_parallel.strategies.pipeline.build import PipelineParts
 
 
 def run_step(
@@ -297,7 +296,7 @@ def replay_logs(
                 metrics.adapt(metric)  # a metric made after setup
             if metrics is None or not metrics.is_last:
                 step = None if value.value is None else torch.tensor(value.value, device=metric.device)
-                set_step_value(metric, step)
+                replay_step_value(metric, step)
             module.log(name, metric, metric_attribute=value.path, **kwargs)
             continue
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:

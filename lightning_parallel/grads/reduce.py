@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.distributed.tensors import all_reduce_coalesced
-from lightning_parallel.parallelize.dtensors import local
 
 
 def all_reduce_gradients(

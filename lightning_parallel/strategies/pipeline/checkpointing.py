@@ -1,8 +1,8 @@
 """PipelineStrategy's checkpoint hooks: what it saves and loads, as one file or a DCP directory.
 
-Lightning calls these on the strategy; the mechanics live in ``_pipeline_state`` (the consolidated
+Lightning calls these on the strategy; the mechanics live in ``consolidated`` (the consolidated
 file: gathered on global rank 0 on save, each rank taking its stage's keys on load) and
-``_pipeline_dcp`` (``save_distributed_checkpoint=True``: every rank writes and reads its own shards).
+``distributed_checkpoint`` (``save_distributed_checkpoint=True``: every rank writes and reads its own shards).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from typing_extensions import override
 
-import lightning_parallel.strategies._pipeline_dcp as dcp_glue
-from lightning_parallel.strategies._pipeline_state import (
+import lightning_parallel.strategies.pipeline.distributed_checkpoint as dcp_glue
+from lightning_parallel.strategies.pipeline.consolidated import (
     consolidated_optimizer_state,
     consolidated_state_dict,
     load_stage_optimizer_states,

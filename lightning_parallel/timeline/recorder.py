@@ -2,9 +2,9 @@
 
 A :class:`Timeline` keeps timed spans (name, category, start, end, details): the stage computations and
 the P2P posts and waits of torch's schedule (wrapped only while a recorded step runs, see
-:mod:`~lightning_parallel.pipeline._timeline_hooks`), and whatever the caller times itself (the loss
+:mod:`~lightning_parallel.timeline._torch_hooks`), and whatever the caller times itself (the loss
 function, the log broadcast, the gradient sync, the optimizer step). :meth:`Timeline.gather` brings
-every rank's record of a step to rank 0 on one clock. :mod:`~lightning_parallel.pipeline.timeline_report`
+every rank's record of a step to rank 0 on one clock. :mod:`~lightning_parallel.timeline.report`
 turns the records into a summary, a Chrome trace and a Gantt chart.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_parallel.distributed.collectives import all_gather_objects
-from lightning_parallel.pipeline._timeline_hooks import patched
+from lightning_parallel.timeline._torch_hooks import patched
 
 # category of each span: what the report adds up
 CATEGORIES = ("compute", "wait", "comm", "loss", "collective", "optimizer")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from lightning_parallel.parallelize.dtensors import local
+from lightning_parallel.distributed.dtensors import local
 
 
 def shard_optimizer_state(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_parallel.pipeline.timeline import StepRecord
+from lightning_parallel.timeline.recorder import StepRecord
 
 # the Gantt chart's colours per span name (compute) or category
 COLOURS = {

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 
 def earlier_gradients(trainer: pl.Trainer, module: pl.LightningModule, batch_idx: Any) -> str:
-    """``"drop"``, ``"add"`` or ``"keep"`` (see :class:`~lightning_parallel.pipeline.grads.HeldGradients`)."""
+    """``"drop"``, ``"add"`` or ``"keep"`` (see :class:`~lightning_parallel.grads.reduce.HeldGradients`)."""
     automatic = trainer.fit_loop.epoch_loop.automatic_optimization
     zero_grad_fn = getattr(automatic, "_make_zero_grad_fn", None)
     if (

@@ -1,6 +1,6 @@
 """How PipelineStrategy counts a batch's items (labelled tokens) for token-exact losses, and counts them.
 
-Two sources, picked once at setup (see :mod:`lightning_parallel.pipeline.item_weights`):
+Two sources, picked once at setup (see :mod:`lightning_parallel.grads.item_weights`):
 
 * a count function the user gave (``TokenWeightedLoss(count=...)``), applied to each micro-batch of
   the batch as the schedule splits it;
@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-from lightning_parallel.pipeline.call_binding import CallBinding, TracedCall
-from lightning_parallel.pipeline.item_weights import ItemCount, ItemWindow, hugging_face_count
+from lightning_parallel.grads.item_weights import ItemCount, ItemWindow, hugging_face_count
 from lightning_parallel.pipeline.proxy import PipelinedCall
+from lightning_parallel.traced.call_binding import CallBinding, TracedCall
 
 
 @dataclass

@@ -24,18 +24,18 @@ from torch.distributed.pipelining import Pipe, pipe_split
 from torch.distributed.pipelining._IR import MultiUseParameterConfig
 from torch.export.unflatten import InterpreterModule
 
-from lightning_parallel.pipeline.call_binding import CallBinding, bound_forward
 from lightning_parallel.pipeline.export import export_for_pipeline
 from lightning_parallel.pipeline.fake_device import FakeDevice, faked_on, trace_device
-from lightning_parallel.pipeline.graph_regions import inline_wrapped_regions
-from lightning_parallel.pipeline.relay import relay_skips
 from lightning_parallel.pipeline.stage_shapes import keeping_rng
 from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, localize_sizes
-from lightning_parallel.pipeline.trace_errors import (
+from lightning_parallel.traced.call_binding import CallBinding, bound_forward
+from lightning_parallel.traced.errors import (
     EXPORT,
     TraceStepFailed,
     step,
 )
+from lightning_parallel.traced.graph_regions import inline_wrapped_regions
+from lightning_parallel.traced.relay import relay_skips
 
 
 def call_order(
@@ -103,7 +103,7 @@ def trace(
     again at another shape.
 
     Raises:
-        TraceStepFailed: a step failed (:mod:`~lightning_parallel.pipeline.trace_errors` says whose
+        TraceStepFailed: a step failed (:mod:`~lightning_parallel.traced.errors` says whose
             failure it is: the forward's, or this package's).
     """
     twin.train(train)
@@ -147,7 +147,7 @@ def _pipeline(
     tensors of ``device``) and handed to that step (private, torch 2.13; test_trace.py fails loudly if
     it moves). The split points are marked with torch's ``pipe_split()`` (see :func:`trace`), and the
     split policy, the hook where the graph can be changed before the cut, inlines the no-grad
-    regions (:mod:`~lightning_parallel.pipeline.graph_regions`, for pytorch#184361) and makes every
+    regions (:mod:`~lightning_parallel.traced.graph_regions`, for pytorch#184361) and makes every
     stage compute the sizes it uses (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
     """
     with faked_on(twin, device) as fake:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.parallelize.dtensors import local
+from lightning_parallel.distributed.dtensors import local
 
 ItemCount = Callable[[Any], "torch.Tensor | int | float"]
 

@@ -120,6 +120,6 @@ def _found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: torch.optim.O
         raise RuntimeError(
             f"torch {torch.__version__}'s GradScaler no longer keeps found_inf_per_device in "
             "_per_optimizer_states after unscale_ (checked against torch 2.13): the pipeline cannot agree "
-            "on skipped fp16 steps; use precision='bf16-mixed', or update pipeline/loss_scale.py"
+            "on skipped fp16 steps; use precision='bf16-mixed', or update grads/loss_scale.py"
         )
     return state["found_inf_per_device"]
