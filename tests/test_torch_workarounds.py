@@ -77,8 +77,8 @@ def test_torch_pipeline_splits_a_model_whose_no_grad_region_feeds_a_later_stage(
 @pytest.mark.xfail(
     strict=True,
     reason="torch's _modify_graph_op_device (Pipe.build_stage) rewrites device= keywords only, not a device "
-    "given positionally (x.to(h.device) traced on meta); worked around by lightning_parallel/pipeline/"
-    "trace.py (device_args_as_keywords)",
+    "given positionally (x.to(h.device)); worked around by lightning_parallel/traced/trace.py "
+    "(device_args_as_keywords)",
 )
 def test_torch_moves_a_positional_device_of_a_stage_graph():
     graph = fx.Graph()
