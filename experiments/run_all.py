@@ -56,6 +56,7 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "watchdog": "bench_watchdog.py",
     "memory_validation": "memory_validation.py",
     "tensor_parallel": "bench_tensor_parallel.py",
+    "compile": "bench_compile.py",
 }
 
 

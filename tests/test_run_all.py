@@ -260,6 +260,15 @@ KEY_COLUMNS = {
         "orphan_mib",
     ],
     "accumulation_equivalence": ["loss"],
+    "compile_bench": [
+        "step_ms",
+        "step_ms_min",
+        "ratio",
+        "ratio_max",
+        "compile_s",
+        "compile_s_max",
+        "first_compile_s",
+    ],
     "scaling_charlm": [
         "samples_per_s",
         "samples_per_s_min",
