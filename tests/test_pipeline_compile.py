@@ -41,7 +41,7 @@ from lightning_parallel.parallelize.compile import (
 from lightning_parallel.parallelize.dtensors import full_tensors
 from lightning_parallel.parallelize.fsdp import FSDPModule
 
-DATA, VAL = token_data(32), token_data(8, seed=1)
+VAL = token_data(8, seed=1)
 BATCH = 8  # per replica: micro-batches of 2 in both jobs, so the 4-rank job finds the same programs
 # One compile thread: on 2 cores inductor's pool of compile workers costs more than it saves.
 INDUCTOR = {"options": {"compile_threads": 1}}
@@ -54,6 +54,10 @@ class Case:
     trainer: dict[str, Any] = field(default_factory=dict)
     compile: dict[str, Any] = field(default_factory=lambda: INDUCTOR)
     validated: bool = False  # also validation and prediction (the forward-only schedule, eval mode)
+    # 38 at pp 2: the epoch ends on a batch of 6 (3 micro-batches of 2), a new schedule for the same
+    # compiled programs; 32 at pp 2 x dp 2 (a short batch there would hold micro-batches of one sample,
+    # a size compiled programs specialise on)
+    samples: int = 38
 
 
 CASES_2 = {  # pp 2 on 2 ranks
@@ -63,11 +67,23 @@ CASES_2 = {  # pp 2 on 2 ranks
     "sequential-bf16": Case("sgd", trainer=dict(precision="bf16-mixed")),
 }
 CASES_4 = {  # pp 2 x dp 2 on 4 ranks
-    "sequential-dp2": Case("sequential"),
+    "sequential-dp2": Case("sequential", samples=32),
     # aot_eager (dynamo and AOTAutograd, eager kernels): FSDP2's hooks break the blocks' graphs, so these
     # are new programs, which inductor would compile cold again on 4 ranks sharing 2 cores.
-    "sequential-fsdp-dp2": Case("sequential", dict(data_parallel="fsdp"), compile={"backend": "aot_eager"}),
+    "sequential-fsdp-dp2": Case(
+        "sequential", dict(data_parallel="fsdp"), compile={"backend": "aot_eager"}, samples=32
+    ),
 }
+
+
+class CompileSeconds(L.Callback):
+    """The strategy's compile seconds after each training batch: what each step compiled."""
+
+    def __init__(self) -> None:
+        self.after_batch: list[float] = []
+
+    def on_train_batch_end(self, trainer, *_) -> None:
+        self.after_batch.append(trainer.strategy.compile_seconds)
 
 
 class SGDSequentialGPT(SequentialGPT):
@@ -93,12 +109,12 @@ def _model(kind: str) -> L.LightningModule:
     return {"sequential": SequentialGPT, "sgd": SGDSequentialGPT}.get(kind, lambda: TinyGPT(depth=2))()
 
 
-def _data(kind: str):
-    if kind == "llama":
+def _data(case: Case):
+    if case.model == "llama":
         from hf_models import hf_token_data
 
         return hf_token_data(16), hf_token_data(8, seed=1)
-    return DATA, VAL
+    return token_data(case.samples), VAL
 
 
 def _compiled_fits(rank: int, world: int, port: int, out_dir: str, cases: dict[str, Case]) -> None:
@@ -111,11 +127,11 @@ def _compiled_fits(rank: int, world: int, port: int, out_dir: str, cases: dict[s
         strategy = PipelineStrategy(
             pipeline_size=2, num_microbatches=4, compile=case.compile, **case.strategy
         )
-        recorder = RankRecorder(f"{out_dir}/{name}")
+        recorder, seconds = RankRecorder(f"{out_dir}/{name}"), CompileSeconds()
         # inference_mode=False: prediction runs under no_grad as validation does, and finds its program
-        trainer = quiet_trainer(devices=world, strategy=strategy, max_epochs=1, callbacks=[recorder],
+        trainer = quiet_trainer(devices=world, strategy=strategy, max_epochs=1, callbacks=[recorder, seconds],
                                 num_sanity_val_steps=0, inference_mode=False, **case.trainer)  # fmt: skip
-        data, val = _data(case.model)
+        data, val = _data(case)
         model = _model(case.model)
         trainer.fit(
             model, loader(data, BATCH), **(dict(val_dataloaders=loader(val, BATCH)) if case.validated else {})
@@ -123,7 +139,8 @@ def _compiled_fits(rank: int, world: int, port: int, out_dir: str, cases: dict[s
         layers = [m for stage in getattr(strategy.parts.runner.stages, "modules", []) for m in stage]
         params = {k: v.detach().cpu() for k, v in full_tensors(model.state_dict()).items()}  # FSDP2: gathered
         facts = dict(compile_seconds=strategy.compile_seconds, compiled=any(map(is_compiled, layers)),
-                     fsdp=any(isinstance(m, FSDPModule) for m in model.modules()), params=params)  # fmt: skip
+                     fsdp=any(isinstance(m, FSDPModule) for m in model.modules()), params=params,
+                     after_batch=seconds.after_batch)  # fmt: skip
         if case.validated:
             facts["predictions"] = trainer.predict(model, loader(val, BATCH))
         torch.save(facts, f"{out_dir}/{name}/facts-rank{rank}.pt")
@@ -131,7 +148,7 @@ def _compiled_fits(rank: int, world: int, port: int, out_dir: str, cases: dict[s
 
 def _reference(name: str, case: Case, out_dir, replicas: int) -> tuple[dict, L.LightningModule]:
     """The eager one-process run of ``case`` on the batches every replica sees together."""
-    data, val = _data(case.model)
+    data, val = _data(case)
     model = _model(case.model)
     record = fit(model, reference_loader(data, BATCH * replicas), out_dir / "ref" / name, devices=1,
                  max_epochs=1, num_sanity_val_steps=0, **case.trainer,
@@ -165,6 +182,8 @@ def _check(name: str, case: Case, ref: dict, out_dir) -> list[dict]:
             got, want = r["callback_metrics"]["val_loss"], ref["callback_metrics"]["val_loss"]
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     assert all(f["compile_seconds"] > 0 for f in facts), f"{name}: a rank compiled nothing"
+    for f in facts:  # compiled in the first step only: the short last batch runs the same programs
+        assert len(set(f["after_batch"])) == 1, (name, f["after_batch"])
     if case.model != "traced" and case.model != "llama":  # the blocks compiled in place, no OptimizedModule
         assert all(f["compiled"] for f in facts), name
     assert all(f["fsdp"] for f in facts) == (case.strategy.get("data_parallel") == "fsdp"), name
@@ -207,7 +226,7 @@ def test_a_module_compiled_by_the_user_is_refused_before_spawn_with_the_fix(tmp_
     trainer = quiet_trainer(devices=2, strategy=strategy, default_root_dir=tmp_path)
     fix = r"compiled with torch.compile\(model\).*PipelineStrategy\(compile=True\)"
     with pytest.raises(ValueError, match=fix):
-        trainer.fit(torch.compile(SequentialGPT()), loader(DATA, 8))
+        trainer.fit(torch.compile(SequentialGPT()), loader(VAL, 8))
 
 
 def test_a_recompile_limit_reached_is_reported_with_the_fix():

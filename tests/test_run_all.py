@@ -212,7 +212,6 @@ KEY_COLUMNS = {
     "schedules": [
         "samples_per_s",
         "vs_1f1b",
-        "efficiency",
         "ideal_efficiency",
         "compute",
         "bubble",

@@ -2,10 +2,9 @@
 
 torchtitan's order: tensor parallelism, then recomputation, then ``torch.compile`` of each block
 (``block.compile()``, in place), then FSDP2. Compiling *after* the split lets every rank compile only
-its own stages, and in place (``Module.compile``: the module object and its parameters stay, so
-FSDP2, the tied-weight bookkeeping and checkpoints see the same modules) the stages stay plain
-modules: torch 2.13's zero-bubble schedules refuse a stage holding an ``OptimizedModule``
-(``_check_torch_compile_compatibility``, pytorch#161904).
+its own stages; compiling in place (``Module.compile``: the module object and its parameters stay, so
+FSDP2, the tied-weight bookkeeping, parameter names and checkpoints see the same modules) leaves no
+``OptimizedModule`` wrapper in a stage.
 
 What is compiled:
 
@@ -18,9 +17,10 @@ What is compiled:
 Not under the schedules that split each backward into an input and a weight pass (interleaved zero
 bubble, ZBV, DualPipeV): torch 2.13 finds the weight pass's part of the autograd graph by walking it,
 and a compiled block is one node there (its whole fused backward, weight gradients included), so the
-weight pass runs that backward again (no time saved); in place, measured on the Sequential GPT of the
-tests, those gradients also came out wrong (0.38 off after two steps), where torch itself refuses
-compiled stages (``OptimizedModule``, pytorch#161904). :func:`check_schedule` refuses them.
+weight pass runs that backward again (no time saved); compiled in place, the Sequential GPT of the
+tests trained under ZBV came out with weights up to 0.38 off one process's after four AdamW steps.
+torch refuses ``OptimizedModule`` stages there itself (``_check_torch_compile_compatibility``,
+pytorch#161904); :func:`check_schedule` refuses compiled stages with the reason.
 
 Compiled with dynamic sizes (``dynamic=True``) unless told otherwise: one program then serves every
 sequence length and micro-batch size, as one traced program does. :class:`CompileWatch` times the
