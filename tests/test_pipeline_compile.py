@@ -219,6 +219,8 @@ def test_compile_options_are_checked():
     for schedule in ("zbv", "dualpipev", "interleaved_zero_bubble"):
         with pytest.raises(ValueError, match=f"compile with schedule='{schedule}' is not supported.*'1f1b'"):
             PipelineStrategy(schedule=schedule, compile=True)
+    with pytest.raises(ValueError, match="compile with tensor_parallel_size=2 is not supported"):
+        PipelineStrategy(tensor_parallel_size=2, compile=True)
 
 
 def test_a_module_compiled_by_the_user_is_refused_before_spawn_with_the_fix(tmp_path):

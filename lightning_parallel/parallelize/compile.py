@@ -113,6 +113,27 @@ def check_schedule(options: CompileOptions | None, schedule: str) -> None:
         )
 
 
+def check_tensor_parallel(options: CompileOptions | None, tensor_parallel_size: int) -> None:
+    """Refuse compiled stages split over tensor-parallel ranks (their blocks hold DTensor weights).
+
+    torch 2.13's compile of such a block fails in AOTAutograd's tracing (a RecursionError), measured
+    even with the ``aot_eager`` backend on the tests' Sequential GPT at pp 2 x tp 2.
+
+    Raises:
+        ValueError: both are asked.
+
+    Example::
+
+        >>> check_tensor_parallel({"dynamic": True}, 1)   # fine
+    """
+    if options is not None and tensor_parallel_size > 1:
+        raise ValueError(
+            f"compile with tensor_parallel_size={tensor_parallel_size} is not supported: torch 2.13 fails to "
+            f"compile blocks whose weights are tensor-parallel DTensors (AOTAutograd's tracing recurses "
+            f"without end). Use compile with tensor_parallel_size=1, or tensor parallelism without compile"
+        )
+
+
 def block_type(layers: Sequence[nn.Module]) -> type | None:
     """The class of the repeated blocks among ``layers`` (the most frequent class), None if none repeats.
 

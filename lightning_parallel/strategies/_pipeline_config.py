@@ -9,7 +9,12 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
-from lightning_parallel.parallelize.compile import CompileOptions, check_schedule, checked_compile_options
+from lightning_parallel.parallelize.compile import (
+    CompileOptions,
+    check_schedule,
+    check_tensor_parallel,
+    checked_compile_options,
+)
 from lightning_parallel.parallelize.stages import DATA_PARALLEL
 from lightning_parallel.pipeline.partition import PARTITION_METHODS
 from lightning_parallel.pipeline.recompute import Selection, check_selection
@@ -90,6 +95,7 @@ def checked_config(
     stages_per_rank = _stages_per_rank(schedule, stages_per_rank)
     compile_options = checked_compile_options(compile)
     check_schedule(compile_options, schedule)
+    check_tensor_parallel(compile_options, tensor_parallel_size)
     if pipeline_size is not None:
         _check_positive_int("pipeline_size", pipeline_size)
     if is_multi_stage(cls) != (stages_per_rank > 1):

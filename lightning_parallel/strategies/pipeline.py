@@ -139,8 +139,9 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             (one compiled program serves every length, as one trace does). The compilation runs in the
             first step of each mode; its time is reported apart (``compile_seconds``), and a
             recompile limit reached is warned. Not with the schedules that split backward
-            (``"interleaved_zero_bubble"``, ``"zbv"``, ``"dualpipev"``: refused, with the reason). A
-            module passed as ``torch.compile(model)`` is refused with this fix.
+            (``"interleaved_zero_bubble"``, ``"zbv"``, ``"dualpipev"``) nor with
+            ``tensor_parallel_size > 1``: refused, with the reason. A module passed as
+            ``torch.compile(model)`` is refused with this fix.
         shard_optimizer_state: ``True`` is ``data_parallel="zero1"`` (the older name).
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         num_stages: deprecated name of ``pipeline_size``.
