@@ -26,6 +26,10 @@ $(VENV)/.installed: pyproject.toml
 	# peft (LoRA adapters) for the fine-tuning tests; it imports accelerate and psutil, whose own
 	# dependencies (torch, numpy, ...) are there already: no deps, so pip never pulls another torch.
 	$(PY) -m pip install --quiet --no-deps --target $(HF_PACKAGES) "peft==0.21.2" "accelerate==1.15.0" "psutil==7.2.2"
+	# x-transformers (a decoder library outside transformers and litgpt, tests/third_party_models.py) and
+	# its pure-Python dependencies; numpy and sympy come with torch's: no deps.
+	$(PY) -m pip install --quiet --no-deps --target $(HF_PACKAGES) "x-transformers==2.31.10" "einops==0.8.2" \
+		"einx==0.4.3" "loguru==0.7.3" "torch-einops-utils==0.2.0" "frozendict==2.5.1"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -267,6 +267,37 @@ def checkpoint_kill(rows: Rows) -> str:
     )
 
 
+def dcp_async(rows: Rows) -> str:
+    body = []
+    for r in rows:
+        sync = r["stall_vs_sync"] == r["stall_vs_sync_min"] == r["stall_vs_sync_max"] == "1.0"
+        verdict = _verdict(r, "stall_vs_sync", higher_is_better=False, words=("shorter", "longer"))
+        ratio = "-" if sync else timed_col(r, "stall_vs_sync", 3, verdict)
+        body.append([r["method"], r["size_mb"], r["repeats"], timed_col(r, "stall_s", 3)])
+        body[-1] += [timed_col(r, "total_s", 3), ratio]
+    header = ["save", "MB per rank", "repeats", "training stall s", "published after s"]
+    return _table([*header, "stall vs synchronous"], body) + (
+        "\n\nEvery rank writes its own shards; the slower rank's times, interleaved saves, the ratio taken "
+        "within each repeat. The background save's stall is the copy into its reused buffers and the "
+        "start of the write on the checkpoint group; the rest overlaps training."
+    )
+
+
+def dcp_kill(rows: Rows) -> str:
+    header = ["saves", "SIGKILL of", "kills", "directories listed", "complete", "load", "temporary left"]
+    header += ["removed at the next start", "resumed runs ending on the uninterrupted weights"]
+    keys = ("kills", "listed", "complete", "loadable", "partial_left", "removed_at_start", "exact")
+    victims = {"one": "one rank", "both": "both ranks"}
+    body = [[r["mode"], victims.get(r["killed"], r["killed"]), *(r[k] for k in keys)] for r in rows]
+    return _table(header, body) + (
+        "\n\nA Trainer (pipeline of two ranks, a directory every step, Rank0Checkpoint keeping the newest "
+        'two) killed at a random instant; after each kill the next run starts with `ckpt_path="last"` '
+        "and trains to the end. Counted after every kill, before that start: only complete directories "
+        "are ever listed (the temporary ones are hidden `.partial` siblings), and each loads; resumed, "
+        "the run ends on the uninterrupted run's weights bit for bit."
+    )
+
+
 def accumulation_equivalence(rows: Rows) -> str:
     runs = _groups(rows, "run")
     body = []
@@ -439,7 +470,9 @@ def varlen_new_length(rows: Rows) -> str:
     return _table(["what", "decoder layers", "seconds"], table) + (
         "\n\nA deep Llama in one process, split in two: the one trace with dynamic sizes is paid once per "
         "run and mode; each new length then costs building its stages from it (goal: under "
-        f"{rows[0]['goal_s']} s), where it used to cost a whole static trace."
+        f"{rows[0]['goal_s']} s), where it used to cost a whole static trace. The same depth held in a "
+        "top-level Sequential: its first shapes are sized on fake tensors, and at a mode's third shape its "
+        "layers are exported once with dynamic sizes (that row includes the third shape's fake run)."
     )
 
 
@@ -595,6 +628,11 @@ QUESTIONS = (
         "Checkpoints: Rank0Checkpoint against ModelCheckpoint (stall, memory, SIGKILL)",
         "checkpoint",
         (checkpoint_bench, checkpoint_kill),
+    ),
+    Question(
+        "Distributed checkpoints under faults: a background save's stall, and SIGKILL during saves",
+        "dcp_faults",
+        (dcp_async, dcp_kill),
     ),
     Question(
         "Gradient accumulation: one device against several at the same global batch",

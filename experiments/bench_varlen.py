@@ -13,10 +13,11 @@ one epoch, interleaved repeats inside ONE spawned job of 2 processes:
 
 Reported per variant: the fit's seconds (``trainer.fit``, setup and tracing included), steps per second
 and labelled tokens per second (the median step cycle after 3 steps), how many times forward was
-traced, and dynamic / fixed within each repeat (goal: at most 1.2; before one trace served every
-length it was 5.8). Then, in one process, what meeting a new length costs for a 32-layer Llama: the one
-trace with dynamic sizes (paid once per run), building the stages for each new length from it (goal:
-under 0.2 s), and, for comparison, the trace at one static shape that each new length used to cost.
+traced, and dynamic / fixed within each repeat (goal: at most 1.2). Then, in one process, what meeting
+a new length costs for a 32-layer Llama: the one trace with dynamic sizes (paid once per run), building
+the stages for each new length from it (goal: under 0.2 s), and, for comparison, the trace at one
+static shape that each new length used to cost; and for the same depth held in a top-level Sequential:
+sizing a new length's stages on fake tensors, the one export of its layers, a new length after it.
 
 Writes ``varlen.csv``, ``varlen_new_length.csv`` and ``varlen.png``.
 
@@ -170,14 +171,48 @@ def new_length_costs(args: dict[str, Any]) -> list[dict[str, Any]]:
         start = time.perf_counter()
         trace(twin, to_meta(new), points, True, b, dynamic=False)
         statics.append(time.perf_counter() - start)
+    fake, chained, export_s = sequential_costs(args)
     rows = [
         {"what": "trace with dynamic sizes (once per run and mode)", **h.spread([dynamic_s]).cells("s", 3)},
         {"what": "stages for a new length, from that trace", **h.spread(builds).cells("s", 4)},
         {"what": "trace at one static shape (each new length, before)", **h.spread(statics).cells("s", 3)},
+        {"what": "Sequential: a new length's stages sized on fake tensors", **h.spread(fake).cells("s", 4)},
+        {
+            "what": "Sequential: its layers exported with dynamic sizes (once)",
+            **h.spread([export_s]).cells("s", 3),
+        },
+        {"what": "Sequential: a new length's stages from that export", **h.spread(chained).cells("s", 4)},
     ]
     for row in rows:
         row |= {"layers": args["deep"], "traces": stages.traces, "goal_s": 0.2}
     return rows
+
+
+def sequential_costs(args: dict[str, Any]) -> tuple[list[float], list[float], float]:
+    """The same depth as a top-level Sequential (``SequentialCharLM``, width 64), split in two: seconds per
+    new length on fake tensors (its first two shapes), the one export at its third, per length after."""
+    from models import SequentialCharLM
+
+    from lightning_parallel.pipeline.mesh import RankLayout
+    from lightning_parallel.pipeline.plan import make_plan
+    from lightning_parallel.pipeline.split import SequentialStages, stage_descriptions, stage_twins
+
+    model = SequentialCharLM(dim=64, depth=args["deep"], seq_len=256)
+    half = len(model.layers) // 2
+    units, holds = stage_descriptions(model.layers, [half, len(model.layers) - half])
+    plan = make_plan(units, holds, [1, 1], RankLayout(pp_size=2, dp_size=1))
+    stages = SequentialStages([], [], 2, torch.device("cpu"), None, stage_twins(model.layers, plan))
+    lengths = [n + 2 for n in torch.randperm(200, generator=torch.Generator().manual_seed(2)).tolist()]
+
+    def timed(length: int) -> float:
+        start = time.perf_counter()
+        stages._shapes(True, (torch.zeros(2, length, dtype=torch.long),))
+        return time.perf_counter() - start
+
+    fake = [timed(lengths[0]), timed(lengths[1])]
+    export_s = timed(lengths[2])  # the third shape: sized on fakes, then the layers are exported
+    chained = [timed(n) for n in lengths[3 : 3 + args["lengths"]]]
+    return fake, chained, export_s
 
 
 def plot(rows: list[dict[str, Any]], costs: list[dict[str, Any]], args: Any) -> None:
@@ -186,13 +221,20 @@ def plot(rows: list[dict[str, Any]], costs: list[dict[str, Any]], args: Any) -> 
              "one_process": "one process,\ndynamic padding"}  # fmt: skip
     h.errorbars(left, [names[r["variant"]] for r in rows], rows, "tokens_per_s", fmt="o")
     left.set_title(f"Llama {args.dim} x {args.depth}, {rows[0]['lengths']} lengths: labelled tokens/s")
-    right.bar(range(len(costs)), [float(c["s"]) for c in costs], color=["tab:blue", "tab:green", "tab:red"])
-    right.set_xticks(
-        range(len(costs)),
-        ["dynamic trace\n(once)", "new length\n(stages)", "static trace\n(per length, before)"],
-    )
-    right.set_yscale("log")
-    right.set_title(f"meeting a new length, {args.deep}-layer Llama (s, log)")
+    labels = [
+        "traced: dynamic trace (once)",
+        "traced: a new length",
+        "traced: static trace\n(per length, before)",
+        "Sequential: fake run\n(per length)",
+        "Sequential: export (once)",
+        "Sequential: a new length",
+    ]
+    colors = ["tab:blue", "tab:green", "tab:red", "tab:orange", "tab:purple", "tab:olive"]
+    right.barh(range(len(costs)), [float(c["s"]) for c in costs], color=colors[: len(costs)])
+    right.set_yticks(range(len(costs)), labels[: len(costs)])
+    right.invert_yaxis()
+    right.set_xscale("log")
+    right.set_title(f"meeting a new length, {args.deep} layers (s, log)")
     h.save_figure(fig, args.out_dir / "varlen.png")
 
 

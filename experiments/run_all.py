@@ -47,6 +47,7 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "fsdp_memory": "bench_fsdp_memory.py",
     "metric_sync": "bench_metric_sync.py",
     "checkpoint": "bench_checkpoint.py",
+    "dcp_faults": "bench_dcp_faults.py",
     "accumulation_equivalence": "accumulation_equivalence.py",
     "scaling_charlm": "scaling_charlm.py",
     "gpt_pipeline": "bench_gpt_pipeline.py",

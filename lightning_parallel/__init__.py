@@ -17,6 +17,7 @@ from lightning_parallel.data.resumable_sampler import ResumableDistributedSample
 from lightning_parallel.memory.estimate import estimate_memory
 from lightning_parallel.pipeline.item_weights import labelled_tokens
 from lightning_parallel.pipeline.pretrained import load_pretrained
+from lightning_parallel.pipeline.step_scope import CollectiveOutsideStepError
 from lightning_parallel.strategies import PipelineStrategy, register_strategies
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllReducedMetrics",
     "CheckpointWriteError",
+    "CollectiveOutsideStepError",
     "EvalDistributedSampler",
     "GradientAccumulationScheduler",
     "HangWatchdog",

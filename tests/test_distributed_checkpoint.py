@@ -1,6 +1,8 @@
 """PipelineStrategy(save_distributed_checkpoint=True): DCP directories resumed at other shapes, vs one device.
 
-The multi-process configurations share one spawned job of 4 gloo ranks (several Trainers in turn).
+The multi-process configurations share one spawned job of 4 gloo ranks (several Trainers in turn):
+replicas, FSDP2 and HSDP (2 replicas x 2 shards) saved, synchronously and in the background
+(``Rank0Checkpoint(async_save=True)``), then resumed at other (pipeline, replicate, shard) shapes.
 """
 
 import os
@@ -41,41 +43,51 @@ class Record(Callback):
         torch.save({"losses": self.losses, "params": params, "held": held}, self.path)
 
 
-def _strategy(pipeline_size, data_parallel):
+def _strategy(pipeline_size, data_parallel, shards=None):
     return PipelineStrategy(
         pipeline_size=pipeline_size,
         num_microbatches=2,
         data_parallel=data_parallel,
+        data_parallel_shard_size=shards,
         save_distributed_checkpoint=True,
     )
 
 
-# name -> (pipeline size, data_parallel, epochs, resumed from). The savers run epoch 1 and save at its end.
+# name -> (pipeline size, data_parallel, shards, epochs, resumed from). The savers run epoch 1 and save at
+# its end; "hsdp" (and "replicate"'s top-k one, every step) in the background (async_save=True).
 RUNS = {
-    "replicate-2x2": (2, "replicate", 1, None),
-    "fsdp-2x2": (2, "fsdp", 1, None),
-    "pp4-from-fsdp": (4, "replicate", 2, "fsdp"),
-    "fsdp4-from-replicate": (1, "fsdp", 2, "replicate"),
-    "zero1-2x2-from-replicate": (2, "zero1", 2, "replicate"),
+    "replicate-2x2": (2, "replicate", None, 1, None),
+    "fsdp-2x2": (2, "fsdp", None, 1, None),
+    "hsdp-1x2x2": (1, "fsdp", 2, 1, None),  # 1 stage, 2 replicas x 2 shards
+    "pp4-from-hsdp": (4, "replicate", None, 2, "hsdp"),
+    "fsdp4-from-replicate": (1, "fsdp", None, 2, "replicate"),
+    "zero1-2x2-from-replicate": (2, "zero1", None, 2, "replicate"),
 }
+
+
+def _savers(name: str, out_dir: str) -> list[Callback]:
+    if name == "replicate-2x2":  # Rank0Checkpoint publishes the directory; a second one keeps the newest
+        return [
+            Rank0Checkpoint(dirpath=f"{out_dir}/r0", filename="rep", every_n_epochs=1, save_top_k=-1),
+            Rank0Checkpoint(dirpath=f"{out_dir}/topk", every_n_train_steps=1, save_top_k=1, async_save=True),
+        ]
+    if name == "fsdp-2x2":  # Lightning's own ModelCheckpoint writes through the strategy
+        return [ModelCheckpoint(dirpath=f"{out_dir}/mc", filename="fsdp", every_n_epochs=1)]
+    if name == "hsdp-1x2x2":  # DTensor shards on a 2-D mesh, staged and written in the background
+        return [Rank0Checkpoint(dirpath=f"{out_dir}/hs", filename="hsdp", every_n_epochs=1, async_save=True)]
+    return []
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     data = regression_data(N_SAMPLES)
     saved = {"replicate": f"{out_dir}/r0/rep.ckpt", "fsdp": f"{out_dir}/mc/fsdp.ckpt"}
-    for name, (pp, mode, epochs, source) in RUNS.items():
-        callbacks = [Record(f"{out_dir}/{name}-rank{rank}.pt")]
-        if name == "replicate-2x2":  # Rank0Checkpoint publishes the directory; a second one keeps the newest
-            callbacks += [
-                Rank0Checkpoint(dirpath=f"{out_dir}/r0", filename="rep", every_n_epochs=1, save_top_k=-1),
-                Rank0Checkpoint(dirpath=f"{out_dir}/topk", every_n_train_steps=1, save_top_k=1),
-            ]
-        if name == "fsdp-2x2":  # Lightning's own ModelCheckpoint writes through the strategy
-            callbacks.append(ModelCheckpoint(dirpath=f"{out_dir}/mc", filename="fsdp", every_n_epochs=1))
+    saved["hsdp"] = f"{out_dir}/hs/hsdp.ckpt"
+    for name, (pp, mode, shards, epochs, source) in RUNS.items():
+        callbacks = [Record(f"{out_dir}/{name}-rank{rank}.pt"), *_savers(name, out_dir)]
         torch.manual_seed(0)
         trainer = quiet_trainer(
-            devices=world, strategy=_strategy(pp, mode), callbacks=callbacks, max_epochs=epochs,
+            devices=world, strategy=_strategy(pp, mode, shards), callbacks=callbacks, max_epochs=epochs,
             enable_checkpointing=len(callbacks) > 1, **TRAIN,
         )  # fmt: skip
         trainer.fit(AdamRegressor(), loader(data, GLOBAL_BATCH // (world // pp)), ckpt_path=saved.get(source))
@@ -140,7 +152,7 @@ def test_distributed_checkpoints_resume_at_other_shapes_exactly(tmp_path):
         0
     ]
     failures = spawn_gloo(_job, WORLD, tmp_path)
-    for name, (_, _, epochs, _) in RUNS.items():
+    for name, (_, _, _, epochs, _) in RUNS.items():
         params, losses, _ = _merged(tmp_path, name)
         if epochs == 2:  # a resumed run: its second epoch, and the final parameters, as one device's
             assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
@@ -159,6 +171,13 @@ def test_distributed_checkpoints_resume_at_other_shapes_exactly(tmp_path):
     # The failed save: every rank raised, and neither the directory nor its temporary one exists.
     assert all(f is not None and "simulated failure" in f for f in failures), failures
     assert os.listdir(tmp_path / "failed") == []
+    # HSDP: each weight in two shards (the replicas write the same ones once), consolidated exactly.
+    hsdp = _merged(tmp_path, "hsdp-1x2x2")
+    assert hsdp[2][0]["held"]["layers.0.0.weight"] == "DTensor"
+    assert len(_files_by_key(tmp_path / "hs" / "hsdp.ckpt")["state_dict.layers.0.0.weight"]) == 2
+    whole = consolidate_checkpoint(tmp_path / "hs" / "hsdp.ckpt", tmp_path / "hsdp-full.ckpt")
+    whole = torch.load(whole, weights_only=False)
+    assert_close_dicts(whole["state_dict"], hsdp[0], rtol=0, atol=0)
     # One device: the consolidated file loads, and resumes exactly like the uninterrupted run.
     out = consolidate_checkpoint(tmp_path / "mc" / "fsdp.ckpt", tmp_path / "fsdp-full.ckpt")
     assert set(AdamRegressor.load_from_checkpoint(out).state_dict()) == set(ref["params"])

@@ -1,10 +1,12 @@
 """The memory planner's logic without processes: units, probe, optimizer state, per-rank arithmetic."""
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import SequentialRegressor
+from tiny_models import DeviceAwareGPT, SequentialRegressor
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.data import DataLoader, TensorDataset
@@ -398,3 +400,19 @@ def test_one_device_estimate_is_within_15_percent_of_memtracker_under_trainer_de
     )  # fmt: skip
     trainer.fit(model, DataLoader(TensorDataset(x.repeat(2, 1), y.repeat(2, 1)), batch_size=64))
     assert meter.peak > 0 and abs(predicted / meter.peak - 1) <= 0.15, (predicted, meter.peak)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_model_on_the_meta_device_is_measured_as_on_the_device_it_runs_on(precision):
+    """The probe runs a meta model on fake tensors of this machine's device (here the CPU): the forward
+    enters ``torch.autocast(x.device.type, enabled=False)`` (no ``meta`` autocast exists) and takes the
+    CPU's attention branch, and bf16-mixed casts as on the CPU; the figures are the real model's."""
+    tokens = torch.randint(0, 13, (8, 8), generator=torch.Generator().manual_seed(0))
+    batch = (tokens, tokens.roll(1, 1))
+    torch.manual_seed(0)
+    real = estimate_memory(DeviceAwareGPT(), batch, devices=2, strategy="pipeline", precision=precision)
+    with torch.device("meta"):
+        meta_model = DeviceAwareGPT()
+    meta = estimate_memory(meta_model, batch, devices=2, strategy="pipeline", precision=precision)
+    assert [dataclasses.astuple(r) for r in meta.ranks] == [dataclasses.astuple(r) for r in real.ranks]
+    assert all(t.is_meta for t in meta_model.parameters())  # nothing was allocated or left behind

@@ -183,4 +183,41 @@ def test_a_forward_torch_export_cannot_capture_says_where_and_the_two_ways_out()
         _fit_gpt(BranchesOnValues())
     message = str(info.value)
     assert "test_pipeline_errors.py:" in message  # where export stopped, in the user's code
+    assert "torch.export.export of the module on this batch fails the same way" in message  # checked
     assert "make forward exportable" in message and "top-level nn.Sequential" in message
+
+
+def test_a_failure_of_the_packages_own_step_says_so_and_asks_for_a_bug_report(monkeypatch):
+    """torch.export captures TinyGPT; a step after it (relaying, here made to fail) is this package's."""
+
+    def broken(pipe):
+        raise KeyError("add_3")
+
+    monkeypatch.setattr("lightning_parallel.pipeline.trace.relay_skips", broken)
+    with pytest.raises(
+        RuntimeError, match=r"its own step `relaying values read past the next stage`"
+    ) as info:
+        _fit_gpt(TinyGPT())
+    message = str(info.value)
+    assert "torch.export captured TinyGPT.forward, so the model needs no change" in message
+    assert "bug in lightning_parallel: please report it" in message and "KeyError: 'add_3'" in message
+    assert "make forward exportable" not in message
+
+
+def test_a_twin_export_failure_the_module_does_not_have_is_the_packages(monkeypatch):
+    """The twin's export fails (made to); torch.export.export of the real module succeeds: ours to fix."""
+
+    def broken(module, example, dynamic=True):
+        raise RuntimeError("torch.export could not capture") from ValueError("a stand-in for a twin bug")
+
+    monkeypatch.setattr("lightning_parallel.pipeline.trace.export_for_pipeline", broken)
+    with pytest.raises(
+        RuntimeError, match=r"failed in its own step `exporting forward with torch.export`"
+    ) as info:
+        _fit_gpt(TinyGPT())
+    message = str(info.value)
+    assert (
+        "torch.export.export of the module on this batch succeeds, so TinyGPT.forward needs no change"
+        in message
+    )
+    assert "ValueError: a stand-in for a twin bug" in message and "make forward exportable" not in message

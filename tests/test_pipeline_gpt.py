@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from mp_harness import START_METHOD, assert_close_dicts, fit, merged_params, quiet_trainer, reference_loader
 from test_pipeline_state import WritePredictions
-from tiny_models import NanoGPT, SkipGPT, TinyGPT, loader, masked_token_data, token_data
+from tiny_models import DeviceAwareGPT, NanoGPT, SkipGPT, TinyGPT, loader, masked_token_data, token_data
 
 from lightning_parallel import AllReducedMetrics, GradientAccumulationScheduler, PipelineStrategy
 
@@ -21,8 +21,10 @@ from lightning_parallel import AllReducedMetrics, GradientAccumulationScheduler,
 DATA = token_data(44)
 VAL = token_data(13, seed=1)
 
+# gpipe-2x1 runs DeviceAwareGPT: torch.autocast(x.device.type, enabled=False) and a branch on x.device.type
+# in every block (the twin is traced on fake CPU tensors, so both take the CPU's path, as the reference).
 CASES = {
-    "gpipe-2x1": dict(devices=2, pipeline_size=2, schedule="gpipe"),
+    "gpipe-2x1": dict(devices=2, pipeline_size=2, schedule="gpipe", model=DeviceAwareGPT),
     "1f1b-2x1": dict(devices=2, pipeline_size=2, schedule="1f1b"),
     "interleaved-2x1x2": dict(devices=2, pipeline_size=2, schedule="interleaved_1f1b", stages_per_rank=2),
     "1f1b-2x2-accumulation": dict(devices=4, pipeline_size=2, schedule="1f1b", accumulate=True),
@@ -55,6 +57,7 @@ def _tied_replicas(records):
 def test_gpt_training_matches_single_device(tmp_path, case):
     cfg = dict(CASES[case])
     devices, accumulate = cfg.pop("devices"), cfg.pop("accumulate", False)
+    model_cls = cfg.pop("model", TinyGPT)
     dp = devices // cfg["pipeline_size"]
     global_batch = 16 if accumulate else 8  # accumulation: 2 batches of 8 per step, over the replicas
 
@@ -67,11 +70,11 @@ def test_gpt_training_matches_single_device(tmp_path, case):
 
     torch.manual_seed(0)
     ref = fit(
-        TinyGPT(), reference_loader(DATA, 8), tmp_path / "ref", devices=1, max_epochs=2,
+        model_cls(), reference_loader(DATA, 8), tmp_path / "ref", devices=1, max_epochs=2,
         gradient_clip_val=0.5, **extra("ref"),
     )[0]  # fmt: skip
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = model_cls()
     strategy = PipelineStrategy(num_microbatches=4, start_method=START_METHOD, **cfg)
     records = fit(
         model, loader(DATA, 8 // dp), tmp_path / "pp", devices=devices, strategy=strategy, max_epochs=2,

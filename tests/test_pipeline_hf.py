@@ -25,6 +25,7 @@ from mp_harness import (
     quiet_trainer,
     reference_loader,
 )
+from third_party_models import image_data, third_party_model, token_data
 from tiny_models import loader
 
 from lightning_parallel import PipelineStrategy
@@ -53,6 +54,17 @@ CASES = [
 ]
 if importlib.util.find_spec("litgpt") is None and not os.environ.get("CI"):  # CI: make test installs it
     CASES = [c for c in CASES if c[2] != "litgpt"]
+# Models from outside transformers and litgpt (third_party_models.py), in the same job: x-transformers'
+# decoder (autocast on its inputs' device in its rotary helpers, blocks that are containers), minGPT's
+# layout, torchtitan's Llama 3 layout (blocks in a ModuleDict, complex rotary buffer), a ViT.
+OTHERS = [
+    ("x-transformers", "1f1b"),
+    ("mingpt", "interleaved_1f1b"),
+    ("torchtitan-llama", "1f1b"),
+    ("vit", "interleaved_1f1b"),
+]
+if importlib.util.find_spec("x_transformers") is None and not os.environ.get("CI"):  # make test installs it
+    OTHERS = [c for c in OTHERS if c[0] != "x-transformers"]
 STEPS = 2
 FSDP_CASE = ("llama", True, "logits", "interleaved_1f1b")  # its one-device reference, sharded with FSDP2
 VALIDATED = {("qwen2", False, "labels", "interleaved_1f1b"), ("llama", False, "masked", "1f1b")}
@@ -83,6 +95,10 @@ def _model(case) -> HFCausalLM:
     return HFCausalLM(family, tied=tied, call=call, lr=1e-3)
 
 
+def _other_data(name: str):
+    return image_data(16) if name == "vit" else token_data(16)
+
+
 def _pretrained(out_dir: str, **kw) -> PretrainedCausalLM:
     return PretrainedCausalLM("llama", tied=True, weights=f"{out_dir}/pretrained", **kw)
 
@@ -101,6 +117,14 @@ def _pipelined_fits(rank: int, world: int, port: int, out_dir: str) -> None:
         trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS,
                                 callbacks=[RankRecorder(f"{out_dir}/{_name(case)}")])  # fmt: skip
         trainer.fit(_model(case), loader(_data(case[2]), 8), **_val(case))
+    for name, schedule in OTHERS:
+        strategy = PipelineStrategy(
+            pipeline_size=2, num_microbatches=4, schedule=schedule,
+            stages_per_rank=2 if schedule.startswith("interleaved") else 1,
+        )  # fmt: skip
+        trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS,
+                                callbacks=[RankRecorder(f"{out_dir}/{name}")])  # fmt: skip
+        trainer.fit(third_party_model(name), loader(_other_data(name), 8))
     # Fine-tuning saved weights: built on the meta device, each rank reads its stage from the files;
     # the consolidated checkpoint goes back to the Hugging Face format in the test.
     strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4)
@@ -131,9 +155,23 @@ def test_hugging_face_families_train_as_on_one_device(tmp_path):
     for case in CASES:
         refs[case] = fit(_model(case), reference_loader(_data(case[2]), 8), tmp_path / "ref" / _name(case),
                          devices=1, max_steps=STEPS, **_val(case))[0]  # fmt: skip
+    others = {
+        name: fit(third_party_model(name), reference_loader(_other_data(name), 8), tmp_path / "ref" / name,
+                  devices=1, max_steps=STEPS)[0]
+        for name, _ in OTHERS
+    }  # fmt: skip
     mp.start_processes(
         _pipelined_fits, args=(2, free_port(), str(tmp_path / "pp")), nprocs=2, start_method=START_METHOD
     )
+    for name, ref in others.items():
+        records = load_rank_results(tmp_path / "pp" / name)
+        losses = torch.tensor([r["losses"] for r in records]).mean(0)
+        torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        try:
+            assert_close_dicts(merged_params(records), ref["params"], rtol=1e-5, atol=1e-5)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None
     for case in CASES:
         records = load_rank_results(tmp_path / "pp" / _name(case))
         ref = refs[case]

@@ -3,6 +3,8 @@
 Every run trains 2 stages x 2 replicas on 4 ranks. One spawned job of 4 gloo ranks runs them all one after
 the other (each rank starts a Trainer per run, as under torchrun), so the imports are paid once; before
 them it runs pipeline/loss_scale.py's agreement alone, without Lightning (from tests/test_loss_scale.py).
+The 16-mixed run saves a distributed checkpoint after its scale changed; two more runs resume from it
+and from its consolidated file.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins import MixedPrecision
 from mp_harness import (
     RankRecorder,
+    SaveAtEpochEnd,
     assert_close_dicts,
     fit,
     load_rank_results,
@@ -27,7 +31,7 @@ from mp_harness import (
 from test_loss_scale import agreement_outcome, check_agreement
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
-from lightning_parallel import PipelineStrategy
+from lightning_parallel import PipelineStrategy, consolidate_checkpoint
 from lightning_parallel.strategies._pipeline_precision import install_loss_scaling, scaled_loss
 
 WORLD, PIPELINE_SIZE = 4, 2
@@ -69,19 +73,20 @@ class SgdGPT(_Fp16Checks, TinyGPT):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fp16(**scaler_kwargs) -> dict:
+def _fp16(init_scale: float = 2.0**6, **scaler_kwargs) -> dict:
     # A small initial scale that doubles every 2 clean steps: no natural overflow in these tiny models
     # (one that only a micro-batch or only the full batch hits would be a spurious difference), and
     # both growth and back-off happen within 8 steps.
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=2, **scaler_kwargs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2, **scaler_kwargs)
     return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
 
 
 # name -> (model class, data, global batch, inf injected at (parameter, step, replica), Trainer arguments)
 RUNS = {
-    # The Sequential path, accumulation and clipping; inf in stage 0 of replica 1 only, at step 3.
+    # The Sequential path, accumulation and clipping; inf in stage 0 of replica 1 only, at step 5 (in the
+    # second epoch: the checkpoint saved at the end of the first holds a scale that grew, 2**8).
     "sequential-16-mixed": (
-        Regressor, regression_data(64), 8, ("layers.0.0.weight", 3, 1),
+        Regressor, regression_data(64), 8, ("layers.0.0.weight", 5, 1),
         dict(gradient_clip_val=0.5, accumulate_grad_batches=2, max_epochs=2, precision_fn=_fp16),
     ),
     # The same with ZeRO-1 (each replica steps its shard of the stage, then broadcasts it): the sharded
@@ -101,21 +106,34 @@ RUNS = {
 }  # fmt: skip
 
 
-def _train(name: str, out_dir: str | os.PathLike, devices: int) -> None:
+SAVES_AT_EPOCH_END = "sequential-16-mixed"  # a distributed checkpoint, after the scale changed
+RESUMES = {"resumed-from-directory": "epoch0.ckpt", "resumed-from-file": "epoch0-whole.ckpt"}
+
+
+def _train(
+    name: str, out_dir: str | os.PathLike, devices: int, resume: str | None = None, init_scale: float = 2.0**6
+) -> None:
     model_cls, data, global_batch, inject, kwargs = RUNS[name]
     kwargs = dict(kwargs)
     precision_fn, zero = kwargs.pop("precision_fn", None), kwargs.pop("shard_optimizer_state", False)
-    kwargs.update(precision_fn() if precision_fn else {})
+    kwargs.update(precision_fn(init_scale) if precision_fn else {})
     torch.manual_seed(0)
     model = model_cls()
     model.inject = inject
     if devices == 1:
         fit(model, reference_loader(data, global_batch), out_dir, **kwargs)
         return
+    directories = name == SAVES_AT_EPOCH_END and (resume is None or resume.endswith("epoch0.ckpt"))
+    callbacks = [RankRecorder(out_dir)]
+    if name == SAVES_AT_EPOCH_END and resume is None:
+        callbacks.append(SaveAtEpochEnd(Path(out_dir).parent / "epoch0.ckpt"))
+    strategy = PipelineStrategy(
+        pipeline_size=PIPELINE_SIZE, num_microbatches=2, shard_optimizer_state=zero,
+        save_distributed_checkpoint=directories,
+    )  # fmt: skip
     # Not fit(): it reads every rank's record back, which another rank may still be writing.
-    strategy = PipelineStrategy(pipeline_size=PIPELINE_SIZE, num_microbatches=2, shard_optimizer_state=zero)
-    trainer = quiet_trainer(devices=devices, strategy=strategy, callbacks=[RankRecorder(out_dir)], **kwargs)
-    trainer.fit(model, loader(data, global_batch // REPLICAS))
+    trainer = quiet_trainer(devices=devices, strategy=strategy, callbacks=callbacks, **kwargs)
+    trainer.fit(model, loader(data, global_batch // REPLICAS), ckpt_path=resume)
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
@@ -125,6 +143,11 @@ def _job(rank: int, world: int, out_dir: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     for name in RUNS:
         _train(name, Path(out_dir) / name, world)
+    if rank == 0:
+        consolidate_checkpoint(Path(out_dir) / "epoch0.ckpt", Path(out_dir) / "epoch0-whole.ckpt")
+    dist.barrier()
+    for name, checkpoint in RESUMES.items():  # a fresh scaler with another scale: the saved one must win
+        _train(SAVES_AT_EPOCH_END, Path(out_dir) / name, world, str(Path(out_dir) / checkpoint), 2.0**12)
     torch.save({}, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -184,6 +207,18 @@ def test_16_mixed_trains_as_on_one_device_and_every_rank_skips_an_overflow(pipel
     if name.startswith("gpt"):  # the tied weight's replicas took the same updates, bit for bit
         tied = [r["params"].get("wte.weight", r["params"].get("lm_head.weight")) for r in records]
         assert len(tied) == WORLD and all(torch.equal(t, tied[0]) for t in tied)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("resumed", list(RESUMES))
+def test_16_mixed_resumed_after_its_scale_changed_goes_on_as_the_uninterrupted_run(pipelined, resumed):
+    whole, part = load_rank_results(pipelined / SAVES_AT_EPOCH_END), load_rank_results(pipelined / resumed)
+    saved = torch.load(pipelined / "epoch0-whole.ckpt", weights_only=False)["MixedPrecision"]
+    assert saved["scale"] != 2.0**6, "the scale did not change before the save: nothing to check"
+    for w, r in zip(whole, part):  # the scale after every batch of epoch 1, on every rank
+        assert r["extra"] == w["extra"][-len(r["extra"]) :], f"rank {r['rank']}: {r['extra']} != {w['extra']}"
+    assert_close_dicts(merged_params(part), merged_params(whole), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.multiprocess

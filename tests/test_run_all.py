@@ -258,6 +258,8 @@ KEY_COLUMNS = {
         "orphans",
         "orphan_mib",
     ],
+    "dcp_async": ["stall_s", "total_s", "stall_vs_sync"],
+    "dcp_kill": ["kills", "listed", "complete", "loadable", "partial_left", "removed_at_start", "exact"],
     "accumulation_equivalence": ["loss"],
     "compile_bench": [
         "step_ms",

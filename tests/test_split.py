@@ -20,6 +20,7 @@ from lightning_parallel.pipeline.split import (
     stage_parameters,
     stage_twins,
 )
+from lightning_parallel.pipeline.stage_shapes import ChainedShapes, run_on_fake
 
 
 class TiedLM(nn.Module):
@@ -184,7 +185,7 @@ def test_sequential_stages_are_sized_on_fake_tensors_of_the_real_device_for_ever
     _, stages, indices = split_sequential(model, "layers", model.layers, plan, 1, torch.device("cpu"))
     holder = SequentialStages(stages, indices, plan.num_stages, torch.device("cpu"), None, twins)
     assert holder.needs_example
-    for shape in [(3,), (5, 2)]:  # token ids of any shape: the stages' shapes follow, nothing is traced
+    for shape in [(3,), (5, 2), (3, 4)]:  # token ids of any shape: the stages' shapes follow
         tokens = torch.zeros(shape, dtype=torch.long)
         (in0, out0), (in1, out1) = holder._shapes(True, (tokens,))
         assert tuple(in0[0].shape) == shape and tuple(out0[0].shape) == (*shape, 4)
@@ -194,6 +195,16 @@ def test_sequential_stages_are_sized_on_fake_tensors_of_the_real_device_for_ever
             and tuple(out1[0].shape) == (*shape, 7)
         )
         assert all(t.is_meta for t in (*in0, *out0, *in1, *out1))
+    # At the third shape the twins are exported once with dynamic sizes: a new shape runs nothing.
+    assert isinstance(holder._chained[True], ChainedShapes)  # (exported at (3, 4): 2-D inputs only)
+    assert holder._chained[True].examples((torch.zeros(7, dtype=torch.long),)) is None
+    for shape in [(4, 3), (2, 9)]:
+        tokens = torch.zeros(shape, dtype=torch.long)
+        chained = holder._chained[True].examples((tokens,))
+        fake = run_on_fake(twins, (tokens,), True, torch.device("cpu"))
+        assert [[(t.shape, t.stride(), t.dtype, t.requires_grad) for t in (*i, *o)] for i, o in chained] == [
+            [(t.shape, t.stride(), t.dtype, t.requires_grad) for t in (*i, *o)] for i, o in fake
+        ]
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts what the real stages would cast
         (_, out0), _ = holder._shapes(True, (torch.zeros(3, dtype=torch.long),))
     assert out0[0].dtype == torch.bfloat16

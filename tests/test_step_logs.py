@@ -19,7 +19,7 @@ def test_logged_values_combine_over_micro_batches_like_one_call_over_the_batch()
     assert loss.combined() == pytest.approx((1 * 3 + 4 * 1) / 4) and loss.replay_kwargs()["batch_size"] == 4
     assert most.combined() == 4.0 and tokens.combined() == 5.0 and tokens.replay_kwargs()["batch_size"] == 4
     assert not hasattr(module, "log")  # the recorder's stand-in is gone
-    with recorder.recording(module, 1), pytest.raises(TypeError, match="log a tensor or a number"):
+    with recorder.recording(module, 1), pytest.raises(TypeError, match="a number or a torchmetrics Metric"):
         module.log("metric", object())
     with recorder.recording(module, 1), pytest.raises(ValueError, match=r"shape \(2,\): log scalars"):
         module.log("vector", torch.ones(2))

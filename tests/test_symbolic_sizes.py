@@ -60,7 +60,7 @@ def test_stage_shapes_are_evaluated_as_a_fake_run_would_give_them(traced):
     _, example, pipe = traced
     shapes = StageShapes(pipe, example, train=True)
     assert shapes.symbolic and shapes.dynamic_dims == [[0, 1]]
-    for shape in [(2, 9), (5, 30)]:
+    for shape in [(2, 9), (5, 30), (1, 3)]:  # a micro-batch of one sample too (a short last batch)
         new = to_meta((torch.zeros(shape, dtype=torch.long),))
         assert shapes.serves(new)
         fake = stage_examples(pipe, new, train=True)

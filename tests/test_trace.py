@@ -1,18 +1,22 @@
 """pipeline/trace.py and traced_split.py: a module's forward traced on a meta twin and split at its blocks.
 
+The twin is traced as fake tensors of the stages' device: a CPU trace takes the CPU's branches, and a
+trace for ``cuda:0`` (fake, no GPU needed) the CUDA ones.
+
 One process. torch.export takes ~1 s per trace here, so the tests share one traced pipe.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_models import TinyGPT
+from tiny_models import DeviceAwareGPT, TinyGPT
 from torch import nn
 
 from lightning_parallel.pipeline.shared import alias_table
 from lightning_parallel.pipeline.trace import call_order, meta_twin, point_at, stage_contents, to_meta, trace
 from lightning_parallel.pipeline.traced_split import (
     TracedStages,
+    block_entry,
     block_extras,
     check_split_points,
     find_block_list,
@@ -125,6 +129,19 @@ def test_the_block_list_with_most_parameters_is_where_stages_begin():
 
     assert find_block_list(TwoLists()) == ("big", ["0", "1"])
     assert find_block_list(TinyGPT(depth=3)) == ("h", ["0", "1", "2"])
+
+    class Numbered(nn.Module):  # torchtitan's layout: layers in a ModuleDict keyed by block numbers
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(3)})
+            self.named = nn.ModuleDict({"a": nn.Linear(9, 9), "b": nn.Linear(9, 9)})  # not blocks
+
+    assert find_block_list(Numbered()) == ("layers", ["0", "1", "2"])
+    # A block that is only a container (x-transformers: norm, layer, residual) is entered at its first call.
+    order = ["emb", "layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1", "head"]
+    assert block_entry(order, "layers.1") == "layers.1.0" and block_entry(order, "head") == "head"
+    with pytest.raises(ValueError, match=r"`layers.2` is never called by forward, nor anything inside it"):
+        block_entry(order, "layers.2")
     with pytest.raises(
         ValueError, match=r"Linear has no nn\.ModuleList of blocks to split at: pass .*split_points"
     ):
@@ -189,7 +206,7 @@ def test_a_single_stage_is_built_around_the_real_tensors():
     assert stage.stage_index == 0 and stage.num_stages == 1
     assert stage.submod.get_submodule("lm_head").weight is model.wte.weight
     torch.testing.assert_close(stage.submod(TOKENS), model(TOKENS))
-    for shape in [(3, 5), (2, 7), (5, 2)]:  # other lengths and micro-batch sizes: the same program
+    for shape in [(3, 5), (1, 7), (5, 2)]:  # other lengths and micro-batch sizes (1 too): one program
         tokens = torch.randint(0, 13, shape)
         [other] = stages.build("train", 1, (tokens,))
         assert other.submod is stage.submod
@@ -248,3 +265,71 @@ def test_a_forward_that_cannot_be_exported_with_dynamic_sizes_falls_back_to_one_
     assert stages.traces == 2  # one per shape; the second 5 is served by the first trace
     assert "could not be exported with dynamic sizes (RuntimeError: Could not guard" in warned[0], warned
     assert len(warned) == 2 and "6" in warned[1]  # and the retrace for the new shape says why
+
+
+def _ops(pipe) -> set[str]:
+    """Every op the pipe's stage graphs (and the graphs nested in them) call."""
+    return {
+        str(n.target)
+        for i in range(pipe.num_stages)
+        for gm in pipe.get_stage_module(i).modules()
+        if hasattr(gm, "graph")
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    }
+
+
+def test_the_stages_are_traced_for_the_device_they_run_on():
+    """DeviceAwareGPT enters ``torch.autocast(x.device.type, enabled=False)`` (which has no ``meta`` type)
+    and picks its attention kernel with ``if x.device.type == "cuda"``: each trace takes its device's path."""
+    twin = meta_twin(DeviceAwareGPT(depth=2))
+    example = to_meta((TOKENS,))
+    assert call_order(twin, example, device="cuda:0") == call_order(twin, example)  # (CPU by default)
+    on_cpu = trace(twin, example, ["h.1"], train=True)
+    assert "aten.masked_fill.Scalar" in _ops(on_cpu)
+    assert "aten.scaled_dot_product_attention.default" not in _ops(on_cpu)
+    assert on_cpu.dynamic_failure is None  # one program for every length, as before
+    on_cuda = trace(twin, example, ["h.1"], train=True, device="cuda:0")
+    assert "aten.scaled_dot_product_attention.default" in _ops(on_cuda)
+    assert "aten.masked_fill.Scalar" not in _ops(on_cuda)
+    # Without a CUDA build, SDPA's meta kernel cannot take symbolic sizes on fake CUDA tensors: the
+    # static program is traced instead, on fresh inputs (the failed dynamic export marks its inputs).
+    assert on_cuda.dynamic_failure is not None
+    for pipe in (on_cpu, on_cuda):  # nothing real was allocated: the stages hold the twin's meta tensors
+        assert all(t.is_meta for t in [*pipe.split_gm.parameters(), *pipe.split_gm.buffers()])
+    assert all(t.is_meta for t in _tensors(twin))
+
+
+def test_a_device_aware_stage_runs_as_the_model_on_the_cpu():
+    torch.manual_seed(0)
+    model = DeviceAwareGPT(depth=2)
+    _one_process_group()
+    stages = TracedStages(meta_twin(model), [], [0], model, alias_table(model), torch.device("cpu"), None)
+    for shape in [(2, 8), (3, 5)]:
+        tokens = torch.randint(0, 13, shape)
+        [stage] = stages.build("train", 1, (tokens,))
+        torch.testing.assert_close(stage.submod(tokens), model(tokens))
+    assert stages.traces == 1
+
+
+def test_the_twin_runs_its_own_modules_through_lambdas_and_bound_methods():
+    """minGPT keeps ``self.mlpf = lambda x: m.c_proj(m.act(m.c_fc(x)))``: the twin's copy must call the
+    twin's modules, or export lifts the user's real weights as constants that no gradient reaches."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 4)
+            m = self.lin
+            self.mlpf = lambda x: m(x) * 2
+            self.project = self.out.forward
+
+        def forward(self, x):
+            return self.project(self.mlpf(x))
+
+    block = Block()
+    twin = meta_twin(block)
+    assert twin.mlpf is not block.mlpf and twin.mlpf.__closure__[0].cell_contents is twin.lin
+    assert twin.project.__self__ is twin.out and block.project.__self__ is block.out
+    pipe = trace(twin, to_meta((torch.ones(2, 4),)), [], train=True)
+    assert stage_contents(pipe)[0].tensors == {"lin.weight", "lin.bias", "out.weight", "out.bias"}

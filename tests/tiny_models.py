@@ -278,6 +278,46 @@ class SkipGPT(TinyGPT):
         return self(batch[0], batch[1]).argmax(-1)
 
 
+def rotate_half_in_float32(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding computed in float32 with autocast off, as x-transformers and others do:
+    ``torch.autocast(x.device.type, enabled=False)`` asks the input its device."""
+    with torch.autocast(x.device.type, enabled=False):
+        # (No x[...] indexing: on fake CUDA tensors it needs a CUDA build, and test_trace fakes CUDA.)
+        half = x.shape[-1] // 2
+        freqs = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+        angles = torch.outer(positions.float(), freqs)
+        cos, sin = angles.cos(), angles.sin()
+        x1, x2 = x.float().chunk(2, -1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+
+
+class DeviceAwareAttention(CausalSelfAttention):
+    """Rotary attention that picks its kernel by the input's device, as many libraries do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, 2))
+        positions = torch.arange(t, device=x.device)
+        q, k = rotate_half_in_float32(q, positions), rotate_half_in_float32(k, positions)
+        if x.device.type == "cuda":  # the fused kernel on a GPU
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            att = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+            y = att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class DeviceAwareGPT(TinyGPT):
+    """TinyGPT whose attention asks its input's device: ``torch.autocast(x.device.type, enabled=False)``
+    around the rotary embedding, and ``if x.device.type == "cuda"`` to choose the attention kernel."""
+
+    def __init__(self, depth: int = 4):
+        super().__init__(depth=depth)
+        for block in self.h:
+            block.attn = DeviceAwareAttention(8, 2)
+
+
 def masked_token_data(n: int = 32, t: int = 8, vocab: int = 13, seed: int = 0) -> TensorDataset:
     """``(idx, keep, targets)``: token_data with a padding mask that keeps about 80% of the positions."""
     idx, targets = token_data(n, t, vocab, seed).tensors

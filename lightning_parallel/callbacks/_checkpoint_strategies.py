@@ -16,7 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
-from lightning_parallel.strategies._pipeline_dcp import save_checkpoint_dir
+from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers
+from lightning_parallel.strategies._pipeline_dcp import save_checkpoint_dir, save_checkpoint_dir_in_background
 from lightning_parallel.strategies.pipeline import PipelineStrategy
 
 _SHARDED_TENSOR_TYPES = ("DTensor", "ShardedTensor")
@@ -61,6 +62,18 @@ def save_directory(
 ) -> None:
     """Every rank: write ``checkpoint`` as the strategy's distributed checkpoint directory, atomically."""
     save_checkpoint_dir(strategy.parts, checkpoint, path, tag)
+
+
+def save_directory_in_background(
+    strategy: PipelineStrategy,
+    checkpoint: dict[str, Any],
+    path: str,
+    tag: dict[str, Any],
+    writer: AsyncWriter,
+    buffers: SnapshotBuffers,
+) -> None:
+    """Every rank: :func:`save_directory`, written on ``writer``'s thread after a copy into ``buffers``."""
+    save_checkpoint_dir_in_background(strategy.parts, checkpoint, path, tag, writer, buffers)
 
 
 def find_sharded_tensor(obj: Any, path: tuple[Hashable, ...] = ()) -> tuple[str, str] | None:

@@ -25,7 +25,9 @@ from lightning_parallel.callbacks._checkpoint_resume import (
     nothing,
     remove_quietly,
 )
+from lightning_parallel.checkpoint.directory_async import background_writer
 from lightning_parallel.distributed.agree import agree, decide_on
+from lightning_parallel.distributed.collectives import min_over_ranks
 from lightning_parallel.io import atomic
 from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers
 
@@ -68,7 +70,9 @@ class Rank0Checkpoint(ResumingCheckpoint):
       ``dirpath`` fails at setup;
     * ``async_save=True`` copies the state into CPU buffers (allocated at the first save and reused,
       pinned for CUDA tensors: +1.0x the checkpoint's size in host memory while fitting) and writes
-      it on a background thread (one save in flight; all complete before ``fit`` returns);
+      it on a background thread (one save in flight; all complete before ``fit`` returns); under
+      ``PipelineStrategy(save_distributed_checkpoint=True)`` every rank does so for its own shards, the
+      write's collectives on a gloo group of their own (``checkpoint.directory_async``);
     * a mid-epoch checkpoint records the data position of a :class:`ResumableDistributedSampler`,
       which then resumes exactly, also at another world size. Use it in the training loader:
       ``DataLoader(ds, batch_size=B, sampler=ResumableDistributedSampler(ds))``.
@@ -172,13 +176,8 @@ class Rank0Checkpoint(ResumingCheckpoint):
         if problem is not None:  # the same answer on every rank: no collective needed
             raise ValueError(f"Rank0Checkpoint writes one file from global rank 0, but {problem}.")
         if self.async_save and strategies.writes_directories(trainer.strategy):
-            raise ValueError(
-                "Rank0Checkpoint(async_save=True) writes in the background from rank 0, but this strategy "
-                "saves "
-                "distributed checkpoints: every rank writes its shards with torch.distributed.checkpoint, "
-                "whose collectives cannot run in a background thread beside training's on the same process "
-                "group. Use async_save=False, or save_distributed_checkpoint=False for one file from rank 0"
-            )
+            # Every rank writes in the background, on one writer per process: see directory_async.
+            self.__dict__["_writer"] = background_writer()
         if self.save_top_k != 0 or self.save_last:
             decide_on(0, self._prepare_dir)
         strategy = trainer.strategy
@@ -231,9 +230,18 @@ class Rank0Checkpoint(ResumingCheckpoint):
         }
 
     def _write_directory(self, trainer: pl.Trainer, checkpoint: dict[str, Any], filepath: str) -> None:
-        """Every rank writes its shards into a temporary directory that rank 0 renames into place."""
+        """Every rank writes its shards into a temporary directory that rank 0 renames into place.
+
+        With ``async_save`` the writing, and its collectives on a group of their own, go on in the
+        background of every rank after a copy of its state."""
+        tag = self._tag(trainer, filepath)
         try:
-            strategies.save_directory(trainer.strategy, checkpoint, filepath, self._tag(trainer, filepath))
+            if self.async_save:
+                strategies.save_directory_in_background(
+                    trainer.strategy, checkpoint, filepath, tag, self._writer, self._snapshots
+                )
+            else:
+                strategies.save_directory(trainer.strategy, checkpoint, filepath, tag)
         except Exception as err:  # raised on every rank (the save agrees on errors)
             raise CheckpointWriteError(f"Rank0Checkpoint failed: {_describe_error(err, filepath)}") from err
 
@@ -277,7 +285,18 @@ class Rank0Checkpoint(ResumingCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def _poll_async(self, trainer: pl.Trainer) -> None:
-        """While a background save is unconfirmed, learn from rank 0 each step whether it ended or failed."""
+        """While a background save is unconfirmed, learn from rank 0 each step whether it ended or failed.
+
+        A distributed checkpoint is written by every rank: every rank's writer is asked."""
+        if strategies.writes_directories(trainer.strategy):
+            done, err = self._writer.poll()
+            try:
+                agree(None if err is None else CheckpointWriteError(f"Rank0Checkpoint failed: {err}"))
+            except BaseException:
+                self._async_pending = False
+                raise
+            self._async_pending = min_over_ranks([float(done)])[0] == 0.0  # until every rank's is done
+            return
 
         def poll() -> bool:
             done, err = self._writer.poll()
@@ -297,7 +316,7 @@ class Rank0Checkpoint(ResumingCheckpoint):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         error = None
-        if trainer.is_global_zero:
+        if trainer.is_global_zero or strategies.writes_directories(trainer.strategy):
             err = self._writer.wait()
             error = _describe_error(err, "background save") if err else None
         self._async_pending = False

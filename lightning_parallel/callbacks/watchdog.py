@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed import DistBackendError
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -92,6 +93,10 @@ class HangWatchdog(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        # A collective that failed because a peer died (gloo: "Connection closed by peer"): the report
+        # names that rank once its heartbeat is gone long enough, and every rank exits with it.
+        if self._watchdog is not None and is_peer_failure(exception):
+            self._watchdog.await_verdict()
         self._stop()
 
     def _stop(self) -> None:
@@ -200,6 +205,21 @@ class HangWatchdog(Callback):
     @override
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enter(trainer, "on_predict_epoch_end")
+
+
+_PEER_FAILURE_TEXTS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator")
+
+
+def is_peer_failure(exception: BaseException) -> bool:
+    """Whether ``exception`` (or what caused it) is a collective that failed on a lost peer."""
+    seen: set[int] = set()
+    error: BaseException | None = exception
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, DistBackendError) or any(t in str(error) for t in _PEER_FAILURE_TEXTS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _end_launched_ranks(trainer: pl.Trainer) -> Callable[[], None] | None:

@@ -30,6 +30,9 @@ from lightning_parallel.io.tempfiles import temp_path_for
 
 __all__ = [
     "META_NAME",
+    "abandon_checkpoint_dir",
+    "begin_checkpoint_dir",
+    "finish_checkpoint_dir",
     "is_checkpoint_dir",
     "list_tagged_dirs",
     "remove_dir",
@@ -52,11 +55,13 @@ def write_checkpoint_dir(
     write_shards: Callable[[str], None],
     meta: dict[str, Any],
     tag: dict[str, Any] | None = None,
+    group: Any | None = None,
 ) -> None:
-    """Write a checkpoint directory at ``path`` atomically: call it on every rank.
+    """Write a checkpoint directory at ``path`` atomically: call it on every rank (of ``group``).
 
     ``write_shards(tmp_dir)`` runs on every rank (``torch.distributed.checkpoint.save`` into it);
     ``meta`` (global rank 0's) is saved as ``meta.pt``, tagged with ``tag`` (step, epoch, ...).
+    ``group`` (every rank of the job, default the default group) carries the collectives.
 
     Raises:
         Exception: on every rank, the first failing rank's error; ``path`` is left as it was.
@@ -65,23 +70,51 @@ def write_checkpoint_dir(
 
         write_checkpoint_dir("ckpt/step=10.ckpt", lambda d: dcp.save(state, checkpoint_id=d), {"epoch": 0})
     """
-    path = os.path.abspath(path)
-    tmp = broadcast_object(temp_path_for(path) if _rank() == 0 else None)
+    tmp = begin_checkpoint_dir(path, group)
     try:
-        decide_on(0, lambda: os.makedirs(tmp))
         write_shards(tmp)  # torch.distributed.checkpoint raises on every rank if one fails
-        error, mine = None, {}
-        try:
-            mine = hash_files(tmp, [n for n in os.listdir(tmp) if n.startswith(f"__{_rank()}_")])
-        except Exception as err:
-            error = err
-        agree(error)
-        files = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
-        decide_on(0, lambda: _finish_and_publish(tmp, path, files, meta, tag or {}))
+        finish_checkpoint_dir(tmp, path, meta, tag, group)
     except BaseException:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        abandon_checkpoint_dir(tmp)
         raise
+
+
+def begin_checkpoint_dir(path: str, group: Any | None = None) -> str:
+    """Every rank: the temporary directory (made by rank 0) that the shards of ``path`` go into.
+
+    Example::
+
+        tmp = begin_checkpoint_dir("ckpt/step=10.ckpt")   # ".../ckpt/.step=10.ckpt.host-42-1a2b3c4d.partial"
+    """
+    path = os.path.abspath(path)
+    tmp = broadcast_object(temp_path_for(path) if _rank() == 0 else None, group=group)
+    decide_on(0, lambda: os.makedirs(tmp), group=group)
+    return tmp
+
+
+def finish_checkpoint_dir(
+    tmp: str, path: str, meta: dict[str, Any], tag: dict[str, Any] | None = None, group: Any | None = None
+) -> None:
+    """Every rank, once its shards are in ``tmp``: hash them, and rank 0 publishes ``tmp`` as ``path``.
+
+    Raises:
+        Exception: on every rank, the first failing rank's error (``tmp`` is then left to the caller).
+    """
+    error, mine = None, {}
+    try:
+        mine = hash_files(tmp, [n for n in os.listdir(tmp) if n.startswith(f"__{_rank()}_")])
+    except Exception as err:
+        error = err
+    agree(error, group)
+    files = {k: v for part in all_gather_objects(mine, group) for k, v in part.items()}
+    path = os.path.abspath(path)
+    decide_on(0, lambda: _finish_and_publish(tmp, path, files, meta, tag or {}), group=group)
+
+
+def abandon_checkpoint_dir(tmp: str) -> None:
+    """After a failed write: rank 0 removes the temporary directory (the published one is untouched)."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def hash_files(directory: str, names: list[str]) -> dict[str, list]:

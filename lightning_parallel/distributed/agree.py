@@ -18,7 +18,15 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "collective_device", "decide_on", "distributed_ready", "failing_together"]
+__all__ = [
+    "agree",
+    "collective_device",
+    "decide_on",
+    "distributed_ready",
+    "failing_together",
+    "packed_error",
+    "unpacked_error",
+]
 
 T = TypeVar("T")
 
@@ -66,11 +74,10 @@ def agree(error: BaseException | None, group: Any | None = None) -> None:
     if not int(flag.item()):
         return
     errors: list[Any] = [None] * world_size(group)
-    dist.all_gather_object(errors, _portable(error, dist.get_rank()), group=group)
+    dist.all_gather_object(errors, packed_error(error), group=group)
     if error is not None:
         raise error
-    _, first = _first_failure(errors)
-    raise first
+    raise unpacked_error(next(e for e in errors if e[1] is not None))
 
 
 def decide_on(src: int, fn: Callable[[], T], group: Any | None = None) -> T:
@@ -114,8 +121,19 @@ def failing_together(group: Any | None = None) -> Iterator[None]:
     agree(None, group)
 
 
-def _portable(error: BaseException | None, rank: int) -> tuple[int, Any]:
-    """The error as it can travel: the exception itself if it pickles and unpickles, else its text."""
+def packed_error(error: BaseException | None) -> tuple[int, Any]:
+    """``(this global rank, the error as it can travel)``: the exception itself if it pickles, else its text.
+
+    For a channel that already carries something from one rank to the others (a record broadcast) and
+    can carry an error in its place; :func:`unpacked_error` turns it back into an exception to raise.
+
+    Example::
+
+        box = [packed_error(err)]
+        dist.broadcast_object_list(box, src=src)
+        raise unpacked_error(box[0])     # on every rank: the same error, noting where it was raised
+    """
+    rank = dist.get_rank() if distributed_ready() else 0
     if error is None:
         return rank, None
     try:
@@ -125,8 +143,9 @@ def _portable(error: BaseException | None, rank: int) -> tuple[int, Any]:
         return rank, f"{type(error).__name__}: {error}"
 
 
-def _first_failure(errors: list[tuple[int, Any]]) -> tuple[int, BaseException]:
-    rank, error = next((r, e) for r, e in errors if e is not None)
+def unpacked_error(packed: tuple[int, Any]) -> BaseException:
+    """A copy of a :func:`packed_error`'s exception, with a note naming the rank that raised it."""
+    rank, error = packed
     if isinstance(error, BaseException):
         error = copy.copy(error)
         error.__traceback__ = None
@@ -135,4 +154,4 @@ def _first_failure(errors: list[tuple[int, Any]]) -> tuple[int, BaseException]:
     note = f"raised on global rank {rank}; this rank stops with it"
     if hasattr(error, "add_note"):
         error.add_note(note)
-    return rank, error
+    return error

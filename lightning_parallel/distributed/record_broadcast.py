@@ -3,7 +3,8 @@
 A pipeline's last stage sends every training step's loss and logged values to the other stages of its
 replica. ``broadcast_object_list`` would pickle them and make two collectives per step. Here the
 record's *layout* (its names and options) travels as an object only when it changes; in the steady
-state the numbers travel alone, in one broadcast of a fixed-size float64 vector.
+state the numbers travel alone, in one broadcast of a fixed-size float64 vector. An error on ``src``
+travels in the record's place (the object path), and every rank raises it.
 
 Off the critical path: the sender does not wait for its broadcast to arrive (it completes when the
 receivers join, and is waited for at the next call), and a receiver may post its receive ahead
@@ -20,9 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_parallel.distributed.agree import collective_device, world_size
+from lightning_parallel.distributed.agree import (
+    collective_device,
+    packed_error,
+    unpacked_error,
+    world_size,
+)
 
-_HEADER = 2  # [layout changed (1.0) or not (0.0), number of values]
+_HEADER = 2  # [layout changed (1.0), unchanged (0.0) or an error instead (2.0), number of values]
+_ERROR = 2.0
 
 
 class RecordBroadcast:
@@ -30,12 +37,15 @@ class RecordBroadcast:
 
     ``layout`` is any picklable object that describes the values (compared with ``==``); ``values``
     is a sequence of floats. Every rank calls :meth:`broadcast` at the same point; ``src`` passes its
-    record, the others pass ``None``, and every rank gets the record back.
+    record, the others pass ``None``, and every rank gets the record back. ``src`` may pass an
+    ``error`` instead of a record: every rank raises it (``src`` its own, the others a copy that names
+    ``src``), so a failure on ``src`` stops every rank at the same point instead of leaving them waiting.
 
     Example::
 
         channel = RecordBroadcast(src=last_stage_rank, group=pp_group)
         layout, values = channel.broadcast((("train_loss",), [0.25]) if is_last else None)
+        channel.broadcast(None, error=err)      # on src: every rank of the group raises err
     """
 
     def __init__(self, src: int, group: Any | None = None) -> None:
@@ -50,9 +60,15 @@ class RecordBroadcast:
 
         Every rank of ``group`` still calls :meth:`broadcast` next, and nothing else on ``group`` in
         between (the receive is a collective of ``group``, ordered with its others). A no-op on ``src``,
-        without a process group, or when one is posted already.
+        without a process group, when one is posted already, and on backends other than gloo.
         """
         if self._pending is not None or world_size(self.group) == 1 or dist.get_rank() == self.src:
+            return
+        if dist.get_backend(self.group) != "gloo":
+            # NCCL runs a communicator's operations in order on one stream, and a 2-rank group's
+            # point-to-point sends share that communicator: a broadcast posted before the schedule
+            # would hold back the schedule's own sends and receives, which the sender needs before
+            # it broadcasts. Gloo matches collectives and point-to-point messages apart.
             return
         vec = self._empty()
         self._pending = (vec, dist.broadcast(vec, src=self.src, group=self.group, async_op=True))
@@ -68,10 +84,21 @@ class RecordBroadcast:
         pending[1].wait()
         return pending[0]
 
-    def broadcast(self, record: tuple[Any, Sequence[float]] | None) -> tuple[Any, list[float]]:
+    def broadcast(
+        self, record: tuple[Any, Sequence[float]] | None, error: BaseException | None = None
+    ) -> tuple[Any, list[float]]:
         if world_size(self.group) == 1:
+            if error is not None:
+                raise error
             assert record is not None
             return record[0], list(record[1])
+        if error is not None:  # the sender, failing: the marker, then the error as an object
+            self._finish_pending()
+            vec = self._empty()
+            vec[0] = _ERROR
+            dist.broadcast(vec, src=self.src, group=self.group)
+            dist.broadcast_object_list([packed_error(error)], src=self.src, group=self.group)
+            raise error
         if record is not None:  # the sender: its previous send has long arrived
             self._finish_pending()
             return self._send(*record)
@@ -80,6 +107,10 @@ class RecordBroadcast:
             vec = self._empty()
             dist.broadcast(vec, src=self.src, group=self.group)
         vec = vec.cpu()
+        if vec[0].item() == _ERROR:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=self.src, group=self.group)
+            raise unpacked_error(box[0])
         if vec[0].item():
             return self._new_layout(None)
         return self.layout, vec[_HEADER : _HEADER + int(vec[1].item())].tolist()

@@ -185,6 +185,28 @@ class Watchdog:
                 pass
         self._channel, self._server = None, None
 
+    def await_verdict(self) -> bool:
+        """Block while the watchdog may still find a rank gone (``gone_after`` and two periods).
+
+        For a rank whose collective failed because a peer died: the judge then reports that peer as
+        gone and every rank exits with the report, instead of each with its own communication error.
+        It returns at once when a peer stopped watching (that peer left with an error of its own,
+        which explains this one), or without the store. Returns False if no verdict came (the
+        process exits on a verdict; this never returns then).
+        """
+        if self._thread is None or self._channel is None:
+            return False
+        deadline = time.monotonic() + self.gone_after + 2 * self.period + 2.0
+        while time.monotonic() < deadline and self._thread.is_alive() and self._lost is None:
+            try:
+                views = self._channel.read([r for r in range(self.world) if r != self.rank])
+            except _StoreLost:
+                return False
+            if any(v.get("stopped") for v in views.values()):
+                return False
+            time.sleep(self.period)
+        return False
+
     def _host_store(self) -> tuple[str, int]:
         # Every rank already reaches MASTER_ADDR (where rank 0 runs under Lightning's launchers,
         # torchrun and SLURM); the server listens on all interfaces.

@@ -7,6 +7,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["AsyncWriter", "SnapshotBuffers", "snapshot"]
 
@@ -35,6 +36,8 @@ def snapshot(
 def _alias_key(t: torch.Tensor) -> Hashable:
     """Equal for two tensor objects that view the same memory the same way (``state_dict()`` detaches
     each entry anew, so tied weights arrive as distinct objects)."""
+    if isinstance(t, DTensor):  # a wrapper without storage of its own: its local shard's
+        return "dtensor", _alias_key(t.to_local()), tuple(t.shape), str(t.placements)
     if t.layout != torch.strided or t.device.type == "meta":
         return id(t)
     storage = t.untyped_storage().data_ptr()
@@ -112,6 +115,12 @@ class SnapshotBuffers:
         used: dict[tuple[Hashable, ...], torch.Tensor],
         devices: set[torch.device],
     ) -> torch.Tensor:
+        if isinstance(t, DTensor) and t.device_mesh.device_type == "cpu":
+            # An FSDP2 / tensor-parallel shard: this rank's local tensor into its buffer, placed as before.
+            local = self._copy(t.to_local(), (*path, "local"), used, devices)
+            return DTensor.from_local(
+                local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
         if t.layout != torch.strided or t.is_quantized or type(t) not in (torch.Tensor, torch.nn.Parameter):
             return _fresh_copy(t)
         key = (*path, tuple(t.shape), t.dtype)

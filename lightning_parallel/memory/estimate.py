@@ -133,7 +133,8 @@ def estimate_memory(
 
     Args:
         module: the LightningModule (or any ``nn.Module``); on the meta device its activations are
-            measured on meta tensors (attention kernels may differ from the real device's).
+            measured on fake tensors of this machine's accelerator (else the CPU): nothing is
+            allocated, and the forward takes that device's path (run it where the job runs).
         batch: one batch as one rank's dataloader yields it (per replica for a pipeline).
         devices: ranks in all.
         strategy: ``"auto"`` (what ``Trainer(devices=devices)`` runs: one device without DDP, several

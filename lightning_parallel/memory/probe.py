@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_parallel.memory.units import UnitLayout
+from lightning_parallel.pipeline.fake_device import FakeDevice, faked_on
 
 StepFn = Callable[[nn.Module, Any], Any]
 BEFORE = "<before>"  # saved before any unit runs (charged to the first stage)
@@ -91,8 +92,13 @@ def probe_activations(
     sizes: tuple[int, ...],
     autocast_dtype: torch.dtype | None = None,
     step: StepFn = default_step,
+    device: torch.device | str | None = None,
 ) -> Probe:
     """Run ``step`` on the first ``n`` samples of ``batch`` for each ``n`` in ``sizes``; fit lines.
+
+    A module on the meta device is run on fake tensors of ``device`` (default: this machine's
+    accelerator, else the CPU; see :mod:`~lightning_parallel.pipeline.fake_device`): nothing is
+    allocated, and the forward takes that device's path (its attention kernel, its autocast).
 
     Raises:
         ValueError: the module rejects the batch (the message carries the module's own error).
@@ -102,16 +108,27 @@ def probe_activations(
         probe = probe_activations(model, find_units(model), (x, y), sizes=(2, 4))
         probe.unit("layers.1").saved.at(8)     # bytes layer 1 saves for a micro-batch of 8
     """
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
     records, order = [], {}
-    with _preserved(module), _autocast(device, autocast_dtype):
+    with _on_device(module, device) as (device, fake), _preserved(module), _autocast(device, autocast_dtype):
         for n in sizes:
             recorder = _Recorder(module, layout)
-            with recorder.hooks():
-                _run(step, module, _slice(batch, n, device))
+            inputs = _slice(batch, n, device) if fake is None else fake.inputs(_first(batch, n))
+            with recorder.hooks(), fake.mode if fake is not None else contextlib.nullcontext():
+                _run(step, module, inputs)
             records.append(recorder)
             order = order or recorder.first_call
     return Probe(_fit(records, sizes), order, sizes)
+
+
+@contextlib.contextmanager
+def _on_device(module: nn.Module, device: Any) -> Iterator[tuple[torch.device, FakeDevice | None]]:
+    """The device the probe runs on, and the fakes of a meta module's tensors there (else ``None``)."""
+    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        yield next((p.device for p in module.parameters()), torch.device("cpu")), None
+        return
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    with faked_on(module, device if device is not None else accelerator) as fake:
+        yield fake.device, fake
 
 
 class _Recorder:
@@ -238,6 +255,10 @@ def _slice(batch: Any, n: int, device: torch.device) -> Any:
         return x
 
     return tree_map(one, batch)
+
+
+def _first(batch: Any, n: int) -> Any:
+    return tree_map(lambda x: x[:n] if torch.is_tensor(x) and x.dim() > 0 else x, batch)
 
 
 def _nbytes(tree: Any) -> int:

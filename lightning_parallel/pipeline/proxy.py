@@ -52,6 +52,16 @@ class PipelinedCall:
         self._output: Any = None
         self._replayed = False
 
+    @property
+    def mode(self) -> str | None:
+        """What a call made now does: ``"capture"``, ``"replay"``, or ``None`` (outside a step: refused)."""
+        return self._mode
+
+    @property
+    def replayed(self) -> Any:
+        """The output :meth:`replaying` hands back (``None`` outside it)."""
+        return self._output
+
     @contextmanager
     def capturing(self) -> Iterator[None]:
         with self._in_mode("capture"):

@@ -15,8 +15,8 @@ from lightning_parallel.pipeline.plan import StagePlan, describe_layers
 from lightning_parallel.pipeline.pretrained import load_pending
 from lightning_parallel.pipeline.proxy import PipelinedSequential
 from lightning_parallel.pipeline.shared import alias_table, retie
-from lightning_parallel.pipeline.stage_shapes import StageExample, meta_like, run_on_fake
-from lightning_parallel.pipeline.trace import meta_twin
+from lightning_parallel.pipeline.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
+from lightning_parallel.pipeline.trace import export_for_pipeline, meta_twin
 
 
 def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential] | None:
@@ -146,6 +146,10 @@ class SequentialStages:
         self.num_stages, self.device, self.group = num_stages, device, group
         self.twins = list(twins) if twins is not None else None
         self.warn = warn
+        # Per mode: the twins exported once with dynamic sizes (at a third shape), or False where
+        # export cannot capture them; until then (and where it cannot) each shape runs them on fakes.
+        self._chained: dict[bool, ChainedShapes | bool] = {}
+        self._shapes_seen: dict[bool, set[tuple]] = {}
         self.static = self.twins is not None  # whether the last build gave torch the shapes
         self.merge_weights: list[float] | None = None  # (outputs concatenate on dim 0: unused)
 
@@ -169,6 +173,11 @@ class SequentialStages:
         assert self.twins is not None
         if example is None:
             raise RuntimeError("internal error: a new Sequential schedule needs the input on every rank")
+        chained = self._chained.get(train)
+        if isinstance(chained, ChainedShapes):
+            served = chained.examples(example)
+            if served is not None:
+                return served
         for twin in self.twins:
             twin.train(train)
         try:
@@ -181,7 +190,24 @@ class SequentialStages:
             )
             self.twins = None
             return None
-        return [tuple(tuple(meta_like(t) for t in ts) for ts in pair) for pair in fake]
+        shapes = [tuple(tuple(meta_like(t) for t in ts) for ts in pair) for pair in fake]
+        self._learn_dynamic_sizes(train, example, shapes)
+        return shapes
+
+    def _learn_dynamic_sizes(self, train: bool, example: tuple[Any, ...], shapes: list[StageExample]) -> None:
+        """At a mode's third input shape, export the twins with dynamic sizes: later shapes cost nothing.
+
+        Data of one length (and its epoch's short last batch) never pays the export; data whose lengths
+        vary pays it once.
+        """
+        seen = self._shapes_seen.setdefault(train, set())
+        seen.add(tuple(tuple(t.shape) for t in example if torch.is_tensor(t)))
+        if len(seen) < 3 or train in self._chained:
+            return
+        try:
+            self._chained[train] = ChainedShapes.export(self.twins, shapes, train, export_for_pipeline)
+        except Exception:  # a layer export cannot capture: its shapes keep coming from fake runs
+            self._chained[train] = False
 
     def units(self) -> list[tuple[str, nn.Module]]:
         """The layers of this rank's stages (what activation checkpointing may wrap)."""

@@ -11,13 +11,15 @@ fake tensors at the traced shape, since export's values do not record them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import Pipe
 
+from lightning_parallel.pipeline.fake_device import faked_on, trace_device
 from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, evaluate_shape, symbol_values
 
 StageExample = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (inputs, outputs), meta tensors
@@ -30,6 +32,7 @@ class StageShapes:
         pipe: the traced pipe (its stage graphs carry the traced values, symbolic where dynamic).
         example: the input it was traced at (meta tensors), run once on fake tensors.
         train: the mode of the schedules it serves (what autograd tracks differs).
+        device: the device the stages run on (their fake tensors', default: the CPU).
 
     Example::
 
@@ -38,10 +41,12 @@ class StageShapes:
         inputs, outputs = shapes.examples(new_example)[1]   # stage 1's, with the new sizes
     """
 
-    def __init__(self, pipe: Pipe, example: tuple[Any, ...], train: bool) -> None:
+    def __init__(
+        self, pipe: Pipe, example: tuple[Any, ...], train: bool, device: torch.device | str | None = None
+    ) -> None:
         self.num_stages = pipe.num_stages
         self.constraints = getattr(pipe, "size_constraints", None) or SizeConstraints()
-        self._fake = stage_examples(pipe, example, train)
+        self._fake = stage_examples(pipe, example, train, device)
         self._traced = [_traced_values(pipe.get_stage_module(i)) for i in range(pipe.num_stages)]
         self.symbolic = all(
             len(vals) == len(fake) and all(torch.is_tensor(v) for v in vals)
@@ -116,15 +121,96 @@ class StageShapes:
         )
 
 
-def stage_examples(pipe: Pipe, example: tuple[Any, ...], train: bool) -> list[StageExample]:
+class ChainedShapes:
+    """The shapes of a chain of separately exported stages (a split Sequential), for any served input.
+
+    Each stage twin is exported once with dynamic sizes; for a new input the sizes are bound stage by
+    stage (stage ``k``'s inputs are stage ``k - 1``'s evaluated outputs) and every stage's constraints
+    checked. Dtypes and ``requires_grad`` come from one run on fake tensors (``fake``) at a traced shape.
+
+    Example::
+
+        shapes = ChainedShapes.export(stage_twins, fake_examples, True, export_for_pipeline)
+        shapes.examples(new_example)    # each stage's (inputs, outputs), or None if not served
+    """
+
+    def __init__(
+        self, programs: Sequence[torch.export.ExportedProgram], fake: Sequence[StageExample]
+    ) -> None:
+        self._stages = [(_user_values(p), SizeConstraints.of(p)) for p in programs]
+        self._fake = list(fake)
+
+    @classmethod
+    def export(
+        cls,
+        stage_modules: Sequence[torch.nn.Module],
+        fake: Sequence[StageExample],
+        train: bool,
+        export: Callable[[torch.nn.Module, tuple[Any, ...]], tuple[torch.export.ExportedProgram, Any]],
+    ) -> ChainedShapes:
+        """``export`` each stage module (with dynamic sizes) on meta inputs shaped as its ``fake`` inputs.
+
+        Raises:
+            Exception: what export raises for a module it cannot capture.
+        """
+        programs = []
+        for module, (inputs, _) in zip(stage_modules, fake):
+            module.train(train)
+            example = tuple(meta_like(t).detach() for t in inputs)
+            with keeping_rng(), torch.set_grad_enabled(train):
+                programs.append(export(module, example)[0])
+        return cls(programs, fake)
+
+    def examples(self, example: Sequence[Any]) -> list[StageExample] | None:
+        shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
+        out = []
+        for ((ins, outs), constraints), (fake_in, fake_out) in zip(self._stages, self._fake):
+            try:
+                values = symbol_values([t.shape for t in ins], shapes)
+            except ValueError:
+                return None
+            if not constraints.allow(values):
+                return None
+            made_in = tuple(_meta(s, _contiguous(s), f) for s, f in zip(shapes, fake_in))
+            made_out = tuple(
+                _meta(evaluate_shape(t.shape, values), evaluate_shape(t.stride(), values), f)
+                for t, f in zip(outs, fake_out)
+            )
+            out.append((made_in, made_out))
+            shapes = [tuple(t.shape) for t in made_out]
+        return out
+
+
+def _user_values(program: torch.export.ExportedProgram) -> tuple[list[Any], list[Any]]:
+    """The traced values of a program's user inputs and outputs (its parameters and buffers left out)."""
+    signature = program.graph_signature
+    nodes = {n.name: n for n in program.graph.nodes}
+    inputs = [nodes[name].meta["val"] for name in signature.user_inputs]
+    output = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    outputs = [o.meta["val"] for o in output[: len(signature.user_outputs)]]
+    return inputs, outputs
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def stage_examples(
+    pipe: Pipe, example: tuple[Any, ...], train: bool, device: torch.device | str | None = None
+) -> list[StageExample]:
     """Each stage's inputs and outputs for one micro-batch, as fake tensors: the stages' static metadata.
 
-    The stages are run in turn on fake tensors (free), in the mode of the schedule, so each tensor
-    knows whether autograd tracks it: a stage receives its gradient only for those outputs, which the
-    graph's own fake values do not say (export records no ``requires_grad``). Run before the stage
-    modules are pointed at real tensors.
+    The stages are run in turn on fake tensors of ``device`` (free; default: the CPU), in the mode of
+    the schedule, so each tensor knows whether autograd tracks it: a stage receives its gradient only
+    for those outputs, which the graph's own fake values do not say (export records no
+    ``requires_grad``). Run before the stage modules are pointed at real tensors.
     """
-    return run_on_fake([pipe.get_stage_module(i) for i in range(pipe.num_stages)], example, train)
+    modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    return run_on_fake(modules, example, train, trace_device(device))
 
 
 def run_on_fake(
@@ -136,38 +222,26 @@ def run_on_fake(
     """Run ``stage_modules`` in turn on fake tensors of ``example``: each one's (inputs, outputs).
 
     Nothing is allocated and the random number generators are left as they were. With ``device``,
-    each module's (meta) parameters and buffers take part as fake tensors on that device, and the
-    example's tensors as fake tensors on theirs: every branch on a device and every autocast region
-    (``torch.autocast("cpu")`` casts no meta tensor) takes the path the real stage will take.
+    each module's (meta) parameters and buffers, and the example's tensors, take part as fake tensors
+    on that device (:mod:`~lightning_parallel.pipeline.fake_device`): every branch on a device and
+    every autocast region (``torch.autocast("cpu")`` casts no meta tensor) takes the path the real
+    stage will take. Without it, the tensors take part on the devices they are on.
     """
     out = []
-    with (
-        keeping_rng(),
-        torch.set_grad_enabled(train),
-        FakeTensorMode(allow_non_fake_inputs=True) as fake,
-    ):
-        args = tuple(fake.from_tensor(a) if torch.is_tensor(a) else a for a in example)
+    with keeping_rng(), torch.set_grad_enabled(train), contextlib.ExitStack() as stack:
+        if device is None:
+            mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            args = tuple(mode.from_tensor(a) if torch.is_tensor(a) else a for a in example)
+        else:
+            fake = stack.enter_context(faked_on(stage_modules, device))
+            args = tuple(fake.inputs(tuple(example)))
+            stack.enter_context(fake.mode)
         for stage_module in stage_modules:
-            if device is None:
-                outputs = stage_module(*args)
-            else:
-                outputs = torch.func.functional_call(stage_module, _fake_state(stage_module, device), args)
+            outputs = stage_module(*args)
             outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
             out.append((args, outputs))
             args = outputs
     return out
-
-
-def _fake_state(module: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """``module``'s parameters and buffers as empty tensors on ``device`` (fake: under a FakeTensorMode)."""
-    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    made: dict[int, torch.Tensor] = {}
-    for _, t in named:
-        if id(t) not in made:
-            made[id(t)] = torch.empty_strided(
-                t.shape, t.stride(), dtype=t.dtype, device=device
-            ).requires_grad_(t.requires_grad)
-    return {name: made[id(t)] for name, t in named}
 
 
 def keeping_rng() -> Any:

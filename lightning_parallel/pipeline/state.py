@@ -101,6 +101,13 @@ def merge_optimizer_states(parts: Iterable[dict], order: Sequence[str] | None = 
     return {"state": state, "param_groups": groups, "optimizer_type": types.pop()}
 
 
+# Not what tells optimizers apart: the parameters, and the keys a learning-rate scheduler adds to a group
+# (the LR finder saves its checkpoint before its scheduler adds "initial_lr", and restores it after).
+_NOT_HYPER = frozenset(
+    {"params", "param_names", "initial_lr", "base_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"}
+)
+
+
 def reshard_optimizer_state(
     full: Mapping[str, Any],
     optimizer: torch.optim.Optimizer,
@@ -128,8 +135,8 @@ def reshard_optimizer_state(
     name_to_id = {n: i for i, n in id_to_name.items()}
     state, groups, local_id = {}, [], 0
     for group, saved in zip(optimizer.param_groups, saved_groups):
-        hyper_now = set(group) - {"params", "param_names"}
-        hyper_saved = set(saved) - {"params", "param_names"}
+        hyper_now = set(group) - _NOT_HYPER
+        hyper_saved = set(saved) - _NOT_HYPER
         if hyper_now != hyper_saved:
             raise ValueError(
                 f"the checkpoint's optimizer has hyper-parameters {sorted(hyper_saved)} but this one has "

@@ -3,9 +3,11 @@
 For models that are not one ``nn.Sequential`` (nanoGPT, litgpt, Hugging Face decoders: embeddings, a
 ModuleList of blocks, a head, maybe tied to the embedding). Tracing runs on a *meta twin* of the module
 (same structure and ties, parameters on the meta device), so it costs no memory, leaves the user's
-module untouched, and can be repeated for each new input shape (export specialises on shapes). The
-stage modules it yields are then pointed at this rank's real tensors and wrapped in torch's traced
-pipeline stages.
+module untouched, and can be repeated for each new input shape. While it is traced, the twin's tensors
+and the example's are fake tensors of the device the stages run on
+(:mod:`~lightning_parallel.pipeline.fake_device`): a forward that branches on its inputs' device, or
+enters ``torch.autocast(x.device.type, ...)``, is traced on the path that device takes. The stage
+modules it yields are then pointed at this rank's real tensors and wrapped in torch's pipeline stages.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import types
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,24 +24,23 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.pipelining import Pipe, SplitPoint
-from torch.distributed.pipelining._IR import (
-    MultiUseParameterConfig,
-    annotate_split_points,
-)
+from torch.distributed.pipelining import Pipe, pipe_split
+from torch.distributed.pipelining._IR import MultiUseParameterConfig
 from torch.export import Dim
 from torch.export.unflatten import InterpreterModule
 
 from lightning_parallel.pipeline.call_binding import CallBinding, bound_forward
+from lightning_parallel.pipeline.fake_device import FakeDevice, faked_on, trace_device
 from lightning_parallel.pipeline.graph_regions import inline_wrapped_regions
 from lightning_parallel.pipeline.relay import relay_skips
 from lightning_parallel.pipeline.stage_shapes import keeping_rng
 from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, localize_sizes
-
-
-class PipelineTraceError(RuntimeError):
-    """torch.export could not capture the module's forward as one graph."""
+from lightning_parallel.pipeline.trace_errors import (
+    EXPORT,
+    PipelineTraceError,  # noqa: F401  (re-exported from its old home)
+    TraceStepFailed,
+    step,
+)
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
@@ -78,7 +80,43 @@ def meta_twin(module: nn.Module) -> nn.Module:
                     setattr(copy, name, value.__class__(value))
         return modules[id(m)]
 
-    return twin_module(module)
+    twin = twin_module(module)
+    for copy in modules.values():
+        _rebind_callables(copy, modules)
+    return twin
+
+
+def _rebind_callables(copy: nn.Module, twins: Mapping[int, nn.Module]) -> None:
+    """Point the module-calling attributes the copy shares with the original at the twin's modules.
+
+    A block that keeps ``self.mlpf = lambda x: m.c_proj(m.act(m.c_fc(x)))`` (minGPT) or a bound
+    ``other.forward`` as an attribute would otherwise run the user's modules, with real weights the
+    export lifts as constants (no gradient reaches them): the twin gets its own lambda, closing over
+    the twin's modules, and the method bound to the twin's module.
+    """
+    for name, value in list(vars(copy).items()):
+        if isinstance(value, types.MethodType) and id(value.__self__) in twins:
+            setattr(copy, name, types.MethodType(value.__func__, twins[id(value.__self__)]))
+        elif isinstance(value, types.FunctionType) and value.__closure__:
+            cells = [c.cell_contents if _filled(c) else None for c in value.__closure__]
+            if any(isinstance(v, nn.Module) and id(v) in twins for v in cells):
+                closure = tuple(
+                    types.CellType(twins[id(v)]) if isinstance(v, nn.Module) and id(v) in twins else c
+                    for v, c in zip(cells, value.__closure__)
+                )
+                rebound = types.FunctionType(
+                    value.__code__, value.__globals__, value.__name__, value.__defaults__, closure
+                )
+                rebound.__kwdefaults__ = value.__kwdefaults__
+                setattr(copy, name, rebound)
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def to_meta(tree: Any) -> Any:
@@ -88,13 +126,21 @@ def to_meta(tree: Any) -> Any:
     )
 
 
-def call_order(module: nn.Module, args: tuple[Any, ...], binding: CallBinding | None = None) -> list[str]:
-    """Module paths in the order ``module(*args)`` first calls them (run it on a meta twin: free).
+def call_order(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    binding: CallBinding | None = None,
+    device: torch.device | str | None = None,
+) -> list[str]:
+    """Module paths in the order ``module(*args)`` first calls them (run on a meta twin: free).
+
+    The twin runs on fake tensors of ``device`` (default: the CPU), the stages' device.
 
     Raises:
         ValueError: the forward fails on these inputs (a batch the model rejects).
     """
     order: dict[str, None] = {}
+    device = trace_device(device)
     handles = [
         sub.register_forward_pre_hook(lambda _m, _a, path=path: order.setdefault(path))
         for path, sub in module.named_modules()
@@ -103,13 +149,15 @@ def call_order(module: nn.Module, args: tuple[Any, ...], binding: CallBinding | 
     try:
         # Fake tensors, not bare meta ones: libraries that branch on a tensor's value unless they are
         # being traced (transformers' mask code calls .item() otherwise) see fake tensors as tracing.
-        with _bound(module, binding), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            module(*(fake.from_tensor(a) if torch.is_tensor(a) else a for a in args))
+        with faked_on(module, device) as fake, _bound(module, binding), torch.no_grad():
+            inputs = fake.inputs(args)
+            with fake.mode:
+                module(*inputs)
     except Exception as err:
         shapes = [tuple(a.shape) for a in args if torch.is_tensor(a)]
         raise ValueError(
-            f"{type(module).__name__}.forward failed on inputs of shapes {shapes} (run on the meta device "
-            f"to find the stages): {type(err).__name__}: {err}"
+            f"{type(module).__name__}.forward failed on inputs of shapes {shapes} (run on fake "
+            f"{device} tensors to find the stages): {type(err).__name__}: {err}"
         ) from err
     finally:
         for h in handles:
@@ -124,8 +172,12 @@ def trace(
     train: bool,
     binding: CallBinding | None = None,
     dynamic: bool = True,
+    device: torch.device | str | None = None,
 ) -> Pipe:
     """``torch.distributed.pipelining.pipeline`` on the twin, split before each of ``split_points``.
+
+    The twin and ``example`` are traced as fake tensors of ``device`` (default: the CPU), the device
+    the stages will run on; the pipe's stage modules hold the twin's meta tensors again.
 
     With ``dynamic`` (the default) every dimension of every input is exported as ``Dim.AUTO``: the
     program keeps a size symbolic wherever the model lets it (the batch and sequence lengths of a
@@ -135,79 +187,120 @@ def trace(
     holds for are ``pipe.size_constraints`` (:class:`~lightning_parallel.pipeline.symbolic_sizes.
     SizeConstraints`).
 
-    ``pipeline()`` marks a split point by patching the module's ``forward`` in place; the patches
-    are undone here so the twin can be traced again at another shape.
+    A split point is marked by a forward pre-hook, removed afterwards, so the twin can be traced
+    again at another shape.
+
+    Raises:
+        TraceStepFailed: a step failed (:mod:`~lightning_parallel.pipeline.trace_errors` says whose
+            failure it is: the forward's, or this package's).
     """
     twin.train(train)
-    targets = [twin.get_submodule(p) for p in split_points]
-    saved = [(m, m.__dict__.get("forward")) for m in targets]
+    # Each stage begins with torch's pipe_split marker, recorded by a pre-hook of the module where it
+    # begins (torch's annotate_split_points patches the module's forward instead, which makes export
+    # record the module's children by relative paths: x-transformers' blocks then cannot be cut).
+    hooks = [twin.get_submodule(p).register_forward_pre_hook(_split_before) for p in split_points]
     try:
         with warnings.catch_warnings():
             # torch 2.13's export warns about its own pytree internals on every trace: not the user's concern.
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             with _bound(twin, binding), keeping_rng():
-                pipe = _pipeline(twin, example, split_points, dynamic)
-    except RuntimeError as err:
-        raise _trace_error(twin, err) from None
+                pipe = _pipeline(twin, example, split_points, dynamic, device)
     finally:
-        for m, forward in saved:
-            m.__dict__.pop("_orig_forward", None)
-            if forward is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = forward
-    relay_skips(pipe)  # a value made before the blocks and read by every block reaches the later stages
+        for hook in hooks:
+            hook.remove()
+    with step("relaying values read past the next stage"):
+        relay_skips(pipe)  # a value made before the blocks and read by every block reaches the later stages
     return run_generated_code(pipe)
+
+
+def _split_before(_module: nn.Module, _args: Any) -> None:
+    pipe_split()
 
 
 def _bound(module: nn.Module, binding: CallBinding | None) -> Any:
     return bound_forward(module, binding) if binding is not None else contextlib.nullcontext()
 
 
-def _pipeline(twin: nn.Module, example: tuple[Any, ...], split_points: Sequence[str], dynamic: bool) -> Pipe:
+def _pipeline(
+    twin: nn.Module,
+    example: tuple[Any, ...],
+    split_points: Sequence[str],
+    dynamic: bool,
+    device: torch.device | str | None,
+) -> Pipe:
     """torch's ``pipeline(twin, example, split_spec)``, exported with dynamic sizes, regions inlined.
 
     ``pipeline()`` is ``torch.export`` (with static shapes only) followed by ``Pipe._from_traced``,
-    which cuts the exported program; the export is made here (:func:`export_for_pipeline`) and handed
-    to that step (private, torch 2.13; test_trace.py fails loudly if it moves). The split points are
-    annotated as ``pipeline()`` does (its private ``annotate_split_points``), and the split policy,
-    the hook where the graph can be changed before the cut, inlines the no-grad regions
-    (:mod:`~lightning_parallel.pipeline.graph_regions`, for pytorch#184361) and makes every stage
-    compute the sizes it uses (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
+    which cuts the exported program; the export is made here (:func:`export_for_pipeline`, on fake
+    tensors of ``device``) and handed to that step (private, torch 2.13; test_trace.py fails loudly if
+    it moves). The split points are marked with torch's ``pipe_split()`` (see :func:`trace`), and the
+    split policy, the hook where the graph can be changed before the cut, inlines the no-grad
+    regions (:mod:`~lightning_parallel.pipeline.graph_regions`, for pytorch#184361) and makes every
+    stage compute the sizes it uses (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
     """
-    annotate_split_points(twin, {p: SplitPoint.BEGINNING for p in split_points})
-    program, failure = export_for_pipeline(twin, example, dynamic)
-    pipe = Pipe._from_traced(twin, program, MultiUseParameterConfig.REPLICATE, split_policy=_before_split)
+    with faked_on(twin, device) as fake:
+        try:
+            program, failure = export_for_pipeline(twin, fake.inputs(example), dynamic)
+        except RuntimeError as err:
+            raise TraceStepFailed(EXPORT, err.__cause__ or err) from err
+        _hold_originals(program, fake)
+    with step(f"splitting the exported graph into stages at {list(split_points)}"):
+        pipe = Pipe._from_traced(twin, program, MultiUseParameterConfig.REPLICATE, split_policy=_before_split)
     pipe.dynamic_failure = failure
     pipe.size_constraints = SizeConstraints.of(program)  # (the stage graphs no longer hold them)
     return pipe
 
 
+def _hold_originals(program: torch.export.ExportedProgram, fake: FakeDevice) -> None:
+    """Point the program's parameters, buffers and constants back at the twin's meta tensors.
+
+    Export keeps the module's tensors it read (here the fakes of :func:`faked_on`); the stages cut
+    from it then hold tensors that allocate nothing and belong to no fake mode, as before the trace.
+    """
+    for table in (program.state_dict, program.constants):
+        for name, value in list(table.items()):
+            table[name] = fake.original(value)
+
+
 def export_for_pipeline(
     module: nn.Module, example: tuple[Any, ...], dynamic: bool = True
 ) -> tuple[torch.export.ExportedProgram, str | None]:
-    """``torch.export`` of ``module(*example)``, every input dimension ``Dim.AUTO`` if ``dynamic``.
+    """``torch.export`` of ``module(*example)``, with dynamic sizes if ``dynamic``.
 
-    Returns the program and, when the dynamic export failed and a static one was made instead, the
-    first line of export's reason (``None`` otherwise).
+    Every input dimension is ``Dim.AUTO`` (dynamic where the model lets it, specialised where it
+    does not), except the micro-batch dimension (dim 0 of every input, one size): tried first as a
+    ``Dim`` from 1, so a micro-batch of one sample (a short last batch) is served too, which
+    ``Dim.AUTO`` never allows (it specialises sizes of 0 and 1). Returns the program and, when no
+    dynamic export succeeded and a static one was made instead, the first line of export's reason
+    (``None`` otherwise).
 
     Raises:
         RuntimeError: export failed (its error is the ``__cause__``), as ``pipeline()`` raises it.
     """
     failure = None
-    if dynamic:
+    for batch in (Dim("microbatch", min=1), Dim.AUTO) if dynamic else ():
         try:
-            return torch.export.export(module, example, dynamic_shapes=_auto_dims(module, example)), None
-        except Exception as err:  # export raises many types; the static export below says if it is the shape
+            fresh = _fresh(example)
+            return torch.export.export(module, fresh, dynamic_shapes=_dims(module, fresh, batch)), None
+        except Exception as err:  # export raises many types; the next attempt says whether it is the shape
             failure = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
     try:
-        return torch.export.export(module, example), failure
+        return torch.export.export(module, _fresh(example)), failure
     except Exception as err:
         raise RuntimeError("torch.export could not capture the module's forward as one graph") from err
 
 
-def _auto_dims(module: nn.Module, example: tuple[Any, ...]) -> tuple[Any, ...]:
-    specs = tuple({d: Dim.AUTO for d in range(t.dim())} if torch.is_tensor(t) else None for t in example)
+def _fresh(example: tuple[Any, ...]) -> tuple[Any, ...]:
+    """New tensor objects for one export attempt: a failed export leaves its dimension markers on its
+    inputs (``_dynamo_dynamic_indices``), which would make the next attempt's sizes what the last asked."""
+    return tuple(t.detach().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t for t in example)
+
+
+def _dims(module: nn.Module, example: tuple[Any, ...], batch: Any) -> tuple[Any, ...]:
+    specs = tuple(
+        {d: batch if d == 0 else Dim.AUTO for d in range(t.dim())} if torch.is_tensor(t) and t.dim() else None
+        for t in example
+    )
     params = list(inspect.signature(module.forward).parameters.values())
     if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
         return (specs,)  # forward(*tensors) (a bound call): one spec, a tuple, for the varargs
@@ -219,12 +312,13 @@ def _before_split(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def device_args_as_keywords(gm: fx.GraphModule) -> fx.GraphModule:
-    """Pass every device given positionally to an aten op (``aten.to.device(x, meta, ...)``) by keyword.
+    """Pass every device given positionally to an aten op (``aten.to.device(x, cpu, ...)``) by keyword.
 
-    The twin is traced on the meta device, so ``x.to(h.device)`` records ``meta``; torch's
-    ``build_stage`` moves a stage's ops to its device by rewriting their ``device=`` keyword only
-    (``_modify_graph_op_device``), which a positional device escapes (the rotary embeddings of the
-    Hugging Face decoders then fail with "Tensor on device meta is not on the expected device").
+    ``x.to(h.device)`` records the traced device as a positional argument; torch's ``build_stage``
+    moves a stage's ops to its device by rewriting their ``device=`` keyword only
+    (``_modify_graph_op_device``), which a positional device escapes. The stages are traced for the
+    device they run on, so the two agree; a stage moved to another device (a traced program reused
+    after ``model.to(...)``) still runs every op there.
     """
     changed = False
     for node in gm.graph.nodes:
@@ -257,22 +351,6 @@ def run_generated_code(pipe: Pipe) -> Pipe:
                 raise RuntimeError("torch's InterpreterModule lost `_run_with_interpreter` (checked on 2.13)")
             module._run_with_interpreter = False
     return pipe
-
-
-def _trace_error(twin: nn.Module, err: RuntimeError) -> PipelineTraceError:
-    cause = err.__cause__ or err
-    text = str(cause).strip()
-    where = re.findall(r'File "([^"]+)", line (\d+)', text)
-    user = [f"{f}:{n}" for f, n in where if "site-packages" not in f and "/torch/" not in f]
-    lines = text.splitlines()
-    reported = "\n    ".join(lines[:12]) + ("\n    ..." if len(lines) > 12 else "")
-    return PipelineTraceError(
-        f"PipelineStrategy could not trace {type(twin).__name__}.forward with torch.export"
-        f"{f' (at {user[-1]})' if user else ''}. torch.export reported:\n    {type(cause).__name__}: "
-        f"{reported}\nTwo ways out: make forward exportable (no Python branches on tensor values: use "
-        f"torch.where / torch.cond; see https://pytorch.org/docs/stable/export.html), or hold the layers "
-        f"in a top-level nn.Sequential, which PipelineStrategy splits without tracing"
-    )
 
 
 @dataclass(frozen=True)

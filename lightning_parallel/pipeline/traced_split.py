@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +31,12 @@ from lightning_parallel.parallelize.traced_tensor import (
 from lightning_parallel.pipeline.call_binding import CallBinding
 from lightning_parallel.pipeline.stage_shapes import StageShapes
 from lightning_parallel.pipeline.trace import point_at, to_meta, trace, unit_calls
+from lightning_parallel.pipeline.trace_errors import TraceStepFailed, explain, ours, step
 
 
 def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
-    """The ``nn.ModuleList`` (or nested ``nn.Sequential``) holding most parameters: its path and children.
+    """The ``nn.ModuleList`` (or nested ``nn.Sequential``, or ``nn.ModuleDict`` keyed by block numbers, as
+    torchtitan's models hold their layers) with most parameters: its path and children.
 
     Raises:
         ValueError: the module has no such list to split at.
@@ -42,7 +44,7 @@ def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
     lists = [
         (sum(p.numel() for p in m.parameters()), path, list(m._modules))
         for path, m in module.named_modules()
-        if path and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0
+        if path and len(m._modules) > 0 and (isinstance(m, (nn.ModuleList, nn.Sequential)) or _numbered(m))
     ]
     if not lists:
         raise ValueError(
@@ -52,6 +54,10 @@ def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
         )
     _, path, names = max(lists, key=lambda entry: entry[0])
     return path, names
+
+
+def _numbered(m: nn.Module) -> bool:
+    return isinstance(m, nn.ModuleDict) and all(name.isdigit() for name in m._modules)
 
 
 def check_split_points(
@@ -89,6 +95,24 @@ def _blocks_hint(module: nn.Module) -> str:
     except ValueError:
         return "(no nn.ModuleList found)"
     return f"{path}.{names[0]} .. {path}.{names[-1]}"
+
+
+def block_entry(order: Sequence[str], block: str) -> str:
+    """Where a stage beginning at ``block`` is split: the block, or where a block that is only a container
+    (x-transformers' ``layers.2``, a ``ModuleList`` of norm, layer and residual) is first entered.
+
+    Raises:
+        ValueError: forward never calls the block or anything inside it.
+    """
+    if block in order:
+        return block
+    inside = [p for p in order if p.startswith(f"{block}.")]
+    if not inside:
+        raise ValueError(
+            f"`{block}` is never called by forward, nor anything inside it: name the stage beginnings with "
+            f"split_points=[...] (module paths forward calls)"
+        )
+    return inside[0]
 
 
 def block_extras(module: nn.Module, order: Sequence[str], block_path: str) -> tuple[int, int]:
@@ -276,7 +300,7 @@ class TracedStages:
                 self._programs.remove(program)
                 self._programs.append(program)
                 return program
-        pipe = trace(self.twin, example, self.split_points, train, self.bindings.get(train))
+        pipe = self._trace(train, example)
         self.traces += 1
         program = self._program(train, example, pipe)
         if same_call:
@@ -285,6 +309,24 @@ class TracedStages:
         if len(self._programs) > self.max_programs:
             self._programs.pop(0)
         return program
+
+    def _trace(self, train: bool, example: tuple[Any, ...]) -> Any:
+        """Trace again for a shape no program serves; a failure says whose it is (trace_errors.py)."""
+        try:
+            return trace(
+                self.twin, example, self.split_points, train, self.bindings.get(train), device=self.device
+            )
+        except TraceStepFailed as failed:
+            shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
+            note = (
+                f"traced again for inputs of shapes {shapes}; not checked against the module itself, "
+                f"which this rank holds only its stages of"
+            )
+            raise explain(failed, self._what, note=note) from failed.error
+
+    @property
+    def _what(self) -> str:
+        return f"{type(self.twin).__name__}.forward"
 
     def _program(self, train: bool, example: tuple[Any, ...], pipe: Any) -> TracedProgram:
         if pipe.num_stages != self.num_stages:
@@ -300,7 +342,9 @@ class TracedStages:
                 f"lengths to bound the traces (lightning_parallel.padding_to_multiple, or a Hugging Face "
                 f"collator's pad_to_multiple_of)",
             )
-        return TracedProgram(self._key(train), pipe, StageShapes(pipe, example, train))
+        with _building("sizing the stages' inputs and outputs on fake tensors", self._what):
+            shapes = StageShapes(pipe, example, train, self.device)
+        return TracedProgram(self._key(train), pipe, shapes)
 
     def _key(self, train: bool) -> tuple:
         binding = self.bindings.get(train)
@@ -318,10 +362,11 @@ class TracedStages:
         if index in program.prepared:
             return program.prepared[index]
         stage_module = program.pipe.get_stage_module(index)
-        point_at(stage_module, _real_tensors(self.module, self.aliases), self.aliases)
-        # The tracer recorded devices in the graph (``torch.ones(..., device=meta)``): moved to the
-        # stage's device as ``Pipe.build_stage`` does, with the same private helper (torch 2.13).
-        _modify_graph_op_device(stage_module, self.device)
+        with _building(f"building stage {index} around this rank's tensors", self._what):
+            point_at(stage_module, _real_tensors(self.module, self.aliases), self.aliases)
+            # The tracer recorded devices in the graph (``torch.ones(..., device=cuda:0)``): moved to
+            # the stage's device as ``Pipe.build_stage`` does, with the same private helper (torch 2.13).
+            _modify_graph_op_device(stage_module, self.device)
         runs: nn.Module | None = self.root  # what the torch stage runs (None: the stage module)
         if self.tensor_parallel_mesh is not None:
             place_split_ops(stage_module, self._split_styles, self.aliases)
@@ -369,6 +414,16 @@ class TracedStages:
             return total + value * share if share else total + torch.zeros_like(value)
 
         return _CustomReducer(torch.tensor(0.0), add)
+
+
+@contextlib.contextmanager
+def _building(name: str, what: str) -> Iterator[None]:
+    """A failure of this package's own stage building, reported as such (trace_errors.py)."""
+    try:
+        with step(name):
+            yield
+    except TraceStepFailed as failed:
+        raise ours(failed, what, exported=True) from failed.error
 
 
 def called_units(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:

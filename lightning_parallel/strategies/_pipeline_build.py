@@ -23,11 +23,13 @@ from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.pipeline.grads import HeldGradients
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
+from lightning_parallel.pipeline.metrics import StageMetrics
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.shared import SharedReplicas, alias_table, find_shared
 from lightning_parallel.pipeline.split import find_sequential
+from lightning_parallel.pipeline.step_scope import StepScope
 from lightning_parallel.pipeline.timeline import Timeline
 from lightning_parallel.strategies._pipeline_config import PipelineConfig, refuse_traced_parallelize
 from lightning_parallel.strategies._pipeline_items import StepItems
@@ -58,6 +60,8 @@ class PipelineParts:
     )  # last stage -> others, per step method
     timeline: Timeline | None = None  # set by the PipelineTimeline callback for the steps it records
     items: StepItems | None = None  # how training steps count their items (token-exact losses), if they do
+    scope: StepScope = field(default_factory=StepScope)  # marks the user's step code while it runs
+    metrics: StageMetrics | None = None  # the module's torchmetrics Metrics, adapted to the stages
 
 
 def build_pipeline(
@@ -87,4 +91,16 @@ def build_pipeline(
     )
     shared.broadcast_from_owners()
     param_names = {p: aliases[n] for n, p in module.named_parameters()}
-    return PipelineParts(mesh, plan, runner, call, shared, param_names, model_keys, model_param_order, twin)
+    parts = PipelineParts(mesh, plan, runner, call, shared, param_names, model_keys, model_param_order, twin)
+    _adapt_to_steps(parts, module)
+    return parts
+
+
+def _adapt_to_steps(parts: PipelineParts, module: nn.Module) -> None:
+    """The step scope (who runs the step's code) and the module's Metrics, adapted to where it runs."""
+    mesh, plan = parts.mesh, parts.plan
+    pipelined = mesh.pp_size > 1
+    parts.scope = StepScope(frozenset(mesh.layout.replicas_of(mesh.pp_rank)) if pipelined else None)
+    last = mesh.global_rank(plan.pp_rank_of(plan.num_stages - 1))
+    parts.metrics = StageMetrics(parts.scope, mesh.dp_group, mesh.pp_group if pipelined else None, last)
+    parts.metrics.adapt_module(module)

@@ -246,3 +246,24 @@ def check_fit_supported(trainer: pl.Trainer, strategy: Any) -> None:
             f"its schedule), and {type(trainer.lightning_module).__name__} sets "
             "`self.automatic_optimization = False`: remove that line"
         )
+
+
+def refuse_unsupported_callbacks(trainer: pl.Trainer) -> None:
+    """Refuse, on every rank before any process group work, the callbacks that cannot run on split stages."""
+    from lightning.pytorch.callbacks import BatchSizeFinder, StochasticWeightAveraging, WeightAveraging
+
+    for callback in trainer.callbacks:
+        name = type(callback).__name__
+        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+            raise ValueError(
+                f"{name} is not supported under PipelineStrategy: it averages a copy of the whole module "
+                f"taken before the strategy splits it into stages, and a checkpoint keeps the copy of "
+                f"global rank 0 only. Train without it and average the weights offline: the consolidated "
+                f"checkpoints of the last epochs (consolidate_checkpoint for distributed ones)"
+            )
+        if isinstance(callback, BatchSizeFinder):
+            raise ValueError(
+                f"{name} is not supported under PipelineStrategy (Lightning tunes the batch size on one "
+                f"device only): find it with Tuner(L.Trainer(devices=1)).scale_batch_size(model), then "
+                f"give each data-parallel replica that batch size (a multiple of num_microbatches)"
+            )

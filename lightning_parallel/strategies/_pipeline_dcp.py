@@ -20,7 +20,9 @@ from torch import nn
 from lightning_parallel.checkpoint import distributed
 from lightning_parallel.checkpoint.consolidate import DCP_KEY, FORMAT, read_meta
 from lightning_parallel.checkpoint.directory import verify_checkpoint_dir, write_checkpoint_dir
+from lightning_parallel.checkpoint.directory_async import save_checkpoint_dir_async
 from lightning_parallel.distributed.agree import agree, distributed_ready
+from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers
 
 if TYPE_CHECKING:
     from lightning_parallel.strategies._pipeline_build import PipelineParts
@@ -32,6 +34,27 @@ def save_checkpoint_dir(
     parts: PipelineParts, checkpoint: dict[str, Any], path: str, tag: dict[str, Any] | None = None
 ) -> None:
     """Write ``checkpoint`` (from ``dump_checkpoint`` with local states) as a DCP directory: every rank."""
+    state, meta, tag = dcp_parts(parts, checkpoint, path, tag)
+    write_checkpoint_dir(str(path), lambda tmp: distributed.dcp.save(state, checkpoint_id=tmp), meta, tag)
+
+
+def save_checkpoint_dir_in_background(
+    parts: PipelineParts,
+    checkpoint: dict[str, Any],
+    path: str,
+    tag: dict[str, Any] | None,
+    writer: AsyncWriter,
+    buffers: SnapshotBuffers,
+) -> None:
+    """:func:`save_checkpoint_dir` with the writing on ``writer``'s thread, on the checkpoint group."""
+    state, meta, tag = dcp_parts(parts, checkpoint, path, tag)
+    save_checkpoint_dir_async(str(path), state, meta, tag, writer, buffers)
+
+
+def dcp_parts(
+    parts: PipelineParts, checkpoint: dict[str, Any], path: str, tag: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(the state DCP writes: model and flat optimizer states, meta.pt's content, its tag)."""
     checkpoint = dict(checkpoint)
     optimizers = [dict(flat) for flat in checkpoint.pop("optimizer_states", [])]
     types = [flat.pop(_TYPE) for flat in optimizers]
@@ -48,9 +71,7 @@ def save_checkpoint_dir(
         **(tag or {}),
     }
     tag.setdefault("name", os.path.basename(os.path.abspath(path)))
-    write_checkpoint_dir(
-        str(path), lambda tmp: distributed.dcp.save(state, checkpoint_id=tmp), checkpoint, tag
-    )
+    return state, checkpoint, tag
 
 
 def local_optimizer_state(optimizer: Any, parts: PipelineParts) -> dict[str, Any]:

@@ -38,7 +38,11 @@ def consolidated_state_dict(module: nn.Module, parts: PipelineParts | None) -> d
     gathered = gather_object_to(stage_state.to_cpu(dict(local)), 0, parts.mesh.pp_group)
     if gathered is None:
         return {}
-    merged = {k: v for part in gathered for k, v in part.items()}
+    # A key every stage holds (a torchmetrics Metric's persistent state) is taken from the last stage's
+    # rank, where the step updates it; the stages' own keys are disjoint (tied replicas are equal).
+    last = parts.plan.pp_rank_of(parts.plan.num_stages - 1)
+    parts_in_order = [*gathered[:last], *gathered[last + 1 :], gathered[last]]
+    merged = {k: v for part in parts_in_order for k, v in part.items()}
     return {k: merged[k] for k in parts.model_keys if k in merged}
 
 

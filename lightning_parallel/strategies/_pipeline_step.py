@@ -3,7 +3,8 @@
 The user's step runs unchanged: on the first stage up to its pipelined call (to capture that call's
 input), on the last stage around the pipeline's output (once per micro-batch in training, as the
 schedule's loss function; once per batch in evaluation). What it logs and returns is sent from the
-last stage to every stage of the replica and logged there through ``self.log``.
+last stage to every stage of the replica and logged there through ``self.log``; so is an error it
+raises there, so that every rank stops with it instead of waiting for the last stage.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import torch
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from lightning_parallel.data.batch_samples import samples_in
+from lightning_parallel.distributed.agree import packed_error, unpacked_error
 from lightning_parallel.distributed.collectives import broadcast_object, recv_object, send_object
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.parallelize.fsdp import reshard
+from lightning_parallel.pipeline._torchmetrics_internals import set_step_value
 from lightning_parallel.pipeline.item_weights import weighted_mean
 from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.pipeline.metrics import StageMetrics
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
-from lightning_parallel.pipeline.step_logs import LogRecorder, from_record, to_record
+from lightning_parallel.pipeline.step_logs import LoggedMetric, LogRecorder, from_record, to_record
 from lightning_parallel.pipeline.timeline import span_of
 from lightning_parallel.strategies._earlier_gradients import earlier_gradients
 from lightning_parallel.strategies._pipeline_precision import scaled_loss
@@ -36,25 +40,49 @@ if TYPE_CHECKING:
 def run_step(
     parts: PipelineParts, module: pl.LightningModule, step_name: str, args: tuple[Any, ...], train: bool
 ) -> Any:
-    """Run ``step_name`` (``training_step``, ...) for one batch through the pipeline."""
+    """Run ``step_name`` (``training_step``, ...) for one batch through the pipeline.
+
+    An error the user's step raises on the last stage (or one in what it logged) travels to every stage
+    in the place of the logged values: every rank raises it at the same point.
+    """
     mesh = parts.mesh
     step = _Step(parts, module, step_name, args, train)
-    result = step.train() if train else step.evaluate()
+    split = train and step.m > 1 and parts.runner.has_last  # the step runs once per micro-batch here
+    window = parts.metrics.window() if split and parts.metrics is not None else None
+    with window.collecting() if window is not None else nullcontext():
+        result = step.train() if train else step.evaluate()
     if step_name == "predict_step":
-        if parts.runner.has_last:
-            result["logs"] = [(e.name, e.combined(), e.replay_kwargs()) for e in step.recorder.entries()]
-        result = from_last_stage(result, mesh, last_pp_rank(parts))
-        replay_logs(module, result["logs"], mesh.dp_group)
-        if mesh.dp_size > 1:
-            return collect_predictions(parts, result.get("output"), batch_idx=args[1])
-        return result.get("output")
-    has_last = parts.runner.has_last
-    record = to_record(step.recorder.entries(), *([result["loss"]] if train else [])) if has_last else None
+        return _predicted(parts, module, step, result, args)
+    record, error = None, step.failure
+    if parts.runner.has_last and error is None:
+        try:
+            if window is not None:
+                window.finish()  # each Metric's step value: over the whole batch, not its last micro-batch
+            record = to_record(step.recorder.entries(), *([result["loss"]] if train else []))
+        except Exception as err:
+            error = err
     with span_of(parts.timeline, "log broadcast", "collective"):
-        numbers = numbers_from_last_stage(parts, step_name, record)
+        numbers = numbers_from_last_stage(parts, step_name, record, error)
     leading, logs = from_record(*numbers, leading=int(train))
-    replay_logs(module, logs, mesh.dp_group)
+    replay_logs(module, logs, mesh.dp_group, parts.metrics)
     return torch.tensor(leading[0], device=module.device) if train else None
+
+
+def _predicted(
+    parts: PipelineParts, module: pl.LightningModule, step: _Step, result: dict[str, Any], args: tuple
+) -> Any:
+    mesh = parts.mesh
+    if parts.runner.has_last:
+        result["logs"] = [(e.name, e.combined(), e.replay_kwargs()) for e in step.recorder.entries()]
+        if step.failure is not None:
+            result = {"error": packed_error(step.failure)}
+    result = from_last_stage(result, mesh, last_pp_rank(parts))
+    if "error" in result:
+        raise step.failure if step.failure is not None else unpacked_error(result["error"])
+    replay_logs(module, result["logs"], mesh.dp_group)
+    if mesh.dp_size > 1:
+        return collect_predictions(parts, result.get("output"), batch_idx=args[1])
+    return result.get("output")
 
 
 class _Step:
@@ -73,7 +101,9 @@ class _Step:
         self.n = batch_size(args[0])
         self.m = self.runner.microbatches_for(self.n)
         self.key = shape_key(args[0])
-        self.recorder = LogRecorder()
+        self.recorder = LogRecorder(parts.metrics.paths if parts.metrics is not None else None)
+        self.failure: Exception | None = None  # the user's step raised it on the last stage
+        self.step = self._in_scope(self.step)
         self.call.train = train  # the traced path's stand-in keeps one way of calling per mode
         self.items = parts.items if step_name != "predict_step" else None
         # Items read from the call's labels: every rank counts them in training, the last stage in
@@ -142,6 +172,43 @@ class _Step:
         binding = getattr(self.call, "bindings", {}).get(self.call.train)
         return self.items.per_microbatch(chunks, self.stage_args, binding)
 
+    def _in_scope(self, step: Any) -> Any:
+        """The user's step, marked as step code while it runs; an error it raises in replay is kept.
+
+        Kept, not raised: in training the schedule must still run every micro-batch on every stage (the
+        step is then skipped and the loss is a zero of the stage's output), and :func:`run_step` sends
+        the error to the other stages in the place of the logged values. Errors in capture (the first
+        stage, up to the pipelined call) are raised as they come.
+        """
+
+        def run(*args: Any) -> Any:
+            capturing = self.call.mode == "capture"
+            if self.failure is not None and not capturing:
+                return self._in_place_of_step()
+            with self.parts.scope.running("capture" if capturing else "replay"):
+                if capturing:
+                    return step(*args)
+                try:
+                    return step(*args)
+                except Exception as err:
+                    self.failure = err
+            return self._in_place_of_step()
+
+        return run
+
+    def _in_place_of_step(self) -> Any:
+        """What a failed step returns: nothing in evaluation; in training a zero loss tied to the output."""
+        if not self.call.train:
+            return None
+        output = torch.utils._pytree.tree_leaves(self.call.replayed)
+        leaves = [t for t in output if torch.is_tensor(t) and t.requires_grad]
+        if not leaves:
+            return torch.zeros((), device=self.module.device)
+        total = leaves[0].sum() * 0.0
+        for t in leaves[1:]:
+            total = total + t.sum() * 0.0
+        return total
+
     def evaluate(self) -> dict[str, Any]:
         merge_weights = None
         if self.items is not None and self.runner.has_last:
@@ -193,16 +260,19 @@ def from_last_stage(result: dict[str, Any], mesh: PipelineMesh, last: int) -> di
 
 
 def numbers_from_last_stage(
-    parts: PipelineParts, step_name: str, record: tuple | None
+    parts: PipelineParts, step_name: str, record: tuple | None, error: BaseException | None = None
 ) -> tuple[Any, list[float]]:
     """The last stage's loss and logged numbers on every stage of this replica: one small tensor broadcast.
 
     One channel per step method keeps each one's layout (log names and options) agreed across steps.
+    ``error`` (on the last stage): sent instead, and raised on every stage.
     """
     if parts.mesh.pp_size == 1:
+        if error is not None:
+            raise error
         assert record is not None
         return record
-    return log_channel(parts, step_name).broadcast(record)
+    return log_channel(parts, step_name).broadcast(record, error=error)
 
 
 def log_channel(parts: PipelineParts, step_name: str) -> RecordBroadcast:
@@ -217,10 +287,26 @@ def log_channel(parts: PipelineParts, step_name: str) -> RecordBroadcast:
 
 
 def replay_logs(
-    module: pl.LightningModule, logs: list[tuple[str, float, dict[str, Any]]], dp_group: Any
+    module: pl.LightningModule,
+    logs: list[tuple[str, Any, dict[str, Any]]],
+    dp_group: Any,
+    metrics: StageMetrics | None = None,
 ) -> None:
-    """Log the last stage's combined values through the real ``self.log`` on this rank."""
+    """Log the last stage's combined values through the real ``self.log`` on this rank.
+
+    A logged Metric is logged as this rank's copy of it (the module's attribute at its path), carrying
+    the last stage's step value; its ``compute()`` returns the last stage's value (``metrics``).
+    """
     for name, value, kwargs in logs:
+        if isinstance(value, LoggedMetric):
+            metric = module.get_submodule(value.path)
+            if metrics is not None:
+                metrics.adapt(metric)  # a metric made after setup
+            if metrics is None or not metrics.is_last:
+                step = None if value.value is None else torch.tensor(value.value, device=metric.device)
+                set_step_value(metric, step)
+            module.log(name, metric, metric_attribute=value.path, **kwargs)
+            continue
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
             # Every stage holds the same values: reduce over the replicas only.
             kwargs = {**kwargs, "sync_dist_group": dp_group}

@@ -1,8 +1,14 @@
-"""The traced path: ``forward`` is traced with torch.export on a meta twin and split at the blocks."""
+"""The traced path: ``forward`` is traced with torch.export on a meta twin and split at the blocks.
+
+The twin is traced as fake tensors of this rank's device (pipeline/fake_device.py); a failure is
+checked against torch.export of the user's module before it is reported (pipeline/trace_errors.py).
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
-from lightning_parallel.pipeline.call_binding import CallBinding, TracedCall
+from lightning_parallel.pipeline.call_binding import CallBinding, TracedCall, bound_forward
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
@@ -19,8 +25,10 @@ from lightning_parallel.pipeline.profile import block_times
 from lightning_parallel.pipeline.runner import PipelineRunner, first_microbatch, placement
 from lightning_parallel.pipeline.split import materialize
 from lightning_parallel.pipeline.trace import call_order, meta_twin, stage_contents, to_meta, trace
+from lightning_parallel.pipeline.trace_errors import TraceStepFailed, explain, export_check, ours
 from lightning_parallel.pipeline.traced_split import (
     TracedStages,
+    block_entry,
     block_extras,
     check_split_points,
     find_block_list,
@@ -41,7 +49,7 @@ def traced_path(
 ) -> tuple[StagePlan, PipelineRunner, TracedCall, nn.Module]:
     num_stages = mesh.pp_size * config.stages_per_rank
     with failing_together():
-        found = _traceable(config, trainer, module, mesh.pp_size, num_stages)
+        found = _traceable(config, trainer, module, mesh.pp_size, num_stages, device)
     costs, unit = None, ""
     if found.blocks and config.partition in ("parameters", "time"):
         costs, unit = _block_costs(config, module, found)
@@ -50,7 +58,8 @@ def traced_path(
         if found.blocks:
             what = ("blocks", f"`{found.block_path}`")
             counts = units_per_stage(config.partition, costs, len(found.blocks), num_stages, what)
-            points = [f"{found.block_path}.{found.blocks[sum(counts[:s])]}" for s in range(1, num_stages)]
+            blocks = [f"{found.block_path}.{found.blocks[sum(counts[:s])]}" for s in range(1, num_stages)]
+            points = [block_entry(found.order, b) for b in blocks]
             stage_cost = costs and stage_costs(costs, counts)
         if mesh.pp_size == 1 and config.stages_per_rank > 1:
             # torch 2.13's traced stages warm up their links by sending to the neighbouring stage's
@@ -77,10 +86,40 @@ class _Traceable:
     points: list[str]  # user-given split points ([] when derived from the blocks)
     block_path: str = ""
     blocks: list[str] = field(default_factory=list)
+    device: torch.device | None = None  # where the stages run: the twin is traced on its fakes
+
+    @property
+    def binding(self) -> CallBinding:
+        return self.call.bindings[self.call.train]
+
+    def trace(self, module: nn.Module, points: list[str]) -> Any:
+        """The twin traced at ``points``; a failure checked against torch.export of ``module`` (real)."""
+        try:
+            return trace(
+                self.twin, self.example, points, train=True, binding=self.binding, device=self.device
+            )
+        except TraceStepFailed as failed:
+            what = _what(self.call)
+            if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+                note = "the module is on the meta device: not checked against torch.export of the module"
+                raise explain(failed, what, note=note) from failed.error
+            check = partial(export_check, module, self.args, partial(bound_forward, module, self.binding))
+            raise explain(failed, what, check=check) from failed.error
+
+
+def _what(call: TracedCall) -> str:
+    """``"GPT.forward"`` from the call's description (``"`self(...)` (GPT.forward)"``)."""
+    found = re.search(r"\(([^()]*)\)$", call.what)
+    return found.group(1) if found else "forward"
 
 
 def _traceable(
-    config: PipelineConfig, trainer: pl.Trainer, module: pl.LightningModule, pp_size: int, num_stages: int
+    config: PipelineConfig,
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    pp_size: int,
+    num_stages: int,
+    device: torch.device,
 ) -> _Traceable:
     _check_traceable(module)
     twin = meta_twin(module)
@@ -89,8 +128,8 @@ def _traceable(
     if call.path:
         call.what = f"`self.{call.path}(...)` ({type(module.get_submodule(call.path)).__name__}.forward)"
     example = to_meta(first_microbatch(args, microbatches(args, config.num_microbatches)))
-    order = _call_order(twin, example, call.bindings[call.train])
-    found = _Traceable(twin, call, args, example, order, [])
+    found = _Traceable(twin, call, args, example, [], [], device=device)
+    found.order = order = _call_order(module, found)
     if config.split_points is not None:
         found.points = check_split_points(module, config.split_points, order, num_stages)
     elif num_stages > 1:
@@ -116,8 +155,7 @@ def _traced_split(
     style: str = "loop",
 ) -> tuple[StagePlan, TracedStages]:
     """Trace at the split points, plan, keep this rank's tensors, and put the stand-in in ``forward``."""
-    binding = found.call.bindings[found.call.train]
-    pipe = trace(found.twin, found.example, points, train=True, binding=binding)
+    pipe = found.trace(module, points)
     contents = stage_contents(pipe)
     params = [frozenset(aliases[t] for t in c.tensors if _is_parameter(module, t)) for c in contents]
     units, holds = [c.calls for c in contents], [describe_paths(c.calls) for c in contents]
@@ -138,14 +176,17 @@ def _traced_split(
     return plan, stages
 
 
-def _call_order(twin: nn.Module, example: tuple[Any, ...], binding: CallBinding) -> list[str]:
+def _call_order(module: nn.Module, found: _Traceable) -> list[str]:
     try:
-        return call_order(twin, example, binding)
-    except ValueError:
-        # A forward that cannot run on meta tensors (a branch on a value) cannot be exported either;
-        # export's own error says more about why, so it goes first when there is one.
-        trace(twin, example, [], train=True, binding=binding)
-        raise
+        return call_order(found.twin, found.example, found.binding, found.device)
+    except ValueError as err:
+        # A forward that cannot run on fake tensors (a branch on a value) cannot be exported either;
+        # export's own error, checked against the real module, says more about why: it goes first.
+        found.trace(module, [])
+        failed = TraceStepFailed(
+            "finding the order forward calls the modules in (a run on fake tensors)", err
+        )
+        raise ours(failed, _what(found.call), exported=True) from err
 
 
 def _call_paths(module: nn.Module, config: PipelineConfig) -> list[str]:

@@ -1,8 +1,10 @@
-"""Lightning's spawn/fork launcher, with the process group released when a worker finishes."""
+"""Lightning's spawn/fork launcher: the process group released when a worker finishes, and stops that stop."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -15,8 +17,17 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
 )
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.multiprocessing.spawn import ProcessExitedException
 from typing_extensions import override
 
+from lightning_parallel.distributed.stop import (
+    DEFAULT_GRACE,
+    StopGuard,
+    exit_status,
+    forwarding_stop_signals,
+    stopped_status,
+)
 from lightning_parallel.pipeline.shared import alias_table, retie
 from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
 from lightning_parallel.strategies._pipeline_config import refuse_compiled_module
@@ -36,9 +47,22 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
     the main process, before any worker starts (see ``_main_guard``: otherwise it can hang). A
     forkserver worker gets the main process's environment and global state, as a spawn worker does
     (:func:`forkserver_parent_state`).
+
+    A stop is a stop (the strategy's ``stop_grace_period``, 30 s by default): SIGTERM or SIGINT to the
+    main process goes on to every worker, which then has that long to stop (Lightning stops the fit at
+    the next batch); the workers still alive are then killed, and the main process exits with 128 +
+    the signal (SIGINT: Lightning's KeyboardInterrupt path), as it does when the workers stopped by
+    themselves (a signal to one of them, or to each). Each worker dies with the main process and ends
+    itself ``stop_grace_period`` after a stop, also when it is blocked in a collective
+    (:class:`~lightning_parallel.distributed.stop.StopGuard`).
     """
 
     _parent_state: tuple[_GlobalStateSnapshot, dict[str, str]] | None = None
+    _launcher_pid: int | None = None
+
+    @property
+    def stop_grace_period(self) -> float:
+        return float(getattr(self._strategy, "stop_grace_period", DEFAULT_GRACE))
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -46,13 +70,52 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
             refuse_unguarded_launch(self._start_method)
         if self._start_method == "forkserver":
             self._parent_state = forkserver_parent_state(self._strategy)
+        self._launcher_pid = os.getpid()  # travels to the workers with the launcher
+
+        def workers() -> list:  # this launch's (a previous one's are dead), or those still starting
+            return [p for p in self.procs if p.is_alive()] or multiprocessing.active_children()
+
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            with forwarding_stop_signals(workers, self.stop_grace_period):
+                return super().launch(function, *args, trainer=trainer, **kwargs)
+        except ProcessExitedException as err:
+            # Ranks told to stop (one of them, or each by its scheduler) exit with 128 + the signal, or
+            # die of it: the job then ends with that status too.
+            status = stopped_status(err.exit_code)
+            if status is None:
+                raise
+            raise SystemExit(status) from err
         finally:
             self._parent_state = None
 
     @override
     def _wrapping_function(
+        self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any, *rest: Any
+    ) -> None:
+        guard = self._start_guard(process_idx)
+        try:
+            self._run_worker(process_idx, trainer, function, args, kwargs, *rest)
+        except (SystemExit, KeyboardInterrupt) as stop:
+            signalled = guard is not None and guard.exit_code is not None
+            if not signalled and not isinstance(stop, SIGTERMException):
+                raise
+            # Stopped (also a rank that Lightning stopped with the others): the stop's status, and no
+            # interpreter teardown (see below).
+            _flush()
+            os._exit(guard.exit_code if signalled else exit_status(signal.SIGTERM))
+
+    def _start_guard(self, process_idx: int) -> StopGuard | None:
+        """In the worker: the stop guard, and the default signal handlers (a fork inherits the launcher's)."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self._launcher_pid is None:
+            return None
+        node = self._strategy.cluster_environment.node_rank() if self._strategy.cluster_environment else 0
+        rank = node * self._strategy.num_processes + process_idx
+        grace = self.stop_grace_period
+        return StopGuard(grace, f"rank {rank}", launcher=self._launcher_pid).start()
+
+    def _run_worker(
         self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any, *rest: Any
     ) -> None:
         if self._parent_state is not None:
@@ -74,9 +137,13 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
         # without interpreter teardown avoids the C++ threads of gloo objects still referenced from
         # Python being destroyed joinable at exit, the source of the SIGABRT above (still 1 in 20
         # pipeline fits with the destroy alone).
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
         os._exit(0)
+
+
+def _flush() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def forkserver_parent_state(strategy: Any) -> tuple[_GlobalStateSnapshot, dict[str, str]]:

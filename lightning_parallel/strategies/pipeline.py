@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
@@ -31,7 +32,8 @@ from typing_extensions import override
 
 from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.agree import failing_together
-from lightning_parallel.distributed.collectives import all_gather_objects
+from lightning_parallel.distributed.collectives import all_gather_objects, broadcast_object
+from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, check_grace
 from lightning_parallel.parallelize.compile import CompileWatch
 from lightning_parallel.parallelize.fsdp import reduce_gradients
 from lightning_parallel.pipeline.grads import all_reduce_gradients, clip_grad_norm_across
@@ -46,6 +48,7 @@ from lightning_parallel.strategies._pipeline_config import (
     check_fit_supported,
     checked_config,
     refuse_compiled_module,
+    refuse_unsupported_callbacks,
     renamed_num_stages,
 )
 from lightning_parallel.strategies._pipeline_items import step_items
@@ -61,6 +64,14 @@ from lightning_parallel.strategies._pipeline_parallelize import (
 )
 from lightning_parallel.strategies._pipeline_precision import install_loss_scaling
 from lightning_parallel.strategies._pipeline_step import batch_size, last_pp_rank, run_step
+from lightning_parallel.strategies._pipeline_summary import summarize_before_split
+from lightning_parallel.strategies._stop import (
+    StoppingScriptLauncher,
+    agree_to_stop,
+    keep_lightning_sigterm_handling,
+    mark_stopped_exit,
+    start_rank_guard,
+)
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 
 
@@ -78,8 +89,12 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
 
     Each rank builds and keeps only its own stage(s); the user's ``training_step`` /
     ``validation_step`` / ``test_step`` / ``predict_step`` run unchanged (on the last stage, once per
-    micro-batch in training); what they log reaches the logger on global rank 0. Gradients are
-    reduced over the data-parallel ranks once per optimizer step.
+    micro-batch in training); what they log, torchmetrics Metrics included, reaches the logger on global
+    rank 0 and is the same on every rank. In a step, ``self.all_gather`` and the strategy's ``reduce``,
+    ``broadcast`` and ``barrier`` run over the data-parallel ranks of the stage running it (the last
+    stage's replicas, after the model call); a ``torch.distributed`` collective there over other ranks
+    is refused on every rank, with the fix. Gradients are reduced over the data-parallel ranks once per
+    optimizer step.
 
     The ranks form one device mesh, ``strategy.device_mesh``, with dimensions ``("pp",
     "dp_replicate", "dp_shard", "tp")``. After the split each stage module is parallelized on it:
@@ -144,6 +159,12 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             ``torch.compile(model)`` is refused with this fix.
         shard_optimizer_state: ``True`` is ``data_parallel="zero1"`` (the older name).
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
+        stop_grace_period: seconds (or a ``timedelta``) from a stop signal to the end of every process.
+            SIGTERM or SIGINT to the launcher, to every process of the job or to one rank stops the
+            whole job: Lightning stops every rank at the next batch (``on_exception`` hooks run, e.g.
+            a ``ModelCheckpoint(save_on_exception=True)`` save), a rank still running after this long
+            (blocked in a collective) exits hard, and the exit status is 128 + the signal (143 for
+            SIGTERM). Ranks die with the process that launched them.
         num_stages: deprecated name of ``pipeline_size``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's ``DDPStrategy``. Its other options act
@@ -188,6 +209,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         tensor_parallel_plan: dict[str, Any] | None = None,
         compile: bool | dict[str, Any] = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        stop_grace_period: float | timedelta = DEFAULT_GRACE,
         timeout: timedelta | None = default_pg_timeout,
         num_stages: int | None = None,
         # DDPStrategy's arguments that this strategy honours; the others (comm hooks, model averaging,
@@ -228,6 +250,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             tensor_parallel_plan,
             compile,
         )
+        self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
+        self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
         self.parts: PipelineParts | None = None
         self._mesh: PipelineMesh | None = None
         self._release_registered = False
@@ -315,16 +339,20 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+            environment, processes, nodes = self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = StoppingScriptLauncher(environment, processes, nodes)
         else:
             self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
     # ------------------------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
+        if self._lightning_module is not None and self._lightning_module._trainer is not None:
+            refuse_unsupported_callbacks(self._lightning_module.trainer)  # before the callbacks' own setup
         super().setup_environment()
+        if self._stop_guard is None:
+            guard, launched = start_rank_guard(self, self.stop_grace_period)
+            self._stop_guard = guard if launched else None
         if self._mesh is None:  # the one device mesh: every rank builds it (a collective)
             self._mesh = build_mesh(self.root_device.type, self.layout)
 
@@ -337,6 +365,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         first = self.parts is None
         if self.parts is None:
             refuse_compiled_module(self.lightning_module)  # (every rank holds the same module)
+            if trainer.state.fn == TrainerFn.FITTING:
+                summarize_before_split(trainer, self.lightning_module, self)  # the whole model's table
             naming = unit_naming(self.lightning_module, self.config)  # read on the unsplit module
             blocks = compiled_block_type(self.lightning_module, self.config) if self.config.compile else None
             with failing_together():
@@ -424,6 +454,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     # ------------------------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        agree_to_stop(self.lightning_module.trainer)  # a stop signal to any rank stops all after this batch
         with self.precision_plugin.train_step_context():
             return self._pipelined_step("training_step", args, train=True)
 
@@ -464,18 +495,78 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             )
         return out
 
+    # ------------------------------------------------------------------ collectives in a step
+    def _step_group(self, group: Any) -> Any:
+        """In the user's step, the default (world) group means the step's data-parallel ranks.
+
+        Only the stage running the step's code reaches a collective there: its data-parallel ranks
+        (the last stage's, after the model call) are the ranks that can meet in it.
+        """
+        parts = self.parts
+        if parts is None or not parts.scope.active or not (group is None or group is dist.group.WORLD):
+            return group
+        return parts.mesh.dp_group
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return super().all_gather(tensor, group=self._step_group(group), sync_grads=sync_grads)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return super().reduce(tensor, group=self._step_group(group), reduce_op=reduce_op)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        group = self._step_group(None)
+        if group is None:
+            return super().barrier(*args, **kwargs)
+        dist.barrier(group=group)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        group = self._step_group(None)
+        if group is None:
+            return super().broadcast(obj, src)
+        return broadcast_object(obj, src=dist.get_global_rank(group, src), group=group)
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        mark_stopped_exit(exception)  # a stop ends with 128 + the signal, not Lightning's status 0
         # Under the script launcher the ranks this process started may be blocked on it in a
         # point-to-point receive (with NCCL until the process-group timeout): end them now, so
-        # the job stops with this rank's error. Lightning does the same on KeyboardInterrupt.
-        if isinstance(self.launcher, _SubprocessScriptLauncher):
+        # the job stops with this rank's error. Lightning does the same on KeyboardInterrupt. A
+        # stop signal stops them at the same batch as this rank (their own hooks still run).
+        stopped = isinstance(exception, SIGTERMException)
+        if isinstance(self.launcher, _SubprocessScriptLauncher) and not stopped:
             self.launcher.kill(_get_sigkill_signal())
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        keep_lightning_sigterm_handling(self.lightning_module.trainer)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        keep_lightning_sigterm_handling(self.lightning_module.trainer)
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        keep_lightning_sigterm_handling(self.lightning_module.trainer)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        guard, self._stop_guard = self._stop_guard, None
+        if guard is not None:
+            guard.stop()  # a deadline a stop signal armed stays armed
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
+        keep_lightning_sigterm_handling(self.lightning_module.trainer)
         parts = self.parts
         if parts is not None and parts.mesh.dp_size > 1:
             # How many batches each replica predicts (the sampler does not pad): rank 0 must know

@@ -1,0 +1,184 @@
+"""PipelineStrategy's stop path: every rank ends after a stop signal, Lightning's own SIGTERM handling kept.
+
+Lightning glue over :mod:`lightning_parallel.distributed.stop`. Each rank starts a
+:class:`~lightning_parallel.distributed.stop.StopGuard` (``grace`` seconds from a SIGTERM/SIGINT to its
+hard exit) knowing who launched it: this package's spawn/fork launcher, rank 0 of a script launch, or
+torchrun's agent; the rank dies with that launcher.
+
+Lightning 2.6.6 answers SIGTERM in each rank by setting ``trainer.received_sigterm``, on which the fit
+loop raises ``SIGTERMException`` (``on_exception`` hooks such as ``ModelCheckpoint(save_on_exception=
+True)`` then run), and by forwarding the signal to the ranks a script launch started. Two parts of it
+hang a distributed job: its handler runs a ``broadcast`` inside the signal handler (on a rank that gets
+the signal alone, or between two collectives of training, it pairs with another collective), and each
+rank checks its own flag at the end of a batch, so ranks that got the signal a moment apart stop at
+different batches (one in the ``on_exception`` save, the other in the next step). Here the handler
+keeps its other work without the collective (:func:`keep_lightning_sigterm_handling`), and while
+fitting the flag is raised on every rank at once, in the same training batch, once any rank was told
+to stop (:func:`agree_to_stop`, one all-reduce of one number per batch). The private pieces of
+Lightning's signal machinery this reads are here only (checked against 2.6.6 by
+:func:`check_signal_internals`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import (
+    _get_sigkill_signal,
+    _HandlersCompose,
+    _SignalConnector,
+)
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+from typing_extensions import override
+
+from lightning_parallel.distributed.agree import collective_device, distributed_ready
+from lightning_parallel.distributed.stop import LAUNCHER_PID_ENV, StopGuard, current_guard, exit_status
+
+__all__ = [
+    "StoppingScriptLauncher",
+    "agree_to_stop",
+    "check_signal_internals",
+    "keep_lightning_sigterm_handling",
+    "mark_stopped_exit",
+    "start_rank_guard",
+]
+
+log = logging.getLogger(__name__)
+_TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts
+
+
+class StoppingScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, whose ranks know rank 0 started them: they die with it.
+
+    Rank 0 starts ranks 1.. by running the script again (``_call_children_scripts``, private to
+    Lightning 2.6.6; ``tests/test_stop.py`` checks it); their environment then names rank 0's pid.
+    """
+
+    @override
+    def _call_children_scripts(self) -> None:
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        try:
+            super()._call_children_scripts()
+        finally:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+
+
+def start_rank_guard(strategy: Any, grace: float) -> tuple[StopGuard | None, bool]:
+    """This rank's guard, and whether it was started here (False: its launcher's, or none).
+
+    None for one process or off the main thread. The launcher is the pid in
+    ``LIGHTNING_PARALLEL_LAUNCHER_PID`` (rank 0 of a script launch) or torchrun's agent (the parent).
+    """
+    guard = current_guard()
+    if guard is not None or strategy.world_size < 2:
+        return guard, False
+    if threading.current_thread() is not threading.main_thread():
+        return None, False
+    launcher = None
+    if os.environ.get(LAUNCHER_PID_ENV):
+        launcher = int(os.environ[LAUNCHER_PID_ENV])
+    elif os.environ.get(_TORCHRUN_ENV):
+        launcher = os.getppid()
+    on_hard_exit = None
+    if isinstance(strategy.launcher, _SubprocessScriptLauncher) and strategy.launcher.procs:
+        on_hard_exit = lambda: strategy.launcher.kill(_get_sigkill_signal())  # noqa: E731
+    name = f"rank {strategy.global_rank}"
+    return StopGuard(grace, name, launcher, on_hard_exit).start(), True
+
+
+def mark_stopped_exit(exception: BaseException) -> None:
+    """Give Lightning's ``SIGTERMException`` (exit status 0) the status of a stopped process, 128 + signal."""
+    if isinstance(exception, SIGTERMException) and not exception.code:
+        guard = current_guard()
+        signum = guard.signum if guard is not None and guard.signum is not None else signal.SIGTERM
+        exception.code = exit_status(signum)
+
+
+def agree_to_stop(trainer: Any) -> None:
+    """Every rank, once per training batch: raise Lightning's stop flag everywhere if one rank was stopped.
+
+    Lightning then stops every rank at the end of this same batch. The local flag is the guard's: its
+    thread saw the signal even if the Python handler has not run yet.
+    """
+    if not distributed_ready() or dist.get_world_size() < 2:
+        return
+    guard = current_guard()
+    flag = torch.tensor([0 if guard is None or guard.signum is None else 1], device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag.item()):
+        _set_received_sigterm(trainer)
+
+
+# --- Lightning's signal connector (private; checked against Lightning 2.6.6) ---------------------------
+def _set_received_sigterm(trainer: Any) -> None:
+    trainer._signal_connector.received_sigterm = True
+
+
+class _StopNotifier:
+    """Lightning's ``_sigterm_notifier_fn`` without the collective it runs inside the handler.
+
+    While fitting, the stop flag is raised by :func:`agree_to_stop` (on every rank in the same batch);
+    otherwise (validate, test, predict) here, as Lightning does.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        guard = current_guard()
+        if guard is not None:
+            guard.note(signum)
+        trainer = self.trainer
+        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
+        if not trainer._signal_connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)  # a script launch: on to the ranks rank 0 started
+        if trainer.state.fn != TrainerFn.FITTING or guard is None:
+            _set_received_sigterm(trainer)
+
+
+def keep_lightning_sigterm_handling(trainer: Any) -> None:
+    """Swap Lightning's SIGTERM notifier (registered for this run) for one that runs no collective.
+
+    Lightning's other SIGTERM handlers (SLURM's, a handler the user had) stay, in their order. Call it
+    once the Trainer has registered its handlers (the strategy's ``on_*_start`` hooks); the Trainer's
+    teardown puts back the handlers of before the run, as it does for its own.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if not isinstance(current, _HandlersCompose):
+        return
+    handlers = current.signal_handlers
+    if any(isinstance(h, _StopNotifier) for h in handlers):
+        return
+    notifier = trainer._signal_connector._sigterm_notifier_fn
+    rest = [h for h in handlers if h != notifier]
+    if len(rest) == len(handlers):
+        return  # not the handler Lightning registered for this trainer
+    signal.signal(signal.SIGTERM, _HandlersCompose([_StopNotifier(trainer), *rest]))
+
+
+def check_signal_internals() -> list[str]:
+    """The private pieces of Lightning's signal handling used above that are gone (Lightning 2.6.6)."""
+    problems = []
+    if not isinstance(getattr(_HandlersCompose([]), "signal_handlers", None), list):
+        problems.append("_HandlersCompose.signal_handlers")
+    for name in ("_sigterm_notifier_fn", "register_signal_handlers"):
+        if not callable(getattr(_SignalConnector, name, None)):
+            problems.append(f"_SignalConnector.{name}")
+    if not callable(getattr(_SubprocessScriptLauncher, "_call_children_scripts", None)):
+        problems.append("_SubprocessScriptLauncher._call_children_scripts")
+    connector = _SignalConnector(trainer=None)  # type: ignore[arg-type]
+    if getattr(connector, "received_sigterm", None) is not False:
+        problems.append("_SignalConnector.received_sigterm")
+    return problems

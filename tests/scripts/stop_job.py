@@ -1,0 +1,69 @@
+"""A user's 2-rank PipelineStrategy job that trains until it is told to stop, for tests/test_stop.py.
+
+python stop_job.py --out DIR --start-method spawn|fork|forkserver|popen [--block] [--grace 4]
+torchrun --nproc-per-node 2 stop_job.py --out DIR ...          # torchrun starts both ranks
+SLURM_PROCID=R ... python stop_job.py --out DIR ...             # each rank started as under SLURM
+
+Each rank writes ``ready-rank{R}`` (its pid) once training runs; with ``--block`` rank 1 then calls a
+barrier (after a batch) that rank 0 never calls, so both ranks sit in a communication when the signal
+comes. A
+``Rank0Checkpoint(save_on_exception=True)`` saves when Lightning stops the fit on SIGTERM.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from tiny_models import SequentialRegressor, loader, regression_data
+
+from lightning_parallel import PipelineStrategy, Rank0Checkpoint
+
+
+class Job(SequentialRegressor):
+    def __init__(self, out: str, block: bool) -> None:
+        super().__init__()
+        self.out, self.block = out, block
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2 and batch_idx == 2:
+            ready = os.path.join(self.out, f"ready-rank{self.global_rank}")
+            with open(ready + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(ready + ".tmp", ready)
+        time.sleep(0.05)  # a step that takes a while: the job is training when the signal comes
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # Outside the step (where a collective over other stages' ranks is refused): rank 0 never
+        # calls it and goes on to the next batch's pipeline receive, so both ranks wait from now on.
+        if self.block and self.global_step == 3 and self.global_rank == 1:
+            dist.barrier()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--start-method", default="popen")
+    p.add_argument("--grace", type=float, default=4.0)
+    p.add_argument("--block", action="store_true")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    strategy = PipelineStrategy(
+        pipeline_size=2, num_microbatches=2, start_method=args.start_method, stop_grace_period=args.grace
+    )
+    ckpt = Rank0Checkpoint(dirpath=os.path.join(args.out, "ckpt"), save_on_exception=True, save_top_k=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1000, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],
+    )  # fmt: skip
+    trainer.fit(Job(args.out, args.block), loader(regression_data(64), 8))
+
+
+if __name__ == "__main__":
+    main()
