@@ -175,6 +175,31 @@ def compile_in_place(
     return done
 
 
+class OwnInputs(nn.Module):
+    """Runs ``module`` on inputs that are not views: a view's base is copied out first.
+
+    A pipeline's first stage receives each micro-batch as a slice (a view) of the batch, and dynamo
+    guards on a view's base as well as on the view; with duck sizing a batch size that happens to equal
+    a sequence length becomes one symbol, so the short last batch of an epoch fails the guard and
+    compiles the stage again. Copying the slice (the micro-batch's input, once per micro-batch) keeps
+    the compiled program to the sizes it actually reads.
+
+    Example::
+
+        stage = PipelineStage(OwnInputs(compiled_stage_module), 0, num_stages, device)
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def own(t: Any) -> Any:
+            return t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t
+
+        return self.module(*[own(a) for a in args], **{k: own(v) for k, v in kwargs.items()})
+
+
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` was compiled in place (``Module.compile``).
 

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
-from lightning_parallel.parallelize.compile import CompileOptions, compile_in_place
+from lightning_parallel.parallelize.compile import CompileOptions, OwnInputs, compile_in_place
 from lightning_parallel.parallelize.traced_tensor import (
     TensorParallelGraph,
     place_split_ops,
@@ -376,6 +376,8 @@ class TracedStages:
             self.wrap_units(called_units(stage_module))
         if self.compile_options is not None:
             compile_in_place([(f"stage {index}", stage_module)], self.compile_options, isolated=True)
+            if index == 0 and runs is None:  # its inputs are slices of the batch (see OwnInputs)
+                runs = OwnInputs(stage_module)
         links = self.root.links(stage_module, self.aliases) if self.root is not None else None
         program.prepared[index] = (stage_module, runs, links)
         return program.prepared[index]
