@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
+from lightning_parallel.parallelize.compile import CompileOptions, OwnInputs, compile_in_place
 from lightning_parallel.parallelize.traced_tensor import (
     TensorParallelGraph,
     place_split_ops,
@@ -225,6 +226,8 @@ class TracedStages:
         self.device, self.group = device, group
         self.num_stages = len(self.split_points) + 1
         self.wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None
+        # torch.compile's keywords for each stage's program, compiled in place once prepared (None: eager)
+        self.compile_options: CompileOptions | None = None
         self.traces = 0  # how many times forward was traced, the one for planning included (tests read it)
         self._output_ndims: tuple[bool, list[int]] | None = None  # (a tuple?, ndim of each output)
         self._programs: list[TracedProgram] = []  # least recently used first
@@ -352,8 +355,9 @@ class TracedStages:
         """Stage ``index`` of ``program`` made ready to run on this rank, once: (graph, what runs it, links).
 
         Its graph is pointed at this rank's real tensors and devices, tensor-parallel layouts are
-        written into it, its units wrapped for recomputation; the torch stages of every input shape
-        then share it.
+        written into it, its units wrapped for recomputation, then it is compiled if asked (in place,
+        its own compiled entries: one program per stage); the torch stages of every input shape then
+        share it.
         """
         if index in program.prepared:
             return program.prepared[index]
@@ -370,6 +374,10 @@ class TracedStages:
                 runs = TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
         if self.wrap_units is not None:
             self.wrap_units(called_units(stage_module))
+        if self.compile_options is not None:
+            compile_in_place([(f"stage {index}", stage_module)], self.compile_options, isolated=True)
+            if index == 0 and runs is None:  # its inputs are slices of the batch (see OwnInputs)
+                runs = OwnInputs(stage_module)
         links = self.root.links(stage_module, self.aliases) if self.root is not None else None
         program.prepared[index] = (stage_module, runs, links)
         return program.prepared[index]
