@@ -44,8 +44,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# Every benchmark with its defaults (meant to stay under 20 minutes on 2 quiet cores; the README states
-# how long the last full run took), then the README's results block rebuilt from experiments/results/.
+# Every benchmark with its defaults (meant to stay under 25 minutes on 2 quiet cores, bench_compile's
+# inductor builds included; the README states how long the last full run took), then the README's
+# results block rebuilt from experiments/results/.
 experiments: $(VENV)/.installed
 	$(PY) experiments/run_all.py
 

@@ -70,12 +70,21 @@ def pipeline_overhead(rows: Rows) -> str:
     cells = [r0["schedule"], r0["num_microbatches"], r0["batch_size"], len(rows)]
     cells += [timed_rows(rows, k, 1) for k in ("hand_samples_per_s", "trainer_samples_per_s")]
     cells += [timed_rows(rows, "ratio", 2, h.verdict(ratios.lo, ratios.hi, goal=goal))]
-    cells += [timed_rows(rows, "fast_ratio", 2), worst]
+    cells += [timed_rows(rows, "fast_ratio", 2)]
     header = ["schedule", "micro-batches", "batch", "repeats", "hand samples/s", "Trainer samples/s"]
-    header += [f"Trainer / hand (goal {r0['goal']})", "Trainer / hand, fastest steps", "max loss diff"]
-    return _table(header, [cells]) + (
-        "\n\nMedians over the repeats, (min .. max) beside them; the ratio is taken within each repeat."
-    )
+    header += [f"Trainer / hand (goal {r0['goal']})", "Trainer / hand, fastest steps"]
+    note = "\n\nMedians over the repeats, (min .. max) beside them; the ratio is taken within each repeat."
+    if "added_ms" in r0:  # the fixed cost per step: the first stage's time outside the schedule
+        cells += [timed_rows(rows, k, 2) for k in ("hand_outside_ms", "trainer_outside_ms", "added_ms")]
+        header += ["first stage outside the schedule, hand ms", "... Trainer ms", "Trainer adds ms per step"]
+        note += (
+            " Outside the schedule: the first stage's median time per step from the end of one "
+            "`schedule.step()` to the start of the next (the optimizer step and the data in both; "
+            "Lightning's loop, its hooks, the log replay and the strategy's Python in the Trainer's); it is "
+            "on the critical path, since the last stage has finished its part of the schedule earlier and "
+            "waits."
+        )
+    return _table([*header, "max loss diff"], [[*cells, worst]]) + note
 
 
 def pipeline_microbatches(rows: Rows) -> str:
@@ -516,7 +525,7 @@ def watchdog_calls(rows: Rows) -> str:
 def schedules(rows: Rows) -> str:
     placement = {"1f1b": "2 stages", "interleaved_1f1b": "4, looped", "interleaved_zero_bubble": "4, looped",
                  "zbv": "4, V", "dualpipev": "4, V"}  # fmt: skip
-    header = ["schedule", "stages", "repeats", "samples/s", "vs 1f1b", "efficiency", "schedule's ideal"]
+    header = ["schedule", "stages", "repeats", "samples/s", "vs 1f1b", "schedule's ideal"]
     header += ["compute", "bubble", "comm wait", "other", "compute inflation", "activation MiB rank 0 / 1"]
     body = []
     for r in rows:
@@ -529,33 +538,64 @@ def schedules(rows: Rows) -> str:
                 timed_col(r, "samples_per_s", 1),
                 vs,
             ]
-            + [timed_col(r, "efficiency", 3), timed_col(r, "ideal_efficiency", 3)]
+            + [timed_col(r, "ideal_efficiency", 3)]
             + [_f(r[k], 3) for k in ("compute", "bubble", "comm_wait", "other")]
             + [timed_col(r, "compute_inflation", 2)]
             + [f"{_f(r['activation_peak_mib_rank0'], 1)} / {_f(r['activation_peak_mib_rank1'], 1)}"]
         )
     f1b = next(r for r in rows if r["schedule"] == "1f1b")
     note = (
-        f"\n\nm = {f1b['num_microbatches']}, p = {f1b['pipeline_size']}, batch {f1b['batch_size']}. "
-        "Efficiency: throughput over p x one process training the whole model with the same micro-batches, "
-        "in the same repeat (as in the bubble table above). The next columns come from `PipelineTimeline` "
-        "on two recorded steps per run (medians): shares of the ranks' step time spent computing (stage "
-        "forward and backward), in the bubble the schedule itself forces (its ideal: the recorded compute "
-        "replayed with free communication; schedule's ideal = compute / (compute + bubble)), waiting on "
-        "P2P beyond that, and everything else (loss function, log broadcast, gradient sync, optimizer "
-        "step, P2P posts, Python between them). Compute inflation: the ranks' stage compute per step over "
-        "one process's whole step (1.0 = the layers cost the same as pipeline stages as in one process). "
-        f"The 1f1b gap in these shares (efficiency {_f(f1b['efficiency'], 3)} against the bubble-only "
-        f"{_f(f1b['ideal_1f1b_bubble_efficiency'], 3)}): the schedule's own ideal with these two unequal "
-        f"stages is {_f(f1b['ideal_efficiency'], 3)}; P2P waits beyond its bubble take "
-        f"{_f(f1b['comm_wait'], 3)} of the ranks' time; other {_f(f1b['other'], 3)}. The measured spans "
-        "(which also hold part of the bubble: the last rank waits out the drain in the log broadcast): "
-        f"P2P waits {_f(f1b['wait_share'], 3)}, the loss function {_f(f1b['loss_share'], 3)}, the log "
-        "broadcast and gradient sync "
-        f"{_f(f1b['collective_share'], 3)}, the optimizer step {_f(f1b['optimizer_share'], 3)}, P2P posts "
-        f"{_f(f1b['comm_share'], 3)} and untracked time {_f(f1b['untracked_share'], 3)}. The shares are "
-        "medians over recorded steps and the efficiency over other steps of the same runs, so they do not "
-        'multiply exactly; see "Where the time goes: PipelineTimeline" above.'
+        f"\n\nm = {f1b['num_microbatches']}, p = {f1b['pipeline_size']}, batch {f1b['batch_size']}. The 1F1B "
+        "efficiency (throughput over p x one process) is the bubble table's, above (its m = 8 row); here the "
+        "schedules are compared with each other (vs 1f1b: throughput per repeat) and their steps taken "
+        "apart. The next columns come from `PipelineTimeline` on two recorded steps per run (medians): "
+        "shares of the ranks' step time spent computing (stage forward and backward), in the bubble the "
+        "schedule itself forces (its ideal: the recorded compute replayed with free communication; "
+        "schedule's ideal = compute / (compute + bubble), against the bubble-only "
+        f"{_f(f1b['ideal_1f1b_bubble_efficiency'], 3)} of 1F1B with equal stages), waiting on P2P beyond "
+        "that, and everything else (loss function, log broadcast, gradient sync, optimizer step, P2P posts, "
+        "Python between them). Compute inflation: the ranks' stage compute per step over one process's "
+        "whole step (1.0 = the layers cost the same as pipeline stages as in one process). For 1f1b the "
+        "measured spans (which also hold part of the bubble: the last rank waits out the drain in the log "
+        f"broadcast) are: P2P waits {_f(f1b['wait_share'], 3)}, the loss function "
+        f"{_f(f1b['loss_share'], 3)}, the log broadcast and gradient sync {_f(f1b['collective_share'], 3)}, "
+        f"the optimizer step {_f(f1b['optimizer_share'], 3)}, P2P posts {_f(f1b['comm_share'], 3)} and "
+        f"untracked time {_f(f1b['untracked_share'], 3)}. The shares are medians over recorded steps; see "
+        '"Where the time goes: PipelineTimeline" above.'
+    )
+    return _table(header, body) + note
+
+
+def compile_bench(rows: Rows) -> str:
+    body = []
+    for r in rows:
+        compiled = r["variant"] == "compiled"
+        words = dict(goal=float(r["goal"]), higher_is_better=False)
+        ratio = timed_col(r, "ratio", 2, _verdict(r, "ratio", **words)) if compiled else "1"
+        compile_s = [timed_col(r, "compile_s", 1), _f(r["first_compile_s"], 1)] if compiled else ["-", "-"]
+        payback = (r["break_even_steps"] or "never") if compiled else "-"
+        cells = [r["workload"], r["model"], f"{r['batch']}, m={r['microbatches']}", r["variant"]]
+        body.append([*cells, r["repeats"], timed_col(r, "step_ms", 1), ratio, *compile_s, payback,
+                     r["max_loss_diff"] if compiled else "-"])  # fmt: skip
+    header = [
+        "workload",
+        "model",
+        "batch",
+        "variant",
+        "repeats",
+        "step ms",
+        f"vs eager ({rows[0]['goal']} goal)",
+    ]
+    header += ["compile s per fit (median, warm .. cold)", "first fit's compile (cold, one per job)"]
+    header += ["steps to pay back the cold compile"]
+    header += ["max loss diff"]
+    note = (
+        "\n\n`PipelineStrategy(pipeline_size=2, compile=True)` (1F1B; both models traced, each stage's "
+        "program compiled whole by inductor with dynamic sizes) against the same pipeline eager, interleaved "
+        "in one job. Step time: the last stage's median step after the warm-up steps, which hold the "
+        "compilation; the compile time (the slower rank's) apart, per compiled fit: the job's first compiled "
+        "fit starts from an empty inductor cache (cold), the later ones find its kernels and pay dynamo's "
+        "tracing only. Steps to pay back: the cold compile over the time saved per step."
     )
     return _table(header, body) + note
 
@@ -626,4 +666,5 @@ QUESTIONS = (
         "tensor_parallel",
         (tensor_parallel,),
     ),
+    Question("Compiled stages: PipelineStrategy(compile=True) against eager", "compile", (compile_bench,)),
 )

@@ -6,7 +6,13 @@
     drives ``PipelineStage`` + ``Schedule1F1B``/``ScheduleGPipe`` directly. The two alternate (hand
     first, then Trainer first, ...), ``--repeats`` times each; the result is the median of the
     per-repeat Trainer / hand ratios with their range. Both start from the same weights and see the
-    same batches, so their losses must agree: the CSV shows the largest difference.
+    same batches, so their losses must agree: the CSV shows the largest difference. Beside the
+    throughput, the **fixed cost** each adds per step: the first stage's time outside
+    ``schedule.step()`` (from the end of one step's schedule to the start of the next: the optimizer
+    step, the data, and for the Trainer its loop, hooks, log replay and the strategy's Python), the
+    median over the timed steps. On the first stage that time is on the critical path (the last stage
+    has finished its part of the schedule earlier and waits for it), so it is what the Trainer's
+    ratio loses.
 (b) **Micro-batches.** Throughput under PipelineStrategy for num_microbatches in 1, 2, 4, 8, for
     gpipe and 1f1b, divided by p x the throughput of one process training the whole model with the
     same micro-batches (gradient accumulation), both processes busy at once, in the same repeat:
@@ -27,8 +33,12 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
+import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -38,7 +48,7 @@ import torch.nn.functional as F
 from models import ByteWindows, SequentialCharLM
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, ScheduleGPipe
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel import PipelineStrategy
@@ -86,17 +96,50 @@ def loader(cfg: Config, steps: int) -> DataLoader:
     return DataLoader(data, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
 
 
-def measured(clock: h.StepClock, cfg: Config) -> dict[str, Any]:
-    """Throughput (batch over the median step cycle, and over a fast quantile), step time, losses."""
-    return dict(
+def measured(
+    clock: h.StepClock, cfg: Config, spans: list[tuple[float, float]] | None = None
+) -> dict[str, Any]:
+    """Throughput (batch over the median step cycle, and over a fast quantile), step time, losses; with
+    ``spans`` (the schedule's steps, :func:`schedule_spans`), the median time outside the schedule."""
+    out = dict(
         samples_per_s=cfg.batch_size / clock.cycle_quantile_s(cfg.warmup),
         fast_samples_per_s=cfg.batch_size / clock.cycle_quantile_s(cfg.warmup, FAST),
         step_ms=clock.median_step_ms(cfg.warmup),
         losses=clock.losses,
     )
+    if spans is not None:
+        timed = spans[cfg.warmup :]
+        out["outside_ms"] = 1e3 * statistics.median(b[0] - a[1] for a, b in itertools.pairwise(timed))
+    return out
 
 
-def run_trainer(cfg: Config, world: int, schedule: str, m: int, steps: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def schedule_spans() -> Iterator[list[tuple[float, float]]]:
+    """When each ``schedule.step()`` of torch's single-stage schedules began and ended, while inside.
+
+    The same wrapper times the hand loop's schedule and the one PipelineStrategy drives; it is
+    removed on exit.
+    """
+    spans: list[tuple[float, float]] = []
+    original = PipelineScheduleSingle.step
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            spans.append((began, time.perf_counter()))
+
+    PipelineScheduleSingle.step = step  # type: ignore[method-assign]
+    try:
+        yield spans
+    finally:
+        PipelineScheduleSingle.step = original  # type: ignore[method-assign]
+
+
+def run_trainer(
+    cfg: Config, world: int, schedule: str, m: int, steps: int, spans: list | None = None
+) -> dict[str, Any]:
     """Train under Trainer(strategy=PipelineStrategy(...)) for warm-up + timed steps."""
     clock = h.StepClock()
     strategy = PipelineStrategy(
@@ -110,7 +153,7 @@ def run_trainer(cfg: Config, world: int, schedule: str, m: int, steps: int) -> d
     got = [len(s.units) for s in strategy.plan.stages]
     if got != expected:
         raise RuntimeError(f"the strategy split the layers {got}, the hand loop {expected}: not the same")
-    return measured(clock, cfg)
+    return measured(clock, cfg, spans)
 
 
 def _hand_schedule(cfg: Config, rank: int, world: int, schedule: str, m: int) -> tuple[Any, nn.Module]:
@@ -127,7 +170,9 @@ def _hand_schedule(cfg: Config, rank: int, world: int, schedule: str, m: int) ->
     return cls(stage, m, loss_fn=loss_fn, scale_grads=False), stage_module
 
 
-def run_hand_loop(cfg: Config, rank: int, world: int, schedule: str, m: int) -> dict[str, Any]:
+def run_hand_loop(
+    cfg: Config, rank: int, world: int, schedule: str, m: int, spans: list | None = None
+) -> dict[str, Any]:
     """The same stages and schedule driven by hand: PipelineStage + a torch schedule + AdamW."""
     sched, stage_module = _hand_schedule(cfg, rank, world, schedule, m)
     optimizer = torch.optim.AdamW(stage_module.parameters(), lr=cfg.lr, weight_decay=0.01)
@@ -148,7 +193,7 @@ def run_hand_loop(cfg: Config, rank: int, world: int, schedule: str, m: int) -> 
         optimizer.step()
         clock.ends.append(time.perf_counter())
         clock.losses.append(float(sum(losses)) if losses else float("nan"))
-    return measured(clock, cfg)
+    return measured(clock, cfg, spans)
 
 
 def run_single(cfg: Config, m: int, steps: int) -> dict[str, Any]:
@@ -178,9 +223,14 @@ def run_single(cfg: Config, m: int, steps: int) -> dict[str, Any]:
 def overhead_worker(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
     """(a) on every rank: hand loop and Trainer, interleaved; this rank's samples."""
     s, m = cfg.overhead_schedule, cfg.overhead_microbatches
+
+    def timed(run: Any) -> dict[str, Any]:
+        with schedule_spans() as spans:
+            return run(spans)
+
     variants = {
-        "hand": lambda: run_hand_loop(cfg, rank, world, s, m),
-        "trainer": lambda: run_trainer(cfg, world, s, m, cfg.steps),
+        "hand": lambda: timed(lambda spans: run_hand_loop(cfg, rank, world, s, m, spans)),
+        "trainer": lambda: timed(lambda spans: run_trainer(cfg, world, s, m, cfg.steps, spans)),
     }
     return h.interleave(variants, cfg.repeats, before_each=h.barrier)
 
@@ -233,6 +283,9 @@ def overhead_rows(cfg: Config, first: list[dict], last: list[dict]) -> list[dict
                 fast_ratio=round(trainer["fast_samples_per_s"] / hand["fast_samples_per_s"], 4),
                 hand_step_ms_median=round(hand["step_ms"], 2),
                 trainer_step_ms_median=round(trainer["step_ms"], 2),
+                hand_outside_ms=round(hand["outside_ms"], 3),
+                trainer_outside_ms=round(trainer["outside_ms"], 3),
+                added_ms=round(trainer["outside_ms"] - hand["outside_ms"], 3),
                 max_loss_diff=f"{diff:.2e}",
                 goal=GOAL,
             )

@@ -14,7 +14,7 @@ CSV, named after the CSV (timing cells through ``timed()``), and a ``Question`` 
 
 Usage::
 
-    python experiments/run_all.py                        # everything (under 20 minutes on 2 cores)
+    python experiments/run_all.py                        # everything (about 25 minutes on 2 cores)
     python experiments/run_all.py --only scaling_charlm  # one experiment, then the whole block
     python experiments/run_all.py --skip-run             # only rebuild the block from the existing CSVs
 """
@@ -57,6 +57,7 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "watchdog": "bench_watchdog.py",
     "memory_validation": "memory_validation.py",
     "tensor_parallel": "bench_tensor_parallel.py",
+    "compile": "bench_compile.py",
 }
 
 

@@ -33,7 +33,7 @@ def ex() -> ModuleType:
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(EXPERIMENTS))
         names = ("_repeats", "_harness", "bench_metric_sync", "bench_pipeline", "scaling_charlm")
-        names += ("bench_hf_pipeline",)
+        names += ("bench_hf_pipeline", "bench_compile")
         yield _namespace({n: importlib.import_module(n) for n in names})
 
 
@@ -263,6 +263,35 @@ def test_hf_pipeline_rows_take_each_variant_from_its_rank_and_ratios_per_repeat(
     # A step without a loss shows as NaN instead of vanishing in max().
     nan = hf.result_rows([*one, *[{**s, "losses": [2.0, float("nan")]} for s in pipe]], 2, 4)
     assert nan[1]["max_loss_diff"] == "nan"
+
+
+def test_compile_rows_take_ratios_per_repeat_and_the_cold_compile_apart(ex):
+    bc = ex.bench_compile
+    args = {"workloads": ["demo"], "repeats": 3, "sizes": {}}
+
+    def sample(rep: int, variant: str, step_ms: float, compile_s: float) -> dict:
+        losses = [2.0, 1.5 + (1e-6 if variant == "compiled" else 0.0)]
+        return dict(repeat=rep, variant=variant, position=0, step_ms=step_ms, compile_s=compile_s,
+                    losses=losses, workload="demo")  # fmt: skip
+
+    # the first compiled fit compiles cold (30 s), the later ones warm; rank 0 compiled a little faster
+    last = [
+        s
+        for r in range(3)
+        for s in (sample(r, "eager", 100.0, 0.0), sample(r, "compiled", 80.0, 30.0 if r == 0 else 2.0))
+    ]
+    first = [dict(s, compile_s=s["compile_s"] / 2) for s in last]
+    rows = {r["variant"]: r for r in bc.rows_of(args, [first, last])}
+    compiled = rows["compiled"]
+    assert compiled["ratio"] == compiled["ratio_min"] == compiled["ratio_max"] == 0.8
+    assert (compiled["first_compile_s"], compiled["compile_s_min"], compiled["compile_s_max"]) == (
+        30.0,
+        2.0,
+        30.0,
+    )
+    assert compiled["break_even_steps"] == 1500  # 30 s over 20 ms saved per step
+    assert float(compiled["max_loss_diff"]) == pytest.approx(1e-6, rel=1e-2)
+    assert rows["eager"]["ratio"] == 1.0 and rows["eager"]["break_even_steps"] == ""
 
 
 def test_train_charlm_writes_its_json_summary(tmp_path):

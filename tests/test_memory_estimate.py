@@ -214,6 +214,17 @@ def test_recomputation_and_sharding_shrink_their_components():
     assert zero.ranks[0].optimizer < 0.6 * base.ranks[0].optimizer
 
 
+def test_compiled_stages_are_modelled_as_eager_and_the_table_says_so():
+    facts = _wide_facts()
+    eager = predict(facts, resolve(PipelineStrategy(pipeline_size=2), 2, "32-true"))
+    compiled = predict(facts, resolve(PipelineStrategy(pipeline_size=2, compile=True), 2, "32-true"))
+    assert compiled.config.compiled and not eager.config.compiled
+    assert [r.peak for r in compiled.ranks] == [r.peak for r in eager.ranks]
+    table = compiled.format_table()
+    assert table.startswith("pp 2x1 1f1b m=4 +compile") and "modelled as eager" in table
+    assert "modelled as eager" not in eager.format_table()
+
+
 def test_fsdp_shards_parameters_and_state_and_gathers_the_stage_for_the_step():
     facts = _wide_facts()  # Linear(16, 128) and Linear(128, 16): 128 and 16 rows
     base = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b"))

@@ -212,7 +212,6 @@ KEY_COLUMNS = {
     "schedules": [
         "samples_per_s",
         "vs_1f1b",
-        "efficiency",
         "ideal_efficiency",
         "compute",
         "bubble",
@@ -262,6 +261,15 @@ KEY_COLUMNS = {
     "dcp_async": ["stall_s", "total_s", "stall_vs_sync"],
     "dcp_kill": ["kills", "listed", "complete", "loadable", "partial_left", "removed_at_start", "exact"],
     "accumulation_equivalence": ["loss"],
+    "compile_bench": [
+        "step_ms",
+        "step_ms_min",
+        "ratio",
+        "ratio_max",
+        "compile_s",
+        "compile_s_max",
+        "first_compile_s",
+    ],
     "scaling_charlm": [
         "samples_per_s",
         "samples_per_s_min",

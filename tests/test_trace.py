@@ -12,13 +12,13 @@ import torch.distributed as dist
 from tiny_models import DeviceAwareGPT, TinyGPT
 from torch import nn
 
+from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.traced.split import (
     TracedStages,
     block_entry,
     block_extras,
     check_split_points,
-    find_block_list,
     keep_only,
 )
 from lightning_parallel.traced.stage_graphs import point_at, stage_contents

@@ -43,6 +43,10 @@ class ParallelConfig:
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"`` or ``"16-true"``.
         accumulate_grad_batches: batches per optimizer step (as the Trainer's). Inside a window a
             pipeline rank holds the accumulated gradients through the whole schedule.
+        compiled: the stages are compiled (``PipelineStrategy(compile=...)``). The activations are
+            still those eager saves, measured on the eager model: inductor's fused kernels usually save
+            fewer (its partitioner recomputes cheap pointwise ops in backward), so the prediction is then
+            an estimate from above, said so in the table.
 
     Example::
 
@@ -68,6 +72,7 @@ class ParallelConfig:
     data_parallel: str = "replicate"
     data_parallel_shard_size: int | None = None
     tensor_parallel_size: int = 1
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -171,6 +176,7 @@ class ParallelConfig:
             replicas = self.data_parallel_size // self.shard_size
             flags += f" +hsdp {replicas}x{self.shard_size}" if replicas > 1 else " +fsdp"
         flags += f" tp={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
+        flags += " +compile" if self.compiled else ""
         shape = f"{self.pipeline_size}x{self.data_parallel_size}"
         return f"pp {shape} {self.schedule}{v} m={self.num_microbatches}{flags}"
 
@@ -216,6 +222,7 @@ def resolve(strategy: Any, devices: int, precision: str) -> ParallelConfig:
             data_parallel=getattr(strategy, "data_parallel", "replicate"),
             data_parallel_shard_size=_config_value(strategy, "data_parallel_shard_size"),
             tensor_parallel_size=getattr(strategy, "tensor_parallel_size", 1),
+            compiled=_config_value(strategy, "compile") is not None,
         )
     raise ValueError(
         "strategy must be 'auto', 'single_device', 'ddp', 'pipeline', a ParallelConfig or a "

@@ -48,6 +48,10 @@ from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.plan import stage_rank
 from lightning_parallel.pipeline.runner import placement
 
+COMPILED_NOTE = (
+    "compiled stages: activations modelled as eager saves them (measured on the eager model); inductor's "
+    "fused kernels usually save fewer, so read the peaks as an estimate from above"
+)
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 GATHERED = "gathered"  # FSDP2's unsharded stage parameters, a column only where a rank has them
 
@@ -111,7 +115,8 @@ class MemoryEstimate:
              *(format_bytes(getattr(r, c)) for c in components), format_bytes(r.peak)]
             for r in self.ranks
         ]  # fmt: skip
-        return f"{self.config.label()} ({self.config.precision})\n" + format_table(headers, rows, align=">")
+        table = f"{self.config.label()} ({self.config.precision})\n" + format_table(headers, rows, align=">")
+        return table + (f"\n{COMPILED_NOTE}" if self.config.compiled else "")
 
 
 def estimate_memory(

@@ -1,7 +1,8 @@
-"""Parallelize each stage module after the split: tensor parallelism, ``parallelize_fn``, data parallelism.
+"""Parallelize each stage module after the split: tensor parallelism, ``parallelize_fn``, compile, FSDP2.
 
 torchtitan's order: whatever changes a stage's computation (tensor parallelism, a user's own
-wrapping) first, then data-parallel sharding over the stage's data-parallel ranks (FSDP2 on top of
+wrapping; recomputation is installed before) first, then ``torch.compile`` of the blocks, then
+data-parallel sharding over the stage's data-parallel ranks (FSDP2 on top of
 tensor-parallel DTensors is 2-D: each rank holds a data-parallel shard of its tensor-parallel slice).
 Plain replicas and
 ZeRO-1 leave the stage modules as they are (their gradients are averaged by the strategy).
@@ -15,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_parallel.parallelize.compile import CompileOptions, compile_in_place
 from lightning_parallel.parallelize.fsdp import shard_stage
 from lightning_parallel.parallelize.tensor import TensorPlan
 from lightning_parallel.parallelize.tensor_apply import apply_plan
@@ -32,8 +34,11 @@ def parallelize_stages(
     parallelize_fn: ParallelizeFn | None = None,
     tensor_plan: TensorPlan | None = None,
     child_names: Sequence[Sequence[str]] = (),
+    compile_options: CompileOptions | None = None,
+    block_type: type | None = None,
 ) -> list[FSDPModule]:
-    """Split each stage module's layers over the ``"tp"`` mesh dimension, run ``parallelize_fn``, then FSDP2.
+    """Split each stage module's layers over the ``"tp"`` mesh dimension, run ``parallelize_fn``, compile
+    the blocks, then FSDP2.
 
     Args:
         modules: this rank's stage modules (changed in place).
@@ -46,6 +51,9 @@ def parallelize_stages(
         parallelize_fn: changes the stage module in place and returns it (or None).
         tensor_plan: the tensor-parallel plan (:mod:`lightning_parallel.parallelize.tensor`), applied
             on ``device_mesh["tp"]``; ``child_names[i]`` are the module paths of ``modules[i]``'s children.
+        compile_options: ``torch.compile``'s keywords for the blocks (None: none compiled); each child
+            of class ``block_type`` (every child if None) is compiled in place
+            (:mod:`~lightning_parallel.parallelize.compile`).
 
     Returns:
         The stage modules that are FSDP roots (their gradients are FSDP's to reduce).
@@ -71,6 +79,10 @@ def parallelize_stages(
                     f"module it receives in place (fully_shard, parallelize_module, ...) and return it "
                     f"or None"
                 )
+        if compile_options is not None:
+            children = list(module.named_children())
+            blocks = [(n, c) for n, c in children if block_type is None or type(c) is block_type]
+            compile_in_place(blocks, compile_options)
         if data_parallel == "fsdp" and not isinstance(module, FSDPModule):
             if shard_mesh is None:
                 raise ValueError(

@@ -30,6 +30,7 @@ from lightning_parallel.distributed.stop import (
 )
 from lightning_parallel.pipeline.twin import alias_table, retie
 from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
+from lightning_parallel.strategies.pipeline.config import refuse_compiled_module
 
 
 class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -172,7 +173,15 @@ class PipelineMultiProcessingLauncher(CleanExitMultiProcessingLauncher):
     The consolidated state dict (a collective, so every rank takes part) replaces it, and the user's
     unsplit module in the main process then holds every stage's weights, as after ``ddp_spawn``.
     Overrides Lightning's private ``_collect_rank_zero_results`` (2.6.6); test_launcher.py checks it.
+    A module compiled with ``torch.compile(model)`` is refused in the main process, before it is pickled
+    for the workers (it cannot be: Lightning puts the compiled methods on the instance).
     """
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if args:  # Lightning's fit/validate/test/predict pass the (unwrapped) LightningModule first
+            refuse_compiled_module(args[0])
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:

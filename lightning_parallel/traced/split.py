@@ -21,6 +21,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
+from lightning_parallel.parallelize.compile import CompileOptions, OwnInputs, compile_in_place
+from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.stage_shapes import StageShapes
 from lightning_parallel.pipeline.twin import to_meta
 from lightning_parallel.traced.call_binding import CallBinding
@@ -33,32 +35,6 @@ from lightning_parallel.traced.tensor_parallel import (
     tensor_parallel_step,
 )
 from lightning_parallel.traced.trace import trace
-
-
-def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
-    """The ``nn.ModuleList`` (or nested ``nn.Sequential``, or ``nn.ModuleDict`` keyed by block numbers, as
-    torchtitan's models hold their layers) with most parameters: its path and children.
-
-    Raises:
-        ValueError: the module has no such list to split at.
-    """
-    lists = [
-        (sum(p.numel() for p in m.parameters()), path, list(m._modules))
-        for path, m in module.named_modules()
-        if path and len(m._modules) > 0 and (isinstance(m, (nn.ModuleList, nn.Sequential)) or _numbered(m))
-    ]
-    if not lists:
-        raise ValueError(
-            f"{type(module).__name__} has no nn.ModuleList of blocks to split at: pass "
-            f"PipelineStrategy(split_points=[...]) with the module paths where stages begin, or hold the "
-            f"layers in a top-level nn.Sequential"
-        )
-    _, path, names = max(lists, key=lambda entry: entry[0])
-    return path, names
-
-
-def _numbered(m: nn.Module) -> bool:
-    return isinstance(m, nn.ModuleDict) and all(name.isdigit() for name in m._modules)
 
 
 def check_split_points(
@@ -227,6 +203,8 @@ class TracedStages:
         self.device, self.group = device, group
         self.num_stages = len(self.split_points) + 1
         self.wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None
+        # torch.compile's keywords for each stage's program, compiled in place once prepared (None: eager)
+        self.compile_options: CompileOptions | None = None
         self.traces = 0  # how many times forward was traced, the one for planning included (tests read it)
         self._output_ndims: tuple[bool, list[int]] | None = None  # (a tuple?, ndim of each output)
         self._programs: list[TracedProgram] = []  # least recently used first
@@ -354,8 +332,9 @@ class TracedStages:
         """Stage ``index`` of ``program`` made ready to run on this rank, once: (graph, what runs it, links).
 
         Its graph is pointed at this rank's real tensors and devices, tensor-parallel layouts are
-        written into it, its units wrapped for recomputation; the torch stages of every input shape
-        then share it.
+        written into it, its units wrapped for recomputation, then it is compiled if asked (in place,
+        its own compiled entries: one program per stage); the torch stages of every input shape then
+        share it.
         """
         if index in program.prepared:
             return program.prepared[index]
@@ -372,6 +351,10 @@ class TracedStages:
                 runs = TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
         if self.wrap_units is not None:
             self.wrap_units(called_units(stage_module))
+        if self.compile_options is not None:
+            compile_in_place([(f"stage {index}", stage_module)], self.compile_options, isolated=True)
+            if index == 0 and runs is None:  # its inputs are slices of the batch (see OwnInputs)
+                runs = OwnInputs(stage_module)
         links = self.root.links(stage_module, self.aliases) if self.root is not None else None
         program.prepared[index] = (stage_module, runs, links)
         return program.prepared[index]

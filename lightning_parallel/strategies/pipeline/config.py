@@ -9,6 +9,12 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
+from lightning_parallel.parallelize.compile import (
+    CompileOptions,
+    check_schedule,
+    check_tensor_parallel,
+    checked_compile_options,
+)
 from lightning_parallel.parallelize.recompute import Selection, check_selection
 from lightning_parallel.parallelize.stages import DATA_PARALLEL
 from lightning_parallel.pipeline.partition import PARTITION_METHODS
@@ -34,6 +40,7 @@ class PipelineConfig:
     save_distributed_checkpoint: bool = False  # a torch.distributed.checkpoint directory, not one file
     tensor_parallel_size: int = 1
     tensor_parallel_plan: Mapping[str, Any] | None = None  # module path pattern -> ParallelStyle
+    compile: CompileOptions | None = None  # torch.compile's keywords for each stage's blocks (None: eager)
 
 
 def renamed_num_stages(pipeline_size: int | None, num_stages: int | None) -> int | None:
@@ -68,6 +75,7 @@ def checked_config(
     save_distributed_checkpoint: bool = False,
     tensor_parallel_size: int = 1,
     tensor_parallel_plan: Mapping[str, Any] | None = None,
+    compile: Any = False,
 ) -> PipelineConfig:
     """Every setting checked, with the value and the fix in each error; the config all ranks share."""
     cls = schedule_class(schedule)
@@ -85,6 +93,9 @@ def checked_config(
     _check_positive_int("num_microbatches", num_microbatches)
     _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, data_parallel)
     stages_per_rank = _stages_per_rank(schedule, stages_per_rank)
+    compile_options = checked_compile_options(compile)
+    check_schedule(compile_options, schedule)
+    check_tensor_parallel(compile_options, tensor_parallel_size)
     if pipeline_size is not None:
         _check_positive_int("pipeline_size", pipeline_size)
     if is_multi_stage(cls) != (stages_per_rank > 1):
@@ -123,6 +134,7 @@ def checked_config(
         save_distributed_checkpoint,
         tensor_parallel_size,
         dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None,
+        compile_options,
     )
 
 
@@ -210,6 +222,21 @@ def refuse_traced_parallelize(config: PipelineConfig) -> None:
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def refuse_compiled_module(module: Any) -> None:
+    """A LightningModule compiled by ``torch.compile(model)``: refused, with the one-line fix.
+
+    Lightning unwraps the ``OptimizedModule`` and sets the compiled ``forward`` and step methods on the
+    module itself, which cannot be pickled for spawned workers and would compile the user's step around
+    the pipeline; the stages are compiled by the strategy instead, after the split.
+    """
+    if getattr(module, "_compiler_ctx", None) is not None:
+        raise ValueError(
+            f"{type(module).__name__} was compiled with torch.compile(model); PipelineStrategy splits the "
+            f"module first and compiles each stage's blocks itself: pass the module uncompiled and use "
+            f"PipelineStrategy(compile=True) (or compile={{...torch.compile's options}})"
+        )
 
 
 def check_fit_supported(trainer: pl.Trainer, strategy: Any) -> None:

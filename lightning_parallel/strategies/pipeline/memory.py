@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_parallel.grads.zero import shard_optimizer_state
 from lightning_parallel.parallelize.recompute import Selection, apply_activation_checkpointing
+from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.split import SequentialStages, find_sequential
-from lightning_parallel.traced.split import find_block_list
 
 if TYPE_CHECKING:
     import torch

@@ -1,9 +1,10 @@
 """PipelineStrategy's step after the split: parallelize each stage module on the device mesh.
 
 Glue over :mod:`lightning_parallel.parallelize`: resolves the tensor-parallel plan on the unsplit
-module, then runs tensor parallelism, the user's ``parallelize_fn`` and FSDP2 on the Sequential path's
-stage modules (on the traced path: tensor parallelism on the held modules, whose graphs then run on
-DTensors, and FSDP2 on one root per stage), and points the strategy's
+module, then runs tensor parallelism, the user's ``parallelize_fn``, ``torch.compile`` of the blocks and
+FSDP2 on the Sequential path's stage modules (on the traced path: tensor parallelism on the held
+modules, whose graphs then run on DTensors, each stage's program compiled once prepared, and FSDP2 on
+one root per stage), and points the strategy's
 bookkeeping (parameter names, tied replicas) at the parameters they put in their place.
 """
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_parallel.parallelize.compile import block_type
 from lightning_parallel.parallelize.fsdp import DeferredReduceStage
 from lightning_parallel.parallelize.stages import parallelize_stages
 from lightning_parallel.parallelize.tensor import TensorPlan, default_plan, traced_plan, user_plan
@@ -51,16 +53,37 @@ def tensor_plan(module: nn.Module, config: PipelineConfig) -> tuple[str, TensorP
     return "", plan
 
 
+def compiled_block_type(module: nn.Module, config: PipelineConfig) -> type | None:
+    """On the Sequential path, the class of the layers ``compile=`` compiles (read before the split).
+
+    The Sequential's repeated blocks (its most frequent class), or every layer (None) when no class
+    repeats; None on the traced path too, which compiles each stage's program whole.
+    """
+    found = find_sequential(module, config.module_name) if config.split_points is None else None
+    return block_type(list(found[1])) if found is not None else None
+
+
 def parallelize_parts(
     parts: PipelineParts,
     config: PipelineConfig,
     module: nn.Module,
     plan: tuple[str, TensorPlan] | None = None,
+    blocks: type | None = None,
 ) -> None:
-    """Parallelize this rank's stage modules in place; every rank calls it (collectives over tp only)."""
-    if config.data_parallel != "fsdp" and config.parallelize_fn is None and plan is None:
-        return
+    """Parallelize this rank's stage modules in place; every rank calls it (collectives over tp only).
+
+    ``blocks``: the class of the layers to compile (:func:`compiled_block_type`), if ``config.compile``.
+    """
     stages = parts.runner.stages
+    traced = isinstance(stages, TracedStages)
+    if config.compile is not None and traced:  # compiled as each program is prepared
+        stages.compile_options = config.compile
+        rank_zero_info(
+            f"PipelineStrategy: each stage's program is compiled (torch.compile, {config.compile})"
+        )
+    nothing_else = config.data_parallel != "fsdp" and config.parallelize_fn is None and plan is None
+    if nothing_else and (config.compile is None or traced):
+        return
     mesh = parts.mesh
     before = dict(module.named_parameters())
     shard_mesh = mesh.data_parallel_mesh()
@@ -84,6 +107,8 @@ def parallelize_parts(
             config.parallelize_fn,
             tp_plan,
             names,
+            config.compile,
+            blocks,
         )
     after = dict(module.named_parameters())
     replaced = {id(p): after[n] for n, p in before.items() if n in after and after[n] is not p}
@@ -92,6 +117,11 @@ def parallelize_parts(
     parts.sharded = list(roots)
     if tp_plan is not None:
         rank_zero_info(f"PipelineStrategy: {tp_plan.format_table()}")
+    if config.compile is not None and not traced:
+        what = f"its {blocks.__name__} layers" if blocks is not None else "its layers"
+        rank_zero_info(
+            f"PipelineStrategy: each stage compiles {what} in place (torch.compile, {config.compile})"
+        )
     if roots:
         stages.stage_cls = DeferredReduceStage
         shards, replicas = mesh.layout.dp_shard_size, mesh.layout.dp_replicate_size

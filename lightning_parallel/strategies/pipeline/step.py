@@ -118,25 +118,32 @@ class _Step:
 
     def train(self) -> dict[str, Any]:
         batch, rest = self.args[0], self.args[1:]
-        chunks = [c[0] for c in split_args_kwargs_into_chunks((batch,), None, self.m)[0]]
-        weights, counts = self._loss_weights(chunks)
+        chunks, weights, counts, sizes = [], [], [], []  # what loss_fn reads: on the last stage only
+        if self.runner.has_last or self.items is not None:  # (counting items is every rank's collective)
+            chunks = [c[0] for c in split_args_kwargs_into_chunks((batch,), None, self.m)[0]]
+            weights, counts = self._loss_weights(chunks)
+            sizes = [batch_size(c) for c in chunks]
         losses: list[torch.Tensor] = []
+        plugin = self.module.trainer.precision_plugin
 
         timeline = self.parts.timeline if self.parts.timeline and self.parts.timeline.recording else None
 
         def loss_fn(output: Any, index: int) -> torch.Tensor:
             with span_of(timeline, "loss_fn", "loss", mb=index):
-                n_i = batch_size(chunks[index])
-                with self.call.replaying(output), self.recorder.recording(self.module, n_i, counts[index]):
+                recording = self.recorder.recording(self.module, sizes[index], counts[index])
+                with self.call.replaying(output), recording:
                     loss = loss_of(self.step(chunks[index], *rest), self.step_name)
                 losses.append(loss.detach())
                 # Scale the loss, not the gradients: each micro-batch carries its share of the step's
                 # mean (and, under fp16, the GradScaler's scale).
-                return scaled_loss(self.module.trainer.precision_plugin, loss * weights[index])
+                return scaled_loss(plugin, loss * weights[index])
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         batch_idx = self.args[1] if len(self.args) > 1 else None
         earlier = earlier_gradients(self.module.trainer, self.module, batch_idx)
+        if not self.runner.has_last and self.parts.mesh.pp_size > 1:
+            # The last stage's loss and logs come back after the schedule: the receive waits from now.
+            log_channel(self.parts, self.step_name).post()
         with (
             self.parts.held.collecting(params, earlier),
             timeline.torch_schedule() if timeline else nullcontext(),
@@ -264,18 +271,23 @@ def numbers_from_last_stage(
     One channel per step method keeps each one's layout (log names and options) agreed across steps.
     ``error`` (on the last stage): sent instead, and raised on every stage.
     """
-    mesh = parts.mesh
-    if mesh.pp_size == 1:
+    if parts.mesh.pp_size == 1:
         if error is not None:
             raise error
         assert record is not None
         return record
+    return log_channel(parts, step_name).broadcast(record, error=error)
+
+
+def log_channel(parts: PipelineParts, step_name: str) -> RecordBroadcast:
+    """The last stage's channel to this replica's stages for ``step_name`` (created at its first use)."""
     channel = parts.channels.get(step_name)
     if channel is None:
+        mesh = parts.mesh
         channel = parts.channels[step_name] = RecordBroadcast(
             mesh.global_rank(last_pp_rank(parts)), mesh.pp_group
         )
-    return channel.broadcast(record, error=error)
+    return channel
 
 
 def replay_logs(

@@ -25,7 +25,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -36,6 +36,7 @@ from lightning_parallel.distributed.collectives import all_gather_objects, broad
 from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, check_grace
 from lightning_parallel.grads.item_weights import ItemCount, scale_gradients
 from lightning_parallel.grads.reduce import all_reduce_gradients, clip_grad_norm_across
+from lightning_parallel.parallelize.compile import CompileWatch
 from lightning_parallel.parallelize.fsdp import reduce_gradients
 from lightning_parallel.parallelize.recompute import Selection
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
@@ -46,6 +47,7 @@ from lightning_parallel.strategies.pipeline.checkpointing import PipelineCheckpo
 from lightning_parallel.strategies.pipeline.config import (
     check_fit_supported,
     checked_config,
+    refuse_compiled_module,
     refuse_unsupported_callbacks,
     renamed_num_stages,
 )
@@ -56,7 +58,11 @@ from lightning_parallel.strategies.pipeline.memory import (
     shard_optimizers,
     unit_naming,
 )
-from lightning_parallel.strategies.pipeline.parallelize import parallelize_parts, tensor_plan
+from lightning_parallel.strategies.pipeline.parallelize import (
+    compiled_block_type,
+    parallelize_parts,
+    tensor_plan,
+)
 from lightning_parallel.strategies.pipeline.step import batch_size, last_pp_rank, run_step
 from lightning_parallel.strategies.pipeline.stop import (
     StoppingScriptLauncher,
@@ -93,7 +99,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     The ranks form one device mesh, ``strategy.device_mesh``, with dimensions ``("pp",
     "dp_replicate", "dp_shard", "tp")``. After the split each stage module is parallelized on it:
     first tensor parallelism (``tensor_parallel_size``), then ``parallelize_fn(stage_module,
-    device_mesh)`` if given, then the ``data_parallel`` mode.
+    device_mesh)`` if given, then ``torch.compile`` (``compile``), then the ``data_parallel`` mode
+    (torchtitan's order; recomputation is installed before).
 
     Args:
         pipeline_size: pipeline ranks per replica (default: all devices form one pipeline).
@@ -140,6 +147,16 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         tensor_parallel_plan: ``{module path pattern: ParallelStyle}`` (as ``parallelize_module``
             takes; paths from the LightningModule, ``*`` one segment) replacing the default plan (a
             traced forward takes ``ColwiseParallel`` and ``RowwiseParallel``).
+        compile: ``True`` or a dict of ``torch.compile``'s keywords (``{"mode": ...}``, ``{"backend":
+            "aot_eager"}``, ``{"dynamic": False}``): each stage's repeated blocks (the Sequential's
+            children of its most frequent class; on the traced path, each stage's program) are compiled
+            in place after the split, once per stage, with dynamic sizes unless ``dynamic=False``
+            (one compiled program serves every length, as one trace does). The compilation runs in the
+            first step of each mode; its time is reported apart (``compile_seconds``), and a
+            recompile limit reached is warned. Not with the schedules that split backward
+            (``"interleaved_zero_bubble"``, ``"zbv"``, ``"dualpipev"``) nor with
+            ``tensor_parallel_size > 1``: refused, with the reason. A module passed as
+            ``torch.compile(model)`` is refused with this fix.
         shard_optimizer_state: ``True`` is ``data_parallel="zero1"`` (the older name).
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         stop_grace_period: seconds (or a ``timedelta``) from a stop signal to the end of every process.
@@ -166,6 +183,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         PipelineStrategy(pipeline_size=2, data_parallel="fsdp", data_parallel_shard_size=2)
         # 8 devices: 2 stages x 2 replicas x 2 tensor-parallel ranks (3-D)
         PipelineStrategy(pipeline_size=2, tensor_parallel_size=2)
+        # each stage's blocks compiled with torch.compile (inductor), after the split
+        PipelineStrategy(pipeline_size=2, compile=True)
     """
 
     strategy_name = "pipeline"
@@ -188,6 +207,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         save_distributed_checkpoint: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
+        compile: bool | dict[str, Any] = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         stop_grace_period: float | timedelta = DEFAULT_GRACE,
         timeout: timedelta | None = default_pg_timeout,
@@ -228,6 +248,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             save_distributed_checkpoint,
             tensor_parallel_size,
             tensor_parallel_plan,
+            compile,
         )
         self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
         self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
@@ -237,6 +258,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         self._first_batch_checked = False
         self._tensor_plan: Any = None
         self._item_count: ItemCount | None = None
+        self._compile_watch: CompileWatch | None = None
 
     # ----------------------------------------------------------------------------------- layout
     @property
@@ -257,6 +279,15 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     save_distributed_checkpoint = property(
         lambda self: self.config.save_distributed_checkpoint, doc="Whether checkpoints are DCP directories."
     )
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds this rank spent in torch.compile so far (0 without ``compile``): apart from the steps.
+
+        Each mode's first step (and a recompilation) compiles; the step figures that include it are the
+        ones to leave out. Example: ``trainer.strategy.compile_seconds`` after ``fit``.
+        """
+        return self._compile_watch.seconds if self._compile_watch is not None else 0.0
 
     @property
     def layout(self) -> RankLayout:
@@ -333,9 +364,11 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             check_fit_supported(trainer, self)
         first = self.parts is None
         if self.parts is None:
+            refuse_compiled_module(self.lightning_module)  # (every rank holds the same module)
             if trainer.state.fn == TrainerFn.FITTING:
                 summarize_before_split(trainer, self.lightning_module, self)  # the whole model's table
             naming = unit_naming(self.lightning_module, self.config)  # read on the unsplit module
+            blocks = compiled_block_type(self.lightning_module, self.config) if self.config.compile else None
             with failing_together():
                 self._tensor_plan = tensor_plan(self.lightning_module, self.config)
             self.parts = build_pipeline(
@@ -351,8 +384,11 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         if self.parts.twin is not None:
             self.parts.twin = self.precision_plugin.convert_module(self.parts.twin)
         self.model_to_device()
-        if first:  # split, recomputation, then the data-parallel sharding (torchtitan's order)
-            parallelize_parts(self.parts, self.config, self.lightning_module, self._tensor_plan)
+        if first:  # split, recomputation, then tp, compile, the data-parallel sharding (torchtitan's order)
+            parallelize_parts(self.parts, self.config, self.lightning_module, self._tensor_plan, blocks)
+            if self.config.compile is not None:
+                self._compile_watch = CompileWatch(rank_zero_warn)
+                self._compile_watch.start()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.config.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
@@ -393,6 +429,8 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         """
         if self.parts is not None:
             self.parts.runner.clear()
+        if self._compile_watch is not None:
+            self._compile_watch.stop()
         self.parts = self._mesh = None
         gc.collect()
         if dist.is_available() and dist.is_initialized():
@@ -446,7 +484,16 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
                     f"a training batch of {n} samples cannot feed num_microbatches={m}: use a per-replica "
                     f"batch size of at least {m} (ideally a multiple of it), or fewer micro-batches"
                 )
-        return run_step(self.parts, self.lightning_module, step_name, args, train)
+        watch = self._compile_watch
+        before = watch.seconds if watch is not None else 0.0
+        out = run_step(self.parts, self.lightning_module, step_name, args, train)
+        if watch is not None and watch.seconds > before:
+            rank_zero_info(
+                f"PipelineStrategy: torch.compile took {watch.seconds - before:.1f} s in this {step_name} "
+                f"(batch {args[1] if len(args) > 1 else '?'}; {watch.seconds:.1f} s in all on this rank), "
+                f"counted apart from the steps as trainer.strategy.compile_seconds"
+            )
+        return out
 
     # ------------------------------------------------------------------ collectives in a step
     def _step_group(self, group: Any) -> Any:

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
+from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
@@ -34,7 +35,6 @@ from lightning_parallel.traced.split import (
     block_entry,
     block_extras,
     check_split_points,
-    find_block_list,
     keep_only,
 )
 from lightning_parallel.traced.stage_graphs import stage_contents

@@ -1,0 +1,304 @@
+"""torch.compile inside pipeline stages: each stage's blocks compiled in place, after the split.
+
+torchtitan's order: tensor parallelism, then recomputation, then ``torch.compile`` of each block
+(``block.compile()``, in place), then FSDP2. Compiling *after* the split lets every rank compile only
+its own stages; compiling in place (``Module.compile``: the module object and its parameters stay, so
+FSDP2, the tied-weight bookkeeping, parameter names and checkpoints see the same modules) leaves no
+``OptimizedModule`` wrapper in a stage.
+
+What is compiled:
+
+* on the Sequential path, the **repeated blocks**: the Sequential's children of its most frequent
+  class (a Sequential with no repeated class: every child). Blocks of one class share one compiled
+  program (dynamo caches per code object, and treats a block's parameters as inputs), so a stage
+  compiles once whatever its number of blocks;
+* on the traced path, each stage's **program** (its export graph), once per stage and traced program.
+
+Not under the schedules that split each backward into an input and a weight pass (interleaved zero
+bubble, ZBV, DualPipeV): torch 2.13 finds the weight pass's part of the autograd graph by walking it,
+and a compiled block is one node there (its whole fused backward, weight gradients included), so the
+weight pass runs that backward again (no time saved); compiled in place, the Sequential GPT of the
+tests trained under ZBV came out with weights up to 0.38 off one process's after four AdamW steps.
+torch refuses ``OptimizedModule`` stages there itself (``_check_torch_compile_compatibility``,
+pytorch#161904); :func:`check_schedule` refuses compiled stages with the reason.
+
+Compiled with dynamic sizes (``dynamic=True``) unless told otherwise: one program then serves every
+sequence length and micro-batch size, as one traced program does. :class:`CompileWatch` times the
+compilations (reported apart from the steps) and turns dynamo's recompile-limit warning (after which
+a stage silently runs eagerly) into this package's warning with the fix.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_parallel._options import unknown_option_error
+
+# torch.compile's keywords a stage takes (``model`` is the stage's own module).
+COMPILE_KEYS = (
+    "fullgraph",
+    "dynamic",
+    "backend",
+    "mode",
+    "options",
+    "disable",
+    "recompile_limit",
+)
+CompileOptions = dict[str, Any]
+
+
+def checked_compile_options(value: Any) -> CompileOptions | None:
+    """``compile=`` as the stages take it: ``None`` (off), or the keywords for ``torch.compile``.
+
+    ``True`` is torch.compile's defaults with ``dynamic=True``; a dict is torch.compile's keywords
+    (``{"mode": "max-autotune-no-cudagraphs"}``, ``{"backend": "aot_eager"}``), ``dynamic`` defaulting
+    to True there too.
+
+    Raises:
+        TypeError: neither a bool nor a dict, or a key that torch.compile does not take (naming the
+            closest one).
+
+    Example::
+
+        >>> checked_compile_options(True)
+        {'dynamic': True}
+        >>> checked_compile_options({"mode": "max-autotune-no-cudagraphs"})["mode"]
+        'max-autotune-no-cudagraphs'
+        >>> checked_compile_options(False) is None
+        True
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {"dynamic": True}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"compile must be True, False or a dict of torch.compile's options (e.g. {{'mode': "
+            f"'max-autotune-no-cudagraphs'}}), got {type(value).__name__}"
+        )
+    for key in value:
+        if key not in COMPILE_KEYS:
+            raise unknown_option_error("PipelineStrategy(compile={...})", str(key), COMPILE_KEYS)
+    return {"dynamic": True, **value}
+
+
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
+
+
+def check_schedule(options: CompileOptions | None, schedule: str) -> None:
+    """Refuse compiled stages under a schedule that splits each backward (see the module's docstring).
+
+    Raises:
+        ValueError: ``schedule`` is one of :data:`SPLIT_BACKWARD_SCHEDULES` and ``options`` is set.
+
+    Example::
+
+        >>> check_schedule({"dynamic": True}, "1f1b")     # fine
+        >>> check_schedule(None, "zbv")                    # fine: nothing compiled
+    """
+    if options is not None and schedule.lower() in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"compile with schedule={schedule!r} is not supported: that schedule splits each backward "
+            f"into an input and a weight pass, and a compiled block's backward is one fused function "
+            f"(torch 2.13 refuses compiled stages there, pytorch#161904; in place its weight pass reruns "
+            f"it and gave wrong gradients). Use compile with '1f1b', 'gpipe', 'interleaved_1f1b' or "
+            f"'looped_bfs', or compile=False with {schedule!r}"
+        )
+
+
+def check_tensor_parallel(options: CompileOptions | None, tensor_parallel_size: int) -> None:
+    """Refuse compiled stages split over tensor-parallel ranks (their blocks hold DTensor weights).
+
+    torch 2.13's compile of such a block fails in AOTAutograd's tracing (a RecursionError), measured
+    even with the ``aot_eager`` backend on the tests' Sequential GPT at pp 2 x tp 2.
+
+    Raises:
+        ValueError: both are asked.
+
+    Example::
+
+        >>> check_tensor_parallel({"dynamic": True}, 1)   # fine
+    """
+    if options is not None and tensor_parallel_size > 1:
+        raise ValueError(
+            f"compile with tensor_parallel_size={tensor_parallel_size} is not supported: torch 2.13 fails to "
+            f"compile blocks whose weights are tensor-parallel DTensors (AOTAutograd's tracing recurses "
+            f"without end). Use compile with tensor_parallel_size=1, or tensor parallelism without compile"
+        )
+
+
+def block_type(layers: Sequence[nn.Module]) -> type | None:
+    """The class of the repeated blocks among ``layers`` (the most frequent class), None if none repeats.
+
+    Read on the whole Sequential before the split, so every stage compiles the same kind of layer.
+
+    Example::
+
+        >>> seq = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.LayerNorm(2))
+        >>> block_type(list(seq)).__name__
+        'Linear'
+        >>> block_type([nn.Linear(2, 2), nn.ReLU()]) is None
+        True
+    """
+    counts = collections.Counter(type(m) for m in layers)
+    if not counts:
+        return None
+    cls, count = counts.most_common(1)[0]
+    return cls if count > 1 else None
+
+
+def compile_in_place(
+    units: Sequence[tuple[str, nn.Module]], options: CompileOptions, isolated: bool = False
+) -> list[str]:
+    """``module.compile(**options)`` for each unit (no ``OptimizedModule``); returns the names compiled.
+
+    ``isolated``: each unit keeps its own compiled entries and recompile limit (torch 2.13's
+    ``isolate_recompiles``), for units that cannot share a program (each traced stage's graph).
+    Compiling twice is a no-op.
+
+    Example::
+
+        compile_in_place(list(stage.named_children()), {"dynamic": True})
+    """
+    done = []
+    for name, module in units:
+        if not is_compiled(module):
+            module.compile(**options, **({"isolate_recompiles": True} if isolated else {}))
+        done.append(name)
+    return done
+
+
+class OwnInputs(nn.Module):
+    """Runs ``module`` on inputs that are not views: a view's base is copied out first.
+
+    A pipeline's first stage receives each micro-batch as a slice (a view) of the batch, and dynamo
+    guards on a view's base as well as on the view; with duck sizing a batch size that happens to equal
+    a sequence length becomes one symbol, so the short last batch of an epoch fails the guard and
+    compiles the stage again. Copying the slice (the micro-batch's input, once per micro-batch) keeps
+    the compiled program to the sizes it actually reads.
+
+    Example::
+
+        stage = PipelineStage(OwnInputs(compiled_stage_module), 0, num_stages, device)
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def own(t: Any) -> Any:
+            return t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t
+
+        return self.module(*[own(a) for a in args], **{k: own(v) for k, v in kwargs.items()})
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` was compiled in place (``Module.compile``).
+
+    Example::
+
+        >>> is_compiled(nn.Linear(2, 2))
+        False
+    """
+    return module.__dict__.get("_compiled_call_impl") is not None
+
+
+def compiled_names(modules: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """The names of the modules (and their submodules) compiled in place, as ``name.sub``."""
+    return [
+        f"{name}.{sub}" if sub else name
+        for name, module in modules
+        for sub, m in module.named_modules()
+        if is_compiled(m)
+    ]
+
+
+class CompileWatch:
+    """Times torch.compile's compilations, and reports a recompile limit reached (one process).
+
+    Dynamo runs a frame whose compiled entries reached their limit eagerly from then on, saying so
+    once in its log; this turns that log record into ``warn(message)`` with the fix. ``seconds`` is
+    the time spent compiling since :meth:`start` (every compilation: the first forward's, the
+    backward's, a new mode's), which the strategy reports apart from the steps.
+
+    Example::
+
+        watch = CompileWatch(warnings.warn)
+        watch.start()
+        ...                                  # steps that compile
+        watch.seconds, watch.compilations
+        watch.stop()
+    """
+
+    _LOGGER = "torch._dynamo"
+
+    def __init__(self, warn: Callable[[str], Any]) -> None:
+        self.warn = warn
+        self.seconds = 0.0
+        self.compilations = 0
+        self.limit_hits: list[str] = []
+        self._began: float | None = None
+        self._handler: _LimitHandler | None = None
+
+    def start(self) -> None:
+        """Begin timing and watching (idempotent)."""
+        if self._handler is not None:
+            return
+        handler = self._handler = _LimitHandler(self._limit_hit)
+        logging.getLogger(self._LOGGER).addHandler(handler)
+        torch._dynamo.callback_handler.register_start_callback(self._on_start)
+        torch._dynamo.callback_handler.register_end_callback(self._on_end)
+
+    def stop(self) -> None:
+        """Stop timing and watching (idempotent)."""
+        if self._handler is None:
+            return
+        logging.getLogger(self._LOGGER).removeHandler(self._handler)
+        torch._dynamo.callback_handler.remove_start_callback(self._on_start)
+        torch._dynamo.callback_handler.remove_end_callback(self._on_end)
+        self._handler = None
+
+    def _on_start(self, _args: Any) -> None:
+        self._began = time.perf_counter()
+
+    def _on_end(self, _args: Any) -> None:
+        if self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.compilations += 1
+            self._began = None
+
+    def _limit_hit(self, record: str) -> None:
+        self.limit_hits.append(record)
+        if len(self.limit_hits) == 1:
+            self.warn(
+                "PipelineStrategy(compile=...): torch.compile reached its recompile limit on a stage, which "
+                "now runs eagerly (slower, same numbers). torch.compile said:\n    "
+                + record.replace("\n", "\n    ")
+                + "\nEach new kind of input (mode, sizes it specialised on) compiles again: pad batches to a "
+                "few lengths (lightning_parallel.padding_to_multiple), keep compile's dynamic=True, or raise "
+                "the limit with compile={'recompile_limit': 16}"
+            )
+
+
+class _LimitHandler(logging.Handler):
+    """Catches dynamo's "hit config.recompile_limit" warning (torch 2.13's wording)."""
+
+    def __init__(self, on_hit: Callable[[str], Any]) -> None:
+        super().__init__(logging.WARNING)
+        self.on_hit = on_hit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # a malformed record is not ours to fix
+            return
+        if "recompile_limit" in text and "hit config" in text:
+            self.on_hit(text)
