@@ -156,14 +156,14 @@ class RecordRecomputed(Callback):
 
     def on_train_start(self, trainer, pl_module):
         stages = trainer.strategy.parts.runner.stages
-        wrap, wrapped = stages.wrap_units, set()
+        wrap, wrapped = stages._wrap_units, set()
 
         def spy(units):
             wrap(units)
             wrapped.update(n for n, m in units if is_checkpointed(m))
             pl_module.recorded = {"wrapped": sorted(wrapped), "sharded": is_sharded(trainer.optimizers[0])}
 
-        stages.wrap_units = spy
+        stages.recompute(spy)
 
 
 @pytest.mark.multiprocess

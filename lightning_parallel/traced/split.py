@@ -182,7 +182,7 @@ class TracedStages:
     """
 
     needs_example = True  # a new shape's stages are built on every rank from the call's input
-    static = True  # the torch stages are given their shapes (no dummy forward at their first step)
+    shapes_given = True  # the torch stages are given their shapes (no dummy forward at their first step)
     max_programs = 4  # traced programs kept (one serves every shape when the sizes are dynamic)
 
     def __init__(
@@ -202,24 +202,50 @@ class TracedStages:
         self.stage_indices, self.module, self.aliases = list(stage_indices), module, dict(aliases)
         self.device, self.group = device, group
         self.num_stages = len(self.split_points) + 1
-        self.wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None
+        self._wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None  # recompute()
         # torch.compile's keywords for each stage's program, compiled in place once prepared (None: eager)
-        self.compile_options: CompileOptions | None = None
+        self._compile_options: CompileOptions | None = None  # compile_with()
         self.traces = 0  # how many times forward was traced, the one for planning included (tests read it)
         self._output_ndims: tuple[bool, list[int]] | None = None  # (a tuple?, ndim of each output)
         self._programs: list[TracedProgram] = []  # least recently used first
-        self.merge_weights: list[float] | None = None  # set by the runner for one forward-only step
+        self._merge_weights: Sequence[float] | None = None  # set for one forward-only step (merging)
         self.warn = warn
         self._warned: set[str] = set()
-        # Set when the stage is sharded with FSDP2 (traced/fsdp.py): the torch stage then
+        # Set when the stage is sharded with FSDP2 (shard_with): the torch stage then
         # wraps that root, which runs the graph of the schedule about to step (see activate).
         self.root: Any = None
-        self.stage_cls: type[PipelineStage] = PipelineStage
+        self._stage_cls: type[PipelineStage] = PipelineStage  # use_stage_class()
         # Set when the stages are split over tensor-parallel ranks (split_over): their graphs run on DTensors.
         self.tensor_parallel_mesh: Any = None
         self._split_styles: dict[str, Any] = {}
         # torch stage -> (its graph, the graph's links to the root): dropped with the stage
         self._graphs: weakref.WeakKeyDictionary[Any, tuple[nn.Module, Any]] = weakref.WeakKeyDictionary()
+
+    # --- the StageSource interface (pipeline/stage_source.py)
+    def recompute(self, wrap: Callable[[list[tuple[str, nn.Module]]], Any]) -> None:
+        """Wrap each stage's units as the stage is prepared (its modules are the traced program's)."""
+        self._wrap_units = wrap
+
+    def use_stage_class(self, cls: type[PipelineStage]) -> None:
+        self._stage_cls = cls
+
+    @contextlib.contextmanager
+    def merging(self, weights: Sequence[float] | None) -> Iterator[None]:
+        """What each micro-batch's scalar outputs count for while a forward-only step merges them."""
+        self._merge_weights = weights
+        try:
+            yield
+        finally:
+            self._merge_weights = None
+
+    # --- what only the traced path's parallelize step sets up
+    def compile_with(self, options: CompileOptions) -> None:
+        """Compile each stage's program in place once it is prepared (``torch.compile``'s keywords)."""
+        self._compile_options = options
+
+    def shard_with(self, root: Any) -> None:
+        """Run every stage through ``root``, the stage's FSDP2 root (traced/fsdp.py)."""
+        self.root = root
 
     def split_over(self, mesh: Any, styles: Mapping[str, Any]) -> None:
         """Run the stages' graphs on DTensors over the tensor-parallel ``mesh`` (this rank's modules are
@@ -257,7 +283,7 @@ class TracedStages:
         for index in self.stage_indices:
             stage_module, runs, links = self._prepared(program, index)
             inputs, outputs = examples[index]
-            stage = self.stage_cls(
+            stage = self._stage_cls(
                 stage_module if runs is None else runs, index, self.num_stages, self.device,
                 input_args=inputs, output_args=outputs, group=self.group,
             )  # fmt: skip
@@ -349,10 +375,10 @@ class TracedStages:
             place_split_ops(stage_module, self._split_styles, self.aliases)
             if runs is None:  # (a sharded root runs its graph on DTensors itself)
                 runs = TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
-        if self.wrap_units is not None:
-            self.wrap_units(called_units(stage_module))
-        if self.compile_options is not None:
-            compile_in_place([(f"stage {index}", stage_module)], self.compile_options, isolated=True)
+        if self._wrap_units is not None:
+            self._wrap_units(called_units(stage_module))
+        if self._compile_options is not None:
+            compile_in_place([(f"stage {index}", stage_module)], self._compile_options, isolated=True)
             if index == 0 and runs is None:  # its inputs are slices of the batch (see OwnInputs)
                 runs = OwnInputs(stage_module)
         links = self.root.links(stage_module, self.aliases) if self.root is not None else None
@@ -388,7 +414,7 @@ class TracedStages:
 
         def add(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             i = next(index) % num_microbatches
-            weights = self.merge_weights or [1.0] * num_microbatches
+            weights = self._merge_weights or [1.0] * num_microbatches
             share = weights[i] / sum(weights) if sum(weights) else 0.0
             return total + value * share if share else total + torch.zeros_like(value)
 

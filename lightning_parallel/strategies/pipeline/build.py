@@ -34,6 +34,7 @@ from lightning_parallel.pipeline.twin import alias_table
 from lightning_parallel.strategies.pipeline.config import PipelineConfig, refuse_traced_parallelize
 from lightning_parallel.strategies.pipeline.items import StepItems
 from lightning_parallel.strategies.pipeline.sequential import sequential_path
+from lightning_parallel.strategies.pipeline.source_glue import SourceGlue
 from lightning_parallel.strategies.pipeline.traced import traced_path
 from lightning_parallel.timeline.recorder import Timeline
 
@@ -46,6 +47,7 @@ class PipelineParts:
     plan: StagePlan
     runner: PipelineRunner
     call: PipelinedCall  # the stand-in the user's step calls (``self.layers(x)`` or ``self(x)``)
+    glue: SourceGlue  # what the strategy does differently for this rank's stage source
     shared: SharedReplicas
     param_names: dict[nn.Parameter, str]  # this rank's parameters -> canonical names
     model_keys: list[str]  # the unsplit module's state-dict keys
@@ -81,18 +83,20 @@ def build_pipeline(
     with failing_together():
         found = find_sequential(module, config.module_name) if config.split_points is None else None
     if found is not None:
-        plan, runner, call, twin = sequential_path(config, trainer, module, found, mesh, device)
+        plan, runner, call, twin, glue = sequential_path(config, trainer, module, found, mesh, device)
     else:
         with failing_together():
             refuse_traced_parallelize(config)
-        plan, runner, call, twin = traced_path(config, trainer, module, mesh, aliases, device)
+        plan, runner, call, twin, glue = traced_path(config, trainer, module, mesh, aliases, device)
     local = {aliases[n]: p for n, p in module.named_parameters(remove_duplicate=False)}
     shared = SharedReplicas(
         find_shared([s.parameters for s in plan.stages], layout.pp_size, plan.style), mesh, local
     )
     shared.broadcast_from_owners()
     param_names = {p: aliases[n] for n, p in module.named_parameters()}
-    parts = PipelineParts(mesh, plan, runner, call, shared, param_names, model_keys, model_param_order, twin)
+    parts = PipelineParts(
+        mesh, plan, runner, call, glue, shared, param_names, model_keys, model_param_order, twin
+    )
     _adapt_to_steps(parts, module)
     return parts
 

@@ -20,16 +20,6 @@ from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.traced.call_binding import TracedCall
 
 
-def microbatches(args: tuple[Any, ...], num_microbatches: int) -> int:
-    n = next(
-        (int(t.shape[0]) for t in torch.utils._pytree.tree_leaves(args) if torch.is_tensor(t) and t.dim()), 1
-    )
-    m = min(num_microbatches, n)
-    while n % m:
-        m -= 1
-    return m
-
-
 def example_input(
     trainer: pl.Trainer, module: pl.LightningModule, call: TracedCall, paths: Sequence[str] = ("",)
 ) -> tuple[Any, ...]:

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from lightning_parallel.grads.item_weights import ItemCount, ItemWindow, hugging_face_count
+from lightning_parallel.pipeline.microbatches import split_microbatches
 from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.traced.call_binding import CallBinding, TracedCall
 
@@ -56,8 +56,8 @@ class StepItems:
         else:
             if call_args is None or binding is None or self.call_target is None:
                 raise RuntimeError("internal error: items counted from a call that was not captured")
-            split, _ = split_args_kwargs_into_chunks(tuple(call_args), None, len(chunks))
-            counts = [hugging_face_count(self.call_target, binding.arguments(tuple(c))[1]) for c in split]
+            split = split_microbatches(call_args, len(chunks))  # as the schedule splits the call
+            counts = [hugging_face_count(self.call_target, binding.arguments(c)[1]) for c in split]
             if any(c is None for c in counts):
                 return None
         return torch.stack([torch.as_tensor(c).reshape(()).double().cpu() for c in counts]).tolist()

@@ -8,6 +8,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
+from lightning_parallel.parallelize.compile import block_type
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan
@@ -26,6 +27,7 @@ from lightning_parallel.pipeline.split import (
 from lightning_parallel.strategies.pipeline.call_input import SequentialCapture, captured_input
 from lightning_parallel.strategies.pipeline.config import PipelineConfig
 from lightning_parallel.strategies.pipeline.plan import measured, stage_plan, units_per_stage
+from lightning_parallel.strategies.pipeline.source_glue import SequentialGlue, UnitNaming
 
 
 def sequential_path(
@@ -35,8 +37,9 @@ def sequential_path(
     found: tuple[str, nn.Sequential],
     mesh: PipelineMesh,
     device: torch.device,
-) -> tuple[StagePlan, PipelineRunner, PipelinedCall, nn.Module]:
+) -> tuple[StagePlan, PipelineRunner, PipelinedCall, nn.Module, SequentialGlue]:
     seq_name, seq = found
+    blocks = block_type(list(seq)) if config.compile is not None else None  # (before the split)
     num_stages = mesh.pp_size * config.stages_per_rank
     with failing_together():
         check_parameters_inside(module, seq_name)
@@ -67,6 +70,7 @@ def sequential_path(
         PipelineRunner(stages, plan.num_stages, config.schedule, config.num_microbatches),
         proxy.call,
         nn.ModuleList(twins),  # (the strategy gives the twins the precision it gives the model)
+        SequentialGlue(stages, seq_name, blocks, UnitNaming(f"{seq_name}.")),
     )
 
 

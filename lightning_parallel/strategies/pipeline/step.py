@@ -13,15 +13,14 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.agree import packed_error, unpacked_error
 from lightning_parallel.distributed.collectives import broadcast_object, recv_object, send_object
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.parallelize.fsdp import reshard
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.metrics import StageMetrics, replay_step_value
+from lightning_parallel.pipeline.microbatches import StepMicrobatches
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.state import to_cpu
 from lightning_parallel.pipeline.step_logs import (
@@ -102,8 +101,9 @@ class _Step:
     ) -> None:
         self.parts, self.runner, self.call, self.module = parts, parts.runner, parts.call, module
         self.step_name, self.step, self.args = step_name, getattr(module, step_name), args
-        self.n = batch_size(args[0])
-        self.m = self.runner.microbatches_for(self.n)
+        # The batch size and its micro-batches, decided once for everything this step does.
+        self.mb = StepMicrobatches.of(args[0], self.runner.num_microbatches)
+        self.n, self.m = self.mb.size, self.mb.count
         self.key = shape_key(args[0])
         self.recorder = LogRecorder(parts.metrics.paths if parts.metrics is not None else None)
         self.failure: Exception | None = None  # the user's step raised it on the last stage
@@ -117,12 +117,11 @@ class _Step:
         self.stage_args = self.call.capture(self.step, *args) if needed else None
 
     def train(self) -> dict[str, Any]:
-        batch, rest = self.args[0], self.args[1:]
+        rest = self.args[1:]
         chunks, weights, counts, sizes = [], [], [], []  # what loss_fn reads: on the last stage only
         if self.runner.has_last or self.items is not None:  # (counting items is every rank's collective)
-            chunks = [c[0] for c in split_args_kwargs_into_chunks((batch,), None, self.m)[0]]
-            weights, counts = self._loss_weights(chunks)
-            sizes = [batch_size(c) for c in chunks]
+            chunks, sizes = self.mb.batch_chunks(), self.mb.sizes
+            weights, counts = self._loss_weights(chunks, sizes)
         losses: list[torch.Tensor] = []
         plugin = self.module.trainer.precision_plugin
 
@@ -153,7 +152,7 @@ class _Step:
             return {}
         return {"loss": weighted_mean([float(v) for v in torch.stack(losses).float().tolist()], counts)}
 
-    def _loss_weights(self, chunks: list[Any]) -> tuple[list[float], list[float]]:
+    def _loss_weights(self, chunks: list[Any], sizes: list[int]) -> tuple[list[float], list[float]]:
         """What each micro-batch's loss is multiplied by before backward, and what it counts (its items).
 
         Sample-weighted: each micro-batch carries its share of the batch and of the accumulation window
@@ -161,7 +160,7 @@ class _Step:
         items over the window's reference count; the optimizer step scales the gradients to the token
         mean of every batch of the step over every replica (:class:`ItemWindow`).
         """
-        samples = [float(batch_size(c)) for c in chunks]
+        samples = [float(n_i) for n_i in sizes]
         counts = self._item_counts(chunks)
         if counts is None:
             scale = 1.0 / self.module.trainer.accumulate_grad_batches
@@ -217,8 +216,7 @@ class _Step:
         merge_weights = None
         if self.items is not None and self.runner.has_last:
             # A mean loss the model returns per micro-batch (labels=) merges weighted by their items.
-            chunks = [c[0] for c in split_args_kwargs_into_chunks((self.args[0],), None, self.m)[0]]
-            merge_weights = self._item_counts(chunks)
+            merge_weights = self._item_counts(self.mb.batch_chunks())
         output = self.runner.forward(self.key, self.m, self.stage_args, merge_weights)
         reshard(self.parts.sharded)  # FSDP2 stages keep their gathered weights after forward-only steps
         if not self.runner.has_last:
@@ -315,16 +313,6 @@ def replay_logs(
             # Every stage holds the same values: reduce over the replicas only.
             kwargs = {**kwargs, "sync_dist_group": dp_group}
         module.log(name, value, **kwargs)
-
-
-def batch_size(batch: Any) -> int:
-    """The size of dim 0 of the first batched tensor in ``batch``."""
-    n = samples_in(batch)
-    if n is None:
-        raise TypeError(
-            f"PipelineStrategy could not find a batched tensor in the batch ({type(batch).__name__})"
-        )
-    return n
 
 
 def shape_key(batch: Any) -> tuple:

@@ -40,6 +40,7 @@ from lightning_parallel.parallelize.compile import CompileWatch
 from lightning_parallel.parallelize.fsdp import reduce_gradients
 from lightning_parallel.parallelize.recompute import Selection
 from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
+from lightning_parallel.pipeline.microbatches import batch_size
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline
@@ -56,14 +57,12 @@ from lightning_parallel.strategies.pipeline.loss_scale import install_loss_scali
 from lightning_parallel.strategies.pipeline.memory import (
     install_checkpointing,
     shard_optimizers,
-    unit_naming,
 )
 from lightning_parallel.strategies.pipeline.parallelize import (
-    compiled_block_type,
     parallelize_parts,
     tensor_plan,
 )
-from lightning_parallel.strategies.pipeline.step import batch_size, last_pp_rank, run_step
+from lightning_parallel.strategies.pipeline.step import last_pp_rank, run_step
 from lightning_parallel.strategies.pipeline.stop import (
     StoppingScriptLauncher,
     agree_to_stop,
@@ -367,14 +366,12 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             refuse_compiled_module(self.lightning_module)  # (every rank holds the same module)
             if trainer.state.fn == TrainerFn.FITTING:
                 summarize_before_split(trainer, self.lightning_module, self)  # the whole model's table
-            naming = unit_naming(self.lightning_module, self.config)  # read on the unsplit module
-            blocks = compiled_block_type(self.lightning_module, self.config) if self.config.compile else None
             with failing_together():
                 self._tensor_plan = tensor_plan(self.lightning_module, self.config)
             self.parts = build_pipeline(
                 self.config, trainer, self.lightning_module, self.layout, self.root_device, self._mesh
             )
-            install_checkpointing(self.parts, self.config.activation_checkpointing, naming)
+            install_checkpointing(self.parts, self.config.activation_checkpointing)
             self.parts.items = step_items(self.lightning_module, self.parts.call, self._item_count)
             rank_zero_info(
                 f"PipelineStrategy stage plan ({self.config.schedule}):\n{self.parts.plan.format_table()}"
@@ -385,7 +382,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             self.parts.twin = self.precision_plugin.convert_module(self.parts.twin)
         self.model_to_device()
         if first:  # split, recomputation, then tp, compile, the data-parallel sharding (torchtitan's order)
-            parallelize_parts(self.parts, self.config, self.lightning_module, self._tensor_plan, blocks)
+            parallelize_parts(self.parts, self.config, self.lightning_module, self._tensor_plan)
             if self.config.compile is not None:
                 self._compile_watch = CompileWatch(rank_zero_warn)
                 self._compile_watch.start()

@@ -16,18 +16,21 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.pipeline.microbatches import first_microbatch, microbatch_count
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
 from lightning_parallel.pipeline.profile import block_times
-from lightning_parallel.pipeline.runner import PipelineRunner, first_microbatch, placement
+from lightning_parallel.pipeline.runner import PipelineRunner, placement
 from lightning_parallel.pipeline.split import materialize
 from lightning_parallel.pipeline.twin import meta_twin, to_meta
-from lightning_parallel.strategies.pipeline.call_input import example_input, microbatches
+from lightning_parallel.strategies.pipeline.call_input import example_input
 from lightning_parallel.strategies.pipeline.config import PipelineConfig
 from lightning_parallel.strategies.pipeline.plan import measured, stage_plan, units_per_stage
+from lightning_parallel.strategies.pipeline.source_glue import TracedGlue, UnitNaming
 from lightning_parallel.traced.call_binding import CallBinding, TracedCall, bound_forward
 from lightning_parallel.traced.errors import TraceStepFailed, explain, export_check, ours
 from lightning_parallel.traced.split import (
@@ -48,8 +51,9 @@ def traced_path(
     mesh: PipelineMesh,
     aliases: dict[str, str],
     device: torch.device,
-) -> tuple[StagePlan, PipelineRunner, TracedCall, nn.Module]:
+) -> tuple[StagePlan, PipelineRunner, TracedCall, nn.Module, TracedGlue]:
     num_stages = mesh.pp_size * config.stages_per_rank
+    naming = _unit_naming(module)  # (on the unsplit module)
     with failing_together():
         found = _traceable(config, trainer, module, mesh.pp_size, num_stages, device)
     costs, unit = None, ""
@@ -73,7 +77,16 @@ def traced_path(
         style = placement(config.schedule)
         plan, stages = _traced_split(module, found, points, mesh, aliases, device, stage_cost, unit, style)
     runner = PipelineRunner(stages, plan.num_stages, config.schedule, config.num_microbatches)
-    return plan, runner, found.call, found.twin
+    return plan, runner, found.call, found.twin, TracedGlue(stages, naming)
+
+
+def _unit_naming(module: nn.Module) -> UnitNaming:
+    """The traced stages call units by their paths; ``True`` recomputes the block list's blocks only."""
+    try:
+        path, _ = find_block_list(module)
+    except ValueError:  # no block list (split_points name the stages): every unit counts
+        return UnitNaming()
+    return UnitNaming("", f"{path}.")
 
 
 @dataclass
@@ -129,7 +142,8 @@ def _traceable(
     args = example_input(trainer, module, call, _call_paths(module, config))
     if call.path:
         call.what = f"`self.{call.path}(...)` ({type(module.get_submodule(call.path)).__name__}.forward)"
-    example = to_meta(first_microbatch(args, microbatches(args, config.num_microbatches)))
+    count = microbatch_count(samples_in(args) or 1, config.num_microbatches)
+    example = to_meta(first_microbatch(args, count))
     found = _Traceable(twin, call, args, example, [], [], device=device)
     found.order = order = _call_order(module, found)
     if config.split_points is not None:
