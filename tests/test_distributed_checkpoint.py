@@ -3,6 +3,8 @@
 The multi-process configurations share one spawned job of 4 gloo ranks (several Trainers in turn):
 replicas, FSDP2 and HSDP (2 replicas x 2 shards) saved, synchronously and in the background
 (``Rank0Checkpoint(async_save=True)``), then resumed at other (pipeline, replicate, shard) shapes.
+
+Covers strategies/pipeline/distributed_checkpoint.py and its hooks in strategies/pipeline/checkpointing.py.
 """
 
 import os

@@ -1,4 +1,7 @@
-"""Item-weighted losses without processes: the counts, the window's arithmetic, one device accumulating."""
+"""Item-weighted losses without processes: the counts, the window's arithmetic, one device accumulating.
+
+Covers callbacks/token_loss.py (TokenWeightedLoss) on one device.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""PipelineStrategy's bad-input errors: clear, raised at construction or setup, never a hang."""
+"""PipelineStrategy's bad-input errors: clear, raised at construction or setup, never a hang.
+
+Covers strategies/pipeline/config.py (the settings checked at construction) and strategies/pipeline/step.py's
+relay of a last-stage error to every rank.
+"""
 
 import pytest
 import torch

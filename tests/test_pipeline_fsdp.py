@@ -2,6 +2,11 @@
 
 The multi-process configurations share one spawned job of 4 gloo ranks: each rank runs several
 Trainers in turn on the process group the job set up (as under torchrun), so the imports are paid once.
+
+Covers parallelize/_fsdp_internals.py (finish_backward, spied on), parallelize/stages.py and
+strategies/pipeline/source_glue.py (parallelize_fn, then FSDP2, on each stage), traced/fsdp.py (the traced
+configurations' one FSDP root per stage) and strategies/pipeline/memory.py's recomputation
+(activation_checkpointing=True).
 """
 
 import os

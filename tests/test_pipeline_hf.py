@@ -3,6 +3,9 @@
 Every family and way of calling runs in ONE pair of spawned processes (each fit there is a
 ``Trainer`` under the script launcher's environment, reusing the process group), since a spawn pays
 seconds of imports: the one-device references run in this process.
+
+Covers traced/call_binding.py (keyword calls, constants baked in, a ModelOutput rebuilt) under
+PipelineStrategy.
 """
 
 from __future__ import annotations

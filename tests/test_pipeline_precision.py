@@ -5,6 +5,8 @@ the other (each rank starts a Trainer per run, as under torchrun), so the import
 them it runs grads/loss_scale.py's agreement alone, without Lightning (from tests/test_loss_scale.py).
 The 16-mixed run saves a distributed checkpoint after its scale changed; two more runs resume from it
 and from its consolidated file.
+
+Covers strategies/pipeline/memory.py's ZeRO-1 optimizers (shard_optimizer_state=True).
 """
 
 from __future__ import annotations

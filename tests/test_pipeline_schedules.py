@@ -2,6 +2,8 @@
 
 The multi-process configurations share one spawned job of 2 gloo ranks: each rank runs several Trainers
 in turn on the process group the job set up (as under torchrun), so the imports are paid once.
+
+Covers callbacks/timeline.py (PipelineTimeline recording chosen steps on every rank).
 """
 
 import json

@@ -1,4 +1,7 @@
-"""load_pretrained: safetensors weights read per stage into a model built on the meta device (no spawns)."""
+"""load_pretrained: safetensors weights read per stage into a model built on the meta device (no spawns).
+
+Covers pipeline/pretrained.py.
+"""
 
 import pytest
 import torch

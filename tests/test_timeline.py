@@ -1,4 +1,7 @@
-"""The pipeline timeline without processes: the torch names it wraps, the ideal, the summary, the files."""
+"""The pipeline timeline without processes: the torch names it wraps, the ideal, the summary, the files.
+
+Covers callbacks/timeline.py's argument and strategy checks (its recording: test_pipeline_schedules.py).
+"""
 
 import inspect
 import json

@@ -4,6 +4,9 @@ The twin is traced as fake tensors of the stages' device: a CPU trace takes the 
 trace for ``cuda:0`` (fake, no GPU needed) the CUDA ones.
 
 One process. torch.export takes ~1 s per trace here, so the tests share one traced pipe.
+
+Covers pipeline/export.py (export_for_pipeline: dynamic sizes, the static fallback and its reason) through
+TracedStages.
 """
 
 import pytest
