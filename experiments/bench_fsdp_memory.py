@@ -16,8 +16,9 @@ Each rank measures, in the same processes (one spawn, the four runs in turn):
   optimizer state; a DTensor counts its local shard, FSDP2's padding included). FSDP2 should bring it to
   1 / (stages x shards) of DDP's.
 - **peak** of the second training step, counted by torch's ``MemTracker`` as ``memory_validation.py``
-  does (parameters, gradients, optimizer state, activations, buffers, and FSDP2's unsharded parameters:
-  under a pipeline FSDP2 keeps its stage gathered for the whole step, ``reshard_after_forward=False``).
+  does, with the same ``_meters.StepMeter`` (parameters, gradients, optimizer state, activations,
+  buffers, and FSDP2's unsharded parameters: under a pipeline FSDP2 keeps its stage gathered for the
+  whole step, ``reshard_after_forward=False``).
 - the memory planner's **predicted** peak for the same configuration, beside it.
 
 Byte counts do not depend on the machine's load: one run each. Writes ``fsdp_memory.csv`` and
@@ -38,17 +39,17 @@ from typing import Any
 import _harness as h
 import lightning as L
 import torch
-from memory_validation import StepMeter
+from _meters import StepMeter
 from models import ByteWindows, SequentialCharLM
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.distributed.dtensors import local
+from lightning_parallel.grads.zero import local_state_bytes
 from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.parallelize.dtensors import local
-from lightning_parallel.pipeline.zero import local_state_bytes
 
 WORLD, DIM, DEPTH, SEQ_LEN, GLOBAL_BATCH, MICROBATCHES, STEPS = 4, 256, 8, 64, 16, 4, 2
 PLAN = dict(devices=WORLD, pipeline_size=2, num_microbatches=MICROBATCHES, partition="parameters")

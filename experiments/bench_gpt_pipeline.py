@@ -32,8 +32,9 @@ from models import ByteWindows, CharLM, SequentialCharLM, adamw_with_cosine_deca
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.pipeline.runner import first_microbatch
-from lightning_parallel.pipeline.trace import meta_twin, to_meta, trace
+from lightning_parallel.pipeline.microbatches import first_microbatch
+from lightning_parallel.pipeline.twin import meta_twin, to_meta
+from lightning_parallel.traced.trace import trace
 
 GOAL = 0.97  # the traced path keeps at least this share of the Sequential path's throughput
 

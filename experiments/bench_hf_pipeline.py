@@ -44,9 +44,10 @@ from models import ByteWindows
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.pipeline.call_binding import CallBinding
-from lightning_parallel.pipeline.runner import first_microbatch
-from lightning_parallel.pipeline.trace import meta_twin, to_meta, trace
+from lightning_parallel.pipeline.microbatches import first_microbatch
+from lightning_parallel.pipeline.twin import meta_twin, to_meta
+from lightning_parallel.traced.call_binding import CallBinding
+from lightning_parallel.traced.trace import trace
 
 BASELINE = "one_process"
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import _harness as h
 import torch
+from _meters import SavedTensorMeter
 from lightning.pytorch.callbacks import Callback
 from models import ByteWindows, SequentialCharLM
 from torch.utils.data import DataLoader
@@ -97,50 +98,6 @@ def tensor_bytes(tensors: Any) -> int:
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-
-
-class SavedTensorMeter:
-    """Live bytes of the tensors autograd saves for backward (activations), and their peak.
-
-    Installed with ``torch.autograd.graph.saved_tensors_hooks``: each saved tensor is wrapped in a
-    holder that counts its storage once (however often it is saved) until autograd frees the graph.
-    Parameters saved by their ops (a Linear saves its weight) are not activations: not counted.
-    """
-
-    def __init__(self, parameters: list[torch.Tensor]) -> None:
-        self.excluded = {p.untyped_storage().data_ptr() for p in parameters if not p.is_meta}
-        self.refs: dict[int, int] = {}
-        self.live = self.peak = 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-    def pack(self, t: torch.Tensor) -> Any:
-        ptr = t.untyped_storage().data_ptr()
-        if t.is_meta or ptr == 0 or ptr in self.excluded:
-            return t
-        return _Saved(self, t, ptr)
-
-    @staticmethod
-    def unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-
-class _Saved:
-    __slots__ = ("meter", "nbytes", "ptr", "tensor")
-
-    def __init__(self, meter: SavedTensorMeter, tensor: torch.Tensor, ptr: int) -> None:
-        self.meter, self.tensor, self.ptr = meter, tensor, ptr
-        self.nbytes = tensor.untyped_storage().nbytes()
-        meter.refs[ptr] = meter.refs.get(ptr, 0) + 1
-        if meter.refs[ptr] == 1:
-            meter.live += self.nbytes
-            meter.peak = max(meter.peak, meter.live)
-
-    def __del__(self) -> None:
-        refs = self.meter.refs
-        refs[self.ptr] -= 1
-        if not refs[self.ptr]:
-            del refs[self.ptr]
-            self.meter.live -= self.nbytes
 
 
 class MemoryProbe(Callback):

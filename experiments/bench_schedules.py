@@ -15,8 +15,8 @@ efficiency, as in ``bench_pipeline.py``). The variants run interleaved (first on
   other, as shares of the ranks' time, the measured idle share (1 - compute), and the **compute
   inflation**: the ranks' stage compute over the one-process step time (above 1: the layers run
   slower as pipeline stages than in one process);
-- **peak activation memory per rank** (the bytes autograd saves, ``SavedTensorMeter`` of
-  ``bench_pipeline_memory.py``), in one extra short run per schedule after the timed ones.
+- **peak activation memory per rank** (the bytes autograd saves, ``_meters.SavedTensorMeter``, as
+  ``bench_pipeline_memory.py`` counts them), in one extra short run per schedule after the timed ones.
 
 Writes ``schedules.csv`` (medians and ranges), ``schedules.png`` (time shares and throughput), and the
 Gantt chart of one recorded 1F1B step and of one ZBV step (``timeline_1f1b.png``, ``timeline_zbv.png``).
@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
-from bench_pipeline import Config, build_model, loader, run_single
-from bench_pipeline_memory import SavedTensorMeter
+from _charlm_bench import Config, build_model, loader, run_single
+from _meters import SavedTensorMeter
 from lightning.pytorch.callbacks import Callback
 
 from lightning_parallel import PipelineStrategy, PipelineTimeline
-from lightning_parallel.pipeline.timeline_report import by_step, summarize, write_gantt
+from lightning_parallel.timeline.report import by_step, summarize, write_gantt
 
 P, M = 2, 8
 SCHEDULES = {  # name -> stages_per_rank (None: implied)
@@ -65,7 +65,7 @@ class Bench:
 
 
 class _Meter(Callback):
-    """Peak activation bytes of this rank over the fit (see bench_pipeline_memory.SavedTensorMeter)."""
+    """Peak activation bytes of this rank over the fit (see _meters.SavedTensorMeter)."""
 
     def __init__(self) -> None:
         self.meter: SavedTensorMeter | None = None

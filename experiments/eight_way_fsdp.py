@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel._table import format_bytes
-from lightning_parallel.parallelize.dtensors import local
+from lightning_parallel.distributed.dtensors import local
 
 DEVICES, STEPS, BATCH_PER_REPLICA, SEQ_LEN = 8, 3, 8, 32
 

@@ -14,8 +14,8 @@ from lightning_parallel.checkpoint.consolidate import consolidate_checkpoint
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler
 from lightning_parallel.data.padding import pad_to_multiple, padding_to_multiple
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
+from lightning_parallel.grads.item_weights import labelled_tokens
 from lightning_parallel.memory.estimate import estimate_memory
-from lightning_parallel.pipeline.item_weights import labelled_tokens
 from lightning_parallel.pipeline.pretrained import load_pretrained
 from lightning_parallel.pipeline.step_scope import CollectiveOutsideStepError
 from lightning_parallel.strategies import PipelineStrategy, register_strategies

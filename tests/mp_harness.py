@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_parallel.parallelize.dtensors import full_tensors, local
+from lightning_parallel.distributed.dtensors import full_tensors, local
 from lightning_parallel.strategies.launcher import CleanExitMultiProcessingLauncher
 
 __all__ = [

@@ -1,4 +1,8 @@
-"""GradientAccumulationScheduler in a Trainer: exact means, one all-reduce per step, 1 device == 2 devices."""
+"""GradientAccumulationScheduler in a Trainer: exact means, one all-reduce per step, 1 device == 2 devices.
+
+Covers callbacks/_accumulation_internals.py (the loss multiplier and the window boundaries installed on the
+Trainer, undone at teardown) through the callback.
+"""
 
 import copy
 

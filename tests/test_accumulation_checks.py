@@ -1,4 +1,7 @@
-"""GradientAccumulationScheduler refuses what Lightning's does, with the same exception types and messages."""
+"""GradientAccumulationScheduler refuses what Lightning's does, with the same exception types and messages.
+
+Covers callbacks/_accumulation_checks.py, where those checks live.
+"""
 
 import warnings
 from unittest.mock import Mock

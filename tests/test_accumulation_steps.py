@@ -1,4 +1,7 @@
-"""GradientAccumulationScheduler and step counts: estimated_stepping_batches, OneCycleLR, the progress bar."""
+"""GradientAccumulationScheduler and step counts: estimated_stepping_batches, OneCycleLR, the progress bar.
+
+Covers callbacks/_accumulation_internals.py's stepping estimate and progress-bar total.
+"""
 
 import inspect
 

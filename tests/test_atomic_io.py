@@ -1,4 +1,8 @@
-"""Atomic, hashed checkpoint files and the background writer (no Lightning, no process group)."""
+"""Atomic, hashed checkpoint files and the background writer (no Lightning, no process group).
+
+Covers io/zip_tag.py (the hash tag in the zip comment: read back, verified, listed newest first) through the
+names io/atomic.py re-exports.
+"""
 
 import errno
 import os

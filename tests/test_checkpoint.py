@@ -1,4 +1,9 @@
-"""Rank0Checkpoint under a real Trainer: loud failures, verified resume, exact mid-epoch data position."""
+"""Rank0Checkpoint under a real Trainer: loud failures, verified resume, exact mid-epoch data position.
+
+Covers callbacks/_checkpoint_internals.py (the Lightning internals check, the verifying CheckpointIO, the
+restarted epoch) and callbacks/_checkpoint_resume.py (the newest checkpoint that verifies, the mid-epoch data
+position) through Rank0Checkpoint.
+"""
 
 import os
 import shutil

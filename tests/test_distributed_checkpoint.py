@@ -3,6 +3,8 @@
 The multi-process configurations share one spawned job of 4 gloo ranks (several Trainers in turn):
 replicas, FSDP2 and HSDP (2 replicas x 2 shards) saved, synchronously and in the background
 (``Rank0Checkpoint(async_save=True)``), then resumed at other (pipeline, replicate, shard) shapes.
+
+Covers strategies/pipeline/distributed_checkpoint.py and its hooks in strategies/pipeline/checkpointing.py.
 """
 
 import os
@@ -17,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_parallel import CheckpointWriteError, PipelineStrategy, Rank0Checkpoint, consolidate_checkpoint
 from lightning_parallel.checkpoint import directory
-from lightning_parallel.parallelize.dtensors import full_tensors
+from lightning_parallel.distributed.dtensors import full_tensors
 
 N_SAMPLES, GLOBAL_BATCH, WORLD = 48, 16, 4
 TRAIN = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)  # 2 optimizer steps an epoch

@@ -11,7 +11,7 @@ from mp_harness import quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import GradientAccumulationScheduler
-from lightning_parallel.strategies._earlier_gradients import earlier_gradients
+from lightning_parallel.strategies.pipeline.earlier_gradients import earlier_gradients
 
 
 class Ask(Callback):

@@ -7,7 +7,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_parallel.pipeline.fake_device import faked_on, trace_device, tracks_gradients
-from lightning_parallel.pipeline.trace import meta_twin, to_meta
+from lightning_parallel.pipeline.twin import meta_twin, to_meta
 
 
 def _tensors(module):

@@ -7,6 +7,9 @@ in ONE job of 4 spawned processes (pipeline 2 x data parallel 2, pipeline 2 x te
 plain DDP over 4 ranks); the
 one-device references run in this process. The batches have a new length nearly every time: the
 traced path must trace once per mode, not per length.
+
+Covers strategies/pipeline/items.py (the user's count, or a Hugging Face model's own labels, per micro-batch)
+and callbacks/token_loss.py under PipelineStrategy.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from lightning_parallel import (
     TokenWeightedLoss,
     labelled_tokens,
 )
-from lightning_parallel.parallelize.dtensors import full_tensors
+from lightning_parallel.distributed.dtensors import full_tensors
 
 hf_env.require("peft")
 

@@ -1,11 +1,12 @@
-"""pipeline/grads.py: gradients held for Lightning's backward, averaged over replicas, clipped globally."""
+"""grads/reduce.py: gradients held for Lightning's backward, averaged over replicas, clipped globally."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from mp_harness import spawn_gloo
 
-from lightning_parallel.pipeline.grads import HeldGradients, all_reduce_gradients, clip_grad_norm_across
+from lightning_parallel.grads.held import HeldGradients
+from lightning_parallel.grads.reduce import all_reduce_gradients, clip_grad_norm_across
 
 
 def _params_with_grads(seed=0, scale=1.0):

@@ -1,4 +1,7 @@
-"""Item-weighted losses without processes: the counts, the window's arithmetic, one device accumulating."""
+"""Item-weighted losses without processes: the counts, the window's arithmetic, one device accumulating.
+
+Covers callbacks/token_loss.py (TokenWeightedLoss) on one device.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_parallel import TokenWeightedLoss, labelled_tokens
-from lightning_parallel.pipeline.item_weights import (
-    ItemWindow,
-    hugging_face_count,
-    scale_gradients,
-    weighted_mean,
-)
+from lightning_parallel.grads.item_weights import ItemWindow, hugging_face_count, scale_gradients
+from lightning_parallel.pipeline.step_logs import weighted_mean
 
 
 def test_labelled_tokens_counts_what_the_loss_averages_over():

@@ -1,4 +1,5 @@
-"""The package's floors, read from the source: the ground floor never imports Lightning, no module cycles.
+"""The package's floors, read from the source: the ground floor never imports Lightning, no cycles of
+modules or of packages, and no module imports another package's private module.
 
 Pure ``ast`` (nothing is imported), milliseconds. Imports under ``if TYPE_CHECKING:`` count too: a cycle
 that only type checkers follow still makes two modules one concept.
@@ -10,7 +11,17 @@ from pathlib import Path
 import lightning_parallel
 
 PACKAGE = Path(lightning_parallel.__file__).parent
-GROUND_FLOOR = ("pipeline", "parallelize", "distributed", "io", "data", "checkpoint")
+GROUND_FLOOR = (
+    "pipeline",
+    "traced",
+    "parallelize",
+    "grads",
+    "timeline",
+    "distributed",
+    "io",
+    "data",
+    "checkpoint",
+)
 UPPER_FLOOR = ("lightning_parallel.callbacks", "lightning_parallel.strategies")
 
 
@@ -76,3 +87,40 @@ def test_no_two_modules_import_each_other():
         cycle for m in sorted(graph) if m != "lightning_parallel" and (cycle := _cycle_through(graph, m))
     ]
     assert not cycles, f"import cycles: {cycles[:3]}"
+
+
+def _package(module: str) -> str:
+    """The top-level package of a module (``lightning_parallel.traced.split`` -> ``traced``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else ""
+
+
+def test_no_two_packages_import_each_other():
+    """The floors are packages too: the pipeline's runtime below the traced source below parallelize, ..."""
+    graph: dict[str, set[str]] = {}
+    for module, deps in _graph().items():
+        here = _package(module)
+        if here:
+            graph.setdefault(here, set()).update(p for d in deps if (p := _package(d)) and p != here)
+    assert {"pipeline", "traced", "grads", "timeline"} <= set(graph)
+    cycles = [cycle for p in sorted(graph) if (cycle := _cycle_through(graph, p))]
+    assert not cycles, f"package import cycles: {cycles[:3]}"
+
+
+def test_no_module_imports_another_packages_private_module():
+    """``pipeline._v_forward`` is the pipeline package's own; the root's (``_options``) every package's."""
+    offending = []
+    for path in PACKAGE.rglob("*.py"):
+        here = _module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else _module_name(path)
+        for dep in _imports(path):
+            parts = dep.split(".")
+            private = next((i for i, part in enumerate(parts) if part.startswith("_") and i > 0), None)
+            if (
+                private is None
+                or not (PACKAGE.parent / "/".join(parts[: private + 1])).with_suffix(".py").exists()
+            ):
+                continue
+            owner = ".".join(parts[:private])
+            if not (here == owner or owner == "lightning_parallel"):
+                offending.append(f"{_module_name(path)} imports {dep}")
+    assert not offending, offending

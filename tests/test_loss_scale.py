@@ -1,11 +1,11 @@
-"""pipeline/loss_scale.py: found_inf agreed over the ranks, so every rank skips an fp16 step or none does.
+"""grads/loss_scale.py: found_inf agreed over the ranks, so every rank skips an fp16 step or none does.
 
 The multi-rank check runs inside test_pipeline_precision.py's spawned job (one spawn for both files).
 """
 
 import torch
 
-from lightning_parallel.pipeline.loss_scale import agree_found_inf, agree_on_overflow
+from lightning_parallel.grads.loss_scale import agree_found_inf, agree_on_overflow
 
 
 def _scaled_step(scaler, grad_value: float, weight: torch.nn.Parameter | None = None) -> torch.nn.Parameter:

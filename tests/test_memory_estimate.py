@@ -1,4 +1,8 @@
-"""The memory planner's logic without processes: units, probe, optimizer state, per-rank arithmetic."""
+"""The memory planner's logic without processes: units, probe, optimizer state, per-rank arithmetic.
+
+Covers memory/stage_costs.py (each stage's parameters, in-flight and received bytes, the too-many-stages
+error) through predict, and _table.py's format_bytes (which memory/estimate.py re-exports).
+"""
 
 import dataclasses
 
@@ -12,6 +16,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy, estimate_memory
+from lightning_parallel.grads.zero import shard_sizes
 from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
 from lightning_parallel.memory.estimate import format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
@@ -19,7 +24,6 @@ from lightning_parallel.memory.optimizer import StateSize, optimizers_from, stat
 from lightning_parallel.memory.planner import candidate_configs, fastest_fit, format_plan, plan
 from lightning_parallel.memory.probe import probe_activations, probe_sizes
 from lightning_parallel.memory.units import find_units
-from lightning_parallel.pipeline.zero import shard_sizes
 
 
 class TinyGPT(nn.Module):

@@ -1,7 +1,8 @@
 """Smoke test of experiments/memory_validation.py: predictions against torch's MemTracker, end to end.
 
 It also guards the two private torch 2.13 details the experiment leans on (MemTracker's module
-tracker, PipelineStage's receive buffers): if they move, the measured peaks drop or the run fails.
+tracker, PipelineStage's receive buffers; read in experiments/_meters.py): if they move, the measured
+peaks drop or the run fails.
 """
 
 import csv

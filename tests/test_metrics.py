@@ -1,4 +1,7 @@
-"""AllReducedMetrics: rank 0's CSV log holds the exact all-rank values (CPU, gloo, spawn)."""
+"""AllReducedMetrics: rank 0's CSV log holds the exact all-rank values (CPU, gloo, spawn).
+
+Covers callbacks/metrics.py.
+"""
 
 import csv
 import glob

@@ -1,4 +1,9 @@
-"""strategies/_pipeline_build.py: the plan chosen from the module, in one process (no pipeline run)."""
+"""strategies/pipeline/build.py: the plan chosen from the module, in one process (no pipeline run).
+
+Covers strategies/pipeline/call_input.py (the first batch read at setup), strategies/pipeline/plan.py (costs
+measured, stages planned), strategies/pipeline/sequential.py and strategies/pipeline/traced.py (both split
+paths) through Trainer.fit.
+"""
 
 import pytest
 from mp_harness import quiet_trainer

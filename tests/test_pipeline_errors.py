@@ -1,4 +1,8 @@
-"""PipelineStrategy's bad-input errors: clear, raised at construction or setup, never a hang."""
+"""PipelineStrategy's bad-input errors: clear, raised at construction or setup, never a hang.
+
+Covers strategies/pipeline/config.py (the settings checked at construction) and strategies/pipeline/step.py's
+relay of a last-stage error to every rank.
+"""
 
 import pytest
 import torch
@@ -193,7 +197,7 @@ def test_a_failure_of_the_packages_own_step_says_so_and_asks_for_a_bug_report(mo
     def broken(pipe):
         raise KeyError("add_3")
 
-    monkeypatch.setattr("lightning_parallel.pipeline.trace.relay_skips", broken)
+    monkeypatch.setattr("lightning_parallel.traced.trace.relay_skips", broken)
     with pytest.raises(
         RuntimeError, match=r"its own step `relaying values read past the next stage`"
     ) as info:
@@ -210,7 +214,7 @@ def test_a_twin_export_failure_the_module_does_not_have_is_the_packages(monkeypa
     def broken(module, example, dynamic=True):
         raise RuntimeError("torch.export could not capture") from ValueError("a stand-in for a twin bug")
 
-    monkeypatch.setattr("lightning_parallel.pipeline.trace.export_for_pipeline", broken)
+    monkeypatch.setattr("lightning_parallel.traced.trace.export_for_pipeline", broken)
     with pytest.raises(
         RuntimeError, match=r"failed in its own step `exporting forward with torch.export`"
     ) as info:

@@ -2,6 +2,11 @@
 
 The multi-process configurations share one spawned job of 4 gloo ranks: each rank runs several
 Trainers in turn on the process group the job set up (as under torchrun), so the imports are paid once.
+
+Covers parallelize/_fsdp_internals.py (finish_backward, spied on), parallelize/stages.py and
+strategies/pipeline/source_glue.py (parallelize_fn, then FSDP2, on each stage), traced/fsdp.py (the traced
+configurations' one FSDP root per stage) and strategies/pipeline/memory.py's recomputation
+(activation_checkpointing=True).
 """
 
 import os
@@ -23,9 +28,9 @@ from mp_harness import (
 from tiny_models import SequentialGPT, SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.memory.config import resolve
 from lightning_parallel.parallelize import fsdp
-from lightning_parallel.parallelize.dtensors import local
 
 # 48 samples, global batch 16: 3 batches an epoch; with accumulate_grad_batches=2 the windows are
 # [0, 1] and [2] (Lightning steps at the epoch's end): a full and a partial window per epoch.

@@ -2,6 +2,8 @@
 
 The traced path: forward is split with torch.export at the blocks; the tied weight is replicated on the
 first and last stage, its gradients summed, and the replicas stay bit-identical.
+
+Covers strategies/pipeline/traced.py.
 """
 
 import csv

@@ -3,6 +3,9 @@
 Every family and way of calling runs in ONE pair of spawned processes (each fit there is a
 ``Trainer`` under the script launcher's environment, reusing the process group), since a spawn pays
 seconds of imports: the one-device references run in this process.
+
+Covers traced/call_binding.py (keyword calls, constants baked in, a ModelOutput rebuilt) under
+PipelineStrategy.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from third_party_models import image_data, third_party_model, token_data
 from tiny_models import loader
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.parallelize.dtensors import full_tensors
+from lightning_parallel.distributed.dtensors import full_tensors
 
 # (family, tied, how the step calls the model, schedule): every family, both kinds of schedule for the
 # four with the most unusual blocks (learned positions, tied and untied RoPE, scaled embeddings,

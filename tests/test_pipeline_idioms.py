@@ -341,7 +341,8 @@ def test_weight_averaging_and_batch_size_finding_are_refused_with_the_fix(runs):
 
 
 def test_summary_internals_are_where_we_expect():
-    """_pipeline_summary.py replaces ModelSummary's private _summary per instance (Lightning 2.6.6)."""
+    """strategies/pipeline/summary.py replaces ModelSummary's private _summary per instance (Lightning
+    2.6.6)."""
     from lightning.pytorch.utilities.model_summary import summarize
 
     callback = ModelSummary(max_depth=2)

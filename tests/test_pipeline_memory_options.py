@@ -15,8 +15,8 @@ from mp_harness import (
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.pipeline.recompute import is_checkpointed
-from lightning_parallel.pipeline.zero import is_sharded, local_state_bytes
+from lightning_parallel.grads.zero import is_sharded, local_state_bytes
+from lightning_parallel.parallelize.recompute import is_checkpointed
 
 # 48 samples, global batch 16: 3 optimizer steps per epoch, so an epoch boundary is a clean resume point.
 N_SAMPLES, GLOBAL_BATCH = 48, 16
@@ -156,14 +156,14 @@ class RecordRecomputed(Callback):
 
     def on_train_start(self, trainer, pl_module):
         stages = trainer.strategy.parts.runner.stages
-        wrap, wrapped = stages.wrap_units, set()
+        wrap, wrapped = stages._wrap_units, set()
 
         def spy(units):
             wrap(units)
             wrapped.update(n for n, m in units if is_checkpointed(m))
             pl_module.recorded = {"wrapped": sorted(wrapped), "sharded": is_sharded(trainer.optimizers[0])}
 
-        stages.wrap_units = spy
+        stages.recompute(spy)
 
 
 @pytest.mark.multiprocess

@@ -2,6 +2,10 @@
 
 Every multi-process run shares one spawned job of 4 gloo ranks: each rank starts a Trainer per run, as
 under torchrun, so the imports are paid once. The one-device references run in the test process.
+
+Covers pipeline/_torchmetrics_internals.py (a Metric's step value), pipeline/step_scope.py (a world collective
+in a step refused on every rank) and strategies/pipeline/step.py (the last stage's logs replayed on every
+stage).
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 Every run trains 2 stages x 2 replicas on 4 ranks. One spawned job of 4 gloo ranks runs them all one after
 the other (each rank starts a Trainer per run, as under torchrun), so the imports are paid once; before
-them it runs pipeline/loss_scale.py's agreement alone, without Lightning (from tests/test_loss_scale.py).
+them it runs grads/loss_scale.py's agreement alone, without Lightning (from tests/test_loss_scale.py).
 The 16-mixed run saves a distributed checkpoint after its scale changed; two more runs resume from it
 and from its consolidated file.
+
+Covers strategies/pipeline/memory.py's ZeRO-1 optimizers (shard_optimizer_state=True).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from test_loss_scale import agreement_outcome, check_agreement
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy, consolidate_checkpoint
-from lightning_parallel.strategies._pipeline_precision import install_loss_scaling, scaled_loss
+from lightning_parallel.strategies.pipeline.loss_scale import install_loss_scaling, scaled_loss
 
 WORLD, PIPELINE_SIZE = 4, 2
 REPLICAS = WORLD // PIPELINE_SIZE
@@ -174,7 +176,7 @@ def pipelined(tmp_path_factory) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_one_rank_overflowing_makes_every_rank_skip_and_back_off_without_lightning(pipelined):
-    """pipeline/loss_scale.py alone, on the job's 4 gloo ranks (see tests/test_loss_scale.py)."""
+    """grads/loss_scale.py alone, on the job's 4 gloo ranks (see tests/test_loss_scale.py)."""
     check_agreement([torch.load(pipelined / f"agreement-rank{r}.pt") for r in range(WORLD)])
 
 

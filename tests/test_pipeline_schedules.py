@@ -2,6 +2,8 @@
 
 The multi-process configurations share one spawned job of 2 gloo ranks: each rank runs several Trainers
 in turn on the process group the job set up (as under torchrun), so the imports are paid once.
+
+Covers callbacks/timeline.py (PipelineTimeline recording chosen steps on every rank).
 """
 
 import json
@@ -16,8 +18,8 @@ from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, t
 
 from lightning_parallel import PipelineStrategy, PipelineTimeline
 from lightning_parallel.pipeline.plan import stage_rank
-from lightning_parallel.pipeline.timeline import clock_offsets
-from lightning_parallel.pipeline.timeline_report import by_step, summarize
+from lightning_parallel.timeline.recorder import clock_offsets
+from lightning_parallel.timeline.report import by_step, summarize
 
 # 58 samples, global batch 16: the epoch ends on a batch of 10, which num_microbatches=4 does not divide
 # (2 micro-batches: fewer than DualPipeV's 4 stages, so that batch runs ZBV on the same placement).

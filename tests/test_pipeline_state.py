@@ -1,4 +1,8 @@
-"""PipelineStrategy beyond training: evaluation, prediction, consolidated checkpoints, resume anywhere."""
+"""PipelineStrategy beyond training: evaluation, prediction, consolidated checkpoints, resume anywhere.
+
+Covers strategies/pipeline/checkpointing.py and strategies/pipeline/consolidated.py (the consolidated file:
+gathered on save, resharded on load) through Trainer.save_checkpoint and ckpt_path.
+"""
 
 import pytest
 import torch

@@ -33,22 +33,23 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_parallel import PipelineStrategy, consolidate_checkpoint
+from lightning_parallel.grads.loss_scale import agree_on_overflow
 from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.memory.tensor_parallel import local_model
 from lightning_parallel.parallelize.tensor import default_plan, user_plan
 from lightning_parallel.parallelize.tensor_apply import apply_held_styles
-from lightning_parallel.parallelize.traced_tensor import (
+from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
+from lightning_parallel.strategies.pipeline.parallelize import tensor_plan
+from lightning_parallel.traced.stage_graphs import point_at
+from lightning_parallel.traced.tensor_parallel import (
     TensorParallelGraph,
     place_split_ops,
     register_missing_shardings,
     tensor_parallel_step,
 )
-from lightning_parallel.pipeline.loss_scale import agree_on_overflow
-from lightning_parallel.pipeline.shared import alias_table
-from lightning_parallel.pipeline.trace import meta_twin, point_at, to_meta, trace
-from lightning_parallel.strategies._pipeline_parallelize import tensor_plan
+from lightning_parallel.traced.trace import trace
 
 # 48 samples, global batch 16: 3 batches an epoch; accumulate_grad_batches=2 gives the windows [0, 1]
 # and [2]: a full and a partial window per epoch. The clip value is below the gradient norm.

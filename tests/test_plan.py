@@ -1,4 +1,8 @@
-"""plan.py: the stage plan and its table (pure logic)."""
+"""plan.py: the stage plan and its table (pure logic).
+
+Covers _table.py (format_table: columns padded to the widest cell, the rule under the headers) through the
+plan's table.
+"""
 
 from lightning_parallel.pipeline.mesh import RankLayout
 from lightning_parallel.pipeline.plan import describe_layers, describe_paths, make_plan

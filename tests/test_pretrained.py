@@ -1,4 +1,7 @@
-"""load_pretrained: safetensors weights read per stage into a model built on the meta device (no spawns)."""
+"""load_pretrained: safetensors weights read per stage into a model built on the meta device (no spawns).
+
+Covers pipeline/pretrained.py.
+"""
 
 import pytest
 import torch
@@ -6,9 +9,9 @@ from hf_models import hf_config, hf_model
 from transformers import AutoModelForCausalLM
 
 from lightning_parallel import load_pretrained
-from lightning_parallel.pipeline.shared import alias_table
 from lightning_parallel.pipeline.split import materialize
-from lightning_parallel.pipeline.traced_split import keep_only
+from lightning_parallel.pipeline.twin import alias_table
+from lightning_parallel.traced.split import keep_only
 
 
 @pytest.fixture(scope="module")

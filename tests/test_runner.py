@@ -1,15 +1,10 @@
-"""runner.py: schedule names, micro-batch choice and chunking (pure logic; schedules run in the fits)."""
+"""runner.py: schedule names and which rank needs the input (pure logic; schedules run in the fits)."""
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.runner import (
-    PipelineRunner,
-    first_microbatch,
-    is_multi_stage,
-    schedule_class,
-)
+from lightning_parallel.pipeline.runner import PipelineRunner, is_multi_stage, schedule_class
 from lightning_parallel.pipeline.split import SequentialStages
 
 
@@ -17,24 +12,11 @@ def _runner(m: int = 4) -> PipelineRunner:
     return PipelineRunner(SequentialStages([nn.Identity()], [0], 1, torch.device("cpu"), None), 1, "gpipe", m)
 
 
-def test_microbatches_use_the_largest_divisor_of_the_batch():
-    runner = _runner()
-    assert [runner.microbatches_for(n) for n in (16, 12, 10, 7, 6, 3, 1)] == [4, 4, 2, 1, 3, 3, 1]
-    with pytest.raises(ValueError, match="empty batch"):
-        runner.microbatches_for(0)
-
-
 def test_schedule_names_map_to_torch_schedules():
     assert schedule_class("1F1B").__name__ == "Schedule1F1B"
     assert is_multi_stage(schedule_class("interleaved_1f1b")) and not is_multi_stage(schedule_class("gpipe"))
     with pytest.raises(ValueError, match="unknown schedule 'zigzag': choose one of gpipe, 1f1b"):
         schedule_class("zigzag")
-
-
-def test_first_microbatch_is_the_schedules_first_chunk():
-    x, y = torch.arange(12).view(6, 2), torch.arange(6)
-    a, b = first_microbatch((x, y), 3)
-    assert torch.equal(a, x[:2]) and torch.equal(b, y[:2])
 
 
 def test_only_the_first_stage_needs_the_input_on_the_sequential_path():

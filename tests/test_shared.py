@@ -1,18 +1,13 @@
-"""pipeline/shared.py: tied weights named once, re-tied, found across ranks, and kept identical (gloo)."""
+"""grads/tied.py: tied weights named once, re-tied, found across ranks, and kept identical (gloo)."""
 
 import pytest
 import torch
 from mp_harness import spawn_gloo
 from torch import nn
 
+from lightning_parallel.grads.tied import SharedParameter, SharedReplicas, find_shared
 from lightning_parallel.pipeline.mesh import RankLayout, build_mesh
-from lightning_parallel.pipeline.shared import (
-    SharedParameter,
-    SharedReplicas,
-    alias_table,
-    find_shared,
-    retie,
-)
+from lightning_parallel.pipeline.twin import alias_table, retie
 
 
 class Tied(nn.Module):

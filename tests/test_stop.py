@@ -21,7 +21,7 @@ import pytest
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed import stop
 from lightning_parallel.io import atomic
-from lightning_parallel.strategies._stop import check_signal_internals
+from lightning_parallel.strategies.pipeline.stop import check_signal_internals
 
 JOB = Path(__file__).parent / "scripts" / "stop_job.py"
 STOP_PY = Path(stop.__file__)

@@ -8,10 +8,11 @@ import torch
 from tiny_models import TinyGPT
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 
-from lightning_parallel.pipeline.shared import alias_table
 from lightning_parallel.pipeline.stage_shapes import StageShapes, stage_examples
 from lightning_parallel.pipeline.symbolic_sizes import evaluate_shape, is_symbolic, symbol_values
-from lightning_parallel.pipeline.trace import meta_twin, point_at, to_meta, trace
+from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
+from lightning_parallel.traced.stage_graphs import point_at
+from lightning_parallel.traced.trace import trace
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch.export, inside torch
 SPLITS = ["h.1", "h.3"]

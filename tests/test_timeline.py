@@ -1,4 +1,7 @@
-"""The pipeline timeline without processes: the torch names it wraps, the ideal, the summary, the files."""
+"""The pipeline timeline without processes: the torch names it wraps, the ideal, the summary, the files.
+
+Covers callbacks/timeline.py's argument and strategy checks (its recording: test_pipeline_schedules.py).
+"""
 
 import inspect
 import json
@@ -10,15 +13,15 @@ from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from lightning_parallel import PipelineTimeline
-from lightning_parallel.pipeline import _timeline_hooks
-from lightning_parallel.pipeline.timeline import Event, StepRecord, Timeline
-from lightning_parallel.pipeline.timeline_report import chrome_trace, ideal_makespan, summarize, write_gantt
+from lightning_parallel.timeline import _torch_hooks as _timeline_hooks
+from lightning_parallel.timeline.recorder import Event, StepRecord, Timeline
+from lightning_parallel.timeline.report import chrome_trace, ideal_makespan, summarize, write_gantt
 
 MS = 1_000_000
 
 
 def test_the_private_torch_names_the_timeline_wraps_are_where_torch_2_13_keeps_them():
-    """If this fails, torch moved them: update pipeline/_timeline_hooks.py (its docstring says what)."""
+    """If this fails, torch moved them: update timeline/_torch_hooks.py (its docstring says what)."""
     params = {
         n: list(inspect.signature(getattr(_PipelineStageBase, n)).parameters)
         for n in _timeline_hooks.STAGE_METHODS

@@ -64,7 +64,7 @@ class RotaryModel(nn.Module):
 @pytest.mark.xfail(
     strict=True,
     reason="pytorch#184361: pipeline() outlines a no-grad region's output twice; worked around by "
-    "lightning_parallel/pipeline/graph_regions.py (inline_wrapped_regions)",
+    "lightning_parallel/traced/graph_regions.py (inline_wrapped_regions)",
 )
 def test_torch_pipeline_splits_a_model_whose_no_grad_region_feeds_a_later_stage():
     torch.manual_seed(0)
@@ -77,8 +77,8 @@ def test_torch_pipeline_splits_a_model_whose_no_grad_region_feeds_a_later_stage(
 @pytest.mark.xfail(
     strict=True,
     reason="torch's _modify_graph_op_device (Pipe.build_stage) rewrites device= keywords only, not a device "
-    "given positionally (x.to(h.device) traced on meta); worked around by lightning_parallel/pipeline/"
-    "trace.py (device_args_as_keywords)",
+    "given positionally (x.to(h.device)); worked around by lightning_parallel/traced/trace.py "
+    "(device_args_as_keywords)",
 )
 def test_torch_moves_a_positional_device_of_a_stage_graph():
     graph = fx.Graph()
@@ -105,7 +105,7 @@ class RootReader(nn.Module):
 @pytest.mark.xfail(
     strict=True,
     reason="torch's traced stages cannot receive a root input of forward after stage 0 ('expected non-root "
-    "_RecvInfo but got root arg'); worked around by lightning_parallel/pipeline/relay.py (relay_skips)",
+    "_RecvInfo but got root arg'); worked around by lightning_parallel/traced/relay.py (relay_skips)",
 )
 def test_torch_traced_stages_give_a_later_stage_an_input_of_forward():
     _one_process_group()
@@ -140,8 +140,8 @@ def test_torch_schedules_call_loss_fn_once_per_micro_batch_when_they_infer_shape
 @pytest.mark.xfail(
     strict=True,
     reason="DTensor has no sharding rule for torch 2.13's CPU flash attention "
-    "(aten._scaled_dot_product_flash_attention_for_cpu); worked around by lightning_parallel/parallelize/"
-    "traced_tensor.py (register_missing_shardings)",
+    "(aten._scaled_dot_product_flash_attention_for_cpu); worked around by lightning_parallel/traced/"
+    "tensor_parallel.py (register_missing_shardings)",
 )
 def test_dtensor_has_a_sharding_rule_for_the_cpu_flash_attention_kernel():
     # A process of its own: the registration this package makes is global to the process. (On a mesh of

@@ -1,4 +1,4 @@
-"""pipeline/trace_errors.py: a failed trace says whose failure it is (the forward's, or this package's)."""
+"""traced/errors.py: a failed trace says whose failure it is (the forward's, or this package's)."""
 
 import contextlib
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.trace_errors import (
+from lightning_parallel.traced.errors import (
     EXPORT,
     PipelineTraceError,
     TraceStepFailed,

@@ -17,8 +17,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers
-from lightning_parallel.strategies._pipeline_dcp import save_checkpoint_dir, save_checkpoint_dir_in_background
-from lightning_parallel.strategies.pipeline import PipelineStrategy
+from lightning_parallel.strategies.pipeline.distributed_checkpoint import (
+    save_checkpoint_dir,
+    save_checkpoint_dir_in_background,
+)
+from lightning_parallel.strategies.pipeline.strategy import PipelineStrategy
 
 _SHARDED_TENSOR_TYPES = ("DTensor", "ShardedTensor")
 

@@ -1,7 +1,7 @@
 """PipelineTimeline: a per-rank timeline of chosen training steps under PipelineStrategy.
 
-Lightning glue around :mod:`lightning_parallel.pipeline.timeline` (the recorder) and
-:mod:`~lightning_parallel.pipeline.timeline_report` (summary, Chrome trace, Gantt chart).
+Lightning glue around :mod:`lightning_parallel.timeline.recorder` (the recorder) and
+:mod:`~lightning_parallel.timeline.report` (summary, Chrome trace, Gantt chart).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_parallel._options import checks_options
-from lightning_parallel.pipeline.timeline import StepRecord, Timeline
-from lightning_parallel.pipeline.timeline_report import by_step, summarize, write_gantt, write_trace
+from lightning_parallel.timeline.recorder import StepRecord, Timeline
+from lightning_parallel.timeline.report import by_step, summarize, write_gantt, write_trace
 
 
 class PipelineTimeline(Callback):
@@ -58,7 +58,7 @@ class PipelineTimeline(Callback):
         self._timeline: Timeline | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_parallel.strategies.pipeline import PipelineStrategy
+        from lightning_parallel.strategies.pipeline.strategy import PipelineStrategy
 
         if not isinstance(trainer.strategy, PipelineStrategy):
             raise ValueError(

@@ -4,7 +4,7 @@ Lightning averages the losses of an accumulation window's batches (and DDP the r
 equally; with padded, partly labelled batches (``ignore_index=-100``) that is not the mean over the
 step's tokens that one device computes on the whole global batch (Lightning issue #20350). This
 callback weights each batch by its items, as ``count(batch)`` counts them, with the mechanics of
-:mod:`lightning_parallel.pipeline.item_weights`: the gradient of each batch's loss is scaled by its
+:mod:`lightning_parallel.grads.item_weights`: the gradient of each batch's loss is scaled by its
 items over a reference count (the loss's value is left as it is, for the progress bar and logs), and
 once per optimizer step the gradients are scaled to the token mean over every replica. Under
 :class:`~lightning_parallel.PipelineStrategy` it hands ``count`` to the strategy, which weights each
@@ -25,8 +25,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from typing_extensions import override
 
 from lightning_parallel._options import checks_options
-from lightning_parallel.pipeline.item_weights import ItemCount, ItemWindow, scale_gradients
-from lightning_parallel.strategies.pipeline import PipelineStrategy
+from lightning_parallel.grads.item_weights import ItemCount, ItemWindow, scale_gradients
+from lightning_parallel.strategies.pipeline.strategy import PipelineStrategy
 
 __all__ = ["TokenWeightedLoss"]
 

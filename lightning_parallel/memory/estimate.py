@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from lightning_parallel._table import format_bytes, format_table
+from lightning_parallel.grads.zero import shard_owners
 from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
 from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
@@ -46,7 +47,6 @@ from lightning_parallel.memory.schedule import Action, peak_in_flight, rank_acti
 from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.plan import stage_rank
 from lightning_parallel.pipeline.runner import placement
-from lightning_parallel.pipeline.zero import shard_owners
 
 COMPILED_NOTE = (
     "compiled stages: activations modelled as eager saves them (measured on the eager model); inductor's "

@@ -8,7 +8,7 @@ from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.probe import BEFORE, UnitActivations
 from lightning_parallel.memory.units import Unit, partition
-from lightning_parallel.pipeline.recompute import select_units
+from lightning_parallel.parallelize.recompute import select_units
 
 
 @dataclass

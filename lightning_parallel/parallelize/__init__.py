@@ -1,1 +1,2 @@
-"""What happens to each stage module after the split: a user's ``parallelize_fn``, then data parallelism."""
+"""What happens to each stage module after the split, in torchtitan's order: tensor parallelism,
+recomputation, a user's ``parallelize_fn``, then data parallelism (FSDP2)."""

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from lightning_parallel.pipeline.traced_split import find_block_list
+from lightning_parallel.pipeline.blocks import find_block_list
 
 ATTENTION_INPUTS = (
     ("q", "k", "v"),

@@ -174,6 +174,12 @@ class BatchWindow:
         return twin
 
 
+def replay_step_value(metric: Metric, value: torch.Tensor | None) -> None:
+    """Make ``value`` what Lightning logs as ``metric``'s step value at its next ``self.log(name, metric)``:
+    on a stage that did not run the step, the value the last stage computed."""
+    set_step_value(metric, value)
+
+
 def _copy_without_hooks(metric: Metric) -> Metric:
     """A deep copy of ``metric`` without the module hooks others put on it (a profiler's do not copy)."""
     memo: dict[int, Any] = {}

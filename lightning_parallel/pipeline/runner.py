@@ -7,13 +7,11 @@ fails and takes the peer rank down), so each distinct batch shape, micro-batch c
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     ScheduleDualPipeV,
@@ -23,6 +21,8 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_parallel.pipeline._v_forward import VForwardOnly
+from lightning_parallel.pipeline.microbatches import first_microbatch
+from lightning_parallel.pipeline.stage_source import StageSource
 
 SCHEDULES = (
     "gpipe",
@@ -66,9 +66,9 @@ class PipelineRunner:
     """This rank's stages and the cached schedules that run them.
 
     Args:
-        stages: where this rank's torch stages come from (:class:`~lightning_parallel.pipeline.split.
-            SequentialStages` or :class:`~lightning_parallel.pipeline.trace.TracedStages`): its
-            ``stage_indices``, and ``build(mode, num_microbatches, example)`` for each new shape.
+        stages: where this rank's torch stages come from, a
+            :class:`~lightning_parallel.pipeline.stage_source.StageSource` (the Sequential's or the
+            traced forward's): its stages for each new shape, and what runs around their steps.
         num_stages: stages in the whole pipeline.
         schedule: a name from :data:`SCHEDULES`.
         num_microbatches: micro-batches per batch (fewer for a batch it does not divide).
@@ -81,7 +81,7 @@ class PipelineRunner:
 
     max_cached = 8
 
-    def __init__(self, stages: Any, num_stages: int, schedule: str, num_microbatches: int) -> None:
+    def __init__(self, stages: StageSource, num_stages: int, schedule: str, num_microbatches: int) -> None:
         self.stages = stages
         self.stage_indices = list(stages.stage_indices)
         self.num_stages = num_stages
@@ -104,18 +104,6 @@ class PipelineRunner:
         """Drop every cached stage and schedule (they hold process-group state and buffers)."""
         self._cache.clear()
 
-    def microbatches_for(self, batch_size: int) -> int:
-        """The micro-batch count for a batch: the largest divisor of its size up to num_microbatches.
-
-        Equal micro-batches keep the schedule's buffers valid; the loss weighting keeps the mean exact.
-        """
-        if batch_size < 1:
-            raise ValueError("PipelineStrategy received an empty batch")
-        m = min(self.num_microbatches, batch_size)
-        while batch_size % m:
-            m -= 1
-        return m
-
     def train_step(
         self,
         key: Hashable,
@@ -131,14 +119,14 @@ class PipelineRunner:
         # once on a dummy output of micro-batch 0, before the real micro-batches: that call must not
         # reach the user's training_step (it would log or update metrics with garbage). Stages given
         # their shapes (static mode: traced stages, Sequential stages sized on fake tensors) make none.
-        self._metadata_call_pending = self.has_last and new and not self.stages.static
+        self._metadata_call_pending = self.has_last and new and not self.stages.shapes_given
         target = torch.arange(num_microbatches) if self.has_last else None
         self._loss_fn, self._seen = loss_fn, []
         try:
             # The step's outputs reach the user's step through loss_fn, one micro-batch at a time: not
             # asking for them merged lets the last stage free each output at its backward (and a
             # forward that returns a scalar loss beside its logits, as nanoGPT's does, needs no merge).
-            with self._step_context():
+            with self.stages.step_context():
                 schedule.step(*(args if self.has_first else ()), target=target, return_outputs=False)
         finally:
             self._loss_fn = None
@@ -162,12 +150,8 @@ class PipelineRunner:
         inside the model) are merged into the batch's (default: equally).
         """
         schedule = self._schedule(("eval", key, num_microbatches), num_microbatches, args, train=False)
-        self.stages.merge_weights = merge_weights
-        try:
-            with self._step_context():
-                return schedule.step(*(args if self.has_first else ()))
-        finally:
-            self.stages.merge_weights = None
+        with self.stages.merging(merge_weights), self.stages.step_context():
+            return schedule.step(*(args if self.has_first else ()))
 
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         # The schedule splits `target` = arange(m) into one index per micro-batch.
@@ -182,7 +166,7 @@ class PipelineRunner:
         if key in self._cache:
             self._cache.move_to_end(key)
             schedule, stages = self._cache[key]
-            self._activate(stages)
+            self.stages.activate(stages)
             return schedule
         example = None
         if self.stages.needs_example:
@@ -204,38 +188,21 @@ class PipelineRunner:
         target = stages if is_multi_stage(cls) else stages[0]
         # scale_grads=False: the loss is scaled instead (see the strategy); torch's default divides
         # every .grad by m after each step, which breaks gradient accumulation across steps.
-        merge = getattr(self.stages, "output_merge_spec", None)
-        merge_spec = merge(num_microbatches) if merge is not None and self.has_last else None
+        merge_spec = self.stages.output_merge_spec(num_microbatches) if self.has_last else None
         schedule = cls(
             target, num_microbatches, loss_fn=loss_fn, scale_grads=False, output_merge_spec=merge_spec
         )
         self._cache[key] = (schedule, stages)
         if len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)
-        self._activate(stages)
-        return schedule
-
-    def _step_context(self) -> Any:
-        # Tensor-parallel traced stages need one (see TracedStages.step_context).
-        context = getattr(self.stages, "step_context", None)
-        return context() if context is not None else contextlib.nullcontext()
-
-    def _activate(self, stages: list[Any]) -> None:
         # Stages built per input shape may share one module (a sharded traced stage): it must run the
         # graph of the schedule about to step.
-        activate = getattr(self.stages, "activate", None)
-        if activate is not None:
-            activate(stages)
+        self.stages.activate(stages)
+        return schedule
 
 
 def _mode(train: bool) -> str:
     return "train" if train else "eval"
-
-
-def first_microbatch(args: tuple[Any, ...], num_microbatches: int) -> tuple[Any, ...]:
-    """The first micro-batch of ``args``, as the schedule will split them (tensors along dim 0)."""
-    chunks, _ = split_args_kwargs_into_chunks(tuple(args), None, num_microbatches)
-    return tuple(chunks[0])
 
 
 def _metadata_loss(output: Any) -> torch.Tensor:

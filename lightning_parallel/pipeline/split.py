@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -11,12 +12,12 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_parallel.pipeline.export import export_for_pipeline
 from lightning_parallel.pipeline.plan import StagePlan, describe_layers
 from lightning_parallel.pipeline.pretrained import load_pending
 from lightning_parallel.pipeline.proxy import PipelinedSequential
-from lightning_parallel.pipeline.shared import alias_table, retie
 from lightning_parallel.pipeline.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
-from lightning_parallel.pipeline.trace import export_for_pipeline, meta_twin
+from lightning_parallel.pipeline.twin import alias_table, meta_twin, retie
 
 
 def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential] | None:
@@ -150,17 +151,41 @@ class SequentialStages:
         # export cannot capture them; until then (and where it cannot) each shape runs them on fakes.
         self._chained: dict[bool, ChainedShapes | bool] = {}
         self._shapes_seen: dict[bool, set[tuple]] = {}
-        self.static = self.twins is not None  # whether the last build gave torch the shapes
-        self.merge_weights: list[float] | None = None  # (outputs concatenate on dim 0: unused)
+        self._shapes_given = self.twins is not None  # whether the last build gave torch the shapes
 
+    # --- the StageSource interface (pipeline/stage_source.py)
     @property
     def needs_example(self) -> bool:
         """Whether every rank needs the first micro-batch's input to build a new shape's stages."""
         return self.twins is not None
 
+    @property
+    def shapes_given(self) -> bool:
+        """Whether the stages last built were given their shapes (sized on the fake-tensor twins)."""
+        return self._shapes_given
+
+    def output_merge_spec(self, num_microbatches: int) -> None:
+        return None  # the last stage's outputs concatenate on dim 0, torch's default
+
+    def merging(self, weights: Sequence[float] | None) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()  # (no scalar outputs to merge)
+
+    def step_context(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def activate(self, stages: Sequence[Any]) -> None:
+        """Nothing to do: each stage's module is its own for the whole fit."""
+
+    def recompute(self, wrap: Callable[[list[tuple[str, nn.Module]]], Any]) -> None:
+        """Wrap this rank's layers now: the stage modules are built once."""
+        wrap(self.units())
+
+    def use_stage_class(self, cls: type[PipelineStage]) -> None:
+        self.stage_cls = cls
+
     def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
         shapes = self._shapes(mode == "train", example) if self.twins is not None else None
-        self.static = shapes is not None
+        self._shapes_given = shapes is not None
         stages = []
         for module, index in zip(self.modules, self.stage_indices):
             given = {"input_args": shapes[index][0], "output_args": shapes[index][1]} if shapes else {}

@@ -12,7 +12,7 @@ copy of the metric, whose ``compute()`` returns the last stage's value (:mod:`.m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +21,6 @@ import torch
 from torchmetrics import Metric, MetricCollection
 
 from lightning_parallel.pipeline._torchmetrics_internals import step_value
-from lightning_parallel.pipeline.item_weights import weighted_mean
 
 
 @dataclass(frozen=True)
@@ -210,3 +209,11 @@ def _numbers(values: list[float | torch.Tensor]) -> list[float]:
         return [float(v) for v in values]
     read = iter(torch.stack(tensors).tolist())
     return [next(read) if torch.is_tensor(v) else float(v) for v in values]
+
+
+def weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The mean of ``values`` weighted by ``weights``; values of weight 0 (a NaN loss of no items) skipped."""
+    kept = [(v, w) for v, w in zip(values, weights) if w]
+    if not kept:
+        return float("nan")
+    return sum(v * w for v, w in kept) / sum(w for _, w in kept)

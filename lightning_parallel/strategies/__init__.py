@@ -2,7 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_parallel.strategies.pipeline import PipelineStrategy
+from lightning_parallel.strategies.pipeline.strategy import PipelineStrategy
 
 __all__ = ["PipelineStrategy", "register_strategies"]
 

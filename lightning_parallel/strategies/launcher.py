@@ -28,9 +28,9 @@ from lightning_parallel.distributed.stop import (
     forwarding_stop_signals,
     stopped_status,
 )
-from lightning_parallel.pipeline.shared import alias_table, retie
+from lightning_parallel.pipeline.twin import alias_table, retie
 from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
-from lightning_parallel.strategies._pipeline_config import refuse_compiled_module
+from lightning_parallel.strategies.pipeline.config import refuse_compiled_module
 
 
 class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):

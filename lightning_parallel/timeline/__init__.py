@@ -1,0 +1,1 @@
+"""The pipeline timeline: per-rank spans of every stage call, P2P and collective, and their report."""

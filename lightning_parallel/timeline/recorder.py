@@ -1,0 +1,179 @@
+"""Record what each rank does during chosen training steps, with clocks aligned across the ranks.
+
+A :class:`Timeline` keeps timed spans (name, category, start, end, details): the stage computations and
+the P2P posts and waits of torch's schedule (wrapped only while a recorded step runs, see
+:mod:`~lightning_parallel.timeline._torch_hooks`), and whatever the caller times itself (the loss
+function, the log broadcast, the gradient sync, the optimizer step). :meth:`Timeline.gather` brings
+every rank's record of a step to rank 0 on one clock. :mod:`~lightning_parallel.timeline.report`
+turns the records into a summary, a Chrome trace and a Gantt chart.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_parallel.distributed.collectives import all_gather_objects
+from lightning_parallel.timeline._torch_hooks import patched
+
+# category of each span: what the report adds up
+CATEGORIES = ("compute", "wait", "comm", "loss", "collective", "optimizer")
+
+
+@dataclass
+class Event:
+    """One timed span on one rank (nanoseconds on that rank's clock until :meth:`Timeline.gather`)."""
+
+    name: str
+    category: str
+    start: int
+    end: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepRecord:
+    """What one rank did in one recorded step: its window (``begin``..``end``) and its spans."""
+
+    step: int
+    rank: int
+    label: str
+    begin: int
+    end: int
+    events: list[Event]
+    replica: int = 0  # the pipeline replica (data-parallel rank) the rank belongs to
+
+
+class Timeline:
+    """Timed spans of the recorded steps on this rank; :meth:`gather` puts all ranks on one clock.
+
+    Args:
+        label: how this rank's track is named in the trace (e.g. ``"stages 0, 3"``).
+        replica: the pipeline replica of this rank (its data-parallel rank): the report replays each
+            replica's schedule on its own.
+
+    Example::
+
+        timeline = Timeline("stages 0")
+        timeline.begin_step(5)
+        with timeline.torch_schedule():          # times torch's stage compute and P2P calls
+            schedule.step(x)
+        with timeline.span("optimizer step", "optimizer"):
+            optimizer.step()
+        timeline.end_step()
+        records = timeline.gather()              # a collective: on rank 0, every rank's StepRecord
+    """
+
+    def __init__(self, label: str = "", replica: int = 0) -> None:
+        self.label, self.replica = label, replica
+        self.events: list[Event] = []
+        self._step: tuple[int, int] | None = None  # (step, begin)
+        self._finished: list[StepRecord] = []
+
+    @staticmethod
+    def now() -> int:
+        return time.perf_counter_ns()
+
+    @property
+    def recording(self) -> bool:
+        return self._step is not None
+
+    def begin_step(self, step: int) -> None:
+        self._step, self.events = (step, self.now()), []
+
+    def end_step(self) -> None:
+        assert self._step is not None, "end_step() without begin_step()"
+        step, begin = self._step
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        record = StepRecord(step, rank, self.label, begin, self.now(), self.events, self.replica)
+        self._finished.append(record)
+        self._step, self.events = None, []
+
+    @contextmanager
+    def span(self, name: str, category: str, **args: Any) -> Iterator[None]:
+        """Time what runs inside as one span (not recorded outside a step)."""
+        start = self.now()
+        try:
+            yield
+        finally:
+            if self._step is not None:
+                self.events.append(Event(name, category, start, self.now(), args))
+
+    def add(self, name: str, category: str, start: int, end: int, **args: Any) -> None:
+        """A span timed by the caller (``start`` and ``end`` from :meth:`now`)."""
+        if self._step is not None:
+            self.events.append(Event(name, category, start, end, args))
+
+    def torch_schedule(self) -> Any:
+        """Inside: torch's stage compute and P2P calls are timed (nothing is wrapped outside a step)."""
+        return patched(self.span) if self._step is not None else nullcontext()
+
+    def gather(self, device: Any = "cpu") -> list[StepRecord] | None:
+        """Every rank's finished steps, on global rank 0's clock (a collective; None on the other ranks).
+
+        ``device``: where the clock readings travel (``"cuda"`` under NCCL). The clocks are aligned by
+        :func:`clock_offsets`: one clock per host, a few timed round trips to each other host's ranks.
+        """
+        finished, self._finished = self._finished, []
+        if not (dist.is_available() and dist.is_initialized()):
+            return finished
+        offsets = clock_offsets(device)
+        gathered = all_gather_objects(finished)
+        if dist.get_rank() != 0:
+            return None
+        out = []
+        for rank, records in enumerate(gathered):
+            shift = -offsets[rank]
+            for r in records:
+                events = [Event(e.name, e.category, e.start + shift, e.end + shift, e.args) for e in r.events]
+                begin, end = r.begin + shift, r.end + shift
+                out.append(StepRecord(r.step, r.rank, r.label, begin, end, events, r.replica))
+        return out
+
+
+def clock_offsets(device: Any = "cpu", rounds: int = 8, same_host_clock: bool = True) -> list[int]:
+    """On global rank 0: each rank's clock minus rank 0's, in ns (zeros elsewhere; a collective).
+
+    Ranks on rank 0's host share its clock (``perf_counter_ns`` reads the system-wide monotonic
+    clock): their offset is 0, exactly (unless ``same_host_clock=False``). For each other rank, rank 0
+    sends to it and gets its clock reading back, ``rounds`` times; the round trip with the shortest
+    time gives the estimate (the reading taken half-way through it), good to about half that round
+    trip (its asymmetry: a millisecond over gloo on a loaded host).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    hosts = all_gather_objects(socket.gethostname())
+    offsets = [0] * world
+    box = torch.zeros(1, dtype=torch.int64, device=device)
+    for peer in range(1, world):
+        if same_host_clock and hosts[peer] == hosts[0]:
+            continue
+        best: tuple[int, int] | None = None  # (round trip, offset)
+        for _ in range(rounds):
+            if rank == 0:
+                sent = Timeline.now()
+                dist.send(box, dst=peer)
+                dist.recv(box, src=peer)
+                back = Timeline.now()
+                estimate = (back - sent, int(box.item()) - (sent + back) // 2)
+                best = estimate if best is None or estimate[0] < best[0] else best
+            elif rank == peer:
+                dist.recv(box, src=0)
+                box.fill_(Timeline.now())
+                dist.send(box, dst=0)
+        if rank == 0 and best is not None:
+            offsets[peer] = best[1]
+    return offsets
+
+
+def span_of(timeline: Timeline | None, name: str, category: str, **args: Any) -> Any:
+    """``timeline.span(...)``, or a no-op context when no timeline is recording."""
+    if timeline is None or not timeline.recording:
+        return nullcontext()
+    return timeline.span(name, category, **args)

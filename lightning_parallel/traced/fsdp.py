@@ -1,0 +1,104 @@
+"""FSDP2 for a traced stage: one FSDP root that owns the stage's parameters and runs its export graph.
+
+A traced stage is an export graph that reads its weights with ``get_attr``: it never calls the
+user's blocks, so FSDP hooks put on the blocks would never all-gather them. Here the FSDP unit is
+:class:`ShardedTracedStage`, a root module that holds the user's modules (the same objects, under the
+same names) and whose ``forward`` runs the graph of the current input shape. FSDP's pre-forward hook
+on the root all-gathers the whole stage and sets the unsharded parameters on the user's modules;
+``forward`` then points the graph's attributes at them, so the graph reads full weights and autograd
+puts its gradients where FSDP reduce-scatters them. Under a pipeline the stage stays unsharded for
+the whole step (``reshard_after_forward=False``, as torchtitan does under pipelining), so one
+all-gather per step per stage: per-block units would save no memory here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from lightning_parallel.traced.tensor_parallel import run_on_dtensors
+
+# (the graph's slot dict, its name there, the root's slot dict, the name there)
+_Link = tuple[dict[str, Any], str, dict[str, Any], str]
+
+
+class ShardedTracedStage(nn.Module):
+    """The FSDP root of one traced stage: holds the user's modules, runs the current export graph.
+
+    Args:
+        module: the user's module, pruned to this rank's stage; its children are held as they are
+            (shared, so the user's module sees the sharded parameters FSDP puts in their place) and
+            its own parameters are registered here too (and put back in it after sharding).
+        tensor_parallel_mesh: set when the modules are split over tensor-parallel ranks too: the graph
+            then runs on DTensors (:func:`~lightning_parallel.traced.tensor_parallel.run_on_dtensors`).
+
+    Example::
+
+        root = ShardedTracedStage(pruned_gpt)
+        shard_traced_stage(root, mesh.device_mesh["dp_shard"])
+        root.use_graph(stage_graph, root.links(stage_graph, aliases))   # this input shape's graph
+        root(x)                                 # all-gathers the stage, runs the graph
+    """
+
+    def __init__(self, module: nn.Module, tensor_parallel_mesh: DeviceMesh | None = None) -> None:
+        super().__init__()
+        self._owner = [module]  # a list: not registered as a submodule (it is the LightningModule)
+        self._tp_mesh = tensor_parallel_mesh
+        for name, child in module.named_children():
+            self.add_module(name, child)
+        for name, param in module._parameters.items():
+            if param is not None:
+                self.register_parameter(name, param)
+        self._graph: nn.Module | None = None
+        self._links: list[_Link] = []
+
+    def links(self, graph: nn.Module, aliases: Mapping[str, str]) -> list[_Link]:
+        """Where each parameter attribute of ``graph`` takes its tensor from in this root (by canonical
+        name): computed once per graph, followed at every forward."""
+        mine: dict[str, tuple[dict[str, Any], str]] = {}
+        for path, _ in self.named_parameters(remove_duplicate=False):
+            owner, _, leaf = path.rpartition(".")
+            mine[aliases.get(path, path)] = (self.get_submodule(owner)._parameters, leaf)
+        links = []
+        for path, _ in graph.named_parameters(remove_duplicate=False):
+            owner, _, leaf = path.rpartition(".")
+            slot, name = mine[aliases.get(path, path)]
+            links.append((graph.get_submodule(owner)._parameters, leaf, slot, name))
+        return links
+
+    def use_graph(self, graph: nn.Module, links: list[_Link]) -> None:
+        """Run ``graph`` from now on, its parameter attributes following ``links`` (:meth:`links`)."""
+        self.__dict__["_graph"], self._links = graph, links
+
+    def forward(self, *args: Any) -> Any:
+        if self._graph is None:
+            raise RuntimeError("internal error: a sharded traced stage ran before use_graph")
+        # FSDP's pre-forward has just set the unsharded parameters on the held modules.
+        for graph_slot, graph_name, slot, name in self._links:
+            graph_slot[graph_name] = slot[name]
+        if self._tp_mesh is not None:  # its split weights are tensor-parallel DTensors
+            return run_on_dtensors(self._graph, args, self._tp_mesh)
+        return self._graph(*args)
+
+    def restore_owner_parameters(self) -> None:
+        """Give the user's module the (sharded) parameters FSDP registered here in place of its own."""
+        owner = self._owner[0]
+        for name in list(owner._parameters):
+            if name in self._parameters:
+                owner._parameters[name] = self._parameters[name]
+
+
+def shard_traced_stage(root: ShardedTracedStage, mesh: DeviceMesh) -> FSDPModule:
+    """``fully_shard`` the root over ``mesh`` (one unit per stage; see the module's docstring).
+
+    Example::
+
+        shard_traced_stage(ShardedTracedStage(pruned_module), mesh.data_parallel_mesh())
+    """
+    fully_shard(root, mesh=mesh, reshard_after_forward=False)
+    root.restore_owner_parameters()
+    return root  # type: ignore[return-value]

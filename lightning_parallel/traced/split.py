@@ -1,0 +1,450 @@
+"""Stages of a traced forward: split points on the model's blocks, and this rank's part of the module.
+
+By default a stage begins at a block of the module's main ``nn.ModuleList`` (the one holding most
+parameters): the modules ``forward`` calls before the first block (embeddings) go with the first stage,
+those after the last block (final norm, head) with the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._IR import _modify_graph_op_device
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
+
+from lightning_parallel.parallelize.compile import CompileOptions, OwnInputs, compile_in_place
+from lightning_parallel.pipeline.blocks import find_block_list
+from lightning_parallel.pipeline.stage_shapes import StageShapes
+from lightning_parallel.pipeline.twin import to_meta
+from lightning_parallel.traced.call_binding import CallBinding
+from lightning_parallel.traced.errors import TraceStepFailed, explain, ours, step
+from lightning_parallel.traced.stage_graphs import point_at, unit_calls
+from lightning_parallel.traced.tensor_parallel import (
+    TensorParallelGraph,
+    place_split_ops,
+    register_missing_shardings,
+    tensor_parallel_step,
+)
+from lightning_parallel.traced.trace import trace
+
+
+def check_split_points(
+    module: nn.Module, points: Sequence[str], order: Sequence[str], num_stages: int
+) -> list[str]:
+    """Validate user-given split points against the module and the order forward calls modules in."""
+    points = list(points)
+    position = {path: i for i, path in enumerate(order)}
+    for p in points:
+        if not isinstance(p, str):
+            raise TypeError(f"split_points must be module paths (str), got {p!r}")
+        try:
+            module.get_submodule(p)
+        except AttributeError:
+            raise ValueError(
+                f"split_points: {type(module).__name__} has no submodule {p!r}; the blocks are "
+                f"{_blocks_hint(module)}"
+            ) from None
+        if p not in position:
+            raise ValueError(f"split_points: {p!r} is never called by {type(module).__name__}.forward")
+    if len(points) + 1 != num_stages:
+        raise ValueError(
+            f"split_points names {len(points)} stage beginnings ({points}), which make {len(points) + 1} "
+            f"stages, but the pipeline has {num_stages} (pipeline_size x stages_per_rank): give "
+            f"{num_stages - 1} split points"
+        )
+    if [position[p] for p in points] != sorted(position[p] for p in points) or len(set(points)) < len(points):
+        raise ValueError(f"split_points must be distinct and in the order forward calls them, got {points}")
+    return points
+
+
+def _blocks_hint(module: nn.Module) -> str:
+    try:
+        path, names = find_block_list(module)
+    except ValueError:
+        return "(no nn.ModuleList found)"
+    return f"{path}.{names[0]} .. {path}.{names[-1]}"
+
+
+def block_entry(order: Sequence[str], block: str) -> str:
+    """Where a stage beginning at ``block`` is split: the block, or where a block that is only a container
+    (x-transformers' ``layers.2``, a ``ModuleList`` of norm, layer and residual) is first entered.
+
+    Raises:
+        ValueError: forward never calls the block or anything inside it.
+    """
+    if block in order:
+        return block
+    inside = [p for p in order if p.startswith(f"{block}.")]
+    if not inside:
+        raise ValueError(
+            f"`{block}` is never called by forward, nor anything inside it: name the stage beginnings with "
+            f"split_points=[...] (module paths forward calls)"
+        )
+    return inside[0]
+
+
+def block_extras(module: nn.Module, order: Sequence[str], block_path: str) -> tuple[int, int]:
+    """Parameters of the modules called before the first block and after the last (each counted once)."""
+    blocks = [p for p in order if p.startswith(f"{block_path}.")]
+    first, last = order.index(blocks[0]), order.index(blocks[-1])
+    seen: set[int] = {id(p) for p in module.get_submodule(block_path).parameters()}
+
+    def params_of(paths: Sequence[str]) -> int:
+        total = 0
+        for path in paths:
+            if path.startswith(f"{block_path}.") or path == block_path:
+                continue
+            for p in module.get_submodule(path).parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+        return total
+
+    return params_of(order[:first]), params_of(order[last + 1 :])
+
+
+def keep_only(module: nn.Module, keep: set[str]) -> None:
+    """Drop from ``module`` every parameter and buffer outside ``keep``, and the submodules left empty.
+
+    Submodules without parameters or buffers stay (they cost nothing); state-dict keys of what stays
+    are unchanged, so checkpoints keep the unsplit module's names.
+    """
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        tensors = [n for n, _ in [*child.named_parameters(remove_duplicate=False), *child.named_buffers()]]
+        if tensors and not any(f"{name}.{t}" in keep for t in tensors):
+            del module._modules[name]
+        elif tensors:
+            keep_only(child, {k[len(name) + 1 :] for k in keep if k.startswith(f"{name}.")})
+    # A module's buffers stay together when one is kept: a Hugging Face rotary embedding reads only
+    # `inv_freq` in forward, but re-initialising it from the meta device needs `original_inv_freq`.
+    keeps_own = any(k in keep for k in [*module._parameters, *module._buffers])
+    for slot in (module._parameters, module._buffers):
+        if slot is module._buffers and keeps_own:
+            continue
+        for leaf in [k for k, v in slot.items() if v is not None and k not in keep]:
+            del slot[leaf]  # (an unset slot such as ``bias=None`` stays: reset_parameters reads it)
+
+
+@dataclass
+class TracedProgram:
+    """One traced pipe and the stages this rank prepared of it (shared by every shape it serves)."""
+
+    key: tuple  # (mode, parameter dtypes, way of calling)
+    pipe: Any
+    shapes: StageShapes
+    prepared: dict[int, tuple[nn.Module, nn.Module | None, Any]] = field(default_factory=dict)
+
+
+def retrace_message(shapes: StageShapes, example: Sequence[Any]) -> str:
+    """Why a traced program does not serve ``example``, and what to do about it."""
+    return (
+        f"PipelineStrategy: this batch's sizes are not the traced forward's ({shapes.mismatch(example)}): "
+        f"it is traced again for them. torch.export fixes sizes of 1, and a model that branches on a size "
+        f"fixes it or its range. Pad batches to a few lengths to bound the traces (lightning_parallel."
+        f"padding_to_multiple, or a Hugging Face collator's pad_to_multiple_of)"
+    )
+
+
+class TracedStages:
+    """This rank's traced stages: the meta twin traced once per mode, the stages built per input shape.
+
+    ``forward`` is exported with dynamic sizes (:func:`~lightning_parallel.traced.trace.trace`), so
+    one trace serves every sequence length and micro-batch size the model allows; a shape it cannot
+    serve (a size the model fixed, or a model that cannot be exported with dynamic sizes) is traced
+    again, with one warning saying why.
+
+    Args:
+        twin: the module's meta twin (:func:`~lightning_parallel.traced.trace.meta_twin`).
+        split_points: module paths where stages 1.. begin.
+        stage_indices: this rank's stages.
+        module: the user's module, pruned to this rank's tensors (the real parameters and buffers).
+        aliases: the unsplit module's alias table (name -> canonical name).
+        device, group: where the stages run, and the pipeline process group.
+        bindings: how the user's step calls the traced module, per mode (training: True), kept up to
+            date by the stand-in (:class:`~lightning_parallel.traced.call_binding.TracedCall`).
+        warn: how to say that a shape is traced again (``rank_zero_warn`` in the strategy).
+
+    Example::
+
+        stages = TracedStages(meta_twin(gpt), ["h.2"], [0], gpt, alias_table(gpt), device, pp_group)
+        stages.build("train", 4, example_microbatch)     # [torch PipelineStage for stage 0]
+    """
+
+    needs_example = True  # a new shape's stages are built on every rank from the call's input
+    shapes_given = True  # the torch stages are given their shapes (no dummy forward at their first step)
+    max_programs = 4  # traced programs kept (one serves every shape when the sizes are dynamic)
+
+    def __init__(
+        self,
+        twin: nn.Module,
+        split_points: Sequence[str],
+        stage_indices: Sequence[int],
+        module: nn.Module,
+        aliases: Mapping[str, str],
+        device: torch.device,
+        group: Any,
+        bindings: Mapping[bool, CallBinding] | None = None,
+        warn: Callable[[str], Any] = warnings.warn,
+    ) -> None:
+        self.twin, self.split_points = twin, list(split_points)
+        self.bindings = bindings if bindings is not None else {}
+        self.stage_indices, self.module, self.aliases = list(stage_indices), module, dict(aliases)
+        self.device, self.group = device, group
+        self.num_stages = len(self.split_points) + 1
+        self._wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None  # recompute()
+        # torch.compile's keywords for each stage's program, compiled in place once prepared (None: eager)
+        self._compile_options: CompileOptions | None = None  # compile_with()
+        self.traces = 0  # how many times forward was traced, the one for planning included (tests read it)
+        self._output_ndims: tuple[bool, list[int]] | None = None  # (a tuple?, ndim of each output)
+        self._programs: list[TracedProgram] = []  # least recently used first
+        self._merge_weights: Sequence[float] | None = None  # set for one forward-only step (merging)
+        self.warn = warn
+        self._warned: set[str] = set()
+        # Set when the stage is sharded with FSDP2 (shard_with): the torch stage then
+        # wraps that root, which runs the graph of the schedule about to step (see activate).
+        self.root: Any = None
+        self._stage_cls: type[PipelineStage] = PipelineStage  # use_stage_class()
+        # Set when the stages are split over tensor-parallel ranks (split_over): their graphs run on DTensors.
+        self.tensor_parallel_mesh: Any = None
+        self._split_styles: dict[str, Any] = {}
+        # torch stage -> (its graph, the graph's links to the root): dropped with the stage
+        self._graphs: weakref.WeakKeyDictionary[Any, tuple[nn.Module, Any]] = weakref.WeakKeyDictionary()
+
+    # --- the StageSource interface (pipeline/stage_source.py)
+    def recompute(self, wrap: Callable[[list[tuple[str, nn.Module]]], Any]) -> None:
+        """Wrap each stage's units as the stage is prepared (its modules are the traced program's)."""
+        self._wrap_units = wrap
+
+    def use_stage_class(self, cls: type[PipelineStage]) -> None:
+        self._stage_cls = cls
+
+    @contextlib.contextmanager
+    def merging(self, weights: Sequence[float] | None) -> Iterator[None]:
+        """What each micro-batch's scalar outputs count for while a forward-only step merges them."""
+        self._merge_weights = weights
+        try:
+            yield
+        finally:
+            self._merge_weights = None
+
+    # --- what only the traced path's parallelize step sets up
+    def compile_with(self, options: CompileOptions) -> None:
+        """Compile each stage's program in place once it is prepared (``torch.compile``'s keywords)."""
+        self._compile_options = options
+
+    def shard_with(self, root: Any) -> None:
+        """Run every stage through ``root``, the stage's FSDP2 root (traced/fsdp.py)."""
+        self.root = root
+
+    def split_over(self, mesh: Any, styles: Mapping[str, Any]) -> None:
+        """Run the stages' graphs on DTensors over the tensor-parallel ``mesh`` (this rank's modules are
+        split with ``styles``, module path -> ParallelStyle: see traced/tensor_parallel.py)."""
+        register_missing_shardings()
+        self.tensor_parallel_mesh, self._split_styles = mesh, dict(styles)
+
+    def step_context(self) -> Any:
+        """Around each schedule step (tensor-parallel stages mix plain tensors and DTensors in backward)."""
+        return tensor_parallel_step() if self.tensor_parallel_mesh is not None else contextlib.nullcontext()
+
+    def keep_for_later(self, train: bool, example: tuple[Any, ...], pipe: Any) -> None:
+        """Serve the shapes ``pipe`` (traced for planning, at ``example``) serves: no trace again for them."""
+        self._programs.append(self._program(train, example, pipe))
+        self.traces += 1
+
+    def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
+        """This rank's torch stages for micro-batches shaped as ``example``: milliseconds, once traced.
+
+        A traced program (one per mode, way of calling and parameter dtypes) serves every shape its
+        dynamic sizes cover; the stages' send and receive shapes for this one are evaluated from it.
+
+        The stages are torch's manual ``PipelineStage`` (the frontend every schedule accepts): torch's
+        traced stages (``Pipe.build_stage``) refuse DTensor parameters and fail the V-shaped schedules'
+        P2P warm-up (ZBV, DualPipeV: "Pair is not connected"). After ``relay_skips`` a stage reads only
+        its neighbour's outputs, in their order, which is what a manual stage sends and receives. Its
+        shapes are given (static mode): a manual stage left to infer them runs its forward once on
+        uninitialised buffers, which a stage that indexes with a received tensor (a loss computed from
+        relayed labels) cannot survive.
+        """
+        example = to_meta(example)
+        program = self._program_for(mode == "train", example)
+        examples = program.shapes.examples(example)
+        stages = []
+        for index in self.stage_indices:
+            stage_module, runs, links = self._prepared(program, index)
+            inputs, outputs = examples[index]
+            stage = self._stage_cls(
+                stage_module if runs is None else runs, index, self.num_stages, self.device,
+                input_args=inputs, output_args=outputs, group=self.group,
+            )  # fmt: skip
+            if links is not None:
+                self._graphs[stage] = (stage_module, links)
+            stages.append(stage)
+        if self.num_stages - 1 in self.stage_indices:
+            self._output_ndims = _output_ndims(program.pipe.get_stage_module(self.num_stages - 1))
+        return stages
+
+    def _program_for(self, train: bool, example: tuple[Any, ...]) -> TracedProgram:
+        """The traced program that serves ``example``, most recently used first; traced if none does."""
+        key = self._key(train)
+        same_call = [p for p in self._programs if p.key == key]
+        for program in reversed(same_call):
+            if program.shapes.serves(example):
+                self._programs.remove(program)
+                self._programs.append(program)
+                return program
+        pipe = self._trace(train, example)
+        self.traces += 1
+        program = self._program(train, example, pipe)
+        if same_call:
+            self._warn_once("retrace", retrace_message(same_call[-1].shapes, example))
+        self._programs.append(program)
+        if len(self._programs) > self.max_programs:
+            self._programs.pop(0)
+        return program
+
+    def _trace(self, train: bool, example: tuple[Any, ...]) -> Any:
+        """Trace again for a shape no program serves; a failure says whose it is (traced/errors.py)."""
+        try:
+            return trace(
+                self.twin, example, self.split_points, train, self.bindings.get(train), device=self.device
+            )
+        except TraceStepFailed as failed:
+            shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
+            note = (
+                f"traced again for inputs of shapes {shapes}; not checked against the module itself, "
+                f"which this rank holds only its stages of"
+            )
+            raise explain(failed, self._what, note=note) from failed.error
+
+    @property
+    def _what(self) -> str:
+        return f"{type(self.twin).__name__}.forward"
+
+    def _program(self, train: bool, example: tuple[Any, ...], pipe: Any) -> TracedProgram:
+        if pipe.num_stages != self.num_stages:
+            raise RuntimeError(
+                f"tracing at a new input shape gave {pipe.num_stages} stages instead of {self.num_stages}: "
+                f"forward calls other modules at this shape"
+            )
+        if getattr(pipe, "dynamic_failure", None):
+            self._warn_once(
+                "static",
+                f"PipelineStrategy: forward could not be exported with dynamic sizes "
+                f"({pipe.dynamic_failure}); each new input shape is traced again. Pad batches to a few "
+                f"lengths to bound the traces (lightning_parallel.padding_to_multiple, or a Hugging Face "
+                f"collator's pad_to_multiple_of)",
+            )
+        with _building("sizing the stages' inputs and outputs on fake tensors", self._what):
+            shapes = StageShapes(pipe, example, train, self.device)
+        return TracedProgram(self._key(train), pipe, shapes)
+
+    def _key(self, train: bool) -> tuple:
+        binding = self.bindings.get(train)
+        dtypes = tuple(t.dtype for t in self.twin.parameters())
+        return (train, dtypes, binding.key if binding is not None else None)
+
+    def _prepared(self, program: TracedProgram, index: int) -> tuple[nn.Module, nn.Module | None, Any]:
+        """Stage ``index`` of ``program`` made ready to run on this rank, once: (graph, what runs it, links).
+
+        Its graph is pointed at this rank's real tensors and devices, tensor-parallel layouts are
+        written into it, its units wrapped for recomputation, then it is compiled if asked (in place,
+        its own compiled entries: one program per stage); the torch stages of every input shape then
+        share it.
+        """
+        if index in program.prepared:
+            return program.prepared[index]
+        stage_module = program.pipe.get_stage_module(index)
+        with _building(f"building stage {index} around this rank's tensors", self._what):
+            point_at(stage_module, _real_tensors(self.module, self.aliases), self.aliases)
+            # The tracer recorded devices in the graph (``torch.ones(..., device=cuda:0)``): moved to
+            # the stage's device as ``Pipe.build_stage`` does, with the same private helper (torch 2.13).
+            _modify_graph_op_device(stage_module, self.device)
+        runs: nn.Module | None = self.root  # what the torch stage runs (None: the stage module)
+        if self.tensor_parallel_mesh is not None:
+            place_split_ops(stage_module, self._split_styles, self.aliases)
+            if runs is None:  # (a sharded root runs its graph on DTensors itself)
+                runs = TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
+        if self._wrap_units is not None:
+            self._wrap_units(called_units(stage_module))
+        if self._compile_options is not None:
+            compile_in_place([(f"stage {index}", stage_module)], self._compile_options, isolated=True)
+            if index == 0 and runs is None:  # its inputs are slices of the batch (see OwnInputs)
+                runs = OwnInputs(stage_module)
+        links = self.root.links(stage_module, self.aliases) if self.root is not None else None
+        program.prepared[index] = (stage_module, runs, links)
+        return program.prepared[index]
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            self.warn(message)
+
+    def activate(self, stages: Sequence[Any]) -> None:
+        """Before a schedule steps: make a sharded root run that schedule's graph (shapes differ)."""
+        if self.root is not None:
+            self.root.use_graph(*self._graphs[stages[0]])
+
+    def output_merge_spec(self, num_microbatches: int) -> Any:
+        """How the last stage's micro-batch outputs merge into the batch's (None: concatenated on dim 0).
+
+        A scalar output (the loss a Hugging Face model computes from ``labels=``) cannot be concatenated:
+        it is the mean of the micro-batches' values, weighted by ``merge_weights`` when the step sets
+        them (their labelled tokens: the batch's token mean), else equally. torch's merge takes a private
+        ``_CustomReducer`` for that (checked against torch 2.13), fed the micro-batches in order.
+        """
+        ndims = self._output_ndims
+        if ndims is None or all(d != 0 for d in ndims[1]):
+            return None
+        specs = tuple(TensorChunkSpec(0) if d != 0 else self._scalar_mean(num_microbatches) for d in ndims[1])
+        return specs if ndims[0] else specs[0]
+
+    def _scalar_mean(self, num_microbatches: int) -> _CustomReducer:
+        index = itertools.count()
+
+        def add(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            i = next(index) % num_microbatches
+            weights = self._merge_weights or [1.0] * num_microbatches
+            share = weights[i] / sum(weights) if sum(weights) else 0.0
+            return total + value * share if share else total + torch.zeros_like(value)
+
+        return _CustomReducer(torch.tensor(0.0), add)
+
+
+@contextlib.contextmanager
+def _building(name: str, what: str) -> Iterator[None]:
+    """A failure of this package's own stage building, reported as such (traced/errors.py)."""
+    try:
+        with step(name):
+            yield
+    except TraceStepFailed as failed:
+        raise ours(failed, what, exported=True) from failed.error
+
+
+def called_units(stage_module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules a traced stage's graph calls, by their paths in the user's module ("h.2")."""
+    return unit_calls(stage_module)
+
+
+def _output_ndims(stage_module: nn.Module) -> tuple[bool, list[int]]:
+    """Whether a stage returns a tuple, and the number of dimensions of each output (-1: unknown)."""
+    output = next(n for n in stage_module.graph.nodes if n.op == "output").args[0]
+    values = list(output) if isinstance(output, (tuple, list)) else [output]
+    vals = [getattr(v, "meta", {}).get("val") for v in values]
+    ndims = [v.dim() if torch.is_tensor(v) else -1 for v in vals]
+    return isinstance(output, (tuple, list)), ndims
+
+
+def _real_tensors(module: nn.Module, aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return {aliases.get(name, name): t for name, t in named}

@@ -1,0 +1,220 @@
+"""The traced path: split a module's ``forward`` with torch's tracing frontend (``pipeline()``, torch.export).
+
+For models that are not one ``nn.Sequential`` (nanoGPT, litgpt, Hugging Face decoders: embeddings, a
+ModuleList of blocks, a head, maybe tied to the embedding). Tracing runs on a *meta twin* of the module
+(same structure and ties, parameters on the meta device), so it costs no memory, leaves the user's
+module untouched, and can be repeated for each new input shape. While it is traced, the twin's tensors
+and the example's are fake tensors of the device the stages run on
+(:mod:`~lightning_parallel.pipeline.fake_device`): a forward that branches on its inputs' device, or
+enters ``torch.autocast(x.device.type, ...)``, is traced on the path that device takes. The stage
+modules it yields are then pointed at this rank's real tensors and wrapped in torch's pipeline stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.pipelining import Pipe, pipe_split
+from torch.distributed.pipelining._IR import MultiUseParameterConfig
+from torch.export.unflatten import InterpreterModule
+
+from lightning_parallel.pipeline.export import export_for_pipeline
+from lightning_parallel.pipeline.fake_device import FakeDevice, faked_on, trace_device
+from lightning_parallel.pipeline.stage_shapes import keeping_rng
+from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, localize_sizes
+from lightning_parallel.traced.call_binding import CallBinding, bound_forward
+from lightning_parallel.traced.errors import (
+    EXPORT,
+    TraceStepFailed,
+    step,
+)
+from lightning_parallel.traced.graph_regions import inline_wrapped_regions
+from lightning_parallel.traced.relay import relay_skips
+
+
+def call_order(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    binding: CallBinding | None = None,
+    device: torch.device | str | None = None,
+) -> list[str]:
+    """Module paths in the order ``module(*args)`` first calls them (run on a meta twin: free).
+
+    The twin runs on fake tensors of ``device`` (default: the CPU), the stages' device.
+
+    Raises:
+        ValueError: the forward fails on these inputs (a batch the model rejects).
+    """
+    order: dict[str, None] = {}
+    device = trace_device(device)
+    handles = [
+        sub.register_forward_pre_hook(lambda _m, _a, path=path: order.setdefault(path))
+        for path, sub in module.named_modules()
+        if path
+    ]
+    try:
+        # Fake tensors, not bare meta ones: libraries that branch on a tensor's value unless they are
+        # being traced (transformers' mask code calls .item() otherwise) see fake tensors as tracing.
+        with faked_on(module, device) as fake, _bound(module, binding), torch.no_grad():
+            inputs = fake.inputs(args)
+            with fake.mode:
+                module(*inputs)
+    except Exception as err:
+        shapes = [tuple(a.shape) for a in args if torch.is_tensor(a)]
+        raise ValueError(
+            f"{type(module).__name__}.forward failed on inputs of shapes {shapes} (run on fake "
+            f"{device} tensors to find the stages): {type(err).__name__}: {err}"
+        ) from err
+    finally:
+        for h in handles:
+            h.remove()
+    return list(order)
+
+
+def trace(
+    twin: nn.Module,
+    example: tuple[Any, ...],
+    split_points: Sequence[str],
+    train: bool,
+    binding: CallBinding | None = None,
+    dynamic: bool = True,
+    device: torch.device | str | None = None,
+) -> Pipe:
+    """``torch.distributed.pipelining.pipeline`` on the twin, split before each of ``split_points``.
+
+    The twin and ``example`` are traced as fake tensors of ``device`` (default: the CPU), the device
+    the stages will run on; the pipe's stage modules hold the twin's meta tensors again.
+
+    With ``dynamic`` (the default) every dimension of every input is exported as ``Dim.AUTO``: the
+    program keeps a size symbolic wherever the model lets it (the batch and sequence lengths of a
+    transformer), so one trace serves every such shape; where the model fixes a size (its width),
+    export specialises it. Where export fails with dynamic dimensions but not without, the pipe is
+    the static one and ``pipe.dynamic_failure`` says why (else it is ``None``). The sizes the program
+    holds for are ``pipe.size_constraints`` (:class:`~lightning_parallel.pipeline.symbolic_sizes.
+    SizeConstraints`).
+
+    A split point is marked by a forward pre-hook, removed afterwards, so the twin can be traced
+    again at another shape.
+
+    Raises:
+        TraceStepFailed: a step failed (:mod:`~lightning_parallel.traced.errors` says whose
+            failure it is: the forward's, or this package's).
+    """
+    twin.train(train)
+    # Each stage begins with torch's pipe_split marker, recorded by a pre-hook of the module where it
+    # begins (torch's annotate_split_points patches the module's forward instead, which makes export
+    # record the module's children by relative paths: x-transformers' blocks then cannot be cut).
+    hooks = [twin.get_submodule(p).register_forward_pre_hook(_split_before) for p in split_points]
+    try:
+        with warnings.catch_warnings():
+            # torch 2.13's export warns about its own pytree internals on every trace: not the user's concern.
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            with _bound(twin, binding), keeping_rng():
+                pipe = _pipeline(twin, example, split_points, dynamic, device)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with step("relaying values read past the next stage"):
+        relay_skips(pipe)  # a value made before the blocks and read by every block reaches the later stages
+    return run_generated_code(pipe)
+
+
+def _split_before(_module: nn.Module, _args: Any) -> None:
+    pipe_split()
+
+
+def _bound(module: nn.Module, binding: CallBinding | None) -> Any:
+    return bound_forward(module, binding) if binding is not None else contextlib.nullcontext()
+
+
+def _pipeline(
+    twin: nn.Module,
+    example: tuple[Any, ...],
+    split_points: Sequence[str],
+    dynamic: bool,
+    device: torch.device | str | None,
+) -> Pipe:
+    """torch's ``pipeline(twin, example, split_spec)``, exported with dynamic sizes, regions inlined.
+
+    ``pipeline()`` is ``torch.export`` (with static shapes only) followed by ``Pipe._from_traced``,
+    which cuts the exported program; the export is made here (:func:`export_for_pipeline`, on fake
+    tensors of ``device``) and handed to that step (private, torch 2.13; test_trace.py fails loudly if
+    it moves). The split points are marked with torch's ``pipe_split()`` (see :func:`trace`), and the
+    split policy, the hook where the graph can be changed before the cut, inlines the no-grad
+    regions (:mod:`~lightning_parallel.traced.graph_regions`, for pytorch#184361) and makes every
+    stage compute the sizes it uses (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
+    """
+    with faked_on(twin, device) as fake:
+        try:
+            program, failure = export_for_pipeline(twin, fake.inputs(example), dynamic)
+        except RuntimeError as err:
+            raise TraceStepFailed(EXPORT, err.__cause__ or err) from err
+        _hold_originals(program, fake)
+    with step(f"splitting the exported graph into stages at {list(split_points)}"):
+        pipe = Pipe._from_traced(twin, program, MultiUseParameterConfig.REPLICATE, split_policy=_before_split)
+    pipe.dynamic_failure = failure
+    pipe.size_constraints = SizeConstraints.of(program)  # (the stage graphs no longer hold them)
+    return pipe
+
+
+def _hold_originals(program: torch.export.ExportedProgram, fake: FakeDevice) -> None:
+    """Point the program's parameters, buffers and constants back at the twin's meta tensors.
+
+    Export keeps the module's tensors it read (here the fakes of :func:`faked_on`); the stages cut
+    from it then hold tensors that allocate nothing and belong to no fake mode, as before the trace.
+    """
+    for table in (program.state_dict, program.constants):
+        for name, value in list(table.items()):
+            table[name] = fake.original(value)
+
+
+def _before_split(gm: fx.GraphModule) -> fx.GraphModule:
+    return localize_sizes(device_args_as_keywords(inline_wrapped_regions(gm)))
+
+
+def device_args_as_keywords(gm: fx.GraphModule) -> fx.GraphModule:
+    """Pass every device given positionally to an aten op (``aten.to.device(x, cpu, ...)``) by keyword.
+
+    ``x.to(h.device)`` records the traced device as a positional argument; torch's ``build_stage``
+    moves a stage's ops to its device by rewriting their ``device=`` keyword only
+    (``_modify_graph_op_device``), which a positional device escapes. The stages are traced for the
+    device they run on, so the two agree; a stage moved to another device (a traced program reused
+    after ``model.to(...)``) still runs every op there.
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        first = next((i for i, a in enumerate(node.args) if isinstance(a, torch.device)), None)
+        if first is None:
+            continue
+        names = [a.name for a in node.target._schema.arguments]
+        moved = {names[i]: a for i, a in enumerate(node.args) if i >= first}
+        node.args, node.kwargs = node.args[:first], {**moved, **node.kwargs}
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def run_generated_code(pipe: Pipe) -> Pipe:
+    """Make the traced stage modules run their graphs as generated Python code, not node by node.
+
+    torch 2.13's unflattener builds ``InterpreterModule``s that execute their graph with
+    ``torch.fx.Interpreter`` (one Python dispatch per node) unless their private
+    ``_run_with_interpreter`` flag is off; off, they run the ``GraphModule`` code generated from the
+    same graph: the same ops, without the per-node overhead (the traced GPT's steps measured ~1.4x
+    slower with the interpreter in ``bench_gpt_pipeline.py``). test_trace.py fails loudly if the flag goes.
+    """
+    for module in pipe.split_gm.modules():
+        if isinstance(module, InterpreterModule):
+            if not hasattr(module, "_run_with_interpreter"):
+                raise RuntimeError("torch's InterpreterModule lost `_run_with_interpreter` (checked on 2.13)")
+            module._run_with_interpreter = False
+    return pipe
