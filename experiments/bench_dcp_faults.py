@@ -14,9 +14,10 @@ Both parts run PipelineStrategy's DCP directories (``save_distributed_checkpoint
   the temporary ones left (removed at the next start), and whether the newest complete one, resumed by
   a fresh run to the end, ends on the uninterrupted run's weights exactly.
 
-    python experiments/bench_dcp_faults.py            # 27 min on this project's shared 2 cores (load 4-8):
-                                                      # the kill campaign is 84 short Trainer runs
-    python experiments/bench_dcp_faults.py --kills 4  # the same, shorter
+    python experiments/bench_dcp_faults.py             # 3 kills per mode and victim (about 9 min on 2
+                                                       # cores; what `make experiments` runs)
+    python experiments/bench_dcp_faults.py --kills 10  # the README's campaign: 84 short Trainer runs,
+                                                       # 27 min on this project's shared 2 cores
     python experiments/bench_dcp_faults.py --quick    # small state, few kills
 """
 
@@ -226,7 +227,7 @@ def plot_stall(rows: list[dict], size_mb: int, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = h.parser(__doc__)
     p.add_argument("--size-mb", type=int, default=128, help="state per rank for the stall (default 128)")
-    p.add_argument("--kills", type=int, default=10, help="SIGKILLs per mode and victim (default 10)")
+    p.add_argument("--kills", type=int, default=3, help="SIGKILLs per mode and victim (default 3)")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mb, args.kills, args.repeats = 8, 2, 2

@@ -282,3 +282,43 @@ def test_a_stop_ends_every_process_of_the_job_on_every_launch_path(tmp_path):
             problems.append(f"--- {job.name} output:\n{log[-2500:]}")
     assert not problems, "\n".join(problems)
     print({job.name: round(job.gone or -1, 1) for job in JOBS})
+
+
+class _Signalled:
+    """A stop guard that has seen a signal (what StopAgreement reads of the real one)."""
+
+    signum = signal.SIGTERM
+
+
+class _Trainer:
+    """What StopAgreement sets on a trainer: Lightning's signal connector's flag."""
+
+    def __init__(self) -> None:
+        self._signal_connector = type("Connector", (), {"received_sigterm": False})()
+
+
+def _agreement_worker(rank: int, world: int, out_dir: str) -> None:
+    """Rank 1 is signalled during batch 2, after its agreement was posted: batch 3 posts it, and every
+    rank's flag rises at batch 4's start (read a batch after it was posted), none earlier."""
+    import torch
+
+    from lightning_parallel.strategies.pipeline import stop as strategy_stop
+
+    agreement, trainer, raised_at = strategy_stop.StopAgreement(), _Trainer(), None
+    for batch in range(5):
+        agreement.at_batch(trainer)
+        if trainer._signal_connector.received_sigterm and raised_at is None:
+            raised_at = batch
+        if rank == 1 and batch == 2:  # the signal arrives after this batch's agreement was posted
+            strategy_stop.current_guard = lambda: _Signalled()
+    torch.save({"raised_at": raised_at, "last": agreement.finish()}, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_every_rank_raises_the_stop_flag_in_the_same_batch_read_a_batch_after_it_was_posted(tmp_path):
+    from mp_harness import spawn_gloo
+
+    ranks = spawn_gloo(_agreement_worker, 2, tmp_path)
+    assert [r["raised_at"] for r in ranks] == [4, 4]  # posted at batch 3 (rank 1's flag), read at 4
+    assert [r["last"] for r in ranks] == [True, True]

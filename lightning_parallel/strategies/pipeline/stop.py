@@ -14,7 +14,8 @@ rank checks its own flag at the end of a batch, so ranks that got the signal a m
 different batches (one in the ``on_exception`` save, the other in the next step). Here the handler
 keeps its other work without the collective (:func:`keep_lightning_sigterm_handling`), and while
 fitting the flag is raised on every rank at once, in the same training batch, once any rank was told
-to stop (:func:`agree_to_stop`, one all-reduce of one number per batch). The private pieces of
+to stop (:class:`StopAgreement`, one all-reduce of one number per batch, read a batch later so no
+rank waits for it; it replaces Lightning's own per-batch broadcast of rank 0's flag). The private pieces of
 Lightning's signal machinery this reads are here only (checked against 2.6.6 by
 :func:`check_signal_internals`).
 """
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import (
     _get_sigkill_signal,
@@ -45,11 +47,12 @@ from lightning_parallel.distributed.agree import collective_device, distributed_
 from lightning_parallel.distributed.stop import LAUNCHER_PID_ENV, StopGuard, current_guard, exit_status
 
 __all__ = [
+    "StopAgreement",
     "StoppingScriptLauncher",
-    "agree_to_stop",
     "check_signal_internals",
     "keep_lightning_sigterm_handling",
     "mark_stopped_exit",
+    "replace_lightning_stop_broadcast",
     "start_rank_guard",
 ]
 
@@ -104,19 +107,67 @@ def mark_stopped_exit(exception: BaseException) -> None:
         exception.code = exit_status(signum)
 
 
-def agree_to_stop(trainer: Any) -> None:
+class StopAgreement:
     """Every rank, once per training batch: raise Lightning's stop flag everywhere if one rank was stopped.
 
-    Lightning then stops every rank at the end of this same batch. The local flag is the guard's: its
-    thread saw the signal even if the Python handler has not run yet.
+    One all-reduce (MAX) of one number per batch, off the critical path: posted at the start of a
+    batch and read at the start of the next one, by when every rank has long joined it (each posts it
+    at the same point of the same batch), so no rank waits for the slowest to reach its step. A stop
+    signal is seen one batch after it arrived, on every rank in the same batch; Lightning then stops
+    every rank at the end of that batch. The local flag is the guard's: its thread saw the signal even
+    if the Python handler has not run yet.
+
+    It also stands in for Lightning's own per-batch broadcast of rank 0's SIGTERM flag (see
+    :func:`replace_lightning_stop_broadcast`), so a batch pays for one collective of one number.
+
+    Example::
+
+        agreement = StopAgreement()
+        agreement.at_batch(trainer)       # in training_step, before the pipeline runs
+        agreement.finish()                # once training ends: the last one posted is waited for
     """
-    if not distributed_ready() or dist.get_world_size() < 2:
+
+    def __init__(self) -> None:
+        self._pending: tuple[torch.Tensor, Any] | None = None
+
+    def at_batch(self, trainer: Any) -> None:
+        if not distributed_ready() or dist.get_world_size() < 2:
+            return
+        if self._take():
+            _set_received_sigterm(trainer)
+        guard = current_guard()
+        flag = torch.tensor([0 if guard is None or guard.signum is None else 1], device=collective_device())
+        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+
+    def finish(self) -> bool:
+        """Wait for the agreement posted last (every rank posted it); whether it said stop."""
+        return self._take()
+
+    def _take(self) -> bool:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        pending[1].wait()
+        return bool(int(pending[0].item()))
+
+
+def replace_lightning_stop_broadcast(trainer: Any) -> None:
+    """Drop Lightning's per-batch broadcast of rank 0's SIGTERM flag while :class:`StopAgreement` runs.
+
+    Lightning 2.6.6's training epoch loop broadcasts ``trainer.received_sigterm`` from rank 0 at the
+    start of every batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``, private). The agreement
+    already carries rank 0's signal with every other rank's, so the broadcast only adds a collective
+    (about 1.5 ms on 2 CPU ranks) to each step. Replaced on this trainer's loop only, and only when
+    this rank's stop guard runs (the agreement's flag is the guard's).
+    """
+    if current_guard() is None:
         return
-    guard = current_guard()
-    flag = torch.tensor([0 if guard is None or guard.signum is None else 1], device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag.item()):
-        _set_received_sigterm(trainer)
+    loop = trainer.fit_loop.epoch_loop
+    loop._broadcast_sigterm_tensor = _no_broadcast
+
+
+def _no_broadcast() -> None:
+    """In place of Lightning's SIGTERM broadcast: :class:`StopAgreement` raises the flag on every rank."""
 
 
 # --- Lightning's signal connector (private; checked against Lightning 2.6.6) ---------------------------
@@ -127,7 +178,7 @@ def _set_received_sigterm(trainer: Any) -> None:
 class _StopNotifier:
     """Lightning's ``_sigterm_notifier_fn`` without the collective it runs inside the handler.
 
-    While fitting, the stop flag is raised by :func:`agree_to_stop` (on every rank in the same batch);
+    While fitting, the stop flag is raised by :class:`StopAgreement` (on every rank in the same batch);
     otherwise (validate, test, predict) here, as Lightning does.
     """
 
@@ -178,6 +229,8 @@ def check_signal_internals() -> list[str]:
             problems.append(f"_SignalConnector.{name}")
     if not callable(getattr(_SubprocessScriptLauncher, "_call_children_scripts", None)):
         problems.append("_SubprocessScriptLauncher._call_children_scripts")
+    if not callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None)):
+        problems.append("_TrainingEpochLoop._broadcast_sigterm_tensor")
     connector = _SignalConnector(trainer=None)  # type: ignore[arg-type]
     if getattr(connector, "received_sigterm", None) is not False:
         problems.append("_SignalConnector.received_sigterm")

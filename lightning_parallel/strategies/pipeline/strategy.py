@@ -64,10 +64,11 @@ from lightning_parallel.strategies.pipeline.parallelize import (
 )
 from lightning_parallel.strategies.pipeline.step import last_pp_rank, run_step
 from lightning_parallel.strategies.pipeline.stop import (
+    StopAgreement,
     StoppingScriptLauncher,
-    agree_to_stop,
     keep_lightning_sigterm_handling,
     mark_stopped_exit,
+    replace_lightning_stop_broadcast,
     start_rank_guard,
 )
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
@@ -251,6 +252,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         )
         self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
         self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
+        self._stop_agreement = StopAgreement()
         self.parts: PipelineParts | None = None
         self._mesh: PipelineMesh | None = None
         self._release_registered = False
@@ -451,7 +453,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     # ------------------------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        agree_to_stop(self.lightning_module.trainer)  # a stop signal to any rank stops all after this batch
+        self._stop_agreement.at_batch(self.lightning_module.trainer)  # a stop signal to any rank stops all
         with self.precision_plugin.train_step_context():
             return self._pipelined_step("training_step", args, train=True)
 
@@ -542,6 +544,12 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         keep_lightning_sigterm_handling(self.lightning_module.trainer)
+        replace_lightning_stop_broadcast(self.lightning_module.trainer)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._stop_agreement.finish()  # (every rank posted it: the training loop ran the same batches)
 
     @override
     def on_validation_start(self) -> None:
