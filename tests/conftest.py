@@ -50,3 +50,15 @@ def _isolate_distributed_state():
         torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(environ)
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A world of one gloo rank in this process, for tests of collectives without a spawn."""
+    from mp_harness import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()

@@ -3,18 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-from mp_harness import free_port
 
 from lightning_parallel.distributed.collective_guard import collectives_limited_to, group_ranks
-
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_collective_beyond_the_ranks_is_refused_by_name_and_the_functions_come_back(one_rank):

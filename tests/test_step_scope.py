@@ -7,20 +7,10 @@ tests/test_pipeline_metrics.py checks that on 4 ranks.
 import pytest
 import torch
 import torch.distributed as dist
-from mp_harness import free_port
 
 from lightning_parallel.pipeline.step_scope import CollectiveOutsideStepError, StepScope
 
 NO_RANK = frozenset()  # a step run by no rank: the world of one reaches beyond it
-
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_replayed_step_refuses_a_collective_over_other_ranks_with_the_fix(one_rank):
