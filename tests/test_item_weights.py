@@ -1,6 +1,7 @@
 """Item-weighted losses without processes: the counts, the window's arithmetic, one device accumulating.
 
-Covers callbacks/token_loss.py (TokenWeightedLoss) on one device.
+Covers callbacks/token_loss.py (TokenWeightedLoss) on one device, and callbacks/_step_wrapping.py (the
+wrapper it sets on training_step, which the accumulation scheduler sets too).
 """
 
 from __future__ import annotations

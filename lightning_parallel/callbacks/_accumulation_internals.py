@@ -7,13 +7,14 @@ Lightning internal they rely on moves.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+from lightning_parallel.callbacks._step_wrapping import wrap_training_step
 
 
 def _scale(output: Any, multiplier: float) -> Any:
@@ -28,23 +29,7 @@ def _install_loss_multiplier(
     pl_module: pl.LightningModule, multiplier: Callable[[], float]
 ) -> Callable[[], None]:
     """Wrap ``pl_module.training_step`` on the instance to scale its loss; return the undo function."""
-    own = vars(pl_module)
-    had_own, previous = "training_step" in own, own.get("training_step")
-    inner = pl_module.training_step
-
-    @functools.wraps(inner)
-    def training_step(*args: Any, **kwargs: Any) -> Any:
-        return _scale(inner(*args, **kwargs), multiplier())
-
-    pl_module.training_step = training_step
-
-    def restore() -> None:
-        if had_own:
-            pl_module.training_step = previous
-        else:
-            vars(pl_module).pop("training_step", None)
-
-    return restore
+    return wrap_training_step(pl_module, lambda output: _scale(output, multiplier()))
 
 
 def _override_window_boundaries(

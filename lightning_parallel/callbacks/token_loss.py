@@ -13,7 +13,6 @@ micro-batch the same way.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,6 +24,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from typing_extensions import override
 
 from lightning_parallel._options import checks_options
+from lightning_parallel.callbacks._step_wrapping import wrap_training_step
 from lightning_parallel.grads.item_weights import ItemCount, ItemWindow, scale_gradients
 from lightning_parallel.strategies.pipeline.strategy import PipelineStrategy
 
@@ -131,25 +131,12 @@ def _replicas(trainer: pl.Trainer) -> tuple[int, int]:
 def _scale_loss_gradient(pl_module: pl.LightningModule, weight: Callable[[], float]) -> Callable[[], None]:
     """Wrap ``pl_module.training_step`` on the instance so the gradient of its loss is ``weight()`` times
     larger (a hook on the loss: its value is unchanged); returns the undo function."""
-    own = vars(pl_module)
-    had_own, previous = "training_step" in own, own.get("training_step")
-    inner = pl_module.training_step
 
-    @functools.wraps(inner)
-    def training_step(*args: Any, **kwargs: Any) -> Any:
-        output = inner(*args, **kwargs)
+    def hooked(output: Any) -> Any:
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if torch.is_tensor(loss) and loss.requires_grad:
             factor = weight()
             loss.register_hook(lambda grad: grad * factor)
         return output
 
-    pl_module.training_step = training_step
-
-    def restore() -> None:
-        if had_own:
-            pl_module.training_step = previous
-        else:
-            vars(pl_module).pop("training_step", None)
-
-    return restore
+    return wrap_training_step(pl_module, hooked)
