@@ -47,17 +47,17 @@ from typing_extensions import override
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.grads.zero import local_state_bytes
-from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 WORLD, DIM, DEPTH, SEQ_LEN, GLOBAL_BATCH, MICROBATCHES, STEPS = 4, 256, 8, 64, 16, 4, 2
 PLAN = dict(devices=WORLD, pipeline_size=2, num_microbatches=MICROBATCHES, partition="parameters")
-RUNS = {  # name -> (strategy, the planner's ParallelConfig)
-    "ddp x4": ("ddp", ParallelConfig("ddp", WORLD)),
-    "pp 2x2": (dict(), ParallelConfig("pipeline", **PLAN)),
-    "pp 2x2 +zero1": (dict(data_parallel="zero1"), ParallelConfig("pipeline", **PLAN, data_parallel="zero1")),
-    "pp 2x2 +fsdp": (dict(data_parallel="fsdp"), ParallelConfig("pipeline", **PLAN, data_parallel="fsdp")),
+RUNS = {  # name -> (strategy, the planner's ParallelPlan)
+    "ddp x4": ("ddp", ParallelPlan("ddp", WORLD)),
+    "pp 2x2": (dict(), ParallelPlan("pipeline", **PLAN)),
+    "pp 2x2 +zero1": (dict(data_parallel="zero1"), ParallelPlan("pipeline", **PLAN, data_parallel="zero1")),
+    "pp 2x2 +fsdp": (dict(data_parallel="fsdp"), ParallelPlan("pipeline", **PLAN, data_parallel="fsdp")),
 }
 
 

@@ -51,9 +51,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.grads.zero import local_state_bytes
-from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 TOLERANCE = 0.15
 
@@ -62,7 +62,7 @@ TOLERANCE = 0.15
 
 @dataclass(frozen=True)
 class Case:
-    """One configuration: a ParallelConfig plus the model, its shape and the per-replica batch."""
+    """One configuration: a ParallelPlan plus the model, its shape and the per-replica batch."""
 
     name: str
     strategy: str
@@ -84,8 +84,8 @@ class Case:
     fsdp_shards: int = 0  # > 0: data_parallel="fsdp", the stages sharded over this many ranks (HSDP if fewer)
     tensor_parallel: int = 1  # > 1: model "seq-tp" (SequentialCharLM with separate q, k, v)
 
-    def config(self) -> ParallelConfig:
-        return ParallelConfig(
+    def config(self) -> ParallelPlan:
+        return ParallelPlan(
             self.strategy, self.devices, self.pipeline_size, self.num_microbatches, self.schedule,
             self.stages_per_rank, "uniform", self.checkpointing, self.sharded, self.precision,
             **self.data_parallel(),

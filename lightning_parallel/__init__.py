@@ -18,6 +18,7 @@ from lightning_parallel.grads.item_weights import labelled_tokens
 from lightning_parallel.memory.estimate import estimate_memory
 from lightning_parallel.pipeline.pretrained import load_pretrained
 from lightning_parallel.pipeline.step_scope import CollectiveOutsideStepError
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies import PipelineStrategy, register_strategies
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "EvalDistributedSampler",
     "GradientAccumulationScheduler",
     "HangWatchdog",
+    "ParallelPlan",
     "PipelineStrategy",
     "PipelineTimeline",
     "Rank0Checkpoint",

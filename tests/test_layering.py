@@ -12,6 +12,7 @@ import lightning_parallel
 
 PACKAGE = Path(lightning_parallel.__file__).parent
 GROUND_FLOOR = (
+    "plan",
     "pipeline",
     "traced",
     "parallelize",

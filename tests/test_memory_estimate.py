@@ -17,13 +17,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy, estimate_memory
 from lightning_parallel.grads.zero import shard_sizes
-from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
 from lightning_parallel.memory.estimate import format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
-from lightning_parallel.memory.planner import candidate_configs, fastest_fit, format_plan, plan
+from lightning_parallel.memory.planner import candidate_plans, fastest_fit, format_plan, rank_plans
+from lightning_parallel.memory.precision import LOSS_SCALER_BYTES
 from lightning_parallel.memory.probe import probe_activations, probe_sizes
+from lightning_parallel.memory.resolve import resolve
 from lightning_parallel.memory.units import find_units
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 
 class TinyGPT(nn.Module):
@@ -169,8 +171,8 @@ def _deep_facts(precision="32-true"):
 
 def test_pipeline_in_flight_follows_the_schedule_and_gpipe_holds_more():
     facts = _deep_facts()
-    one_f_one_b = predict(facts, ParallelConfig("pipeline", 4, 4, 8, "1f1b"))
-    gpipe = predict(facts, ParallelConfig("pipeline", 4, 4, 8, "gpipe"))
+    one_f_one_b = predict(facts, ParallelPlan("pipeline", 4, 4, 8, "1f1b"))
+    gpipe = predict(facts, ParallelPlan("pipeline", 4, 4, 8, "gpipe"))
     assert [r.in_flight for r in one_f_one_b.ranks] == [(4,), (3,), (2,), (1,)]
     assert [r.in_flight for r in gpipe.ranks] == [(8,)] * 4
     assert gpipe.ranks[0].activations > 1.5 * one_f_one_b.ranks[0].activations
@@ -180,8 +182,8 @@ def test_pipeline_in_flight_follows_the_schedule_and_gpipe_holds_more():
 
 def test_a_pipeline_rank_holds_one_gradient_and_all_of_it_inside_an_accumulation_window():
     facts = _deep_facts()
-    step = predict(facts, ParallelConfig("pipeline", 4, 4, 8, "1f1b"))
-    window = predict(facts, ParallelConfig("pipeline", 4, 4, 8, "1f1b", accumulate_grad_batches=4))
+    step = predict(facts, ParallelPlan("pipeline", 4, 4, 8, "1f1b"))
+    window = predict(facts, ParallelPlan("pipeline", 4, 4, 8, "1f1b", accumulate_grad_batches=4))
     for one, acc in zip(step.ranks, window.ranks):
         # The previous step's gradients are released before the schedule: never more than the stage's.
         assert 0 < one.gradients <= one.parameters
@@ -189,7 +191,7 @@ def test_a_pipeline_rank_holds_one_gradient_and_all_of_it_inside_an_accumulation
         assert acc.gradients == acc.parameters and acc.peak >= one.peak
         assert acc.activations + acc.buffers <= one.activations + one.buffers + one.gradients
     with pytest.raises(ValueError, match="accumulate_grad_batches must be a positive int"):
-        ParallelConfig("pipeline", 4, 4, 8, "1f1b", accumulate_grad_batches=0)
+        ParallelPlan("pipeline", 4, 4, 8, "1f1b", accumulate_grad_batches=0)
 
 
 def _wide_facts():
@@ -202,9 +204,9 @@ def _wide_facts():
 
 def test_recomputation_and_sharding_shrink_their_components():
     facts = _wide_facts()
-    base = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b"))
-    ac = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b", activation_checkpointing=True))
-    zero = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b", shard_optimizer_state=True))
+    base = predict(facts, ParallelPlan("pipeline", 4, 2, 4, "1f1b"))
+    ac = predict(facts, ParallelPlan("pipeline", 4, 2, 4, "1f1b", activation_checkpointing=True))
+    zero = predict(facts, ParallelPlan("pipeline", 4, 2, 4, "1f1b", data_parallel="zero1"))
     assert ac.ranks[0].activations < 0.6 * base.ranks[0].activations
     assert (ac.ranks[0].parameters, ac.ranks[0].optimizer) == (
         base.ranks[0].parameters,
@@ -222,7 +224,7 @@ def test_compiled_stages_are_modelled_as_eager_and_the_table_says_so():
     facts = _wide_facts()
     eager = predict(facts, resolve(PipelineStrategy(pipeline_size=2), 2, "32-true"))
     compiled = predict(facts, resolve(PipelineStrategy(pipeline_size=2, compile=True), 2, "32-true"))
-    assert compiled.config.compiled and not eager.config.compiled
+    assert compiled.plan.compiled and not eager.plan.compiled
     assert [r.peak for r in compiled.ranks] == [r.peak for r in eager.ranks]
     table = compiled.format_table()
     assert table.startswith("pp 2x1 1f1b m=4 +compile") and "modelled as eager" in table
@@ -231,12 +233,10 @@ def test_compiled_stages_are_modelled_as_eager_and_the_table_says_so():
 
 def test_fsdp_shards_parameters_and_state_and_gathers_the_stage_for_the_step():
     facts = _wide_facts()  # Linear(16, 128) and Linear(128, 16): 128 and 16 rows
-    base = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b"))
-    fsdp = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b", data_parallel="fsdp"))
-    hsdp = predict(
-        facts, ParallelConfig("pipeline", 8, 2, 4, data_parallel="fsdp", data_parallel_shard_size=2)
-    )
-    zero = predict(facts, ParallelConfig("pipeline", 4, 2, 4, "1f1b", data_parallel="zero1"))
+    base = predict(facts, ParallelPlan("pipeline", 4, 2, 4, "1f1b"))
+    fsdp = predict(facts, ParallelPlan("pipeline", 4, 2, 4, "1f1b", data_parallel="fsdp"))
+    hsdp = predict(facts, ParallelPlan("pipeline", 8, 2, 4, data_parallel="fsdp", data_parallel_shard_size=2))
+    zero = predict(facts, ParallelPlan("pipeline", 4, 2, 4, "1f1b", data_parallel="zero1"))
     for b, f, h in zip(base.ranks, fsdp.ranks, hsdp.ranks):
         # Each of 2 shards holds half of every tensor's rows (all even here): half the parameters and
         # half of the state per element (AdamW: 8 bytes); the per-tensor ``step`` stays whole.
@@ -252,7 +252,7 @@ def test_fsdp_shards_parameters_and_state_and_gathers_the_stage_for_the_step():
     # A row count the shards do not divide: the first shard holds the rounded-up rows (FSDP2's chunks).
     odd = measure_model(nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3)), torch.randn(2, 4),
                         optimizer=torch.optim.SGD([torch.zeros(1)]))  # fmt: skip
-    three = predict(odd, ParallelConfig("pipeline", 6, 2, 1, data_parallel="fsdp"))
+    three = predict(odd, ParallelPlan("pipeline", 6, 2, 1, data_parallel="fsdp"))
     assert three.ranks[0].parameters == 4 * (2 * 4 + 2) and three.ranks[1].parameters == 4 * (1 * 5 + 1)
     config = resolve(
         PipelineStrategy(pipeline_size=2, data_parallel="fsdp", data_parallel_shard_size=2), 8, "32-true"
@@ -263,35 +263,35 @@ def test_fsdp_shards_parameters_and_state_and_gathers_the_stage_for_the_step():
         "pp 2x4 1f1b m=4 +hsdp 2x2",
     )
     with pytest.raises(ValueError, match=r"data_parallel_shard_size \(3\) does not divide the 4"):
-        ParallelConfig("pipeline", 8, 2, data_parallel="fsdp", data_parallel_shard_size=3)
+        ParallelPlan("pipeline", 8, 2, data_parallel="fsdp", data_parallel_shard_size=3)
     with pytest.raises(ValueError, match="data_parallel='fsdp' shards the stages of a pipeline"):
-        ParallelConfig("ddp", 2, data_parallel="fsdp")
+        ParallelPlan("ddp", 2, data_parallel="fsdp")
     with pytest.raises(ValueError, match="unknown data_parallel='zero3'"):
-        ParallelConfig("pipeline", 2, 2, data_parallel="zero3")
-    assert ParallelConfig("pipeline", 4, 2, shard_optimizer_state=True).data_parallel == "zero1"
-    assert ParallelConfig("pipeline", 4, 2, data_parallel="zero1").shard_optimizer_state
-    labels = {c.label() for c in candidate_configs(4, 8, 32, fsdp=True)}
+        ParallelPlan("pipeline", 2, 2, data_parallel="zero3")
+    assert ParallelPlan("pipeline", 4, 2, data_parallel="zero1").data_parallel == "zero1"
+    assert ParallelPlan("pipeline", 4, 2, data_parallel="zero1").shard_optimizer_state
+    labels = {c.label() for c in candidate_plans(4, 8, 32, fsdp=True)}
     assert "pp 2x2 1f1b m=4 +fsdp" in labels and "pp 4x1 1f1b m=4 +fsdp" not in labels
 
 
 def test_bf16_mixed_saves_smaller_activations_and_counts_weight_copies():
     fp32, bf16 = _deep_facts(), _deep_facts("bf16-mixed")
-    config = ParallelConfig("pipeline", 2, 2, 4, "1f1b")
+    config = ParallelPlan("pipeline", 2, 2, 4, "1f1b")
     a32 = predict(fp32, config).ranks[0]
-    a16 = predict(bf16, ParallelConfig("pipeline", 2, 2, 4, "1f1b", precision="bf16-mixed")).ranks[0]
+    a16 = predict(bf16, ParallelPlan("pipeline", 2, 2, 4, "1f1b", precision="bf16-mixed")).ranks[0]
     assert a16.parameters == a32.parameters  # fp32 master weights
     assert sum(u.weight_copies for u in bf16.probe.units.values()) > 0  # autocast's bf16 copies
     assert sum(u.weight_copies for u in fp32.probe.units.values()) == 0
     with pytest.raises(ValueError, match="measured in '32-true' but the config asks 'bf16-mixed'"):
-        predict(fp32, ParallelConfig("pipeline", 2, 2, 4, precision="bf16-mixed"))
+        predict(fp32, ParallelPlan("pipeline", 2, 2, 4, precision="bf16-mixed"))
 
 
 def test_16_mixed_saves_as_much_as_bf16_mixed_and_adds_the_loss_scalers_state():
     bf16, fp16 = _deep_facts("bf16-mixed"), _deep_facts("16-mixed")
     for shape in (("ddp", 2), ("pipeline", 2, 2, 4, "1f1b"), ("pipeline", 4, 2, 4, "1f1b")):
-        b = predict(bf16, ParallelConfig(*shape, precision="bf16-mixed"))
-        h = predict(fp16, ParallelConfig(*shape, precision="16-mixed", shard_optimizer_state=True))
-        b_zero = predict(bf16, ParallelConfig(*shape, precision="bf16-mixed", shard_optimizer_state=True))
+        b = predict(bf16, ParallelPlan(*shape, precision="bf16-mixed"))
+        h = predict(fp16, ParallelPlan(*shape, precision="16-mixed", data_parallel="zero1"))
+        b_zero = predict(bf16, ParallelPlan(*shape, precision="bf16-mixed", data_parallel="zero1"))
         for rb, rz, rh in zip(b.ranks, b_zero.ranks, h.ranks):
             # Same-size half-precision activations and weight copies; fp32 weights, gradients and state.
             assert (rh.parameters, rh.gradients, rh.activations) == (
@@ -307,7 +307,7 @@ def test_16_mixed_saves_as_much_as_bf16_mixed_and_adds_the_loss_scalers_state():
 def test_tied_weights_are_held_by_every_stage_that_uses_them():
     model = TinyGPT()
     facts = measure_model(model, _gpt_batch())
-    est = predict(facts, ParallelConfig("pipeline", 2, 2, 2, "1f1b"))
+    est = predict(facts, ParallelPlan("pipeline", 2, 2, 2, "1f1b"))
     embedding = model.wte.weight.numel() * 4
     assert est.ranks[0].parameters >= embedding and est.ranks[1].parameters >= embedding
     held = est.ranks[0].parameters + est.ranks[1].parameters
@@ -317,10 +317,10 @@ def test_tied_weights_are_held_by_every_stage_that_uses_them():
 def test_more_stages_than_layers_is_a_clear_error():
     facts = measure_model(_mlp(), torch.randn(8, 8), optimizer=torch.optim.SGD(_mlp().parameters(), lr=0.1))
     with pytest.raises(ValueError, match=r"4 pipeline stages .* the model has 3 layers in ``: use at most 3"):
-        predict(facts, ParallelConfig("pipeline", 4, 4, 4))
+        predict(facts, ParallelPlan("pipeline", 4, 4, 4))
 
 
-def test_a_pipeline_strategy_is_read_through_its_attributes():
+def test_a_pipeline_strategy_carries_its_plan():
     strategy = PipelineStrategy(
         pipeline_size=2, num_microbatches=8, schedule="gpipe", shard_optimizer_state=True,
         activation_checkpointing=["layers.1"],
@@ -329,8 +329,8 @@ def test_a_pipeline_strategy_is_read_through_its_attributes():
     assert (config.pipeline_size, config.data_parallel_size, config.num_microbatches) == (2, 2, 8)
     assert config.activation_checkpointing == ("layers.1",) and config.shard_optimizer_state
     assert config.label() == "pp 2x2 gpipe m=8 +ac +zero"
-    with pytest.raises(ValueError, match=r"pipeline_size \(3\) does not divide devices \(4\)"):
-        ParallelConfig("pipeline", 4, 3)
+    with pytest.raises(ValueError, match=r"pipeline_size \(3\) does not divide devices x nodes \(4\)"):
+        ParallelPlan("pipeline", 4, 3)
 
 
 # ---------------------------------------------------------------------------------------- planner
@@ -338,11 +338,11 @@ def test_a_pipeline_strategy_is_read_through_its_attributes():
 
 def test_planner_table_marks_what_fits_and_the_fastest():
     facts = _deep_facts()
-    configs = candidate_configs(devices=4, num_blocks=8, global_batch=32)
+    configs = candidate_plans(devices=4, num_blocks=8, global_batch=32)
     assert configs[0].label() == "ddp x4"
     assert {c.pipeline_size for c in configs} == {1, 2, 4}
-    ranked = plan(facts, configs, 32)
-    assert ranked[0].config.label() == "ddp x4"  # no bubble, no recomputation: the cost model's best
+    ranked = rank_plans(facts, configs, 32)
+    assert ranked[0].plan.label() == "ddp x4"  # no bubble, no recomputation: the cost model's best
     budget = sorted(c.peak for c in ranked)[len(ranked) // 2]
     best = fastest_fit(ranked, budget)
     assert best is not None and best.peak <= budget
@@ -365,7 +365,7 @@ def test_one_device_models_the_trainer_without_ddp_and_says_so():
     batch, optimizer = torch.randn(32, 8), torch.optim.AdamW(model.parameters())
     single = estimate_memory(model, batch, optimizer=optimizer)  # "auto": what Trainer(devices=1) runs
     ddp = estimate_memory(model, batch, strategy="ddp", optimizer=optimizer)
-    assert single.config.strategy == "single_device" and single.worst.buffers == 0  # no gradient buckets
+    assert single.plan.strategy == "single_device" and single.worst.buffers == 0  # no gradient buckets
     assert ddp.peak - single.peak == ddp.worst.buffers == ddp.worst.gradients
     assert single.format_table().startswith("single device (32-true)")
     assert ddp.format_table().startswith("ddp x1 (32-true)")

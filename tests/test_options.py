@@ -11,6 +11,7 @@ from lightning_parallel import (
     EvalDistributedSampler,
     GradientAccumulationScheduler,
     HangWatchdog,
+    ParallelPlan,
     PipelineStrategy,
     PipelineTimeline,
     Rank0Checkpoint,
@@ -33,6 +34,7 @@ CASES = [
     (EvalDistributedSampler, dict(dataset=DATA), "num_replica", "num_replicas"),
     (ResumableDistributedSampler, dict(dataset=DATA), "shufle", "shuffle"),
     (TokenWeightedLoss, dict(count=labelled_tokens()), "counts", "count"),
+    (ParallelPlan, dict(pipeline_size=2), "num_microbatch", "num_microbatches"),
 ]
 
 

@@ -7,7 +7,8 @@ tests/test_pipeline_tensor.py run them. Here: the user's function, the roots ret
 import pytest
 from torch import nn
 
-from lightning_parallel.parallelize.stages import DATA_PARALLEL, parallelize_stages
+from lightning_parallel.parallelize.stages import parallelize_stages
+from lightning_parallel.plan.choices import DATA_PARALLEL
 
 
 def _stages():

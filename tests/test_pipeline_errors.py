@@ -1,6 +1,7 @@
 """PipelineStrategy's bad-input errors: clear, raised at construction or setup, never a hang.
 
-Covers strategies/pipeline/config.py (the settings checked at construction) and strategies/pipeline/step.py's
+Covers plan/checks.py through the strategy (the settings checked at construction),
+strategies/pipeline/refusals.py and strategies/pipeline/step.py's
 relay of a last-stage error to every rank.
 """
 

@@ -29,7 +29,7 @@ from tiny_models import SequentialGPT, SequentialRegressor, TinyGPT, loader, reg
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed.dtensors import local
-from lightning_parallel.memory.config import resolve
+from lightning_parallel.memory.resolve import resolve
 from lightning_parallel.parallelize import fsdp
 
 # 48 samples, global batch 16: 3 batches an epoch; with accumulate_grad_batches=2 the windows are

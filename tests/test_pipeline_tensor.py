@@ -34,13 +34,13 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_parallel import PipelineStrategy, consolidate_checkpoint
 from lightning_parallel.grads.loss_scale import agree_on_overflow
-from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.memory.tensor_parallel import local_model
 from lightning_parallel.parallelize.tensor import default_plan, user_plan
 from lightning_parallel.parallelize.tensor_apply import apply_held_styles
 from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.parallelize import tensor_plan
 from lightning_parallel.traced.stage_graphs import point_at
 from lightning_parallel.traced.tensor_parallel import (
@@ -208,7 +208,7 @@ def _megatron_collectives() -> dict[str, dict[str, int]]:
 
     torch.manual_seed(0)
     model, x = SplitQkvTinyGPT(depth=2), torch.randint(0, 13, (2, 8))
-    _, plan = tensor_plan(model, PipelineStrategy(tensor_parallel_size=2).config)
+    _, plan = tensor_plan(model, PipelineStrategy(tensor_parallel_size=2).parallel_plan)
     aliases = alias_table(model)
     gm = trace(meta_twin(model), to_meta((x,)), [], train=True).get_stage_module(0)
     _modify_graph_op_device(gm, torch.device("cpu"))  # the twin was traced on the meta device
@@ -351,7 +351,7 @@ def test_tensor_parallel_options_are_checked():
 
 
 def test_the_traced_path_plans_the_block_list_and_refuses_what_it_cannot_place():
-    config = PipelineStrategy(pipeline_size=1, tensor_parallel_size=2).config
+    config = PipelineStrategy(pipeline_size=1, tensor_parallel_size=2).parallel_plan
     name, plan = tensor_plan(SplitQkvTinyGPT(), config)
     assert name == "" and plan.head_counts == {}  # a traced stage's DTensors keep the global shapes
     assert {p: type(s).__name__ for p, s in plan.styles.items() if p.startswith("h.1.")} == {
@@ -366,19 +366,21 @@ def test_the_traced_path_plans_the_block_list_and_refuses_what_it_cannot_place()
     with pytest.raises(
         ValueError, match=r"`h.0.attn` \(Attention\) has heads=4, which tensor_parallel_size=3"
     ):
-        tensor_plan(SplitQkvTinyGPT(), PipelineStrategy(pipeline_size=1, tensor_parallel_size=3).config)
+        tensor_plan(
+            SplitQkvTinyGPT(), PipelineStrategy(pipeline_size=1, tensor_parallel_size=3).parallel_plan
+        )
     sequence = PipelineStrategy(tensor_parallel_size=2, tensor_parallel_plan={"ln_f": SequenceParallel()})
     with pytest.raises(
         ValueError, match=r"`ln_f` is split with SequenceParallel, but a traced forward takes"
     ):
-        tensor_plan(SplitQkvTinyGPT(), sequence.config)
+        tensor_plan(SplitQkvTinyGPT(), sequence.parallel_plan)
 
 
 def test_a_hugging_face_model_is_split_with_its_own_plan():
     hf_env.require("transformers")
     from hf_models import HFCausalLM, hf_config
 
-    config = PipelineStrategy(tensor_parallel_size=2).config
+    config = PipelineStrategy(tensor_parallel_size=2).parallel_plan
     _, plan = tensor_plan(HFCausalLM("llama"), config)
     assert {p: type(s).__name__ for p, s in plan.styles.items() if ".layers.3." in p} == {
         f"model.model.layers.3.{p}": style
@@ -389,7 +391,7 @@ def test_a_hugging_face_model_is_split_with_its_own_plan():
             ("mlp.down_proj", "RowwiseParallel"),
         )
     }  # fmt: skip
-    four = PipelineStrategy(tensor_parallel_size=4).config  # 2 key/value heads
+    four = PipelineStrategy(tensor_parallel_size=4).parallel_plan  # 2 key/value heads
     with pytest.raises(ValueError, match="config has num_key_value_heads=2, which tensor_parallel_size=4"):
         tensor_plan(HFCausalLM("llama"), four)
     gpt2 = HFCausalLM("gpt2")  # no base_model_tp_plan, and Conv1D layers: the default plan finds nothing
@@ -402,10 +404,10 @@ def test_a_hugging_face_model_is_split_with_its_own_plan():
 
 def test_the_planner_measures_one_tensor_parallel_rank_s_local_model():
     model, batch = SplitQkvGPT(), token_data(8)[:8]
-    whole = predict(measure_model(model, batch), ParallelConfig("pipeline", 2, 2, 2))
+    whole = predict(measure_model(model, batch), ParallelPlan("pipeline", 2, 2, 2))
     split = predict(
         measure_model(model, batch, tensor_parallel_size=2),
-        ParallelConfig("pipeline", 4, 2, 2, tensor_parallel_size=2),
+        ParallelPlan("pipeline", 4, 2, 2, tensor_parallel_size=2),
     )
     # Stage 0 holds the embedding (whole) and two blocks: their q, k, v, fc weights and biases, and the
     # weights of both output projections, halve; the norms and the projections' biases stay whole.
@@ -413,9 +415,9 @@ def test_the_planner_measures_one_tensor_parallel_rank_s_local_model():
     halved = sum(p.numel() for n, p in block.named_parameters() if "ln" not in n and n != "attn.proj.bias")
     halved -= block.mlp.proj.bias.numel()
     assert whole.ranks[0].parameters - split.ranks[0].parameters == 2 * 4 * halved // 2  # fp32 bytes
-    assert split.config.label() == "pp 2x1 1f1b m=2 tp=2"
+    assert split.plan.label() == "pp 2x1 1f1b m=2 tp=2"
     with pytest.raises(ValueError, match="measured for tensor_parallel_size=1 but the config asks 2"):
-        predict(measure_model(model, batch), ParallelConfig("pipeline", 4, 2, 2, tensor_parallel_size=2))
+        predict(measure_model(model, batch), ParallelPlan("pipeline", 4, 2, 2, tensor_parallel_size=2))
 
 
 def test_the_planner_measures_a_traced_model_s_local_model():
@@ -423,8 +425,8 @@ def test_the_planner_measures_a_traced_model_s_local_model():
     local = local_model(model, 2)
     assert local.h[0].attn.heads == 2 and local.h[0].attn.q.out_features == 8  # (of 4 heads, width 16)
     assert local.h[0].mlp.proj.in_features == 32 and local.lm_head.weight is local.wte.weight
-    whole = predict(measure_model(model, batch), ParallelConfig("pipeline", 1, 1, 2))
-    split = predict(measure_model(model, batch, tensor_parallel_size=2), ParallelConfig("pipeline", 2, 1, 2,
+    whole = predict(measure_model(model, batch), ParallelPlan("pipeline", 1, 1, 2))
+    split = predict(measure_model(model, batch, tensor_parallel_size=2), ParallelPlan("pipeline", 2, 1, 2,
                     tensor_parallel_size=2))  # fmt: skip
     halved = sum(
         p.numel() for b in model.h for n, p in b.named_parameters() if "ln" not in n and "proj.bias" not in n

@@ -6,8 +6,9 @@ from mp_harness import spawn_gloo
 from torch import nn
 
 from lightning_parallel.grads.tied import SharedParameter, SharedReplicas, find_shared
-from lightning_parallel.pipeline.mesh import RankLayout, build_mesh
+from lightning_parallel.pipeline.mesh import build_mesh
 from lightning_parallel.pipeline.twin import alias_table, retie
+from lightning_parallel.plan.layout import RankLayout
 
 
 class Tied(nn.Module):

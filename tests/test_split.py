@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.mesh import RankLayout
 from lightning_parallel.pipeline.plan import make_plan
 from lightning_parallel.pipeline.proxy import PipelinedSequential
 from lightning_parallel.pipeline.split import (
@@ -21,6 +20,7 @@ from lightning_parallel.pipeline.split import (
     stage_twins,
 )
 from lightning_parallel.pipeline.stage_shapes import ChainedShapes, run_on_fake
+from lightning_parallel.plan.layout import RankLayout
 
 
 class TiedLM(nn.Module):

@@ -27,17 +27,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_parallel.memory.config import PRECISIONS
 from lightning_parallel.memory.estimate import format_bytes
 from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.memory.planner import (
-    SCHEDULES,
-    candidate_configs,
+    SEARCHED_SCHEDULES,
+    candidate_plans,
     fastest_fit,
     format_plan,
-    plan,
+    rank_plans,
     ranked,
 )
+from lightning_parallel.plan.choices import PRECISIONS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="32-true", choices=list(PRECISIONS), help="(default 32-true)")
     p.add_argument("--optimizer", help="a torch.optim class, when configure_optimizers needs a Trainer")
     p.add_argument("--pipeline-sizes", type=int, nargs="*", help="pipeline sizes to try (default: divisors)")
-    p.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=SCHEDULES)
+    p.add_argument("--schedules", nargs="*", default=list(SEARCHED_SCHEDULES), choices=SEARCHED_SCHEDULES)
     p.add_argument(
         "--tensor-parallel-sizes", type=int, nargs="+", default=[1],
         help="tensor-parallel sizes to try (default 1: none), e.g. 1 2 4",
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             found = measure_model(model, batch, args.precision, optimizer, tensor_parallel_size=tp,
                                   **({"step": step} if step else {}))  # fmt: skip
             facts = facts or found
-            configs = candidate_configs(
+            configs = candidate_plans(
                 args.devices,
                 len(found.layout.blocks()),
                 args.global_batch_size,
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 fsdp=found.layout.kind == "sequential",  # FSDP2 shards the stages of a split Sequential
                 tensor_parallel_size=tp,
             )
-            candidates += plan(found, configs, args.global_batch_size)
+            candidates += rank_plans(found, configs, args.global_batch_size)
         assert facts is not None
         blocks = len(facts.layout.blocks())
         if not candidates:
@@ -221,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     if best is None:
         smallest = min(candidates, key=lambda c: c.peak)
         print(f"\nnothing fits {format_bytes(budget)}: the smallest peak is {format_bytes(smallest.peak)} "
-              f"({smallest.config.label()}); add devices, use bf16 or fp16, or shrink the batch")  # fmt: skip
+              f"({smallest.plan.label()}); add devices, use bf16 or fp16, or shrink the batch")  # fmt: skip
         return 1
-    print(f"\nfastest that fits {format_bytes(budget)}: {best.config.label()} (est. time {best.time:.2f})")
+    print(f"\nfastest that fits {format_bytes(budget)}: {best.plan.label()} (est. time {best.time:.2f})")
     print(best.estimate.format_table())
     return 0
 

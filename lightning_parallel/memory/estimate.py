@@ -40,13 +40,15 @@ from torch import nn
 
 from lightning_parallel._table import format_bytes, format_table
 from lightning_parallel.grads.zero import shard_owners
-from lightning_parallel.memory.config import LOSS_SCALER_BYTES, ParallelConfig, resolve
 from lightning_parallel.memory.facts import ModelFacts, measure_model
+from lightning_parallel.memory.precision import LOSS_SCALER_BYTES
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
+from lightning_parallel.memory.resolve import resolve
 from lightning_parallel.memory.schedule import Action, peak_in_flight, rank_actions
 from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.plan import stage_rank
-from lightning_parallel.pipeline.runner import placement
+from lightning_parallel.plan.choices import placement
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 COMPILED_NOTE = (
     "compiled stages: activations modelled as eager saves them (measured on the eager model); inductor's "
@@ -96,7 +98,7 @@ class MemoryEstimate:
         print(est.format_table()); est.peak       # bytes on the fullest rank
     """
 
-    config: ParallelConfig
+    plan: ParallelPlan
     ranks: tuple[RankMemory, ...]
 
     @property
@@ -115,8 +117,8 @@ class MemoryEstimate:
              *(format_bytes(getattr(r, c)) for c in components), format_bytes(r.peak)]
             for r in self.ranks
         ]  # fmt: skip
-        table = f"{self.config.label()} ({self.config.precision})\n" + format_table(headers, rows, align=">")
-        return table + (f"\n{COMPILED_NOTE}" if self.config.compiled else "")
+        table = f"{self.plan.label()} ({self.plan.precision})\n" + format_table(headers, rows, align=">")
+        return table + (f"\n{COMPILED_NOTE}" if self.plan.compiled else "")
 
 
 def estimate_memory(
@@ -139,7 +141,7 @@ def estimate_memory(
         devices: ranks in all.
         strategy: ``"auto"`` (what ``Trainer(devices=devices)`` runs: one device without DDP, several
             with DDP), ``"single_device"``, ``"ddp"``, ``"pipeline"``, a ``PipelineStrategy`` or a
-            :class:`ParallelConfig`. The table's first line names the one modelled.
+            :class:`ParallelPlan`. The table's first line names the one modelled.
         precision: as the Trainer's (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
         optimizer: the optimizer(s), when ``configure_optimizers`` cannot run without a Trainer.
         step: ``step(module, batch)`` runs one training forward (default: ``training_step(batch, 0)``).
@@ -160,7 +162,7 @@ def estimate_memory(
     return predict(measure_model(module, batch, precision, optimizer, step, tensor_parallel_size=tp), config)
 
 
-def predict(facts: ModelFacts, config: ParallelConfig, samples: int | None = None) -> MemoryEstimate:
+def predict(facts: ModelFacts, config: ParallelPlan, samples: int | None = None) -> MemoryEstimate:
     """The estimate for ``config`` from measured :class:`ModelFacts` (cheap: no forward pass).
 
     ``samples``: the batch one rank (one replica) gets, if not the measured batch's size.
@@ -170,6 +172,8 @@ def predict(facts: ModelFacts, config: ParallelConfig, samples: int | None = Non
         facts = measure_model(model, batch)
         [predict(facts, c).peak for c in configs]
     """
+    if config.precision is None:  # (the plan leaves it to the Trainer: the measured one)
+        config = replace(config, precision=facts.precision)
     if config.precision != facts.precision:
         raise ValueError(
             f"the facts were measured in {facts.precision!r} but the config asks {config.precision!r}: "
@@ -201,9 +205,7 @@ def _whole_model_rank(facts: ModelFacts, n: int, buckets: bool) -> RankMemory:
     return RankMemory(0, (0,), params, grads, state, acts + 2 * largest, grads if buckets else 0, (1,))
 
 
-def _pipeline_rank(
-    facts: ModelFacts, costs: list[StageCosts], config: ParallelConfig, rank: int
-) -> RankMemory:
+def _pipeline_rank(facts: ModelFacts, costs: list[StageCosts], config: ParallelPlan, rank: int) -> RankMemory:
     style, num_stages = placement(config.schedule), len(costs)
     local = [c for c in costs if stage_rank(c.index, config.pipeline_size, num_stages, style) == rank]
     params = list(dict.fromkeys(k for c in local for k in c.param_keys))  # a tied weight once per rank
@@ -282,7 +284,7 @@ def _walk(actions: list[Action], stages: dict[int, StageCosts], all_grads: int) 
     return best
 
 
-def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelConfig) -> int:
+def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelPlan) -> int:
     """Optimizer state on the fullest replica of this rank's stage(s) (ZeRO splits it as torch does),
     with the loss scaler's, which every rank holds."""
     dp, scaler = config.data_parallel_size, LOSS_SCALER_BYTES.get(config.precision, 0)

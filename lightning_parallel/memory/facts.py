@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_parallel.memory.config import PRECISIONS
 from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
+from lightning_parallel.memory.precision import PRECISION_DTYPES
 from lightning_parallel.memory.probe import (
     BEFORE,
     Probe,
@@ -50,7 +50,7 @@ class ModelFacts:
     Example::
 
         facts = measure_model(model, batch, precision="bf16-mixed")
-        predict(facts, ParallelConfig("pipeline", devices=4, pipeline_size=4, num_microbatches=8))
+        predict(facts, ParallelPlan("pipeline", devices=4, pipeline_size=4, num_microbatches=8))
     """
 
     layout: UnitLayout
@@ -97,9 +97,9 @@ def measure_model(
 
         facts = measure_model(CharLM(), (x, y))
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    param_dtype, autocast_dtype = PRECISIONS[precision]
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISION_DTYPES)}")
+    param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
     optimizers = _optimizers(module, optimizer)
     if tensor_parallel_size > 1:
         module = local_model(module, tensor_parallel_size)

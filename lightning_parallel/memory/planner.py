@@ -32,19 +32,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_parallel._table import format_table
-from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
 from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.stage_costs import stage_costs
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""The schedules the search tries (the zero-bubble ones are run by hand: their memory is modelled too)."""
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One sized configuration: its estimate, the per-replica batch, and the cost model's time."""
 
-    config: ParallelConfig
+    plan: ParallelPlan
     estimate: MemoryEstimate
     batch: int
     time: float
@@ -55,16 +56,16 @@ class Candidate:
         return self.estimate.peak
 
 
-def candidate_configs(
+def candidate_plans(
     devices: int,
     num_blocks: int,
     global_batch: int,
     precision: str = "32-true",
     pipeline_sizes: list[int] | None = None,
-    schedules: tuple[str, ...] = SCHEDULES,
+    schedules: tuple[str, ...] = SEARCHED_SCHEDULES,
     fsdp: bool = False,
     tensor_parallel_size: int = 1,
-) -> list[ParallelConfig]:
+) -> list[ParallelPlan]:
     """DDP and every pipeline shape the model and batch allow, with and without each memory option.
 
     Micro-batches m in {p, 2p, 4p} (1, 2, 4 for p = 1) that divide the per-replica batch. With
@@ -78,7 +79,7 @@ def candidate_configs(
 
     Example::
 
-        candidate_configs(devices=4, num_blocks=10, global_batch=32)
+        candidate_plans(devices=4, num_blocks=10, global_batch=32)
     """
     tp = tensor_parallel_size
     if tp < 1 or devices % tp:
@@ -95,7 +96,7 @@ def candidate_configs(
             )
     whole = "single_device" if devices == 1 else "ddp"
     ddp = global_batch % devices == 0 and tp == 1
-    out = [ParallelConfig(whole, devices, precision=precision)] if ddp else []
+    out = [ParallelPlan(whole, devices, precision=precision)] if ddp else []
     for p in sizes:
         dp = ranks // p
         if global_batch % dp:
@@ -107,20 +108,20 @@ def candidate_configs(
                     modes = ("replicate", *(["zero1"] if tp == 1 else []), *(["fsdp"] if fsdp else []))
                     for mode in modes if dp > 1 else ("replicate",):
                         out.append(
-                            ParallelConfig(
-                                "pipeline", devices, p, m, schedule, v, "uniform", ac,
+                            ParallelPlan(
+                                "pipeline", devices, p, m, schedule, v, activation_checkpointing=ac,
                                 precision=precision, data_parallel=mode, tensor_parallel_size=tp,
                             )
                         )  # fmt: skip
     return out
 
 
-def plan(facts: ModelFacts, configs: list[ParallelConfig], global_batch: int) -> list[Candidate]:
+def rank_plans(facts: ModelFacts, configs: list[ParallelPlan], global_batch: int) -> list[Candidate]:
     """Size and rank ``configs`` (fastest first by the cost model).
 
     Example::
 
-        ranked = plan(measure_model(model, batch), candidate_configs(4, 10, 32), 32)
+        ranked = rank_plans(measure_model(model, batch), candidate_plans(4, 10, 32), 32)
     """
     out = []
     for config in configs:
@@ -133,7 +134,7 @@ def plan(facts: ModelFacts, configs: list[ParallelConfig], global_batch: int) ->
 
 def ranked(candidates: list[Candidate]) -> list[Candidate]:
     """Fastest first by the cost model; ties to DDP, then to the smaller peak (several plans merged)."""
-    return sorted(candidates, key=lambda c: (round(c.time, 6), c.config.strategy == "pipeline", c.peak))
+    return sorted(candidates, key=lambda c: (round(c.time, 6), c.plan.strategy == "pipeline", c.peak))
 
 
 def fastest_fit(candidates: list[Candidate], budget: int) -> Candidate | None:
@@ -156,10 +157,10 @@ def format_plan(candidates: list[Candidate], budget: int) -> str:
     ]
     rows = []
     for c in candidates:
-        mb = c.batch // c.config.num_microbatches if c.config.strategy == "pipeline" else c.batch
+        mb = c.batch // c.plan.num_microbatches if c.plan.strategy == "pipeline" else c.batch
         fits = "yes" if c.peak <= budget else "no"
         mark = "<- fastest that fits" if c is best else ""
-        rows.append([c.config.label(), str(c.batch), str(mb), format_bytes(c.peak), fits, f"{c.bubble:.2f}",
+        rows.append([c.plan.label(), str(c.batch), str(mb), format_bytes(c.peak), fits, f"{c.bubble:.2f}",
                      f"{c.time:.2f}", mark])  # fmt: skip
     return format_table(headers, rows)
 
@@ -178,7 +179,7 @@ def _microbatches(p: int, per_replica: int) -> list[int]:
     return [m for m in wanted if m <= per_replica and per_replica % m == 0]
 
 
-def _time(facts: ModelFacts, config: ParallelConfig, batch: int) -> tuple[float, float]:
+def _time(facts: ModelFacts, config: ParallelPlan, batch: int) -> tuple[float, float]:
     if config.strategy != "pipeline":
         return 0.0, 1.0
     p, v, m = config.pipeline_size, config.stages_per_rank, config.num_microbatches

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_parallel.memory.config import ParallelConfig
 from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.probe import BEFORE, UnitActivations
 from lightning_parallel.memory.units import Unit, partition
 from lightning_parallel.parallelize.recompute import select_units
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 
 @dataclass
@@ -35,7 +35,7 @@ class StageCosts:
     recomputed_work: int
 
 
-def stage_costs(facts: ModelFacts, config: ParallelConfig, samples: int | None = None) -> list[StageCosts]:
+def stage_costs(facts: ModelFacts, config: ParallelPlan, samples: int | None = None) -> list[StageCosts]:
     """The costs of every stage of ``config``'s pipeline, for ``samples`` per replica (default: the batch's).
 
     Raises:
@@ -43,7 +43,7 @@ def stage_costs(facts: ModelFacts, config: ParallelConfig, samples: int | None =
 
     Example::
 
-        costs = stage_costs(measure_model(model, batch), ParallelConfig("pipeline", 2, 2, 4))
+        costs = stage_costs(measure_model(model, batch), ParallelPlan("pipeline", 2, 2, 4))
     """
     n_stages = config.num_stages
     blocks = facts.layout.blocks()
@@ -61,7 +61,7 @@ def stage_costs(facts: ModelFacts, config: ParallelConfig, samples: int | None =
     return [_one(facts, s, units, chosen, mb, config) for s, units in enumerate(per_stage)]
 
 
-def _recomputed(facts: ModelFacts, config: ParallelConfig) -> list[str]:
+def _recomputed(facts: ModelFacts, config: ParallelPlan) -> list[str]:
     select = config.activation_checkpointing
     if isinstance(select, tuple):
         select = list(select)
@@ -72,7 +72,7 @@ def _recomputed(facts: ModelFacts, config: ParallelConfig) -> list[str]:
 
 
 def _one(
-    facts: ModelFacts, index: int, units: list[Unit], recomputed: set[str], mb: float, config: ParallelConfig
+    facts: ModelFacts, index: int, units: list[Unit], recomputed: set[str], mb: float, config: ParallelPlan
 ) -> StageCosts:
     n_stages, m = config.num_stages, config.num_microbatches
     first, last = index == 0, index == n_stages - 1

@@ -20,7 +20,8 @@ and a compiled block is one node there (its whole fused backward, weight gradien
 weight pass runs that backward again (no time saved); compiled in place, the Sequential GPT of the
 tests trained under ZBV came out with weights up to 0.38 off one process's after four AdamW steps.
 torch refuses ``OptimizedModule`` stages there itself (``_check_torch_compile_compatibility``,
-pytorch#161904); :func:`check_schedule` refuses compiled stages with the reason.
+pytorch#161904); the plan refuses compiled stages there with the reason
+(:func:`~lightning_parallel.plan.checks.check_compile`).
 
 Compiled with dynamic sizes (``dynamic=True``) unless told otherwise: one program then serves every
 sequence length and micro-batch size, as one traced program does. :class:`CompileWatch` times the
@@ -33,105 +34,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_parallel._options import unknown_option_error
-
-# torch.compile's keywords a stage takes (``model`` is the stage's own module).
-COMPILE_KEYS = (
-    "fullgraph",
-    "dynamic",
-    "backend",
-    "mode",
-    "options",
-    "disable",
-    "recompile_limit",
-)
-CompileOptions = dict[str, Any]
-
-
-def checked_compile_options(value: Any) -> CompileOptions | None:
-    """``compile=`` as the stages take it: ``None`` (off), or the keywords for ``torch.compile``.
-
-    ``True`` is torch.compile's defaults with ``dynamic=True``; a dict is torch.compile's keywords
-    (``{"mode": "max-autotune-no-cudagraphs"}``, ``{"backend": "aot_eager"}``), ``dynamic`` defaulting
-    to True there too.
-
-    Raises:
-        TypeError: neither a bool nor a dict, or a key that torch.compile does not take (naming the
-            closest one).
-
-    Example::
-
-        >>> checked_compile_options(True)
-        {'dynamic': True}
-        >>> checked_compile_options({"mode": "max-autotune-no-cudagraphs"})["mode"]
-        'max-autotune-no-cudagraphs'
-        >>> checked_compile_options(False) is None
-        True
-    """
-    if value is None or value is False:
-        return None
-    if value is True:
-        return {"dynamic": True}
-    if not isinstance(value, Mapping):
-        raise TypeError(
-            f"compile must be True, False or a dict of torch.compile's options (e.g. {{'mode': "
-            f"'max-autotune-no-cudagraphs'}}), got {type(value).__name__}"
-        )
-    for key in value:
-        if key not in COMPILE_KEYS:
-            raise unknown_option_error("PipelineStrategy(compile={...})", str(key), COMPILE_KEYS)
-    return {"dynamic": True, **value}
-
-
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
-
-
-def check_schedule(options: CompileOptions | None, schedule: str) -> None:
-    """Refuse compiled stages under a schedule that splits each backward (see the module's docstring).
-
-    Raises:
-        ValueError: ``schedule`` is one of :data:`SPLIT_BACKWARD_SCHEDULES` and ``options`` is set.
-
-    Example::
-
-        >>> check_schedule({"dynamic": True}, "1f1b")     # fine
-        >>> check_schedule(None, "zbv")                    # fine: nothing compiled
-    """
-    if options is not None and schedule.lower() in SPLIT_BACKWARD_SCHEDULES:
-        raise ValueError(
-            f"compile with schedule={schedule!r} is not supported: that schedule splits each backward "
-            f"into an input and a weight pass, and a compiled block's backward is one fused function "
-            f"(torch 2.13 refuses compiled stages there, pytorch#161904; in place its weight pass reruns "
-            f"it and gave wrong gradients). Use compile with '1f1b', 'gpipe', 'interleaved_1f1b' or "
-            f"'looped_bfs', or compile=False with {schedule!r}"
-        )
-
-
-def check_tensor_parallel(options: CompileOptions | None, tensor_parallel_size: int) -> None:
-    """Refuse compiled stages split over tensor-parallel ranks (their blocks hold DTensor weights).
-
-    torch 2.13's compile of such a block fails in AOTAutograd's tracing (a RecursionError), measured
-    even with the ``aot_eager`` backend on the tests' Sequential GPT at pp 2 x tp 2.
-
-    Raises:
-        ValueError: both are asked.
-
-    Example::
-
-        >>> check_tensor_parallel({"dynamic": True}, 1)   # fine
-    """
-    if options is not None and tensor_parallel_size > 1:
-        raise ValueError(
-            f"compile with tensor_parallel_size={tensor_parallel_size} is not supported: torch 2.13 fails to "
-            f"compile blocks whose weights are tensor-parallel DTensors (AOTAutograd's tracing recurses "
-            f"without end). Use compile with tensor_parallel_size=1, or tensor parallelism without compile"
-        )
+from lightning_parallel.plan.checks import CompileOptions
 
 
 def block_type(layers: Sequence[nn.Module]) -> type | None:

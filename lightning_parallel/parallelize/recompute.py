@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-Selection = bool | Callable[[str, nn.Module], bool] | Sequence[str]
+from lightning_parallel.plan.checks import Selection, check_selection
+
 Units = Sequence[tuple[str, nn.Module]]
 
 # Marks a wrapped forward; its value is the forward the unit had before.
@@ -56,23 +57,6 @@ def select_units(units: Units, select: Selection) -> list[str]:
         )
     chosen = set(select)
     return [name for name in names if name in chosen]
-
-
-def check_selection(select: Any) -> None:
-    """Raise a TypeError unless ``select`` is a bool, a callable or a list of names.
-
-    Example::
-
-        check_selection(["layers.1", "layers.2"])   # fine
-    """
-    if isinstance(select, bool) or callable(select):
-        return
-    names_ok = isinstance(select, Sequence) and all(isinstance(n, str) for n in select)
-    if isinstance(select, str) or not names_ok:
-        raise TypeError(
-            f"activation_checkpointing must be True/False, a callable (name, module) -> bool or a list of "
-            f"unit names, got {select!r}"
-        )
 
 
 def apply_activation_checkpointing(units: Units, select: Selection = True) -> list[str]:

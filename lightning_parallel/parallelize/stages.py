@@ -16,12 +16,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_parallel.parallelize.compile import CompileOptions, compile_in_place
+from lightning_parallel.parallelize.compile import compile_in_place
 from lightning_parallel.parallelize.fsdp import shard_stage
 from lightning_parallel.parallelize.tensor import TensorPlan
 from lightning_parallel.parallelize.tensor_apply import apply_plan
-
-DATA_PARALLEL = ("replicate", "zero1", "fsdp")
+from lightning_parallel.plan.checks import CompileOptions
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module | None]
 
@@ -46,8 +45,8 @@ def parallelize_stages(
             function receives it.
         shard_mesh: the data-parallel mesh a stage is sharded on (``dp_shard`` or, for HSDP,
             ``(dp_replicate, dp_shard)``).
-        data_parallel: one of :data:`DATA_PARALLEL`; ``"fsdp"`` shards every stage that the user's
-            function did not already make an FSDP root.
+        data_parallel: one of :data:`~lightning_parallel.plan.choices.DATA_PARALLEL`; ``"fsdp"``
+            shards every stage that the user's function did not already make an FSDP root.
         parallelize_fn: changes the stage module in place and returns it (or None).
         tensor_plan: the tensor-parallel plan (:mod:`lightning_parallel.parallelize.tensor`), applied
             on ``device_mesh["tp"]``; ``child_names[i]`` are the module paths of ``modules[i]``'s children.

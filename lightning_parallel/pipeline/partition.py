@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-PARTITION_METHODS = ("uniform", "parameters", "time")
-
 
 def partition_uniform(num_layers: int, num_stages: int) -> list[int]:
     """Layer counts per stage, as even as possible (earlier stages take the remainder).

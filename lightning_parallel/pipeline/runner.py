@@ -12,54 +12,12 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleZBVZeroBubble,
-    get_schedule_class,
-)
+from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleGPipe, ScheduleZBVZeroBubble
 
 from lightning_parallel.pipeline._v_forward import VForwardOnly
 from lightning_parallel.pipeline.microbatches import first_microbatch
 from lightning_parallel.pipeline.stage_source import StageSource
-
-SCHEDULES = (
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv",
-    "dualpipev",
-)
-# Schedules that place two stages per rank in a V: rank r holds stages r and 2p-1-r.
-V_SCHEDULES = ("zbv", "dualpipev")
-_TORCH_NAMES = {"zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
-
-
-def schedule_class(name: str) -> type:
-    """The torch schedule class for one of :data:`SCHEDULES` (snake_case names)."""
-    if not isinstance(name, str) or name.lower() not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
-    name = name.lower()
-    return get_schedule_class(_TORCH_NAMES.get(name, name.replace("_", "")))
-
-
-def placement(name: str) -> str:
-    """How a schedule places its stages on the pipeline ranks: ``"v"`` (ZBV, DualPipeV) or ``"loop"``.
-
-    Example::
-
-        >>> placement("zbv"), placement("interleaved_1f1b")
-        ('v', 'loop')
-    """
-    return "v" if name.lower() in V_SCHEDULES else "loop"
-
-
-def is_multi_stage(cls: type) -> bool:
-    """Whether the schedule runs several stages per rank (interleaved/looped)."""
-    return issubclass(cls, PipelineScheduleMulti)
+from lightning_parallel.plan.choices import is_multi_stage, schedule_class
 
 
 class PipelineRunner:
@@ -70,7 +28,7 @@ class PipelineRunner:
             :class:`~lightning_parallel.pipeline.stage_source.StageSource` (the Sequential's or the
             traced forward's): its stages for each new shape, and what runs around their steps.
         num_stages: stages in the whole pipeline.
-        schedule: a name from :data:`SCHEDULES`.
+        schedule: a name from :data:`~lightning_parallel.plan.choices.SCHEDULES`.
         num_microbatches: micro-batches per batch (fewer for a batch it does not divide).
 
     Example::

@@ -30,7 +30,7 @@ from lightning_parallel.distributed.stop import (
 )
 from lightning_parallel.pipeline.twin import alias_table, retie
 from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
-from lightning_parallel.strategies.pipeline.config import refuse_compiled_module
+from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
 
 
 class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):

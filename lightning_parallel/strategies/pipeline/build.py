@@ -23,7 +23,7 @@ from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.grads.held import HeldGradients
 from lightning_parallel.grads.tied import SharedReplicas, find_shared
-from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
+from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh
 from lightning_parallel.pipeline.metrics import StageMetrics
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.proxy import PipelinedCall
@@ -31,8 +31,10 @@ from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.split import find_sequential
 from lightning_parallel.pipeline.step_scope import StepScope
 from lightning_parallel.pipeline.twin import alias_table
-from lightning_parallel.strategies.pipeline.config import PipelineConfig, refuse_traced_parallelize
+from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.items import StepItems
+from lightning_parallel.strategies.pipeline.refusals import refuse_traced_parallelize
 from lightning_parallel.strategies.pipeline.sequential import sequential_path
 from lightning_parallel.strategies.pipeline.source_glue import SourceGlue
 from lightning_parallel.strategies.pipeline.traced import traced_path
@@ -68,7 +70,7 @@ class PipelineParts:
 
 
 def build_pipeline(
-    config: PipelineConfig,
+    config: ParallelPlan,
     trainer: pl.Trainer,
     module: pl.LightningModule,
     layout: RankLayout,

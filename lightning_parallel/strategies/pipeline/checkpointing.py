@@ -25,7 +25,7 @@ from lightning_parallel.strategies.pipeline.consolidated import (
 class PipelineCheckpointHooks:
     """The state-dict and checkpoint hooks of :class:`~lightning_parallel.PipelineStrategy` (a mixin).
 
-    It reads the strategy's ``config``, ``parts``, ``lightning_module``, ``optimizers`` and
+    It reads the strategy's ``parallel_plan``, ``parts``, ``lightning_module``, ``optimizers`` and
     ``root_device``; the other hooks of Lightning's ``Strategy`` come after it in the bases.
 
     Example::
@@ -34,7 +34,7 @@ class PipelineCheckpointHooks:
         strategy.lightning_module_state_dict()    # the unsplit module's state on global rank 0
     """
 
-    config: Any
+    parallel_plan: Any
     parts: Any
 
     @override
@@ -42,7 +42,7 @@ class PipelineCheckpointHooks:
         """The unsplit module's state dict on global rank 0 (replica 0's stages send theirs there).
 
         With ``save_distributed_checkpoint=True``: this rank's stage state, not gathered."""
-        if self.config.save_distributed_checkpoint:
+        if self.parallel_plan.save_distributed_checkpoint:
             return self.lightning_module.state_dict()
         return consolidated_state_dict(self.lightning_module, self.parts)
 
@@ -51,7 +51,7 @@ class PipelineCheckpointHooks:
         """The unsplit model's optimizer state on global rank 0, keyed as a single-device one.
 
         With ``save_distributed_checkpoint=True``: this rank's share, flat and keyed by parameter name."""
-        if self.config.save_distributed_checkpoint:
+        if self.parallel_plan.save_distributed_checkpoint:
             return dcp_glue.local_optimizer_state(optimizer, self.parts)
         return consolidated_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.parts)
 
@@ -64,7 +64,7 @@ class PipelineCheckpointHooks:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if not self.config.save_distributed_checkpoint:
+        if not self.parallel_plan.save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError("storage_options is not supported with save_distributed_checkpoint=True")

@@ -14,7 +14,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_parallel.grads.zero import shard_optimizer_state
-from lightning_parallel.parallelize.recompute import Selection, apply_activation_checkpointing
+from lightning_parallel.parallelize.recompute import apply_activation_checkpointing
+from lightning_parallel.plan.checks import Selection
 from lightning_parallel.strategies.pipeline.source_glue import UnitNaming, prefixed
 
 if TYPE_CHECKING:

@@ -21,11 +21,11 @@ from lightning_parallel.strategies.pipeline.source_glue import ParallelizeReques
 from lightning_parallel.traced.tensor_parallel import style_layouts
 
 if TYPE_CHECKING:
+    from lightning_parallel.plan.parallel_plan import ParallelPlan
     from lightning_parallel.strategies.pipeline.build import PipelineParts
-    from lightning_parallel.strategies.pipeline.config import PipelineConfig
 
 
-def tensor_plan(module: nn.Module, config: PipelineConfig) -> tuple[str, TensorPlan] | None:
+def tensor_plan(module: nn.Module, config: ParallelPlan) -> tuple[str, TensorPlan] | None:
     """The tensor-parallel plan (read on the unsplit module, before the split), or None.
 
     On the Sequential path: the split Sequential's layers (``"layers"``, the plan). On the traced path
@@ -50,7 +50,7 @@ def tensor_plan(module: nn.Module, config: PipelineConfig) -> tuple[str, TensorP
 
 def parallelize_parts(
     parts: PipelineParts,
-    config: PipelineConfig,
+    config: ParallelPlan,
     module: nn.Module,
     plan: tuple[str, TensorPlan] | None = None,
 ) -> None:

@@ -14,7 +14,7 @@ from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.profile import layer_times
 from lightning_parallel.pipeline.proxy import PipelinedCall
-from lightning_parallel.pipeline.runner import PipelineRunner, placement
+from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.split import (
     SequentialStages,
     check_parameters_inside,
@@ -24,14 +24,15 @@ from lightning_parallel.pipeline.split import (
     stage_parameters,
     stage_twins,
 )
+from lightning_parallel.plan.choices import placement
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.call_input import SequentialCapture, captured_input
-from lightning_parallel.strategies.pipeline.config import PipelineConfig
 from lightning_parallel.strategies.pipeline.plan import measured, stage_plan, units_per_stage
 from lightning_parallel.strategies.pipeline.source_glue import SequentialGlue, UnitNaming
 
 
 def sequential_path(
-    config: PipelineConfig,
+    config: ParallelPlan,
     trainer: pl.Trainer,
     module: pl.LightningModule,
     found: tuple[str, nn.Sequential],
@@ -75,7 +76,7 @@ def sequential_path(
 
 
 def _layer_costs(
-    config: PipelineConfig, trainer: pl.Trainer, module: pl.LightningModule, seq: nn.Sequential
+    config: ParallelPlan, trainer: pl.Trainer, module: pl.LightningModule, seq: nn.Sequential
 ) -> tuple[list[float], str]:
     if config.partition == "parameters":
         return [float(p) for p in layer_facts(seq)[2]], "parameters"

@@ -16,11 +16,11 @@ from typing import Protocol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.parallelize.compile import CompileOptions
 from lightning_parallel.parallelize.stages import ParallelizeFn, parallelize_stages
 from lightning_parallel.parallelize.tensor import TensorPlan
 from lightning_parallel.parallelize.tensor_apply import apply_held_styles
 from lightning_parallel.pipeline.split import SequentialStages
+from lightning_parallel.plan.checks import CompileOptions
 from lightning_parallel.traced.fsdp import ShardedTracedStage, shard_traced_stage
 from lightning_parallel.traced.split import TracedStages
 

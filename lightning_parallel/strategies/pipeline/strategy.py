@@ -38,29 +38,35 @@ from lightning_parallel.grads.item_weights import ItemCount, scale_gradients
 from lightning_parallel.grads.reduce import all_reduce_gradients, clip_grad_norm_across
 from lightning_parallel.parallelize.compile import CompileWatch
 from lightning_parallel.parallelize.fsdp import reduce_gradients
-from lightning_parallel.parallelize.recompute import Selection
-from lightning_parallel.pipeline.mesh import PipelineMesh, RankLayout, build_mesh
+from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh
 from lightning_parallel.pipeline.microbatches import batch_size
 from lightning_parallel.pipeline.plan import StagePlan
+from lightning_parallel.plan.checks import Selection
+from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline
 from lightning_parallel.strategies.pipeline.checkpointing import PipelineCheckpointHooks
-from lightning_parallel.strategies.pipeline.config import (
-    check_fit_supported,
-    checked_config,
-    refuse_compiled_module,
-    refuse_unsupported_callbacks,
-    renamed_num_stages,
-)
 from lightning_parallel.strategies.pipeline.items import step_items
 from lightning_parallel.strategies.pipeline.loss_scale import install_loss_scaling
 from lightning_parallel.strategies.pipeline.memory import (
     install_checkpointing,
     shard_optimizers,
 )
+from lightning_parallel.strategies.pipeline.options import (
+    OLDER_NAMES,
+    PLAN_OPTIONS,
+    plan_argument_docs,
+    plan_from_options,
+)
 from lightning_parallel.strategies.pipeline.parallelize import (
     parallelize_parts,
     tensor_plan,
+)
+from lightning_parallel.strategies.pipeline.refusals import (
+    check_fit_supported,
+    refuse_compiled_module,
+    refuse_unsupported_callbacks,
 )
 from lightning_parallel.strategies.pipeline.step import last_pp_rank, run_step
 from lightning_parallel.strategies.pipeline.stop import (
@@ -73,6 +79,11 @@ from lightning_parallel.strategies.pipeline.stop import (
 )
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
 from lightning_parallel.timeline.recorder import Timeline, span_of
+
+
+def _from_plan(name: str, doc: str) -> property:
+    """A read-only attribute of the strategy that is its plan's setting (one home for each setting)."""
+    return property(lambda self: getattr(self.parallel_plan, name), doc=doc)
 
 
 class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
@@ -103,60 +114,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
     (torchtitan's order; recomputation is installed before).
 
     Args:
-        pipeline_size: pipeline ranks per replica (default: all devices form one pipeline).
-        num_microbatches: micro-batches per batch (a batch it does not divide uses the largest
-            divisor of its size: equal micro-batches, exact mean loss).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
-            ``"interleaved_zero_bubble"``, ``"zbv"`` or ``"dualpipev"`` (the schedules of
-            ``torch.distributed.pipelining``; the last two place two stages per rank in a V: rank ``r``
-            holds stages ``r`` and ``2p-1-r``).
-        stages_per_rank: stages each pipeline rank runs (> 1 for the interleaved and looped
-            schedules; implied 2 for ``"zbv"`` and ``"dualpipev"``, 1 for the others); the model is
-            cut into ``pipeline_size x stages_per_rank`` stages.
-        partition: how to balance the stages: ``"uniform"`` (layer or block counts), ``"parameters"``,
-            ``"time"`` (forward+backward time measured on the first batch), or a list of layer (or
-            block) counts per stage.
-        module_name: the attribute holding the ``nn.Sequential`` (default: the module's only one).
-        split_points: module paths where stages 1, 2, ... begin (e.g. ``["h.2"]``); traces forward
-            even when the module has a top-level Sequential.
-        activation_checkpointing: recompute units in backward instead of keeping their activations:
-            ``True`` (every layer of the Sequential, or every block the traced stages call), a list of
-            module paths (``["layers.1"]``, ``["h.2", "h.3"]``) or a callable ``(path, module) -> bool``.
-            Numbers are unchanged; the activation memory of a stage falls.
-        data_parallel: how the data-parallel ranks of a stage share it: ``"replicate"`` (each holds
-            the whole stage; gradients all-reduced), ``"zero1"`` (optimizer state sharded, torch's
-            ``ZeroRedundancyOptimizer``) or ``"fsdp"`` (parameters, gradients and optimizer state
-            sharded with FSDP2 ``fully_shard``, per layer then the stage; a traced stage is one
-            unit). Checkpoints hold the full state in every mode.
-        data_parallel_shard_size: with ``"fsdp"``, the ranks each stage is sharded over (default: all
-            its data-parallel ranks); a smaller divisor replicates the shards (HSDP: shard within a
-            node, replicate across nodes).
-        parallelize_fn: ``fn(stage_module, device_mesh)`` run on each stage module after the split,
-            before ``data_parallel`` (as torchtitan's ``parallelize_fn``); it changes the module in
-            place. A stage it makes an FSDP root is left to it. A split ``nn.Sequential`` only.
-        save_distributed_checkpoint: ``True``: checkpoints are ``torch.distributed.checkpoint``
-            directories, each rank writing its own shards (no rank gathers the model), resumable at
-            another pipeline size or shard count; ``consolidate_checkpoint`` makes one file of one.
-            ``False`` (default): one consolidated file from global rank 0.
-        tensor_parallel_size: ranks each stage's blocks are split over (Megatron-style, with
-            ``parallelize_module``; world size = ``pipeline_size x`` data-parallel ``x
-            tensor_parallel_size``). The default plan splits attention q/k/v and the first MLP
-            projection column-wise and the output projections row-wise (a split ``nn.Sequential``: and
-            divides the head count; a traced forward: its graph runs on DTensors; a Hugging Face model:
-            its own ``base_model_tp_plan``). ``data_parallel`` acts over the data-parallel ranks on top.
-        tensor_parallel_plan: ``{module path pattern: ParallelStyle}`` (as ``parallelize_module``
-            takes; paths from the LightningModule, ``*`` one segment) replacing the default plan (a
-            traced forward takes ``ColwiseParallel`` and ``RowwiseParallel``).
-        compile: ``True`` or a dict of ``torch.compile``'s keywords (``{"mode": ...}``, ``{"backend":
-            "aot_eager"}``, ``{"dynamic": False}``): each stage's repeated blocks (the Sequential's
-            children of its most frequent class; on the traced path, each stage's program) are compiled
-            in place after the split, once per stage, with dynamic sizes unless ``dynamic=False``
-            (one compiled program serves every length, as one trace does). The compilation runs in the
-            first step of each mode; its time is reported apart (``compile_seconds``), and a
-            recompile limit reached is warned. Not with the schedules that split backward
-            (``"interleaved_zero_bubble"``, ``"zbv"``, ``"dualpipev"``) nor with
-            ``tensor_parallel_size > 1``: refused, with the reason. A module passed as
-            ``torch.compile(model)`` is refused with this fix.
+        {plan_arguments}
         shard_optimizer_state: ``True`` is ``data_parallel="zero1"`` (the older name).
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         stop_grace_period: seconds (or a ``timedelta``) from a stop signal to the end of every process.
@@ -231,24 +189,10 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        pipeline_size = renamed_num_stages(pipeline_size, num_stages)
-        self.config = checked_config(
-            pipeline_size,
-            num_microbatches,
-            schedule,
-            stages_per_rank,
-            partition,
-            module_name,
-            split_points,
-            activation_checkpointing,
-            shard_optimizer_state,
-            data_parallel,
-            data_parallel_shard_size,
-            parallelize_fn,
-            save_distributed_checkpoint,
-            tensor_parallel_size,
-            tensor_parallel_plan,
-            compile,
+        # The plan's options, by name, as this call received them: mapped onto the plan in one place.
+        arguments = locals()
+        self.parallel_plan = plan_from_options(
+            {name: arguments[name] for name in (*PLAN_OPTIONS, *OLDER_NAMES)}
         )
         self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
         self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
@@ -262,23 +206,33 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         self._compile_watch: CompileWatch | None = None
 
     # ----------------------------------------------------------------------------------- layout
+    @classmethod
+    def from_plan(cls, plan: ParallelPlan, **kwargs: Any) -> PipelineStrategy:
+        """The strategy that runs ``plan`` (a planner row, or ``strategy.parallel_plan``); ``kwargs``:
+        the launcher's options (``start_method``, ``stop_grace_period``, ...).
+
+        Example::
+
+            best = rank_plans(facts, candidate_plans(4, 10, 32), 32)[0]
+            trainer = L.Trainer(devices=4, strategy=PipelineStrategy.from_plan(best.plan))
+        """
+        return cls(**plan.strategy_arguments(), **kwargs)
+
     @property
     def pipeline_size(self) -> int:
-        return self.config.pipeline_size or self.world_size
+        return self.parallel_plan.pipeline_size or self.world_size
 
-    num_microbatches = property(lambda self: self.config.num_microbatches, doc="Micro-batches per batch.")
-    schedule = property(lambda self: self.config.schedule, doc="The torch schedule's name.")
-    stages_per_rank = property(lambda self: self.config.stages_per_rank, doc="Stages per pipeline rank.")
-    partition = property(lambda self: self.config.partition, doc="How the stages are balanced.")
-    activation_checkpointing = property(
-        lambda self: self.config.activation_checkpointing, doc="Which units recompute in backward."
+    num_microbatches = _from_plan("num_microbatches", "Micro-batches per batch.")
+    schedule = _from_plan("schedule", "The torch schedule's name.")
+    stages_per_rank = _from_plan("stages_per_rank", "Stages per pipeline rank.")
+    partition = _from_plan("partition", "How the stages are balanced.")
+    activation_checkpointing = _from_plan("activation_checkpointing", "Which units recompute in backward.")
+    shard_optimizer_state = _from_plan(
+        "shard_optimizer_state", "Whether optimizer state is sharded (ZeRO-1)."
     )
-    shard_optimizer_state = property(
-        lambda self: self.config.shard_optimizer_state, doc="Whether optimizer state is sharded (ZeRO-1)."
-    )
-    data_parallel = property(lambda self: self.config.data_parallel, doc="replicate, zero1 or fsdp.")
-    save_distributed_checkpoint = property(
-        lambda self: self.config.save_distributed_checkpoint, doc="Whether checkpoints are DCP directories."
+    data_parallel = _from_plan("data_parallel", "replicate, zero1 or fsdp.")
+    save_distributed_checkpoint = _from_plan(
+        "save_distributed_checkpoint", "Whether checkpoints are DCP dirs."
     )
 
     @property
@@ -292,12 +246,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
 
     @property
     def layout(self) -> RankLayout:
-        tp = self.config.tensor_parallel_size
-        layout = RankLayout.for_world(self.world_size, self.pipeline_size, tp_size=tp)
-        if self.config.data_parallel != "fsdp":
-            return layout
-        shards = self.config.data_parallel_shard_size or layout.dp_size
-        return RankLayout(layout.pp_size, layout.dp_size, shards, tp)
+        return self.parallel_plan.layout(self.world_size)
 
     @property
     def device_mesh(self) -> DeviceMesh | None:
@@ -314,7 +263,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
 
     @property
     def tensor_parallel_size(self) -> int:
-        return self.config.tensor_parallel_size
+        return self.parallel_plan.tensor_parallel_size
 
     @property
     def plan(self) -> StagePlan | None:
@@ -362,35 +311,34 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            check_fit_supported(trainer, self)
+            check_fit_supported(trainer)
         first = self.parts is None
         if self.parts is None:
             refuse_compiled_module(self.lightning_module)  # (every rank holds the same module)
             if trainer.state.fn == TrainerFn.FITTING:
                 summarize_before_split(trainer, self.lightning_module, self)  # the whole model's table
             with failing_together():
-                self._tensor_plan = tensor_plan(self.lightning_module, self.config)
+                self._tensor_plan = tensor_plan(self.lightning_module, self.parallel_plan)
             self.parts = build_pipeline(
-                self.config, trainer, self.lightning_module, self.layout, self.root_device, self._mesh
+                self.parallel_plan, trainer, self.lightning_module, self.layout, self.root_device, self._mesh
             )
-            install_checkpointing(self.parts, self.config.activation_checkpointing)
+            install_checkpointing(self.parts, self.parallel_plan.activation_checkpointing)
             self.parts.items = step_items(self.lightning_module, self.parts.call, self._item_count)
-            rank_zero_info(
-                f"PipelineStrategy stage plan ({self.config.schedule}):\n{self.parts.plan.format_table()}"
-            )
+            schedule, table = self.parallel_plan.schedule, self.parts.plan.format_table()
+            rank_zero_info(f"PipelineStrategy stage plan ({schedule}):\n{table}")
             self._register_release()
         self.precision_plugin.convert_module(self.model)
         if self.parts.twin is not None:
             self.parts.twin = self.precision_plugin.convert_module(self.parts.twin)
         self.model_to_device()
         if first:  # split, recomputation, then tp, compile, the data-parallel sharding (torchtitan's order)
-            parallelize_parts(self.parts, self.config, self.lightning_module, self._tensor_plan)
-            if self.config.compile is not None:
+            parallelize_parts(self.parts, self.parallel_plan, self.lightning_module, self._tensor_plan)
+            if self.parallel_plan.compile is not None:
                 self._compile_watch = CompileWatch(rank_zero_warn)
                 self._compile_watch.start()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.config.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
+            if self.parallel_plan.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
                 self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh)
             _optimizers_to_device(self.optimizers, self.root_device)
             self._install_global_clipping()
@@ -477,7 +425,7 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         if train and not self._first_batch_checked:
             # Later batches may be short (an epoch's last); the first one shows the configured size.
             self._first_batch_checked = True
-            n, m = batch_size(args[0]), self.config.num_microbatches
+            n, m = batch_size(args[0]), self.parallel_plan.num_microbatches
             if n < m:
                 raise ValueError(
                     f"a training batch of {n} samples cannot feed num_microbatches={m}: use a per-replica "
@@ -659,3 +607,8 @@ def _release_at_exit(strategy_ref: weakref.ref) -> None:
     strategy = strategy_ref()  # a weak reference: registering must not keep the model alive
     if strategy is not None:
         strategy._release_process_groups()
+
+
+PipelineStrategy.__doc__ = (PipelineStrategy.__doc__ or "").replace(
+    "        {plan_arguments}", plan_argument_docs()
+)

@@ -24,11 +24,12 @@ from lightning_parallel.pipeline.microbatches import first_microbatch, microbatc
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
 from lightning_parallel.pipeline.profile import block_times
-from lightning_parallel.pipeline.runner import PipelineRunner, placement
+from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.split import materialize
 from lightning_parallel.pipeline.twin import meta_twin, to_meta
+from lightning_parallel.plan.choices import placement
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.call_input import example_input
-from lightning_parallel.strategies.pipeline.config import PipelineConfig
 from lightning_parallel.strategies.pipeline.plan import measured, stage_plan, units_per_stage
 from lightning_parallel.strategies.pipeline.source_glue import TracedGlue, UnitNaming
 from lightning_parallel.traced.call_binding import CallBinding, TracedCall, bound_forward
@@ -45,7 +46,7 @@ from lightning_parallel.traced.trace import call_order, trace
 
 
 def traced_path(
-    config: PipelineConfig,
+    config: ParallelPlan,
     trainer: pl.Trainer,
     module: pl.LightningModule,
     mesh: PipelineMesh,
@@ -129,7 +130,7 @@ def _what(call: TracedCall) -> str:
 
 
 def _traceable(
-    config: PipelineConfig,
+    config: ParallelPlan,
     trainer: pl.Trainer,
     module: pl.LightningModule,
     pp_size: int,
@@ -205,7 +206,7 @@ def _call_order(module: nn.Module, found: _Traceable) -> list[str]:
         raise ours(failed, _what(found.call), exported=True) from err
 
 
-def _call_paths(module: nn.Module, config: PipelineConfig) -> list[str]:
+def _call_paths(module: nn.Module, config: ParallelPlan) -> list[str]:
     """Where the user's step may call the model: ``self(...)``, or a module holding every stage's part.
 
     A LightningModule that holds a Hugging Face or litgpt model as ``self.model`` often calls
@@ -243,7 +244,7 @@ def _is_parameter(module: nn.Module, path: str) -> bool:
 
 
 def _block_costs(
-    config: PipelineConfig, module: pl.LightningModule, found: _Traceable
+    config: ParallelPlan, module: pl.LightningModule, found: _Traceable
 ) -> tuple[list[float], str]:
     paths = [f"{found.block_path}.{b}" for b in found.blocks]
     if config.partition == "parameters":
