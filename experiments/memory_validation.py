@@ -50,10 +50,10 @@ from models import CharLM, SequentialCharLM
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.grads.zero import local_state_bytes
 from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques.zero import local_state_bytes
 
 TOLERANCE = 0.15
 
@@ -87,14 +87,13 @@ class Case:
     def config(self) -> ParallelPlan:
         return ParallelPlan(
             self.strategy, self.devices, self.pipeline_size, self.num_microbatches, self.schedule,
-            self.stages_per_rank, "uniform", self.checkpointing, self.sharded, self.precision,
-            **self.data_parallel(),
-            tensor_parallel_size=self.tensor_parallel,
+            self.stages_per_rank, activation_checkpointing=self.checkpointing, precision=self.precision,
+            **self.data_parallel(), tensor_parallel_size=self.tensor_parallel,
         )  # fmt: skip
 
     def data_parallel(self) -> dict[str, Any]:
         if not self.fsdp_shards:
-            return {}
+            return dict(data_parallel="zero1") if self.sharded else {}
         return dict(data_parallel="fsdp", data_parallel_shard_size=self.fsdp_shards)
 
 

@@ -15,7 +15,7 @@ GROUND_FLOOR = (
     "plan",
     "pipeline",
     "traced",
-    "parallelize",
+    "techniques",
     "grads",
     "timeline",
     "distributed",

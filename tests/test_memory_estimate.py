@@ -16,7 +16,6 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy, estimate_memory
-from lightning_parallel.grads.zero import shard_sizes
 from lightning_parallel.memory.estimate import format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
@@ -26,6 +25,7 @@ from lightning_parallel.memory.probe import probe_activations, probe_sizes
 from lightning_parallel.memory.resolve import resolve
 from lightning_parallel.memory.units import find_units
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques.zero import shard_sizes
 
 
 class TinyGPT(nn.Module):

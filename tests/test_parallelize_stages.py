@@ -1,4 +1,4 @@
-"""parallelize/stages.py: each stage module after the split, in torchtitan's order (one process, no mesh).
+"""techniques/parallelize.py: each stage module after the split, in torchtitan's order (one process, no mesh).
 
 Its FSDP2 and tensor-parallel steps need a process group: tests/test_pipeline_fsdp.py and
 tests/test_pipeline_tensor.py run them. Here: the user's function, the roots returned, and the errors.
@@ -7,8 +7,8 @@ tests/test_pipeline_tensor.py run them. Here: the user's function, the roots ret
 import pytest
 from torch import nn
 
-from lightning_parallel.parallelize.stages import parallelize_stages
 from lightning_parallel.plan.choices import DATA_PARALLEL
+from lightning_parallel.techniques.parallelize import parallelize_stages
 
 
 def _stages():

@@ -33,9 +33,9 @@ from tiny_models import SequentialGPT, TinyGPT, loader, token_data
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed.dtensors import full_tensors
-from lightning_parallel.parallelize.compile import CompileWatch, compile_in_place, is_compiled
-from lightning_parallel.parallelize.fsdp import FSDPModule
 from lightning_parallel.plan.checks import checked_compile_options
+from lightning_parallel.techniques.compile import CompileWatch, compile_in_place, is_compiled
+from lightning_parallel.techniques.fsdp import FSDPModule
 
 VAL = token_data(8, seed=1)
 BATCH = 8  # per replica: micro-batches of 2 in both jobs, so the 4-rank job finds the same programs

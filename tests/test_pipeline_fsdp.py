@@ -3,9 +3,9 @@
 The multi-process configurations share one spawned job of 4 gloo ranks: each rank runs several
 Trainers in turn on the process group the job set up (as under torchrun), so the imports are paid once.
 
-Covers parallelize/_fsdp_internals.py (finish_backward, spied on), parallelize/stages.py and
+Covers techniques/_fsdp_internals.py (finish_backward, spied on), techniques/parallelize.py and
 strategies/pipeline/source_glue.py (parallelize_fn, then FSDP2, on each stage), traced/fsdp.py (the traced
-configurations' one FSDP root per stage) and strategies/pipeline/memory.py's recomputation
+configurations' one FSDP root per stage) and techniques/recompute.py's recomputation
 (activation_checkpointing=True).
 """
 
@@ -30,7 +30,7 @@ from tiny_models import SequentialGPT, SequentialRegressor, TinyGPT, loader, reg
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.memory.resolve import resolve
-from lightning_parallel.parallelize import fsdp
+from lightning_parallel.techniques import fsdp
 
 # 48 samples, global batch 16: 3 batches an epoch; with accumulate_grad_batches=2 the windows are
 # [0, 1] and [2] (Lightning steps at the epoch's end): a full and a partial window per epoch.

@@ -36,12 +36,12 @@ from lightning_parallel import PipelineStrategy, consolidate_checkpoint
 from lightning_parallel.grads.loss_scale import agree_on_overflow
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.memory.tensor_parallel import local_model
-from lightning_parallel.parallelize.tensor import default_plan, user_plan
-from lightning_parallel.parallelize.tensor_apply import apply_held_styles
 from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.parallelize import tensor_plan
+from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
+from lightning_parallel.techniques.tensor_parallel.memory import local_model
+from lightning_parallel.techniques.tensor_parallel.plan import default_plan, user_plan
 from lightning_parallel.traced.stage_graphs import point_at
 from lightning_parallel.traced.tensor_parallel import (
     TensorParallelGraph,

@@ -47,7 +47,7 @@ def test_module_paths_are_described_with_runs_of_blocks_collapsed():
 
 
 def test_a_sharded_layout_shows_each_ranks_share_of_a_stage():
-    from lightning_parallel.pipeline.plan import shard_bytes
+    from lightning_parallel.techniques.fsdp import shard_bytes
 
     assert (
         shard_bytes((13, 8), 4, 4) == 4 * 8 * 4

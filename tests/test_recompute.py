@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallelize.recompute import (
+from lightning_parallel.techniques.recompute import (
     apply_activation_checkpointing,
     is_checkpointed,
     remove_activation_checkpointing,

@@ -1,4 +1,4 @@
-"""ZeRO-1 mechanics (grads/zero.py) without Lightning: exact steps, whole state on replica 0, reload."""
+"""ZeRO-1 mechanics (techniques/zero.py) without Lightning: exact steps, whole state on replica 0, reload."""
 
 import copy
 import warnings
@@ -10,7 +10,7 @@ from mp_harness import spawn_gloo
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from lightning_parallel.grads.zero import (
+from lightning_parallel.techniques.zero import (
     consolidate,
     is_sharded,
     local_state_bytes,

@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from lightning_parallel._table import format_bytes, format_table
-from lightning_parallel.grads.zero import shard_owners
 from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.precision import LOSS_SCALER_BYTES
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
@@ -49,11 +48,9 @@ from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.plan import stage_rank
 from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques import fsdp, zero
+from lightning_parallel.techniques.compile import MEMORY_NOTE
 
-COMPILED_NOTE = (
-    "compiled stages: activations modelled as eager saves them (measured on the eager model); inductor's "
-    "fused kernels usually save fewer, so read the peaks as an estimate from above"
-)
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 GATHERED = "gathered"  # FSDP2's unsharded stage parameters, a column only where a rank has them
 
@@ -118,7 +115,7 @@ class MemoryEstimate:
             for r in self.ranks
         ]  # fmt: skip
         table = f"{self.plan.label()} ({self.plan.precision})\n" + format_table(headers, rows, align=">")
-        return table + (f"\n{COMPILED_NOTE}" if self.plan.compiled else "")
+        return table + (f"\n{MEMORY_NOTE}" if self.plan.compiled else "")
 
 
 def estimate_memory(
@@ -213,8 +210,9 @@ def _pipeline_rank(facts: ModelFacts, costs: list[StageCosts], config: ParallelP
     g_bytes = sum(facts.tensors[k].grad for k in params)
     gathered = 0
     if config.data_parallel == "fsdp":  # the rank's shard, and the whole stage gathered for the step
-        gathered, s = p_bytes, config.shard_size
-        p_bytes = sum(round(facts.tensors[k].nbytes * facts.tensors[k].shard(s)) for k in params)
+        tensors = [facts.tensors[k] for k in params]
+        sharded = fsdp.memory([(t.rows, t.nbytes) for t in tensors], config.shard_size)
+        p_bytes, gathered = sharded.shard, sharded.gathered
     state = _state_bytes(facts, params, config)
     buffers = sum(c.recv_buffers for c in local)
     actions = rank_actions(
@@ -293,13 +291,10 @@ def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelPlan) -> in
     if not config.shard_optimizer_state or dp == 1:
         return facts.state_of(keys) + scaler
     mine = set(keys)
-    groups = [[k for k in group if k in mine] for group in facts.group_order]
-    owners = shard_owners([[facts.tensors[k].numel for k in g] for g in groups], dp)
-    per_replica = [0] * dp
-    for group, group_owners in zip(groups, owners):
-        for k, owner in zip(group, group_owners):
-            per_replica[owner] += facts.state_of([k])
-    return max(per_replica) + scaler
+    groups = [
+        [(facts.tensors[k].numel, facts.state_of([k])) for k in g if k in mine] for g in facts.group_order
+    ]
+    return zero.memory(groups, dp) + scaler
 
 
 __all__ = ["BEFORE", "MemoryEstimate", "RankMemory", "estimate_memory", "format_bytes", "predict"]

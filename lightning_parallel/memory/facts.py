@@ -22,8 +22,9 @@ from lightning_parallel.memory.probe import (
     probe_activations,
     probe_sizes,
 )
-from lightning_parallel.memory.tensor_parallel import local_model
 from lightning_parallel.memory.units import UnitLayout, find_units, order_extras
+from lightning_parallel.techniques.fsdp import shard_rows
+from lightning_parallel.techniques.tensor_parallel.memory import local_model
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Tensor:
 
     def shard(self, shards: int) -> float:
         """The share of this tensor the first (fullest) of ``shards`` FSDP2 shards holds: whole rows."""
-        return -(-self.rows // shards) / self.rows
+        return shard_rows(self.rows, shards) / self.rows
 
 
 @dataclass
@@ -87,8 +88,8 @@ def measure_model(
     """Find the units, run the probe forwards, and size parameters, gradients and optimizer state.
 
     With ``tensor_parallel_size`` > 1, of one tensor-parallel rank's local model
-    (:func:`~lightning_parallel.memory.tensor_parallel.local_model`); the optimizer is then built anew
-    over its parameters, of the given optimizer's class and defaults.
+    (:func:`~lightning_parallel.techniques.tensor_parallel.memory.local_model`); the optimizer is then
+    built anew over its parameters, of the given optimizer's class and defaults.
 
     Raises:
         ValueError: unknown precision; a batch the model rejects; no optimizer to size.

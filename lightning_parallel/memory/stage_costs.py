@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.probe import BEFORE, UnitActivations
 from lightning_parallel.memory.units import Unit, partition
-from lightning_parallel.parallelize.recompute import select_units
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques import recompute
 
 
 @dataclass
@@ -62,13 +62,9 @@ def stage_costs(facts: ModelFacts, config: ParallelPlan, samples: int | None = N
 
 
 def _recomputed(facts: ModelFacts, config: ParallelPlan) -> list[str]:
-    select = config.activation_checkpointing
-    if isinstance(select, tuple):
-        select = list(select)
     units = [(u.name, u.module) for u in facts.layout.units]
-    if facts.layout.kind == "blocks" and select is True:
-        units = [(u.name, u.module) for u in facts.layout.blocks()]  # the blocks, not embeddings/head
-    return select_units(units, select)
+    blocks = [(u.name, u.module) for u in facts.layout.blocks()] if facts.layout.kind == "blocks" else units
+    return recompute.selected(units, blocks, config.activation_checkpointing)
 
 
 def _one(
@@ -80,48 +76,29 @@ def _one(
     keys = list(dict.fromkeys(k for u in units for k in facts.unit_params[u.name]))
     if first:
         keys += [k for k in facts.loose_params if k not in keys]
-    held = _held(units, acts, recomputed, mb, first)
-    if first:
-        held += facts.probe.unit(BEFORE).saved.at(mb)
+    unit_bytes = [_unit_bytes(u.name, a, mb) for u, a in zip(units, acts)]
+    held = recompute.memory(unit_bytes, recomputed, first)
+    kept_input = facts.probe.unit(BEFORE).saved.at(mb) if first else 0
     out = acts[-1].outputs.at(mb)
     kept = max(0, out - acts[-1].saved_output.at(mb)) if not last else out
     largest = max((a.largest.at(mb) for a in acts), default=0)
-    recomputed_saved = [a.saved.at(mb) for u, a in zip(units, acts) if u.name in recomputed]
-    recompute_peak, recompute_work = max(recomputed_saved, default=0), sum(recomputed_saved)
     return StageCosts(
         index=index,
         units=[u.name for u in units],
         param_keys=keys,
         grads=sum(facts.tensors[k].grad for k in keys),
-        per_microbatch=held,
+        per_microbatch=held.kept + kept_input,
         kept_output=kept,
         weight_copies=sum(a.weight_copies for a in acts),
         forward_transient=largest,
-        backward_transient=recompute_peak + 2 * largest + out,
+        backward_transient=held.peak + 2 * largest + out,
         recv_buffers=m * ((0 if first else acts[0].inputs.at(mb)) + (0 if last else out)),
         work=sum(a.saved.at(mb) for a in acts),
-        recomputed_work=recompute_work,
+        recomputed_work=held.recomputed_saves,
     )
 
 
-def _held(
-    units: list[Unit], acts: list[UnitActivations], recomputed: set[str], mb: float, first: bool
-) -> int:
-    """Bytes one micro-batch keeps in the stage until its backward (see the module docstring of estimate)."""
-    total = 0
-    for i, (unit, a) in enumerate(zip(units, acts)):
-        prev_saves_output = i > 0 and units[i - 1].name not in recomputed
-        if unit.name in recomputed:
-            kept = a.inputs.at(mb)  # the checkpoint keeps the unit's inputs alive
-            if i == 0 and not first:
-                kept = 0  # the receive buffer already holds them
-            elif prev_saves_output:
-                kept -= min(kept, acts[i - 1].saved_output.at(mb))
-        else:
-            kept = a.saved.at(mb)
-            if i == 0 and not first:
-                kept -= a.saved_input.at(mb)  # saved input = the receive buffer
-            elif i > 0 and units[i - 1].name in recomputed:
-                kept += acts[i - 1].saved_output.at(mb)  # the input the recomputed unit no longer saves
-        total += kept + a.after.at(mb)
-    return total
+def _unit_bytes(name: str, a: UnitActivations, mb: float) -> recompute.UnitBytes:
+    return recompute.UnitBytes(
+        name, a.saved.at(mb), a.inputs.at(mb), a.saved_input.at(mb), a.saved_output.at(mb), a.after.at(mb)
+    )

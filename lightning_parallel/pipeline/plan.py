@@ -168,23 +168,6 @@ def stage_rank(stage_index: int, pp_size: int, num_stages: int, style: str = "lo
     return pos if lap % 2 == 0 else pp_size - 1 - pos
 
 
-def shard_bytes(shape: Sequence[int], element_size: int, shards: int) -> int:
-    """Bytes of the fullest of ``shards`` FSDP2 shards of a tensor: whole rows of dim 0, rounded up.
-
-    Example::
-
-        >>> shard_bytes((13, 8), 4, 2)   # 7 of the 13 rows
-        224
-    """
-    if not shape:
-        return element_size
-    rows = shape[0]
-    per_row = element_size
-    for d in shape[1:]:
-        per_row *= d
-    return -(-rows // shards) * per_row
-
-
 def describe_layers(names: Sequence[str], types: Sequence[str]) -> str:
     """``"1-3  (Blockx2, Linear)"``: a run of a Sequential's children and their classes."""
     span = names[0] if len(names) == 1 else f"{names[0]}-{names[-1]}"

@@ -21,11 +21,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
-from lightning_parallel.parallelize.compile import OwnInputs, compile_in_place
 from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.stage_shapes import StageShapes
 from lightning_parallel.pipeline.twin import to_meta
 from lightning_parallel.plan.checks import CompileOptions
+from lightning_parallel.techniques.compile import OwnInputs, compile_in_place
 from lightning_parallel.traced.call_binding import CallBinding
 from lightning_parallel.traced.errors import TraceStepFailed, explain, ours, step
 from lightning_parallel.traced.stage_graphs import point_at, unit_calls

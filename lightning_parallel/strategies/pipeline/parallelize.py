@@ -14,10 +14,15 @@ from typing import TYPE_CHECKING
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.parallelize.fsdp import DeferredReduceStage
-from lightning_parallel.parallelize.tensor import TensorPlan, default_plan, traced_plan, user_plan
 from lightning_parallel.pipeline.split import find_sequential
 from lightning_parallel.strategies.pipeline.source_glue import ParallelizeRequest
+from lightning_parallel.techniques.fsdp import DeferredReduceStage
+from lightning_parallel.techniques.tensor_parallel.plan import (
+    TensorPlan,
+    default_plan,
+    traced_plan,
+    user_plan,
+)
 from lightning_parallel.traced.tensor_parallel import style_layouts
 
 if TYPE_CHECKING:

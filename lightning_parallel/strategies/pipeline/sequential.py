@@ -8,7 +8,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
-from lightning_parallel.parallelize.compile import block_type
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan
@@ -28,7 +27,9 @@ from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.call_input import SequentialCapture, captured_input
 from lightning_parallel.strategies.pipeline.plan import measured, stage_plan, units_per_stage
-from lightning_parallel.strategies.pipeline.source_glue import SequentialGlue, UnitNaming
+from lightning_parallel.strategies.pipeline.source_glue import SequentialGlue
+from lightning_parallel.techniques.compile import block_type
+from lightning_parallel.techniques.recompute import UnitNaming
 
 
 def sequential_path(

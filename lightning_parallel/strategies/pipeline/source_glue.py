@@ -9,32 +9,20 @@ runner. The memory options and the parallelize step call it and never ask which 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.parallelize.stages import ParallelizeFn, parallelize_stages
-from lightning_parallel.parallelize.tensor import TensorPlan
-from lightning_parallel.parallelize.tensor_apply import apply_held_styles
 from lightning_parallel.pipeline.split import SequentialStages
 from lightning_parallel.plan.checks import CompileOptions
+from lightning_parallel.techniques.parallelize import ParallelizeFn, parallelize_stages
+from lightning_parallel.techniques.recompute import UnitNaming
+from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan
 from lightning_parallel.traced.fsdp import ShardedTracedStage, shard_traced_stage
 from lightning_parallel.traced.split import TracedStages
-
-
-@dataclass(frozen=True)
-class UnitNaming:
-    """How a stage's units are named: ``prefix`` + the plan's unit (``"layers."`` on the Sequential path).
-
-    ``blocks``: on the traced path, the block list's path (``"h."``): ``True`` recomputes its blocks only,
-    not the embeddings or the head the first and last stages also call (nothing to gain there).
-    """
-
-    prefix: str = ""
-    blocks: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,8 +111,3 @@ class TracedGlue:
 
     def compiled(self, options: CompileOptions) -> str:
         return f"each stage's program is compiled (torch.compile, {options})"
-
-
-def prefixed(naming: UnitNaming, units: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """A source's units named as the plan names them (``naming.prefix`` + the source's name)."""
-    return [(naming.prefix + name, unit) for name, unit in units]

@@ -17,7 +17,6 @@ import torch
 from lightning_parallel.distributed.agree import packed_error, unpacked_error
 from lightning_parallel.distributed.collectives import broadcast_object, recv_object, send_object
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
-from lightning_parallel.parallelize.fsdp import reshard
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.metrics import StageMetrics, replay_step_value
 from lightning_parallel.pipeline.microbatches import StepMicrobatches
@@ -32,6 +31,7 @@ from lightning_parallel.pipeline.step_logs import (
 )
 from lightning_parallel.strategies.pipeline.earlier_gradients import earlier_gradients
 from lightning_parallel.strategies.pipeline.loss_scale import scaled_loss
+from lightning_parallel.techniques.fsdp import reshard
 from lightning_parallel.timeline.recorder import span_of
 
 if TYPE_CHECKING:

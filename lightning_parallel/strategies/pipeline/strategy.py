@@ -36,8 +36,6 @@ from lightning_parallel.distributed.collectives import all_gather_objects, broad
 from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, check_grace
 from lightning_parallel.grads.item_weights import ItemCount, scale_gradients
 from lightning_parallel.grads.reduce import all_reduce_gradients, clip_grad_norm_across
-from lightning_parallel.parallelize.compile import CompileWatch
-from lightning_parallel.parallelize.fsdp import reduce_gradients
 from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh
 from lightning_parallel.pipeline.microbatches import batch_size
 from lightning_parallel.pipeline.plan import StagePlan
@@ -49,10 +47,6 @@ from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pi
 from lightning_parallel.strategies.pipeline.checkpointing import PipelineCheckpointHooks
 from lightning_parallel.strategies.pipeline.items import step_items
 from lightning_parallel.strategies.pipeline.loss_scale import install_loss_scaling
-from lightning_parallel.strategies.pipeline.memory import (
-    install_checkpointing,
-    shard_optimizers,
-)
 from lightning_parallel.strategies.pipeline.options import (
     OLDER_NAMES,
     PLAN_OPTIONS,
@@ -78,6 +72,9 @@ from lightning_parallel.strategies.pipeline.stop import (
     start_rank_guard,
 )
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
+from lightning_parallel.techniques import recompute, zero
+from lightning_parallel.techniques.compile import CompileWatch
+from lightning_parallel.techniques.fsdp import reduce_gradients
 from lightning_parallel.timeline.recorder import Timeline, span_of
 
 
@@ -322,7 +319,10 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
             self.parts = build_pipeline(
                 self.parallel_plan, trainer, self.lightning_module, self.layout, self.root_device, self._mesh
             )
-            install_checkpointing(self.parts, self.parallel_plan.activation_checkpointing)
+            naming = self.parts.glue.naming
+            every_unit = [naming.prefix + u for stage in self.parts.plan.stages for u in stage.units]
+            selection = self.parallel_plan.activation_checkpointing
+            recompute.apply(self.parts.runner.stages, selection, naming, every_unit)
             self.parts.items = step_items(self.lightning_module, self.parts.call, self._item_count)
             schedule, table = self.parallel_plan.schedule, self.parts.plan.format_table()
             rank_zero_info(f"PipelineStrategy stage plan ({schedule}):\n{table}")
@@ -339,7 +339,12 @@ class PipelineStrategy(PipelineCheckpointHooks, DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.parallel_plan.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
-                self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh)
+                schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+                self.optimizers = zero.apply(self.optimizers, schedulers, self.parts.mesh.dp_group)
+                replicas = self.parts.mesh.dp_size
+                rank_zero_info(
+                    f"PipelineStrategy: optimizer state sharded over {replicas} replica(s) per stage"
+                )
             _optimizers_to_device(self.optimizers, self.root_device)
             self._install_global_clipping()
             install_loss_scaling(self.precision_plugin, self.optimizers)  # 16-mixed: one skip decision

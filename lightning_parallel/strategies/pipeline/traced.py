@@ -31,7 +31,8 @@ from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.call_input import example_input
 from lightning_parallel.strategies.pipeline.plan import measured, stage_plan, units_per_stage
-from lightning_parallel.strategies.pipeline.source_glue import TracedGlue, UnitNaming
+from lightning_parallel.strategies.pipeline.source_glue import TracedGlue
+from lightning_parallel.techniques.recompute import UnitNaming
 from lightning_parallel.traced.call_binding import CallBinding, TracedCall, bound_forward
 from lightning_parallel.traced.errors import TraceStepFailed, explain, export_check, ours
 from lightning_parallel.traced.split import (

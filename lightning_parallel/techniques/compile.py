@@ -42,6 +42,13 @@ from torch import nn
 
 from lightning_parallel.plan.checks import CompileOptions
 
+MEMORY_NOTE = (
+    "compiled stages: activations modelled as eager saves them (measured on the eager model); inductor's "
+    "fused kernels usually save fewer, so read the peaks as an estimate from above"
+)
+"""What compiling does to the planner's memory model (its ``memory`` entry point): nothing measured, an
+estimate from above; the planner prints this note under a compiled plan's table."""
+
 
 def block_type(layers: Sequence[nn.Module]) -> type | None:
     """The class of the repeated blocks among ``layers`` (the most frequent class), None if none repeats.

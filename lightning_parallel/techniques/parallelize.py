@@ -16,11 +16,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_parallel.parallelize.compile import compile_in_place
-from lightning_parallel.parallelize.fsdp import shard_stage
-from lightning_parallel.parallelize.tensor import TensorPlan
-from lightning_parallel.parallelize.tensor_apply import apply_plan
 from lightning_parallel.plan.checks import CompileOptions
+from lightning_parallel.techniques.compile import compile_in_place
+from lightning_parallel.techniques.fsdp import shard_stage
+from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module | None]
 
@@ -48,11 +48,12 @@ def parallelize_stages(
         data_parallel: one of :data:`~lightning_parallel.plan.choices.DATA_PARALLEL`; ``"fsdp"``
             shards every stage that the user's function did not already make an FSDP root.
         parallelize_fn: changes the stage module in place and returns it (or None).
-        tensor_plan: the tensor-parallel plan (:mod:`lightning_parallel.parallelize.tensor`), applied
-            on ``device_mesh["tp"]``; ``child_names[i]`` are the module paths of ``modules[i]``'s children.
+        tensor_plan: the tensor-parallel plan (:mod:`~lightning_parallel.techniques.tensor_parallel.plan`),
+            applied on ``device_mesh["tp"]``; ``child_names[i]``: the module paths of ``modules[i]``'s
+            children.
         compile_options: ``torch.compile``'s keywords for the blocks (None: none compiled); each child
             of class ``block_type`` (every child if None) is compiled in place
-            (:mod:`~lightning_parallel.parallelize.compile`).
+            (:mod:`~lightning_parallel.techniques.compile`).
 
     Returns:
         The stage modules that are FSDP roots (their gradients are FSDP's to reduce).

@@ -16,8 +16,8 @@ import copy
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_parallel.parallelize.tensor import default_plan, traced_plan
 from lightning_parallel.pipeline.split import find_sequential
+from lightning_parallel.techniques.tensor_parallel.plan import default_plan, traced_plan
 
 
 def local_model(module: nn.Module, tp_size: int) -> nn.Module:

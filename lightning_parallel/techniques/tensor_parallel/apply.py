@@ -1,4 +1,4 @@
-"""Carrying out a tensor-parallel plan (:mod:`lightning_parallel.parallelize.tensor`) on this rank's modules.
+"""Carrying out a tensor-parallel plan (``plan.py``) on this rank's modules.
 
 ``parallelize_module`` splits the planned Linear layers over the tensor-parallel mesh (scattering each
 split weight from tensor-parallel rank 0); what stays whole is broadcast from that rank too, so the
@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lightning_parallel.distributed.tensors import broadcast_coalesced
-from lightning_parallel.parallelize.tensor import TensorPlan
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan
 
 
 def apply_plan(modules: list[nn.Module], names: list[list[str]], plan: TensorPlan, mesh: DeviceMesh) -> None:

@@ -1,5 +1,8 @@
 """FSDP2 inside pipeline stages: each stage's parameters sharded over its data-parallel ranks (ZeRO-3).
 
+Entry points: :func:`shard_stage` (apply, per stage module) and :func:`memory` (what it does to a
+stage's bytes: the planner's).
+
 As torchtitan does: ``fully_shard`` on each block (a child of the stage that holds parameters), then
 on the stage root, with ``reshard_after_forward=False`` (under a pipeline a stage runs forward once
 per micro-batch: resharding after each would all-gather again for every micro-batch).
@@ -13,14 +16,15 @@ as the all-reduce of plain replicas does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_parallel.parallelize._fsdp_internals import finish_backward
+from lightning_parallel.techniques._fsdp_internals import finish_backward
 
 
 def shard_stage(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = False) -> FSDPModule:
@@ -82,3 +86,55 @@ class DeferredReduceStage(PipelineStage):
             finish_backward(self.submod, reduce=False)
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
+
+
+def shard_rows(rows: int, shards: int) -> int:
+    """Rows of dim 0 on the fullest of ``shards`` FSDP2 shards (FSDP2 pads to equal whole rows).
+
+    Example::
+
+        >>> shard_rows(13, 2)
+        7
+    """
+    return -(-rows // shards)
+
+
+def shard_bytes(shape: Sequence[int], element_size: int, shards: int) -> int:
+    """Bytes of the fullest of ``shards`` FSDP2 shards of a tensor: whole rows of dim 0, rounded up.
+
+    Example::
+
+        >>> shard_bytes((13, 8), 4, 2)   # 7 of the 13 rows
+        224
+    """
+    if not shape:
+        return element_size
+    per_row = element_size
+    for d in shape[1:]:
+        per_row *= d
+    return shard_rows(shape[0], shards) * per_row
+
+
+@dataclass(frozen=True)
+class ShardedBytes:
+    """What FSDP2 does to a stage's parameter bytes on one rank: its shard, and the whole stage gathered.
+
+    Under a pipeline the stage is gathered once per step (``reshard_after_forward=False``) and stays
+    gathered from its first forward to the end of the schedule; its unsharded gradients live until the
+    one reduce-scatter before the optimizer step (so the gradient bytes do not shrink until then).
+    """
+
+    shard: int
+    gathered: int
+
+
+def memory(tensors: Sequence[tuple[int, int]], shards: int) -> ShardedBytes:
+    """The memory effect of sharding tensors given as ``(rows of dim 0, bytes)`` over ``shards`` ranks.
+
+    Example::
+
+        >>> memory([(13, 13 * 8 * 4), (8, 8 * 4)], 2)
+        ShardedBytes(shard=240, gathered=448)
+    """
+    shard = sum(round(nbytes * shard_rows(rows, shards) / rows) for rows, nbytes in tensors)
+    return ShardedBytes(shard, sum(nbytes for _, nbytes in tensors))

@@ -16,7 +16,7 @@ A fused q/k/v projection (one ``qkv`` Linear whose output is ``[q; k; v]``) cann
 column-wise shard (rank 0's rows would hold all of q and part of k): the default plan refuses it; a
 model with one gets split with separate q, k, v layers or with a ``tensor_parallel_plan`` of its own.
 
-This module decides the plans; :mod:`lightning_parallel.parallelize.tensor_apply` carries them out.
+This module decides the plans; :mod:`lightning_parallel.techniques.tensor_parallel.apply` carries them out.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """ZeRO-1 inside the pipeline: a stage's optimizer state sharded over the replicas of that stage.
 
+Entry points: :func:`apply` (the optimizers of this rank's stages, right after they are built) and
+:func:`memory` (the optimizer-state bytes on the fullest replica: the planner's).
+
 Each data-parallel replica of a stage holds the full parameters and (after the gradient
 all-reduce) the full gradients, but torch's ``ZeroRedundancyOptimizer`` keeps the optimizer state
 of only its share of the parameters, steps that share, and broadcasts the updated parameters to
@@ -154,6 +157,37 @@ def shard_owners(group_numels: Sequence[Sequence[int]], world_size: int) -> list
             sizes[rank] += int(numels[i])
         owners.append(group_owners)
     return owners
+
+
+def apply(
+    optimizers: list[torch.optim.Optimizer], schedulers: Iterable[Any], group: dist.ProcessGroup | None
+) -> list[torch.optim.Optimizer]:
+    """Each optimizer as a ZeroRedundancyOptimizer over this stage's replicas ``group`` (right after
+    creation); the LR ``schedulers`` follow the new optimizers. One replica: the optimizers unchanged.
+
+    Example::
+
+        optimizers = zero.apply(optimizers, [c.scheduler for c in scheduler_configs], mesh.dp_group)
+    """
+    schedulers = list(schedulers)
+    return [shard_optimizer_state(o, group, schedulers) for o in optimizers]
+
+
+def memory(groups: Sequence[Sequence[tuple[int, int]]], replicas: int) -> int:
+    """Optimizer-state bytes on the fullest of ``replicas``, each parameter given as ``(numel, state
+    bytes)`` per param group, its state owned by the replica torch's rule gives it (:func:`shard_owners`).
+
+    Example::
+
+        >>> memory([[(1024, 8192), (64, 512), (32, 256)]], 2)   # the large tensor alone on replica 0
+        8192
+    """
+    per_replica = [0] * replicas
+    owners = shard_owners([[numel for numel, _ in group] for group in groups], replicas)
+    for group, group_owners in zip(groups, owners):
+        for (_, state), owner in zip(group, group_owners):
+            per_replica[owner] += state
+    return max(per_replica)
 
 
 def _retarget_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

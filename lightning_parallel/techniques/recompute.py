@@ -1,0 +1,256 @@
+"""Activation checkpointing of a stage's units: recompute each selected unit's forward in backward.
+
+Entry points: :func:`apply` (this rank's stages, now or as each is prepared) and :func:`memory` (what a
+stage keeps per micro-batch with the selected units recomputed: the planner's).
+
+A *unit* is a named submodule a stage calls: a layer of the split ``nn.Sequential`` (``"layers.3"``)
+or a block the traced stage graph calls (``"h.2"``). Wrapping replaces the unit's ``forward`` on
+the instance only, so parameter names, ``state_dict`` keys and hooks are untouched, and
+:func:`remove_activation_checkpointing` restores it. Recomputation uses torch's non-reentrant
+``torch.utils.checkpoint`` (it works with ``torch.autograd.grad``, which the pipeline stages call,
+and restores the RNG state, so dropout draws the same mask twice).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_parallel.plan.checks import Selection, check_selection
+
+Units = Sequence[tuple[str, nn.Module]]
+
+# Marks a wrapped forward; its value is the forward the unit had before.
+_ORIGINAL = "_lightning_parallel_original_forward"
+
+
+def select_units(units: Units, select: Selection) -> list[str]:
+    """The names of the units ``select`` chooses, in the order of ``units``.
+
+    Args:
+        units: ``(name, module)`` pairs, e.g. a stage's layers.
+        select: ``True`` (all), ``False`` (none), a callable ``(name, module) -> bool``, or a list of
+            unit names.
+
+    Raises:
+        ValueError: a listed name matches no unit (the message names the unknown and the available ones).
+        TypeError: ``select`` is none of the above.
+
+    Example::
+
+        >>> layers = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> select_units(list(layers.named_children()), ["0"])
+        ['0']
+    """
+    check_selection(select)
+    names = [name for name, _ in units]
+    if isinstance(select, bool):
+        return list(names) if select else []
+    if callable(select):
+        return [name for name, module in units if select(name, module)]
+    unknown = [n for n in select if n not in names]
+    if unknown:
+        raise ValueError(
+            f"activation_checkpointing names units that do not exist: {unknown}; the units are {names}"
+        )
+    chosen = set(select)
+    return [name for name in names if name in chosen]
+
+
+def apply_activation_checkpointing(units: Units, select: Selection = True) -> list[str]:
+    """Recompute the forward of each selected unit in backward instead of keeping its activations.
+
+    Only the unit's inputs are saved; the activations inside it are recomputed when backward
+    reaches it. Losses and gradients are those of the unwrapped module. Applying twice is a no-op
+    for units already wrapped.
+
+    Args:
+        units: ``(name, module)`` pairs the caller owns (a stage's layers or blocks).
+        select: which units: see :func:`select_units`.
+
+    Returns:
+        The names of the units wrapped (including those already wrapped), in unit order.
+
+    Raises:
+        ValueError: ``select`` lists a name that is not a unit.
+
+    Example::
+
+        blocks = [(f"h.{i}", block) for i, block in enumerate(model.h)]
+        apply_activation_checkpointing(blocks, ["h.1", "h.2"])   # -> ["h.1", "h.2"]
+        remove_activation_checkpointing(blocks)
+    """
+    chosen = select_units(units, select)
+    modules = dict(units)
+    for name in chosen:
+        _wrap(modules[name])
+    return chosen
+
+
+def remove_activation_checkpointing(units: Units) -> list[str]:
+    """Restore the original forward of every wrapped unit; returns the names restored.
+
+    Example::
+
+        remove_activation_checkpointing(list(stage.named_children()))
+    """
+    restored = []
+    for name, module in units:
+        if is_checkpointed(module):
+            original = module.__dict__.pop(_ORIGINAL)
+            if original is None:
+                del module.forward  # the class's forward shows through again
+            else:
+                module.forward = original
+            restored.append(name)
+    return restored
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`apply_activation_checkpointing` wrapped this module's forward.
+
+    Example::
+
+        assert is_checkpointed(model.h[1])
+    """
+    return _ORIGINAL in module.__dict__
+
+
+def _wrap(module: nn.Module) -> None:
+    if is_checkpointed(module):
+        return
+    # An instance-level forward (set by the user or another wrapper) is kept and restored as is.
+    module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
+    # A bound method, not a closure: a deep copy of the module then recomputes its own forward.
+    module.forward = types.MethodType(_recomputed_forward, module)
+
+
+def _recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = self.__dict__[_ORIGINAL]
+    forward = original if original is not None else functools.partial(type(self).forward, self)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@dataclass(frozen=True)
+class UnitNaming:
+    """How a source names its units in the plan: ``prefix`` + the unit (``"layers."`` on the Sequential
+    path). ``blocks``: the block list's path (``"h."``) where ``True`` recomputes the blocks only, not the
+    embeddings or the head the first and last stages also call (nothing to gain there)."""
+
+    prefix: str = ""
+    blocks: str | None = None
+
+    def named(self, units: Units) -> list[tuple[str, nn.Module]]:
+        """``units`` named as the plan names them."""
+        return [(self.prefix + name, unit) for name, unit in units]
+
+    def local(self, select: Selection, units: Units) -> Selection:
+        """The part of ``select`` that names ``units`` (already named), ``True`` narrowed to the blocks."""
+        if select is True and self.blocks:
+            return [n for n, _ in units if n.startswith(self.blocks)]
+        if isinstance(select, bool) or callable(select):
+            return select
+        here = {n for n, _ in units}
+        return [n for n in select if n in here]
+
+
+def apply(stages: Any, select: Selection, naming: UnitNaming, every_unit: Sequence[str]) -> None:
+    """Recompute the selected units of this rank's stages (a ``StageSource``: now, or as each stage is
+    prepared). ``every_unit``: the names of every stage's units, so an unknown name raises the same
+    error on every rank (the plan is the same everywhere).
+
+    Example::
+
+        recompute.apply(runner.stages, ["h.1"], UnitNaming(blocks="h."), ["h.0", "h.1", "lm_head"])
+    """
+    if select is False:
+        return
+    if not callable(select) and not isinstance(select, bool):
+        unknown = [n for n in select if n not in every_unit]
+        if unknown:
+            raise ValueError(
+                f"activation_checkpointing names units that do not exist: {unknown}; the units are "
+                f"{list(every_unit)}"
+            )
+
+    def wrap(units: Units) -> None:
+        named = naming.named(units)
+        apply_activation_checkpointing(named, naming.local(select, named))
+
+    stages.recompute(wrap)
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """One unit's bytes for one micro-batch, as the planner measured them (see ``memory/probe.py``)."""
+
+    name: str
+    saved: int  # saved for backward
+    inputs: int
+    saved_input: int  # of ``saved``: the unit's own inputs
+    saved_output: int  # of ``saved``: the unit's own outputs
+    after: int  # what the code after the unit saves (a residual add): never recomputed
+
+
+@dataclass(frozen=True)
+class RecomputedBytes:
+    """What recomputation does to a stage: bytes kept per micro-batch in flight, and the extra peak of
+    recomputing its largest recomputed unit during backward (one unit at a time)."""
+
+    kept: int
+    peak: int
+    recomputed_saves: int  # what the recomputed units saved: their forward runs twice (the time model's)
+
+
+def memory(units: Sequence[UnitBytes], recomputed: set[str], first: bool) -> RecomputedBytes:
+    """What a stage keeps per micro-batch until its backward, with the ``recomputed`` units checkpointed.
+
+    A recomputed unit keeps only its inputs (none on a later stage's first unit: the receive buffer holds
+    them; not twice where the unit before saved its output); the unit after a recomputed one saves the
+    input that unit no longer saves. ``first``: the first stage (its input is no receive buffer).
+
+    Example::
+
+        >>> unit = UnitBytes("h.0", saved=100, inputs=10, saved_input=10, saved_output=0, after=0)
+        >>> memory([unit], set(), first=True).kept, memory([unit], {"h.0"}, first=True).kept
+        (100, 10)
+    """
+    total = 0
+    for i, unit in enumerate(units):
+        before = units[i - 1] if i > 0 else None
+        if unit.name in recomputed:
+            kept = unit.inputs  # the checkpoint keeps the unit's inputs alive
+            if i == 0 and not first:
+                kept = 0  # the receive buffer already holds them
+            elif before is not None and before.name not in recomputed:
+                kept -= min(kept, before.saved_output)
+        else:
+            kept = unit.saved
+            if i == 0 and not first:
+                kept -= unit.saved_input  # saved input = the receive buffer
+            elif before is not None and before.name in recomputed:
+                kept += before.saved_output  # the input the recomputed unit no longer saves
+        total += kept + unit.after
+    saves = [u.saved for u in units if u.name in recomputed]
+    return RecomputedBytes(total, max(saves, default=0), sum(saves))
+
+
+def selected(units: Units, blocks: Units, select: Selection) -> list[str]:
+    """The units ``select`` recomputes: ``True`` means the ``blocks`` (a GPT's, not its embeddings or
+    head), else as :func:`select_units` chooses among ``units``.
+
+    Example::
+
+        >>> layers = list(nn.Sequential(nn.Linear(2, 2), nn.ReLU()).named_children())
+        >>> selected(layers, layers, True)
+        ['0', '1']
+    """
+    if isinstance(select, tuple):
+        select = list(select)
+    return select_units(blocks if select is True else units, select)
