@@ -45,8 +45,8 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format .
 
 # Every benchmark with its defaults (meant to stay under 25 minutes on 2 quiet cores, bench_compile's
-# inductor builds included; the README states how long the last full run took), then the README's
-# results block rebuilt from experiments/results/.
+# inductor builds included; docs/results.md states how long the last full run took), then the results
+# block of docs/results.md rebuilt from experiments/results/.
 experiments: $(VENV)/.installed
 	$(PY) experiments/run_all.py
 

@@ -9,7 +9,7 @@ the processes :func:`spawn` starts. Nothing here runs at import time beyond defi
 **The method (issue 16).** A timing is never one run against another run. Variants run interleaved
 inside one invocation (``A B, B A, ...``, at least :data:`MIN_REPEATS` of each): :func:`interleave`.
 :func:`compare` reports the median of the per-repeat ratios against a baseline with their min-max range,
-beside the absolute medians; :func:`verdict` words it for the README ("within noise" when the range
+beside the absolute medians; :func:`verdict` words it for docs/results.md ("within noise" when the range
 crosses parity or the goal).
 
 **A new benchmark in ~20 lines** (say ``experiments/bench_watchdog.py``)::
@@ -129,7 +129,7 @@ def parser(doc: str | None, repeats: int | None = MIN_REPEATS) -> argparse.Argum
             "--repeats",
             type=_positive,
             default=repeats,
-            help=f"interleaved repeats of each variant (default {repeats}; the README needs {MIN_REPEATS}+)",
+            help=f"interleaved repeats of each variant (default {repeats}; the results need {MIN_REPEATS}+)",
         )
     return p
 

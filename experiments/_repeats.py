@@ -1,5 +1,5 @@
 """The method of every timing in ``experiments/``: interleaved repeats, medians, min-max ranges, and
-the README's wording of a ratio. Pure Python; scripts reach it through ``_harness`` (``h.interleave``).
+docs/results.md's wording of a ratio. Pure Python; scripts reach it through ``_harness`` (``h.interleave``).
 
 On a shared machine a timing moves by more than most effects measured, so a benchmark never compares
 two separate runs. It runs its variants interleaved inside one invocation (``A B, B A, A B, ...``; with
@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 MIN_REPEATS = 5
-"""The fewest interleaved repeats of each variant behind a timing shown in the README."""
+"""The fewest interleaved repeats of each variant behind a timing shown in docs/results.md."""
 
 Row = dict[str, Any]
 
@@ -144,7 +144,7 @@ def verdict(
     higher_is_better: bool = True,
     words: tuple[str, str] = ("better", "worse"),
 ) -> str:
-    """How the README words a ratio measured over repeats, from its min-max range ``[lo, hi]``.
+    """How docs/results.md words a ratio measured over repeats, from its min-max range ``[lo, hi]``.
 
     A range that includes parity (1) or the goal is "within noise": the repeats do not decide it.
     Otherwise the ratio meets or misses the goal, or (no goal) is better or worse than the baseline,

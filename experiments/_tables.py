@@ -1,4 +1,4 @@
-"""The README's results tables: one function per CSV in ``experiments/results/``, named after it
+"""The results tables of docs/results.md: one function per CSV in ``experiments/results/``, named after it
 (``metric_sync()`` reads ``metric_sync.csv``), and :data:`QUESTIONS`, which groups them under a title.
 
 A table shows CSV values, or medians / minima / maxima / counts of a CSV column, or byte counts in MiB:
@@ -358,7 +358,7 @@ def memory_validation(rows: Rows) -> str:
 
 @dataclass(frozen=True)
 class Question:
-    """One README subsection: its experiment and its tables, one builder per CSV, named after the CSV.
+    """One section of docs/results.md: its experiment and its tables, one builder per CSV, named after it.
 
     The plot of a CSV, when there is one, is the PNG of the same name.
     """
@@ -560,8 +560,8 @@ def schedules(rows: Rows) -> str:
         f"broadcast) are: P2P waits {_f(f1b['wait_share'], 3)}, the loss function "
         f"{_f(f1b['loss_share'], 3)}, the log broadcast and gradient sync {_f(f1b['collective_share'], 3)}, "
         f"the optimizer step {_f(f1b['optimizer_share'], 3)}, P2P posts {_f(f1b['comm_share'], 3)} and "
-        f"untracked time {_f(f1b['untracked_share'], 3)}. The shares are medians over recorded steps; see "
-        '"Where the time goes: PipelineTimeline" above.'
+        f"untracked time {_f(f1b['untracked_share'], 3)}. The shares are medians over recorded steps; how "
+        "to read them: [Where the time goes: PipelineTimeline](timeline.md)."
     )
     return _table(header, body) + note
 

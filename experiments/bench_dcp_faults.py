@@ -16,7 +16,7 @@ Both parts run PipelineStrategy's DCP directories (``save_distributed_checkpoint
 
     python experiments/bench_dcp_faults.py             # 3 kills per mode and victim (about 9 min on 2
                                                        # cores; what `make experiments` runs)
-    python experiments/bench_dcp_faults.py --kills 10  # the README's campaign: 84 short Trainer runs,
+    python experiments/bench_dcp_faults.py --kills 10  # docs/results.md's campaign: 84 short Trainer runs,
                                                        # 27 min on this project's shared 2 cores
     python experiments/bench_dcp_faults.py --quick    # small state, few kills
 """

@@ -1,6 +1,6 @@
 """The guide's 8-GPU layout, run for real on 8 CPU processes: 2 pipeline stages x 4 FSDP2 shards.
 
-Exactly the README's example (``accelerator="cpu"`` in place of ``"gpu"``)::
+Exactly docs/pipeline.md's example (``accelerator="cpu"`` in place of ``"gpu"``)::
 
     Trainer(devices=8, strategy=PipelineStrategy(pipeline_size=2, data_parallel="fsdp"))
 

@@ -1,7 +1,7 @@
 """The experiments' harness and scripts, at their smallest: the logic, never a real benchmark.
 
 - The method of every timing (``experiments/_repeats.py``): interleaving order, samples, per-repeat
-  ratios, medians and ranges, and the README's wording ("within noise").
+  ratios, medians and ranges, and docs/results.md's wording ("within noise").
 - The harness (``experiments/_harness.py``): CSV and PNG writing, the machine record, spawn-and-collect
   (plain collectives and a Lightning fit on 2 processes, every rank's result back through files).
 - The scripts' row building from synthetic samples, ``train_charlm.py``'s JSON summary, and the two

@@ -5,8 +5,8 @@ checkpoint group: the code Rank0Checkpoint runs for PipelineStrategy(save_distri
 until the test kills one of them or both. After every kill: every directory listed is complete, the one
 ``ckpt_path="last"`` would take is the newest complete one and holds exactly that step's state, at
 most the save in flight was lost, and the next start removes what the kill left. The ranks are forked
-from the suite's forkserver: a kill costs a fraction of a second. ``experiments/bench_checkpoint_kills.py``
-runs the campaign with real Trainers (and resumes them) for the README.
+from the suite's forkserver: a kill costs a fraction of a second. ``experiments/bench_dcp_faults.py``
+runs the campaign with real Trainers (and resumes them) for docs/results.md.
 """
 
 import os

@@ -141,22 +141,22 @@ def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys)
               "--tensor-parallel-sizes", "two"])  # fmt: skip
 
 
-def _readme_planner_section() -> tuple[list[str], str, re.Match[str]]:
-    """The README's "Will it fit?" command (as argv), the table it quotes, and its sentence on a budget."""
-    section = (ROOT / "README.md").read_text().split("## Will it fit?", 1)[1]
+def _planner_page() -> tuple[list[str], str, re.Match[str]]:
+    """docs/planner.md's command (as argv), the table it quotes, and its sentence on a smaller budget."""
+    section = (ROOT / "docs" / "planner.md").read_text().split("# Will it fit?", 1)[1]
     command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
     argv = command.split()
     assert argv[:3] == ["python", "-m", "lightning_parallel.memory"], command
     table = re.search(r"```text\n(.*?)```", section, re.S).group(1)
     answer = re.search(r"With `--memory (\S+)` the same command answers `([^`]+)` \(([\d.]+ \w+)\)", section)
-    assert answer, "the README's sentence on a smaller budget has changed form: update this test with it"
+    assert answer, "docs/planner.md's sentence on a smaller budget has changed form: update this test with it"
     return argv[3:], table, answer
 
 
-def test_the_readme_quotes_what_the_planner_prints(capsys, monkeypatch):
-    # The README's table and its "With --memory X the same command answers Y (Z)" are the command's own
-    # output; regenerate them with that command when the planner or CharLM changes.
-    argv, table, answer = _readme_planner_section()
+def test_the_planner_page_quotes_what_the_planner_prints(capsys, monkeypatch):
+    # docs/planner.md's table and its "With --memory X the same command answers Y (Z)" are the command's
+    # own output; regenerate them with that command when the planner or CharLM changes.
+    argv, table, answer = _planner_page()
     monkeypatch.chdir(ROOT)
     assert main(argv) == 0
     assert capsys.readouterr().out == table

@@ -1,8 +1,8 @@
 """Lightning's everyday idioms under PipelineStrategy (2 stages x 2 replicas), against one device.
 
-Each works, or is refused at setup with the fix; the README's table lists them. One spawned job of 4
-gloo ranks runs every Trainer (each rank starts its own, as under torchrun); the one-device references
-run in the test process.
+Each works, or is refused at setup with the fix; docs/pipeline.md's idioms table lists them. One spawned
+job of 4 gloo ranks runs every Trainer (each rank starts its own, as under torchrun); the one-device
+references run in the test process.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""experiments/run_all.py: the README results block is rebuilt from the CSVs, and only that block.
+"""experiments/run_all.py: the results block of docs/results.md is rebuilt from the CSVs, and only that block.
 
 No benchmark runs here: the tables are built from the committed CSVs in experiments/results/ (copied to a
 temporary directory, so the test never writes into the repository), and the run loop is exercised with
@@ -35,15 +35,15 @@ def run_all():
         yield importlib.import_module("run_all")
 
 
-README_STUB = "# Project\n\nIntro text.\n\n## Results\n\n{start}\nstale\n{end}\n\n## After\n\nMore text.\n"
+PAGE_STUB = "# Results\n\nIntro text.\n\n{start}\nstale\n{end}\n\n## After\n\nMore text.\n"
 
 
-def _readme_with_markers(run_all, tmp_path: Path) -> Path:
-    """A copy of the real README, with the markers added at the end if it has none yet."""
-    text = (ROOT / "README.md").read_text()
-    if run_all.START not in text:
-        text += f"\n## Results\n\n{run_all.START}\n{run_all.END}\n"
-    path = tmp_path / "README.md"
+def _page_with_markers(run_all, tmp_path: Path) -> Path:
+    """A copy of the real docs/results.md (where run_all.py writes), with the markers it must hold."""
+    assert run_all.PAGE == ROOT / "docs" / "results.md"
+    text = run_all.PAGE.read_text()
+    assert text.count(run_all.START) == 1 and text.count(run_all.END) == 1, "docs/results.md lost its markers"
+    path = tmp_path / "results.md"
     path.write_text(text)
     return path
 
@@ -155,16 +155,16 @@ def _unexplained_numbers(block: str, results: Path) -> list[str]:
 
 
 def test_skip_run_rewrites_only_the_block(run_all, tmp_path):
-    readme, results = _readme_with_markers(run_all, tmp_path), _results_copy(tmp_path)
-    before = readme.read_text()
+    page, results = _page_with_markers(run_all, tmp_path), _results_copy(tmp_path)
+    before = page.read_text()
     cmd = [sys.executable, str(ROOT / "experiments" / "run_all.py"), "--skip-run"]
-    cmd += ["--readme", str(readme), "--results", str(results)]
+    cmd += ["--page", str(page), "--results", str(results)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-    after = readme.read_text()
+    after = page.read_text()
     assert _outside(after) == _outside(before)
     block = _block(after)
     for q in run_all.QUESTIONS:
-        assert f"### {q.title}" in block
+        assert f"\n## {q.title}\n" in block
     for name in (p.stem for p in RESULTS.glob("*.csv") if p.stem != "scaling_charlm_curves"):
         if (RESULTS / f"{name}.png").exists():
             assert f"(results/{name}.png)" in block, name
@@ -174,7 +174,7 @@ def test_skip_run_rewrites_only_the_block(run_all, tmp_path):
     assert "_Ran on " in block and (common in block if common else all(r in block for r in ran.values()))
     # Rebuilding again changes nothing.
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-    assert readme.read_text() == after
+    assert page.read_text() == after
 
 
 def test_every_number_in_the_block_comes_from_a_csv(run_all, tmp_path):
@@ -328,7 +328,7 @@ def test_missing_csv_and_missing_markers(run_all, tmp_path):
         run_all.replace_block("# no markers here\n", "x")
     with pytest.raises(ValueError, match="exactly one"):
         run_all.replace_block(f"{run_all.END}\n{run_all.START}\n", "x")
-    text = README_STUB.format(start=run_all.START, end=run_all.END)
+    text = PAGE_STUB.format(start=run_all.START, end=run_all.END)
     assert run_all.replace_block(text, "NEW") == text.replace("stale", "NEW")
 
 
@@ -350,27 +350,27 @@ def test_runs_stream_in_order_and_the_first_failure_stops_everything(run_all, tm
     monkeypatch.setattr(run_all, "HERE", scripts)
     monkeypatch.setattr(run_all, "RESULTS", results)
     monkeypatch.setattr(run_all, "EXPERIMENTS", {"ok": "ok.py", "bad": "bad.py", "never": "never.py"})
-    readme = tmp_path / "README.md"
-    readme.write_text(README_STUB.format(start=run_all.START, end=run_all.END))
-    before = readme.read_text()
+    page = tmp_path / "results.md"
+    page.write_text(PAGE_STUB.format(start=run_all.START, end=run_all.END))
+    before = page.read_text()
     with pytest.raises(SystemExit, match=r"bad.py failed with exit code 3 .*--only bad"):
-        run_all.main(["--readme", str(readme)])
+        run_all.main(["--page", str(page)])
     out = capfd.readouterr().out
     assert "ok ran" in out and "bad ran" in out and "never ran" not in out
-    assert readme.read_text() == before
+    assert page.read_text() == before
     assert [r["experiment"] for r in _read(results / "run_all.csv")] == ["ok"]
     # --only runs just that one, records its time (no total: not a full run), rewrites the block.
-    run_all.main(["--only", "never", "--readme", str(readme)])
+    run_all.main(["--only", "never", "--page", str(page)])
     assert "never ran" in capfd.readouterr().out
-    assert "stale" not in readme.read_text()
+    assert "stale" not in page.read_text()
     times = _read(results / "run_all.csv")
     assert [r["experiment"] for r in times] == ["ok", "never"]
     assert all(float(r["wall_s"]) >= 0 and r["load_avg_1min"] for r in times)
-    assert "`make experiments` took" not in readme.read_text()
+    assert "`make experiments` took" not in page.read_text()
     # Markers are checked before anything runs.
-    readme.write_text("# no markers\n")
-    with pytest.raises(SystemExit, match=r"README\.md: the README needs exactly one"):
-        run_all.main(["--only", "ok", "--readme", str(readme)])
+    page.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match=r"results\.md: the page needs exactly one"):
+        run_all.main(["--only", "ok", "--page", str(page)])
     assert "ok ran" not in capfd.readouterr().out
 
 
@@ -382,14 +382,14 @@ def test_a_full_run_records_and_states_its_total_time(run_all, tmp_path, monkeyp
     monkeypatch.setattr(run_all, "HERE", scripts)
     monkeypatch.setattr(run_all, "RESULTS", results)
     monkeypatch.setattr(run_all, "EXPERIMENTS", {"ok": "ok.py"})
-    readme = tmp_path / "README.md"
-    readme.write_text(README_STUB.format(start=START, end=END))
-    run_all.main(["--readme", str(readme)])
+    page = tmp_path / "results.md"
+    page.write_text(PAGE_STUB.format(start=START, end=END))
+    run_all.main(["--page", str(page)])
     times = {r["experiment"]: r for r in _read(results / "run_all.csv")}
     assert list(times) == ["ok", run_all.ALL]
     assert float(times[run_all.ALL]["wall_s"]) >= float(times["ok"]["wall_s"]) >= 0
     total = times[run_all.ALL]
-    assert f"`make experiments` took {total['wall_min']} min in all on {total['date']}" in readme.read_text()
+    assert f"`make experiments` took {total['wall_min']} min in all on {total['date']}" in page.read_text()
 
 
 # ------------------------------------------------------------------ every timing with its range
