@@ -92,6 +92,8 @@ def checked_compile_options(value: Any) -> CompileOptions | None:
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 
 
+# torch workaround: https://github.com/pytorch/pytorch/issues/161904
+#   canary: test_torch_split_backward_schedules_take_compiled_stages
 def check_schedule(options: CompileOptions | None, schedule: str) -> None:
     """Refuse compiled stages under a schedule that splits each backward (see the module's docstring).
 
@@ -175,6 +177,8 @@ def compile_in_place(
     return done
 
 
+# torch workaround: no upstream issue found
+#   canary: test_dynamo_compiles_once_for_micro_batches_sliced_from_batches_of_several_sizes
 class OwnInputs(nn.Module):
     """Runs ``module`` on inputs that are not views: a view's base is copied out first.
 

@@ -151,6 +151,8 @@ def _check_tensor_parallel(size: Any, plan: Any, data_parallel: str) -> None:
                 "tensor_parallel_plan splits layers over tensor-parallel ranks, but tensor_parallel_size=1: "
                 "pass tensor_parallel_size > 1, or drop tensor_parallel_plan"
             )
+    # torch workaround: no upstream issue found
+    #   canary: test_zero_redundancy_optimizer_steps_dtensor_parameters
     if size > 1 and data_parallel == "zero1":
         raise ValueError(
             f"tensor_parallel_size={size} with data_parallel='zero1' is not supported: torch's "

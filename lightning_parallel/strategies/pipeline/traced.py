@@ -70,6 +70,8 @@ def traced_path(
         if mesh.pp_size == 1 and config.stages_per_rank > 1:
             # Adjacent stages on one rank: torch 2.13 trains them, but its evaluation step fails there
             # ("can't steal_bwd_input if this stage doesn't have backward").
+            # torch workaround: no upstream issue found
+            #   canary: test_torch_runs_a_forward_only_step_of_adjacent_stages_on_one_rank
             raise ValueError(
                 f"stages_per_rank={config.stages_per_rank} on one pipeline rank is not supported for a "
                 f"traced forward: use pipeline_size >= 2 to interleave, or stages_per_rank=1"
