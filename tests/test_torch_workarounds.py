@@ -24,12 +24,12 @@ Worked around or relied on, without a canary, and why:
   without an active exception"); a fault that rare cannot make a canary fail on demand.
 * ``runner.py``: GPipe for 1F1B with fewer micro-batches than stages, ZBV for DualPipeV, ``scale_grads=
   False``: torch's stated requirements and a choice of ours (the loss is scaled instead), not faults.
-* torch's private names used on purpose, each in one place whose test fails loudly if it moves
-  (``_torch_hooks.py``, ``_v_forward.py``'s runtime, ``mesh.py``'s ``_flatten``, ``torch.utils._pytree``,
-  ``_fsdp_internals.py``, ``memory/schedule.py``'s stand-in stages, ``_CustomReducer``,
-  ``Pipe._from_traced``, ``InterpreterModule._run_with_interpreter`` (speed), ``GradScaler``'s per-optimizer
-  state, ``zero.py``'s scheduler retargeting, ``CompileWatch``'s reading of dynamo's log): no public API,
-  not a fault.
+* torch's private names used on purpose where torch has no public one; where one moves, the code or a
+  test fails loudly (``_torch_hooks.py``, ``_v_forward.py``'s runtime, ``mesh.py``'s ``_flatten``,
+  ``torch.utils._pytree``, ``_fsdp_internals.py``, ``memory/schedule.py``'s stand-in stages,
+  ``_CustomReducer``, ``Pipe._from_traced``, ``InterpreterModule._run_with_interpreter`` (speed),
+  ``GradScaler``'s per-optimizer state, ``zero.py``'s scheduler retargeting, ``CompileWatch``'s reading of
+  dynamo's log): not faults.
 * Designs, not workarounds: dynamic sizes in traced stages (``symbolic_sizes.py``: ``pipeline()`` exports
   static shapes only, by design), manual ``PipelineStage`` for traced stages, ``distributed.py``'s own
   optimizer-state layout (tied weights' canonical names), ``grads/reduce.py``'s handling of ``_StridedShard``.
