@@ -46,6 +46,8 @@ def trace_device(device: torch.device | str | None) -> torch.device:
     return torch.device(device.type, runtime.current_device() if available else 0)
 
 
+# torch workaround: https://github.com/pytorch/pytorch/issues/122109
+#   canary: test_autograd_records_on_fake_tensors_of_a_device_this_build_lacks
 def tracks_gradients(device: torch.device) -> bool:
     """Whether autograd can record on fake tensors of ``device`` in this process (see the module doc)."""
     if device.type in ("cpu", "meta"):

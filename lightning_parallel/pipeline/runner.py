@@ -1,8 +1,9 @@
 """Drive torch.distributed.pipelining: one PipelineStage set and schedule per input shape, cached.
 
 A schedule fixes its activation shapes at its first step (torch 2.13: a later batch of another size
-fails and takes the peer rank down), so each distinct batch shape, micro-batch count and mode
-(train / forward-only) gets its own stages and schedule, built on first use on every rank alike.
+fails and takes the peer rank down, pytorch#159942), so each distinct batch shape, micro-batch count and
+mode (train / forward-only) gets its own stages and schedule, built on first use on every rank alike
+(:meth:`PipelineRunner._schedule`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class PipelineRunner:
         # once on a dummy output of micro-batch 0, before the real micro-batches: that call must not
         # reach the user's training_step (it would log or update metrics with garbage). Stages given
         # their shapes (static mode: traced stages, Sequential stages sized on fake tensors) make none.
+        # torch workaround: no upstream issue found
+        #   canary: test_torch_schedules_call_loss_fn_once_per_micro_batch_when_they_infer_shapes
         self._metadata_call_pending = self.has_last and new and not self.stages.shapes_given
         target = torch.arange(num_microbatches) if self.has_last else None
         self._loss_fn, self._seen = loss_fn, []
@@ -120,6 +123,8 @@ class PipelineRunner:
         self._seen.append(int(index.item()))
         return self._loss_fn(output, self._seen[-1])
 
+    # torch workaround: https://github.com/pytorch/pytorch/issues/159942
+    #   canary: test_torch_schedules_take_a_batch_of_another_shape_after_their_first
     def _schedule(self, key: Hashable, num_microbatches: int, args: Any, train: bool) -> Any:
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -142,7 +147,10 @@ class PipelineRunner:
             # DualPipeV needs a micro-batch per stage; a short batch runs ZBV on the same V placement.
             cls = ScheduleZBVZeroBubble
         if not train and cls in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
-            cls = VForwardOnly  # torch's V schedules always run their backward actions
+            # torch's V schedules always run their backward actions.
+            # torch workaround: no upstream issue found
+            #   canary: test_torch_runs_a_forward_only_step_of_adjacent_stages_on_one_rank
+            cls = VForwardOnly
         target = stages if is_multi_stage(cls) else stages[0]
         # scale_grads=False: the loss is scaled instead (see the strategy); torch's default divides
         # every .grad by m after each step, which breaks gradient accumulation across steps.

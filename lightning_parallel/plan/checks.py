@@ -134,6 +134,8 @@ def check_tensor_parallel(size: Any, plan: Any, data_parallel: str) -> None:
                 "tensor_parallel_plan splits layers over tensor-parallel ranks, but tensor_parallel_size=1: "
                 "pass tensor_parallel_size > 1, or drop tensor_parallel_plan"
             )
+    # torch workaround: no upstream issue found
+    #   canary: test_zero_redundancy_optimizer_steps_dtensor_parameters
     if size > 1 and data_parallel == "zero1":
         raise ValueError(
             f"tensor_parallel_size={size} with data_parallel='zero1' is not supported: torch's "
@@ -190,6 +192,8 @@ def check_compile(options: CompileOptions | None, schedule: str, tensor_parallel
     """
     if options is None:
         return
+    # torch workaround: https://github.com/pytorch/pytorch/issues/161904
+    #   canary: test_torch_split_backward_schedules_take_compiled_stages
     if schedule in SPLIT_BACKWARD_SCHEDULES:
         raise ValueError(
             f"compile with schedule={schedule!r} is not supported: that schedule splits each backward "

@@ -126,10 +126,14 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
             if isinstance(self._strategy.accelerator, CPUAccelerator):
                 # torch.multiprocessing hands a worker the model's CPU tensors in shared memory: every
                 # rank would train the same weights. Lightning copies them for spawn workers only.
+                # Lightning workaround: no upstream issue found
+                #   canary: test_lightning_gives_a_forkserver_worker_what_it_gives_a_spawn_worker
                 args, kwargs = _disable_module_memory_sharing((args, kwargs))
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
         # Only on success: after an exception the launcher ends every rank anyway, and a destroy
         # with collectives still pending could block.
+        # Lightning workaround: https://github.com/Lightning-AI/pytorch-lightning/pull/8080
+        #   canary: test_lightning_spawn_worker_destroys_its_process_group
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # no rank tears down while a peer still talks to it
             dist.destroy_process_group()
@@ -146,6 +150,8 @@ def _flush() -> None:
     sys.stderr.flush()
 
 
+# Lightning workaround: no upstream issue found
+#   canary: test_lightning_gives_a_forkserver_worker_what_it_gives_a_spawn_worker
 def forkserver_parent_state(strategy: Any) -> tuple[_GlobalStateSnapshot, dict[str, str]]:
     """What a forkserver worker needs from the main process, and the imports its server preloads.
 

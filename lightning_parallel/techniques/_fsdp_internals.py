@@ -13,6 +13,8 @@ from __future__ import annotations
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
+# torch workaround: https://github.com/pytorch/pytorch/pull/196641
+#   canary: test_torch_schedules_keep_an_fsdp_module_s_gradient_sync_off
 def finish_backward(root: FSDPModule, reduce: bool) -> None:
     """End FSDP's backward on ``root`` and every FSDP module under it; reduce gradients if ``reduce``.
 

@@ -91,6 +91,8 @@ def compile_in_place(
     return done
 
 
+# torch workaround: no upstream issue found
+#   canary: test_dynamo_compiles_once_for_micro_batches_sliced_from_batches_of_several_sizes
 class OwnInputs(nn.Module):
     """Runs ``module`` on inputs that are not views: a view's base is copied out first.
 

@@ -72,6 +72,8 @@ def reshard(roots: Iterable[FSDPModule]) -> None:
                 module.reshard()
 
 
+# torch workaround: https://github.com/pytorch/pytorch/pull/196641
+#   canary: test_torch_schedules_keep_an_fsdp_module_s_gradient_sync_off
 class DeferredReduceStage(PipelineStage):
     """A ``PipelineStage`` whose ``schedule.step()`` ends FSDP's backward without reducing gradients.
 

@@ -46,6 +46,8 @@ def exit_autocast(mode: Any, *_after: Any) -> None:
     mode.__exit__(None, None, None)
 
 
+# torch workaround: https://github.com/pytorch/pytorch/issues/184361
+#   canary: test_torch_pipeline_splits_a_model_whose_no_grad_region_feeds_a_later_stage
 def inline_wrapped_regions(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace every grad-mode / autocast region op in ``gm`` by its body, between enter and exit calls.
 

@@ -24,6 +24,10 @@ from torch import nn
 from torch.distributed.pipelining import Pipe
 
 
+# torch workaround: https://github.com/pytorch/pytorch/issues/127964
+#   canary: test_torch_traced_stages_give_a_later_stage_an_input_of_forward
+# torch workaround: https://github.com/pytorch/pytorch/issues/127964
+#   canary: test_torch_traced_stages_run_backward_of_a_value_read_past_the_next_stage
 def relay_skips(pipe: Pipe) -> int:
     """Rewrite ``pipe`` in place so that stage ``k`` reads only stage ``k - 1``'s outputs; returns how many
     (value, stage) relays were added.

@@ -263,6 +263,8 @@ class TracedStages:
         self._programs.append(self._program(train, example, pipe))
         self.traces += 1
 
+    # torch workaround: no upstream issue found
+    #   canary: test_torch_stages_infer_their_shapes_without_running_on_uninitialised_inputs
     def build(self, mode: str, num_microbatches: int, example: tuple[Any, ...] | None) -> list[Any]:
         """This rank's torch stages for micro-batches shaped as ``example``: milliseconds, once traced.
 

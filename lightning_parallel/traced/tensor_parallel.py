@@ -223,6 +223,8 @@ def _leave(t: Any) -> Any:
     return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim).to_local()
 
 
+# torch workaround: no upstream issue found
+#   canary: test_dtensor_implicit_replication_nests
 @contextlib.contextmanager
 def tensor_parallel_step() -> Iterator[None]:
     """Around a schedule step of tensor-parallel traced stages: their graphs mix plain tensors and DTensors.
@@ -239,6 +241,8 @@ def tensor_parallel_step() -> Iterator[None]:
 _registered = False
 
 
+# torch workaround: no upstream issue found
+#   canary: test_dtensor_has_sharding_rules_for_cpu_flash_attention_and_tensor_metadata_checks
 def register_missing_shardings() -> None:
     """Give DTensor a sharding rule for the two ops of a traced stage that torch 2.13 has none for.
 

@@ -113,7 +113,9 @@ def trace(
     hooks = [twin.get_submodule(p).register_forward_pre_hook(_split_before) for p in split_points]
     try:
         with warnings.catch_warnings():
-            # torch 2.13's export warns about its own pytree internals on every trace: not the user's concern.
+            # torch 2.13's pipeline frontend warns about its own pytree internals on every trace: not the
+            # user's concern. torch workaround: no upstream issue found
+            #   canary: test_torch_pipeline_warns_nothing_about_its_own_pytree_internals
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             with _bound(twin, binding), keeping_rng():
                 pipe = _pipeline(twin, example, split_points, dynamic, device)
@@ -178,6 +180,8 @@ def _before_split(gm: fx.GraphModule) -> fx.GraphModule:
     return localize_sizes(device_args_as_keywords(inline_wrapped_regions(gm)))
 
 
+# torch workaround: no upstream issue found
+#   canary: test_torch_moves_a_positional_device_of_a_stage_graph
 def device_args_as_keywords(gm: fx.GraphModule) -> fx.GraphModule:
     """Pass every device given positionally to an aten op (``aten.to.device(x, cpu, ...)``) by keyword.
 

@@ -70,8 +70,10 @@ def traced_path(
             points = [block_entry(found.order, b) for b in blocks]
             stage_cost = costs and stage_costs(costs, counts)
         if mesh.pp_size == 1 and config.stages_per_rank > 1:
-            # torch 2.13's traced stages warm up their links by sending to the neighbouring stage's
-            # rank, which is this rank itself here: gloo refuses that ("Pair is not connected").
+            # Adjacent stages on one rank: torch 2.13 trains them, but its evaluation step fails there
+            # ("can't steal_bwd_input if this stage doesn't have backward").
+            # torch workaround: no upstream issue found
+            #   canary: test_torch_runs_a_forward_only_step_of_adjacent_stages_on_one_rank
             raise ValueError(
                 f"stages_per_rank={config.stages_per_rank} on one pipeline rank is not supported for a "
                 f"traced forward: use pipeline_size >= 2 to interleave, or stages_per_rank=1"
