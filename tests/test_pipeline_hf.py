@@ -5,7 +5,8 @@ Every family and way of calling runs in ONE pair of spawned processes (each fit 
 seconds of imports: the one-device references run in this process.
 
 Covers traced/call_binding.py (keyword calls, constants baked in, a ModelOutput rebuilt) under
-PipelineStrategy.
+PipelineStrategy, and traced/graph_regions.py (the decoders' rotary tables, computed under no_grad and
+read by every block, inlined: pytorch#184361).
 """
 
 from __future__ import annotations

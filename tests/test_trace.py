@@ -6,8 +6,7 @@ trace for ``cuda:0`` (fake, no GPU needed) the CUDA ones.
 One process. torch.export takes ~1 s per trace here, so the tests share one traced pipe.
 
 Covers pipeline/export.py (export_for_pipeline: dynamic sizes, the static fallback and its reason) through
-TracedStages, and traced/graph_regions.py (a no-grad region inlined, pytorch#184361) through every trace of
-a model with a rotary table.
+TracedStages.
 """
 
 import pytest
