@@ -80,8 +80,9 @@ def test_pipeline_strategy_is_given_on_the_command_line(size_flag):
     cli = LightningCLI(SequentialRegressor, RegressionData, run=False, args=args)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, PipelineStrategy)
-    assert (strategy.pipeline_size, strategy.schedule, strategy.partition) == (2, "gpipe", [1, 3])
-    assert strategy.num_microbatches == 4 and cli.trainer.num_devices == 2
+    plan = strategy.parallel_plan
+    assert (strategy.pipeline_size, plan.schedule, plan.partition) == (2, "gpipe", (1, 3))
+    assert plan.num_microbatches == 4 and cli.trainer.num_devices == 2
     # The registered name works as well.
     cli = LightningCLI(SequentialRegressor, RegressionData, run=False, args=["--trainer.strategy=pipeline"])
     assert isinstance(cli.trainer.strategy, PipelineStrategy)

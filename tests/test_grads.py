@@ -1,4 +1,7 @@
-"""grads/reduce.py: gradients held for Lightning's backward, averaged over replicas, clipped globally."""
+"""grads/reduce.py: gradients held for Lightning's backward, averaged over replicas, clipped globally.
+
+Also covers grads/sync.py (one optimizer step's synchronisation) on one process, and on two gloo ranks.
+"""
 
 import pytest
 import torch
@@ -145,3 +148,23 @@ def test_two_gloo_ranks_average_gradients_and_clip_by_the_norm_over_both(tmp_pat
     for rank, r in enumerate(results):
         torch.testing.assert_close(r["clipped"], slices[rank] * (6.5 / (13.0 + 1e-6)))
         torch.testing.assert_close(r["clipped_inf"], slices[rank] * (6.0 / (12.0 + 1e-6)))
+
+
+def test_the_step_s_sync_scales_to_the_token_mean_of_its_window():
+    from lightning_parallel.grads.item_weights import ItemWindow
+    from lightning_parallel.grads.sync import GradientSync
+    from lightning_parallel.grads.tied import SharedReplicas
+    from lightning_parallel.pipeline.mesh import build_mesh
+    from lightning_parallel.plan.layout import RankLayout
+
+    module = torch.nn.Linear(3, 2)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    shared = SharedReplicas([], build_mesh("cpu", RankLayout(1, 1)), dict(module.named_parameters()))
+    window = ItemWindow()
+    window.add_batch(6.0, None)  # the window's first batch: 6 items, the losses' reference
+    window.add_batch(2.0, None)  # a second batch of 2: the step's mean is over 8
+    GradientSync(module, [], shared, None, 1, window)()
+    assert torch.equal(module.weight.grad, torch.full((2, 3), 6 / 8))
+    GradientSync(module, [], shared, None, 1)()  # sample-weighted: nothing to scale, one replica
+    assert torch.equal(module.weight.grad, torch.full((2, 3), 6 / 8))

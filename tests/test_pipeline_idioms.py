@@ -2,7 +2,8 @@
 
 Each works, or is refused at setup with the fix; docs/pipeline.md's idioms table lists them. One spawned
 job of 4 gloo ranks runs every Trainer (each rank starts its own, as under torchrun); the one-device
-references run in the test process.
+references run in the test process. Covers strategies/pipeline/collectives.py (Lightning's collectives
+in a step, routed to the step's data-parallel ranks).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""PipelineStrategy under the launchers users run it with: torchrun on two "nodes", a plain script."""
+"""PipelineStrategy under the launchers users run it with: torchrun on two "nodes", a plain script.
+
+Covers strategies/pipeline/release.py: a script's ranks end with status 0, their process groups released
+before the interpreter's finalisation.
+"""
 
 import os
 import socket

@@ -1,4 +1,5 @@
-"""Each rank materialises and keeps only its own stage (meta-device init), and knows its plan."""
+"""Each rank materialises and keeps only its own stage (meta-device init: strategies/pipeline/meta_init.py),
+and knows its plan."""
 
 import pytest
 import torch

@@ -34,7 +34,7 @@ from test_loss_scale import agreement_outcome, check_agreement
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy, consolidate_checkpoint
-from lightning_parallel.strategies.pipeline.loss_scale import install_loss_scaling, scaled_loss
+from lightning_parallel.strategies.pipeline.precision import install_loss_scaling, scaled_loss
 
 WORLD, PIPELINE_SIZE = 4, 2
 REPLICAS = WORLD // PIPELINE_SIZE

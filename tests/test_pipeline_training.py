@@ -1,6 +1,7 @@
 """PipelineStrategy training against one device: same seed, data and global batch -> same numbers.
 
-Covers strategies/pipeline/strategy.py and strategies/pipeline/step.py (a training step through the schedule).
+Covers strategies/pipeline/strategy.py, strategies/pipeline/setup.py (the set-up's order) and
+strategies/pipeline/step.py (a training step through the schedule).
 """
 
 import csv

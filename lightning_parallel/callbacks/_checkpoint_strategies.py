@@ -57,7 +57,7 @@ def sharded_strategy_problem(strategy: pl.strategies.Strategy) -> str | None:
 
 def writes_directories(strategy: pl.strategies.Strategy) -> bool:
     """Whether ``strategy`` saves a distributed checkpoint directory that Rank0Checkpoint can publish."""
-    return isinstance(strategy, PipelineStrategy) and strategy.save_distributed_checkpoint
+    return isinstance(strategy, PipelineStrategy) and strategy.parallel_plan.save_distributed_checkpoint
 
 
 def save_directory(

@@ -93,7 +93,8 @@ class PipelineTimeline(Callback):
             return
         self.records += records
         strategy = trainer.strategy
-        what = f"{strategy.schedule} p={strategy.pipeline_size} m={strategy.num_microbatches}"
+        plan = strategy.parallel_plan
+        what = f"{plan.schedule} p={strategy.pipeline_size} m={plan.num_microbatches}"
         assert self.dirpath is not None
         for step, step_records in by_step(records).items():
             rank_zero_info(summarize(step_records).line(what))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "PostedVote",
     "agree",
     "collective_device",
     "decide_on",
@@ -101,6 +102,33 @@ def decide_on(src: int, fn: Callable[[], T], group: Any | None = None) -> T:
     box = [result]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+class PostedVote:
+    """Whether any rank of ``group`` raised its flag: posted now (asynchronously), read later.
+
+    Off the critical path: every rank posts it at the same point (a MAX all-reduce of one number) and
+    reads it at a later point, by when every rank has long joined it, so no rank waits for the slowest.
+
+    Example::
+
+        vote = PostedVote(stopped_here)      # at a batch's start, on every rank
+        ...
+        if vote.result():                    # at the next batch: the same answer on every rank
+            stop()
+    """
+
+    def __init__(self, flag: bool, group: Any | None = None) -> None:
+        self._flag = torch.tensor([1 if flag else 0], device=collective_device(group))
+        self._work = None
+        if world_size(group) > 1:
+            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def result(self) -> bool:
+        """Wait for the vote (every rank posted it) and return whether any rank's flag was raised."""
+        if self._work is not None:
+            self._work.wait()
+        return bool(int(self._flag.item()))
 
 
 @contextmanager

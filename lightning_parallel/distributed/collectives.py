@@ -51,6 +51,12 @@ def _world(group: Any | None) -> int:
     return world_size(group)
 
 
+def barrier(group: Any | None = None) -> None:
+    """Wait for every rank of ``group`` (a no-op without a process group)."""
+    if _world(group) > 1:
+        dist.barrier(group=group)
+
+
 def all_gather_objects(obj: Any, group: Any | None = None) -> list[Any]:
     """Every rank's ``obj``, by rank in ``group`` (``[obj]`` without a process group)."""
     if _world(group) == 1:

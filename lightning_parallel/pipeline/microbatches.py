@@ -90,3 +90,19 @@ class StepMicrobatches:
     def sizes(self) -> list[int]:
         """Samples per micro-batch."""
         return [batch_size(chunk) for chunk in self.batch_chunks()]
+
+
+def check_feeds(batch: Any, num_microbatches: int) -> None:
+    """Raise a ValueError with the fix unless a training batch of ``batch``'s size feeds the micro-batches.
+
+    Example::
+
+        check_feeds(batch, 4)   # a batch of 2 samples: ValueError, with the fix
+    """
+    n = batch_size(batch)
+    if n < num_microbatches:
+        raise ValueError(
+            f"a training batch of {n} samples cannot feed num_microbatches={num_microbatches}: use a "
+            f"per-replica batch size of at least {num_microbatches} (ideally a multiple of it), or fewer "
+            f"micro-batches"
+        )

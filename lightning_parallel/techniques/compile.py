@@ -32,9 +32,10 @@ a stage silently runs eagerly) into this package's warning with the fix.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -158,8 +159,8 @@ class CompileWatch:
 
     _LOGGER = "torch._dynamo"
 
-    def __init__(self, warn: Callable[[str], Any]) -> None:
-        self.warn = warn
+    def __init__(self, warn: Callable[[str], Any], info: Callable[[str], Any] | None = None) -> None:
+        self.warn, self.info = warn, info
         self.seconds = 0.0
         self.compilations = 0
         self.limit_hits: list[str] = []
@@ -183,6 +184,18 @@ class CompileWatch:
         torch._dynamo.callback_handler.remove_start_callback(self._on_start)
         torch._dynamo.callback_handler.remove_end_callback(self._on_end)
         self._handler = None
+
+    @contextlib.contextmanager
+    def reporting(self, what: str) -> Iterator[None]:
+        """Run the block; if it compiled, say (through ``info``) how long, apart from the steps."""
+        before = self.seconds
+        yield
+        if self.seconds > before and self.info is not None:
+            self.info(
+                f"PipelineStrategy: torch.compile took {self.seconds - before:.1f} s in {what}; "
+                f"{self.seconds:.1f} s in all on this rank, counted apart from the steps as "
+                f"trainer.strategy.compile_seconds"
+            )
 
     def _on_start(self, _args: Any) -> None:
         self._began = time.perf_counter()

@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_parallel.distributed.agree import packed_error, unpacked_error
-from lightning_parallel.distributed.collectives import broadcast_object, recv_object, send_object
+from lightning_parallel.distributed.collectives import (
+    all_gather_objects,
+    broadcast_object,
+    recv_object,
+    send_object,
+)
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.metrics import StageMetrics, replay_step_value
@@ -30,7 +35,7 @@ from lightning_parallel.pipeline.step_logs import (
     weighted_mean,
 )
 from lightning_parallel.strategies.pipeline.earlier_gradients import earlier_gradients
-from lightning_parallel.strategies.pipeline.loss_scale import scaled_loss
+from lightning_parallel.strategies.pipeline.precision import scaled_loss
 from lightning_parallel.techniques.fsdp import reshard
 from lightning_parallel.timeline.recorder import span_of
 
@@ -224,6 +229,16 @@ class _Step:
         with self.call.replaying(output), self.recorder.recording(self.module, self.n):
             out = self.step(*self.args)
         return {"output": to_cpu(out) if self.step_name == "predict_step" else None}
+
+
+def count_predict_batches(parts: PipelineParts, trainer: Any) -> None:
+    """How many batches each replica predicts (the sampler does not pad), on every rank: rank 0 must
+    know which replicas send it predictions at each step. A collective (every rank, before predicting)."""
+    if parts.mesh.dp_size == 1:
+        return
+    counts = all_gather_objects(int(sum(trainer.num_predict_batches)))
+    last = last_pp_rank(parts)
+    parts.predict_batches = [counts[parts.mesh.global_rank(last, r)] for r in range(parts.mesh.dp_size)]
 
 
 def collect_predictions(parts: PipelineParts, output: Any, batch_idx: int) -> Any:

@@ -29,8 +29,6 @@ import threading
 from types import FrameType
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import (
@@ -43,11 +41,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
-from lightning_parallel.distributed.agree import collective_device, distributed_ready
+from lightning_parallel.distributed.agree import PostedVote, world_size
 from lightning_parallel.distributed.stop import LAUNCHER_PID_ENV, StopGuard, current_guard, exit_status
 
 __all__ = [
     "StopAgreement",
+    "StopHooks",
     "StoppingScriptLauncher",
     "check_signal_internals",
     "keep_lightning_sigterm_handling",
@@ -110,12 +109,12 @@ def mark_stopped_exit(exception: BaseException) -> None:
 class StopAgreement:
     """Every rank, once per training batch: raise Lightning's stop flag everywhere if one rank was stopped.
 
-    One all-reduce (MAX) of one number per batch, off the critical path: posted at the start of a
-    batch and read at the start of the next one, by when every rank has long joined it (each posts it
-    at the same point of the same batch), so no rank waits for the slowest to reach its step. A stop
-    signal is seen one batch after it arrived, on every rank in the same batch; Lightning then stops
-    every rank at the end of that batch. The local flag is the guard's: its thread saw the signal even
-    if the Python handler has not run yet.
+    One vote (:class:`~lightning_parallel.distributed.agree.PostedVote`) per batch, off the critical
+    path: posted at the start of a batch and read at the start of the next one, by when every rank has
+    long joined it (each posts it at the same point of the same batch). A stop signal is seen one batch
+    after it arrived, on every rank in the same batch; Lightning then stops every rank at the end of
+    that batch. The local flag is the guard's: its thread saw the signal even if the Python handler has
+    not run yet.
 
     It also stands in for Lightning's own per-batch broadcast of rank 0's SIGTERM flag (see
     :func:`replace_lightning_stop_broadcast`), so a batch pays for one collective of one number.
@@ -128,16 +127,15 @@ class StopAgreement:
     """
 
     def __init__(self) -> None:
-        self._pending: tuple[torch.Tensor, Any] | None = None
+        self._pending: PostedVote | None = None
 
     def at_batch(self, trainer: Any) -> None:
-        if not distributed_ready() or dist.get_world_size() < 2:
+        if world_size() < 2:
             return
         if self._take():
             _set_received_sigterm(trainer)
         guard = current_guard()
-        flag = torch.tensor([0 if guard is None or guard.signum is None else 1], device=collective_device())
-        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        self._pending = PostedVote(guard is not None and guard.signum is not None)
 
     def finish(self) -> bool:
         """Wait for the agreement posted last (every rank posted it); whether it said stop."""
@@ -145,10 +143,64 @@ class StopAgreement:
 
     def _take(self) -> bool:
         pending, self._pending = self._pending, None
-        if pending is None:
-            return False
-        pending[1].wait()
-        return bool(int(pending[0].item()))
+        return pending is not None and pending.result()
+
+
+class StopHooks:
+    """A mixin of ``PipelineStrategy``: its Lightning hooks on the stop path (see the module docstring).
+
+    Reads the strategy's ``launcher``, ``lightning_module``, ``_stop_agreement`` and ``_stop_guard``.
+    """
+
+    launcher: Any
+    lightning_module: Any
+    _stop_agreement: StopAgreement
+    _stop_guard: StopGuard | None
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)  # type: ignore[misc]
+        mark_stopped_exit(exception)  # a stop ends with 128 + the signal, not Lightning's status 0
+        # Under the script launcher the ranks this process started may be blocked on it in a
+        # point-to-point receive (with NCCL until the process-group timeout): end them now, so
+        # the job stops with this rank's error. Lightning does the same on KeyboardInterrupt. A
+        # stop signal stops them at the same batch as this rank (their own hooks still run).
+        stopped = isinstance(exception, SIGTERMException)
+        if isinstance(self.launcher, _SubprocessScriptLauncher) and not stopped:
+            self.launcher.kill(_get_sigkill_signal())
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        keep_lightning_sigterm_handling(self.lightning_module.trainer)
+        replace_lightning_stop_broadcast(self.lightning_module.trainer)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()  # type: ignore[misc]
+        self._stop_agreement.finish()  # (every rank posted it: the training loop ran the same batches)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()  # type: ignore[misc]
+        keep_lightning_sigterm_handling(self.lightning_module.trainer)
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()  # type: ignore[misc]
+        keep_lightning_sigterm_handling(self.lightning_module.trainer)
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()  # type: ignore[misc]
+        keep_lightning_sigterm_handling(self.lightning_module.trainer)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        guard, self._stop_guard = self._stop_guard, None
+        if guard is not None:
+            guard.stop()  # a deadline a stop signal armed stays armed
 
 
 def replace_lightning_stop_broadcast(trainer: Any) -> None:

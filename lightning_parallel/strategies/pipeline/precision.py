@@ -1,4 +1,10 @@
-"""fp16 loss scaling under PipelineStrategy: Lightning's own MixedPrecision plugin and GradScaler.
+"""The precision plugin under PipelineStrategy: fp16 loss scaling agreed by every rank, clipping by the
+global norm.
+
+Clipping: Lightning's ``Precision.clip_grad_by_norm`` clips by this rank's norm only; a stage holds a
+slice of the model, so the norm is reduced over the pipeline (:func:`install_global_clipping`).
+
+fp16 loss scaling: Lightning's own MixedPrecision plugin and GradScaler.
 
 Lightning scales the loss in ``pre_backward`` and runs ``loss.backward()`` itself; under the pipeline the
 backward runs inside the schedule, on the last stage's per-micro-batch losses, so the scale is applied
@@ -17,6 +23,8 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_parallel.grads.loss_scale import agree_on_overflow
+from lightning_parallel.grads.reduce import clip_grad_norm_across
+from lightning_parallel.grads.tied import SharedReplicas
 
 
 def loss_scaler(plugin: Precision) -> torch.amp.GradScaler | None:
@@ -49,3 +57,17 @@ def install_loss_scaling(plugin: Precision, optimizers: Sequence[Any]) -> None:
             f"agree on a skipped step: build it with fused=False (foreach=True is as fast on most models)"
         )
     agree_on_overflow(scaler)
+
+
+def install_global_clipping(plugin: Precision, pp_group: Any, shared: SharedReplicas) -> None:
+    """Clip by the norm over every stage of the pipeline (a tied weight's replicas counted once).
+
+    No public hook exists below ``configure_gradient_clipping``, hence this instance-level override of
+    the plugin's ``clip_grad_by_norm`` (Lightning 2.6.6).
+    """
+
+    def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        params = plugin.main_params(optimizer)
+        clip_grad_norm_across(params, float(clip_val), pp_group, not_counted=shared.not_counted)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]

@@ -1,0 +1,76 @@
+"""PipelineStrategy's set-up, in its order: split, recompute, parallelize, then the optimizers.
+
+Split first (every rank holds the same module; the split is collective), then recompute the stages'
+units, the precision plugin converts the stages, then the techniques in torchtitan's order (tensor
+parallelism, ``parallelize_fn``, compile, data-parallel sharding), then the optimizers built by the
+user's ``configure_optimizers`` are wrapped (ZeRO-1) and the precision plugin's clipping and loss scaling
+made global. Each step here is a function of the strategy (``strategy.parallel_plan`` says what to do).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_parallel.distributed.agree import failing_together
+from lightning_parallel.grads.sync import GradientSync
+from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline
+from lightning_parallel.strategies.pipeline.items import step_items
+from lightning_parallel.strategies.pipeline.parallelize import parallelize_parts, tensor_plan
+from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
+from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
+from lightning_parallel.strategies.pipeline.summary import summarize_before_split
+from lightning_parallel.techniques import recompute, zero
+from lightning_parallel.techniques.compile import CompileWatch
+
+
+def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelineParts, Any]:
+    """This rank's pipeline, its units recomputed as planned; and the tensor-parallel plan (or None).
+
+    Every rank calls it (it is collective); an error on one rank is raised on every rank.
+    """
+    module, plan = strategy.lightning_module, strategy.parallel_plan
+    refuse_compiled_module(module)  # (every rank holds the same module)
+    if fitting:
+        summarize_before_split(trainer, module, strategy)  # the whole model's table
+    with failing_together():
+        tensors = tensor_plan(module, plan)
+    parts = build_pipeline(plan, trainer, module, strategy.layout, strategy.root_device, strategy._mesh)
+    naming = parts.glue.naming
+    every_unit = [naming.prefix + u for stage in parts.plan.stages for u in stage.units]
+    recompute.apply(parts.runner.stages, plan.activation_checkpointing, naming, every_unit)
+    parts.items = step_items(module, parts.call, strategy._item_count)
+    rank_zero_info(f"PipelineStrategy stage plan ({plan.schedule}):\n{parts.plan.format_table()}")
+    return parts, tensors
+
+
+def parallelize(
+    strategy: Any, parts: PipelineParts, tensors: Any
+) -> tuple[GradientSync, CompileWatch | None]:
+    """After the split: the techniques on this rank's stages; the optimizer step's gradient sync, and
+    the watch on torch.compile (when the stages are compiled)."""
+    plan, module = strategy.parallel_plan, strategy.lightning_module
+    parallelize_parts(parts, plan, module, tensors)
+    watch = None
+    if plan.compile is not None:
+        watch = CompileWatch(rank_zero_warn, rank_zero_info)
+        watch.start()
+    window = parts.items.window if parts.items is not None else None
+    mesh = parts.mesh
+    return GradientSync(module, parts.sharded, parts.shared, mesh.dp_group, mesh.dp_size, window), watch
+
+
+def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts) -> None:
+    """The user's optimizers, sharded as planned (ZeRO-1), on the device; clipping and loss scaling
+    made global (one norm over the pipeline, one skip decision under fp16)."""
+    strategy.setup_optimizers(trainer)
+    if strategy.parallel_plan.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
+        schedulers = [config.scheduler for config in strategy.lr_scheduler_configs]
+        strategy.optimizers = zero.apply(strategy.optimizers, schedulers, parts.mesh.dp_group)
+        rank_zero_info(f"PipelineStrategy: optimizer state sharded over {parts.mesh.dp_size} replica(s)")
+    _optimizers_to_device(strategy.optimizers, strategy.root_device)
+    install_global_clipping(strategy.precision_plugin, parts.mesh.pp_group, parts.shared)
+    install_loss_scaling(strategy.precision_plugin, strategy.optimizers)  # 16-mixed: one skip decision
