@@ -1,7 +1,7 @@
 """Atomic, hashed checkpoint files and the background writer (no Lightning, no process group).
 
 Covers io/zip_tag.py (the hash tag in the zip comment: read back, verified, listed newest first) through the
-names io/atomic.py re-exports.
+names io/atomic.py re-exports, and _pids.py (a live writer's pid) through remove_orphans.
 """
 
 import errno

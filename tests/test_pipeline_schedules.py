@@ -17,8 +17,8 @@ from mp_harness import RankRecorder, assert_close_dicts, fit, quiet_trainer, ref
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy, PipelineTimeline
+from lightning_parallel.distributed.clock import clock_offsets
 from lightning_parallel.pipeline.plan import stage_rank
-from lightning_parallel.timeline.recorder import clock_offsets
 from lightning_parallel.timeline.report import by_step, summarize
 
 # 58 samples, global batch 16: the epoch ends on a batch of 10, which num_microbatches=4 does not divide

@@ -35,6 +35,8 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+from lightning_parallel._pids import pid_alive
+
 __all__ = [
     "DEFAULT_GRACE",
     "LAUNCHER_PID_ENV",
@@ -297,13 +299,7 @@ def _launcher_watch(pid: int) -> Callable[[], bool]:
 
     def poll_pid() -> bool:
         time.sleep(0.5)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(pid)
 
     return poll_pid
 

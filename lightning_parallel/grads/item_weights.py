@@ -26,10 +26,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.distributed.agree import collective_device, distributed_ready, world_size
 from lightning_parallel.distributed.dtensors import local
+from lightning_parallel.distributed.tensors import all_reduce_coalesced
 
 ItemCount = Callable[[Any], "torch.Tensor | int | float"]
 
@@ -117,11 +118,10 @@ class ItemWindow:
         """
         total = torch.as_tensor(items, dtype=torch.float64).reshape(1)
         replicas = 1
-        if group is not None and dist.is_available() and dist.is_initialized():
-            backend_device = _collective_device(group)
-            total = total.to(backend_device)
-            dist.all_reduce(total, group=group)
-            replicas = max(1, dist.get_world_size(group) // copies)
+        if group is not None and distributed_ready():
+            total = total.to(collective_device(group))
+            all_reduce_coalesced([total], group)
+            replicas = max(1, world_size(group) // copies)
         batch_items = float(total.item()) / copies
         if self.reference is None:
             self.reference = max(batch_items / replicas, 1.0)
@@ -152,8 +152,3 @@ def scale_gradients(params: Iterable[torch.Tensor], factor: float) -> None:
     grads = [local(p.grad) for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, factor)
-
-
-def _collective_device(group: Any) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -20,6 +20,8 @@ import shutil
 import socket
 from typing import Literal
 
+from lightning_parallel._pids import pid_alive
+
 __all__ = [
     "NAMED_TEMP_ENV",
     "link_into_place",
@@ -178,16 +180,6 @@ def _replace(tmp: str, path: str) -> None:
         raise
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_orphans(directory: str) -> list[str]:
     """Delete named temporary files (and directories) left in ``directory`` by killed writers.
 
@@ -207,7 +199,7 @@ def remove_orphans(directory: str) -> list[str]:
         match = _PARTIAL_RE.match(name)
         if match is None:
             continue
-        if match["host"] == host and _pid_alive(int(match["pid"])):
+        if match["host"] == host and pid_alive(int(match["pid"])):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(FileNotFoundError):

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.multiprocessing.spawn import ProcessExitedException
 from typing_extensions import override
 
+from lightning_parallel.distributed.collectives import barrier
 from lightning_parallel.distributed.stop import (
     DEFAULT_GRACE,
     StopGuard,
@@ -135,7 +136,7 @@ class CleanExitMultiProcessingLauncher(_MultiProcessingLauncher):
         # Lightning workaround: https://github.com/Lightning-AI/pytorch-lightning/pull/8080
         #   canary: test_lightning_spawn_worker_destroys_its_process_group
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # no rank tears down while a peer still talks to it
+            barrier()  # no rank tears down while a peer still talks to it
             dist.destroy_process_group()
         # Rank 0's results are already in the queue (a SimpleQueue writes synchronously). Leaving
         # without interpreter teardown avoids the C++ threads of gloo objects still referenced from
