@@ -1,13 +1,14 @@
-"""The pipeline units of a module: what a pipeline stage holds, found the way the splits find them.
+"""The pipeline units of a module: what a pipeline stage holds, found by the splits' own finders.
 
-Two shapes are recognised:
+Two shapes are recognised, as ``PipelineStrategy`` recognises them:
 
-- **a top-level ``nn.Sequential``** holding every parameter (what ``PipelineStrategy`` splits today):
-  its layers are the units, named by their path (``"layers.3"``);
-- **a GPT-shaped module**: the ``nn.ModuleList`` holding most parameters gives the blocks
-  (``"h.0"``, ``"h.1"``, ...); the modules called before the first block (embeddings) go to stage 0,
-  those called after the last block (final norm, head) to the last stage. A weight tied between
-  them (embedding and head) is held by both stages. This is the default of the traced split too.
+- **a top-level ``nn.Sequential``** (the Sequential path's ``find_sequential``; or the module itself is
+  one): its layers are the units, named by their path (``"layers.3"``);
+- **a GPT-shaped module** (the traced path's ``find_block_list``): the block list holding most
+  parameters (an ``nn.ModuleList``, a nested ``nn.Sequential`` or a numbered ``nn.ModuleDict``) gives the
+  blocks (``"h.0"``, ``"h.1"``, ...); the modules called before the first block (embeddings) go to stage
+  0, those called after the last block (final norm, head) to the last stage. A weight tied between
+  them (embedding and head) is held by both stages.
 
 Call order comes from forward hooks during the probe forward (:mod:`lightning_parallel.memory.probe`).
 """
@@ -19,7 +20,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.partition import check_explicit, partition_balanced, partition_uniform
+from lightning_parallel.pipeline.split import check_parameters_inside, find_sequential
 
 PRE, BLOCK, POST = "pre", "block", "post"
 
@@ -62,25 +65,34 @@ class UnitLayout:
         return out
 
 
-def find_units(module: nn.Module) -> UnitLayout:
+def find_units(module: nn.Module, module_name: str | None = None) -> UnitLayout:
     """The pipeline units of ``module`` (extras of a GPT-shaped one are ordered by :func:`order_extras`).
 
     Raises:
-        ValueError: the module has neither a Sequential holding every parameter nor a ModuleList of blocks.
+        ValueError: the module has neither a Sequential holding every parameter nor a list of blocks.
 
     Example::
 
         >>> find_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU())).kind
         'sequential'
     """
-    sequential = _sequential_holding_everything(module)
-    if sequential is not None:
-        name, seq = sequential
+    found = ("", module) if isinstance(module, nn.Sequential) else find_sequential(module, module_name)
+    if found is not None:
+        name, seq = found
+        if name:
+            check_parameters_inside(module, name)  # (the strategy refuses such a module the same way)
         prefix = f"{name}." if name else ""
         units = [Unit(f"{prefix}{child}", layer) for child, layer in seq.named_children()]
         return UnitLayout("sequential", name, units)
-    name, blocks = _largest_module_list(module)
-    units = [Unit(f"{name}.{child}", block) for child, block in blocks.named_children()]
+    try:
+        name, children = find_block_list(module)
+    except ValueError:
+        raise ValueError(
+            f"{type(module).__name__} has no pipeline units: put its layers in one top-level nn.Sequential "
+            f"(every parameter inside it), or its repeated blocks in an nn.ModuleList (GPT-style)"
+        ) from None
+    blocks = module.get_submodule(name)
+    units = [Unit(f"{name}.{child}", blocks.get_submodule(child)) for child in children]
     extras = [Unit(n, m, role="") for n, m in _side_modules(module, name)]
     owned = {id(p) for u in units + extras for p in u.module.parameters()}
     loose = [p for p in module.parameters() if id(p) not in owned]
@@ -122,27 +134,6 @@ def partition(layout: UnitLayout, num_stages: int, method: str | Sequence[int] =
         return partition_uniform(len(blocks), num_stages)
     costs = [float(sum(p.numel() for p in u.module.parameters())) for u in blocks]
     return partition_balanced(costs, num_stages)
-
-
-def _sequential_holding_everything(module: nn.Module) -> tuple[str, nn.Sequential] | None:
-    if isinstance(module, nn.Sequential):
-        return "", module
-    found = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Sequential)]
-    total = sum(p.numel() for p in module.parameters())
-    for name, seq in found:
-        if sum(p.numel() for p in seq.parameters()) == total and len(seq) > 1:
-            return name, seq
-    return None
-
-
-def _largest_module_list(module: nn.Module) -> tuple[str, nn.ModuleList]:
-    lists = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        raise ValueError(
-            f"{type(module).__name__} has no pipeline units: put its layers in one top-level nn.Sequential "
-            f"(every parameter inside it), or its repeated blocks in an nn.ModuleList (GPT-style)"
-        )
-    return max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
 
 
 def _side_modules(module: nn.Module, list_name: str) -> list[tuple[str, nn.Module]]:
