@@ -194,8 +194,9 @@ def sequential_costs(args: dict[str, Any]) -> tuple[list[float], list[float], fl
     from models import SequentialCharLM
 
     from lightning_parallel.pipeline.plan import make_plan
-    from lightning_parallel.pipeline.split import SequentialStages, stage_descriptions, stage_twins
     from lightning_parallel.plan.layout import RankLayout
+    from lightning_parallel.sources.sequential.split import stage_descriptions, stage_twins
+    from lightning_parallel.sources.sequential.stages import SequentialStages
 
     model = SequentialCharLM(dim=64, depth=args["deep"], seq_len=256)
     half = len(model.layers) // 2

@@ -1,4 +1,5 @@
-"""techniques/parallelize.py: each stage module after the split, in torchtitan's order (one process, no mesh).
+"""techniques/parallelize.py: the techniques on a Sequential's stage modules, in torchtitan's order (one
+process, no mesh).
 
 Its FSDP2 and tensor-parallel steps need a process group: tests/test_pipeline_fsdp.py and
 tests/test_pipeline_tensor.py run them. Here: the user's function, the roots returned, and the errors.
@@ -7,12 +8,18 @@ tests/test_pipeline_tensor.py run them. Here: the user's function, the roots ret
 import pytest
 from torch import nn
 
-from lightning_parallel.plan.choices import DATA_PARALLEL
-from lightning_parallel.techniques.parallelize import parallelize_stages
+from lightning_parallel.pipeline.mesh import build_mesh
+from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.sources.sequential.stages import SequentialStages
+from lightning_parallel.techniques.parallelize import parallelize
+
+MESH = build_mesh("cpu", RankLayout(1, 1))  # one process: no device mesh
 
 
 def _stages():
-    return [nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Sequential(nn.Linear(2, 2))]
+    modules = [nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Sequential(nn.Linear(2, 2))]
+    return SequentialStages(modules, [0, 1], 2, "cpu", None)
 
 
 @pytest.mark.parametrize("data_parallel", ["replicate", "zero1"])
@@ -24,20 +31,30 @@ def test_replicas_and_zero1_leave_the_stages_as_they_are_and_run_the_users_funct
         module.touched = True
         return module if len(seen) == 1 else None  # either is allowed
 
-    roots = parallelize_stages(stages, None, None, data_parallel, parallelize_fn)
-    assert roots == [] and seen == [(stages[0], None), (stages[1], None)]
-    assert all(s.touched for s in stages) and data_parallel in DATA_PARALLEL
+    plan = ParallelPlan(data_parallel=data_parallel, parallelize_fn=parallelize_fn)
+    done = parallelize(stages, plan, MESH, nn.Module())
+    assert done.roots == [] and seen == [(stages.modules[0], None), (stages.modules[1], None)]
+    assert all(s.touched for s in stages.modules) and done.notes == []
+
+
+def test_compile_is_applied_to_the_stages_and_said_in_words():
+    stages = _stages()
+    done = parallelize(stages, ParallelPlan(compile={"backend": "eager"}), MESH, nn.Module())
+    assert done.notes == [
+        "each stage compiles its layers in place (torch.compile, {'dynamic': True, 'backend': 'eager'})"
+    ]
 
 
 def test_a_function_that_returns_another_module_is_refused():
+    plan = ParallelPlan(parallelize_fn=lambda module, mesh: nn.Linear(1, 1))
     with pytest.raises(TypeError, match=r"parallelize_fn returned a new Linear: it must change the stage"):
-        parallelize_stages(_stages(), None, None, parallelize_fn=lambda module, mesh: nn.Linear(1, 1))
+        parallelize(_stages(), plan, MESH, nn.Module())
 
 
 def test_fsdp_and_tensor_parallelism_without_a_mesh_are_refused_with_the_fix():
     with pytest.raises(
         ValueError, match=r'data_parallel="fsdp" needs a process group .* data_parallel="replicate"'
     ):
-        parallelize_stages(_stages(), None, None, "fsdp")
+        parallelize(_stages(), ParallelPlan(data_parallel="fsdp"), MESH, nn.Module())
     with pytest.raises(ValueError, match=r"tensor parallelism needs a process group"):
-        parallelize_stages(_stages(), None, None, tensor_plan=object())
+        parallelize(_stages(), ParallelPlan(), MESH, nn.Module(), tensor_plan=object())

@@ -1,8 +1,9 @@
-"""strategies/pipeline/build.py: the plan chosen from the module, in one process (no pipeline run).
+"""strategies/pipeline/build.py: the source and the plan chosen from the module, in one process (no
+pipeline run).
 
-Covers strategies/pipeline/call_input.py (the first batch read at setup), strategies/pipeline/plan.py (costs
-measured, stages planned), strategies/pipeline/sequential.py and strategies/pipeline/traced.py (both split
-paths) through Trainer.fit.
+Covers strategies/pipeline/call_input.py (the first batch read at setup), sources/stage_plan.py (costs
+measured, stages planned), sources/sequential/source.py and strategies/pipeline/traced.py (both split
+paths, each handing back a sources/split_result.py) through Trainer.fit.
 """
 
 import pytest

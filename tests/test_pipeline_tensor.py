@@ -35,10 +35,11 @@ from torch.distributed.tensor.parallel import (
 from lightning_parallel import PipelineStrategy, consolidate_checkpoint
 from lightning_parallel.grads.loss_scale import agree_on_overflow
 from lightning_parallel.memory.estimate import predict
-from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.memory.facts import measure_model, planned_tensors
 from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.strategies.pipeline.parallelize import tensor_plan
+from lightning_parallel.strategies.pipeline.build import source_for
+from lightning_parallel.strategies.pipeline.traced import TracedSource
 from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
 from lightning_parallel.techniques.tensor_parallel.memory import local_model
 from lightning_parallel.techniques.tensor_parallel.plan import default_plan, user_plan
@@ -208,7 +209,7 @@ def _megatron_collectives() -> dict[str, dict[str, int]]:
 
     torch.manual_seed(0)
     model, x = SplitQkvTinyGPT(depth=2), torch.randint(0, 13, (2, 8))
-    _, plan = tensor_plan(model, PipelineStrategy(tensor_parallel_size=2).parallel_plan)
+    plan = tensor_plan(model, PipelineStrategy(tensor_parallel_size=2).parallel_plan)
     aliases = alias_table(model)
     gm = trace(meta_twin(model), to_meta((x,)), [], train=True).get_stage_module(0)
     _modify_graph_op_device(gm, torch.device("cpu"))  # the twin was traced on the meta device
@@ -352,8 +353,10 @@ def test_tensor_parallel_options_are_checked():
 
 def test_the_traced_path_plans_the_block_list_and_refuses_what_it_cannot_place():
     config = PipelineStrategy(pipeline_size=1, tensor_parallel_size=2).parallel_plan
-    name, plan = tensor_plan(SplitQkvTinyGPT(), config)
-    assert name == "" and plan.head_counts == {}  # a traced stage's DTensors keep the global shapes
+    model = SplitQkvTinyGPT()
+    assert isinstance(source_for(model, config), TracedSource)
+    plan = tensor_plan(model, config)
+    assert plan.head_counts == {}  # a traced stage's DTensors keep the global shapes
     assert {p: type(s).__name__ for p, s in plan.styles.items() if p.startswith("h.1.")} == {
         "h.1.attn.q": "ColwiseParallel", "h.1.attn.k": "ColwiseParallel", "h.1.attn.v": "ColwiseParallel",
         "h.1.attn.proj": "RowwiseParallel", "h.1.mlp.fc": "ColwiseParallel",
@@ -381,7 +384,7 @@ def test_a_hugging_face_model_is_split_with_its_own_plan():
     from hf_models import HFCausalLM, hf_config
 
     config = PipelineStrategy(tensor_parallel_size=2).parallel_plan
-    _, plan = tensor_plan(HFCausalLM("llama"), config)
+    plan = tensor_plan(HFCausalLM("llama"), config)
     assert {p: type(s).__name__ for p, s in plan.styles.items() if ".layers.3." in p} == {
         f"model.model.layers.3.{p}": style
         for p, style in (
@@ -422,7 +425,7 @@ def test_the_planner_measures_one_tensor_parallel_rank_s_local_model():
 
 def test_the_planner_measures_a_traced_model_s_local_model():
     model, batch = SplitQkvTinyGPT(), token_data(8)[:8]
-    local = local_model(model, 2)
+    local = local_model(model, planned_tensors(model, 2), 2)
     assert local.h[0].attn.heads == 2 and local.h[0].attn.q.out_features == 8  # (of 4 heads, width 16)
     assert local.h[0].mlp.proj.in_features == 32 and local.lm_head.weight is local.wte.weight
     whole = predict(measure_model(model, batch), ParallelPlan("pipeline", 1, 1, 2))
@@ -432,3 +435,8 @@ def test_the_planner_measures_a_traced_model_s_local_model():
         p.numel() for b in model.h for n, p in b.named_parameters() if "ln" not in n and "proj.bias" not in n
     )
     assert whole.ranks[0].parameters - split.ranks[0].parameters == 4 * halved // 2  # fp32 bytes
+
+
+def tensor_plan(module, plan):
+    """The tensor-parallel plan the strategy resolves on the unsplit module (by the source that splits it)."""
+    return source_for(module, plan).tensor_plan(module, plan)

@@ -9,7 +9,7 @@ from hf_models import hf_config, hf_model
 from transformers import AutoModelForCausalLM
 
 from lightning_parallel import load_pretrained
-from lightning_parallel.pipeline.split import materialize
+from lightning_parallel.pipeline.materialize import materialize
 from lightning_parallel.pipeline.twin import alias_table
 from lightning_parallel.traced.split import keep_only
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.proxy import PipelinedCall, PipelinedSequential
+from lightning_parallel.pipeline.proxy import PipelinedCall
+from lightning_parallel.sources.sequential.call import PipelinedSequential
 
 
 def test_sequential_stand_in_keeps_the_unsplit_keys_and_captures_then_replays_once():

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.pipeline.runner import PipelineRunner, is_multi_stage, schedule_class
-from lightning_parallel.pipeline.split import SequentialStages
+from lightning_parallel.sources.sequential.stages import SequentialStages
 
 
 def _runner(m: int = 4) -> PipelineRunner:

@@ -1,4 +1,5 @@
-"""pipeline/split.py: the Sequential path, from finding the Sequential to this rank's layers (one process)."""
+"""sources/sequential/split.py and stages.py, pipeline/materialize.py: the Sequential path, from finding the
+Sequential to this rank's layers (one process)."""
 
 from collections import OrderedDict
 
@@ -6,21 +7,21 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_parallel.pipeline.materialize import materialize
 from lightning_parallel.pipeline.plan import make_plan
-from lightning_parallel.pipeline.proxy import PipelinedSequential
-from lightning_parallel.pipeline.split import (
-    SequentialStages,
+from lightning_parallel.pipeline.stage_shapes import ChainedShapes, run_on_fake
+from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.sources.sequential.call import PipelinedSequential
+from lightning_parallel.sources.sequential.split import (
     StageModule,
     check_parameters_inside,
     find_sequential,
-    materialize,
     split_sequential,
     stage_descriptions,
     stage_parameters,
     stage_twins,
 )
-from lightning_parallel.pipeline.stage_shapes import ChainedShapes, run_on_fake
-from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.sources.sequential.stages import SequentialStages
 
 
 class TiedLM(nn.Module):

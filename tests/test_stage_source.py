@@ -10,8 +10,8 @@ import inspect
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.split import SequentialStages
 from lightning_parallel.pipeline.stage_source import StageSource
+from lightning_parallel.sources.sequential.stages import SequentialStages
 from lightning_parallel.traced.split import TracedStages
 
 MEMBERS = [
@@ -21,10 +21,10 @@ MEMBERS = [
 ]
 
 
-def test_the_protocol_names_what_the_runner_and_the_glue_call():
+def test_the_protocol_names_what_the_runner_and_the_techniques_call():
     assert set(MEMBERS) == {
         "needs_example", "shapes_given", "build", "output_merge_spec", "merging", "step_context",
-        "activate", "recompute", "use_stage_class",
+        "activate", "recompute", "use_stage_class", "split_tensors", "run_user_function", "compile", "shard",
     }  # fmt: skip
 
 

@@ -23,8 +23,10 @@ from lightning_parallel.memory.probe import (
     probe_sizes,
 )
 from lightning_parallel.memory.units import UnitLayout, find_units, order_extras
+from lightning_parallel.sources.sequential.split import find_sequential
 from lightning_parallel.techniques.fsdp import shard_rows
 from lightning_parallel.techniques.tensor_parallel.memory import local_model
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, default_plan, traced_plan
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def measure_model(
     param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
     optimizers = _optimizers(module, optimizer)
     if tensor_parallel_size > 1:
-        module = local_model(module, tensor_parallel_size)
+        module = local_model(module, planned_tensors(module, tensor_parallel_size), tensor_parallel_size)
         optimizers = [_rebuilt(o, module) for o in optimizers]
     layout = find_units(module)
     samples = _samples(batch)
@@ -189,3 +191,12 @@ def _samples(batch: Any) -> int:
 
 
 __all__ = ["BEFORE", "ModelFacts", "Tensor", "measure_model"]
+
+
+def planned_tensors(module: nn.Module, tp_size: int) -> TensorPlan:
+    """The default tensor-parallel plan the strategy would split ``module`` with, found by the splits'
+    finders (the Sequential's layers, else the traced path's plan with one rank's head counts)."""
+    found = find_sequential(module)
+    if found is not None:
+        return default_plan(found[1], found[0], tp_size)
+    return traced_plan(module, tp_size, local_heads=True)

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.partition import check_explicit, partition_balanced, partition_uniform
-from lightning_parallel.pipeline.split import check_parameters_inside, find_sequential
+from lightning_parallel.sources.sequential.split import check_parameters_inside, find_sequential
 
 PRE, BLOCK, POST = "pre", "block", "post"
 

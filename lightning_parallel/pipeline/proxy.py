@@ -9,11 +9,9 @@ the pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-
-from torch import nn
 
 
 class CapturedInput(BaseException):
@@ -118,6 +116,16 @@ class PipelinedCall:
         """What the schedule is fed for a captured call (the traced path's stand-in binds keywords)."""
         return captured.args
 
+    def target(self, module: Any) -> Any | None:
+        """The model the call goes to when the step calls it with keywords (a Hugging Face model's
+        ``labels=``, read for token-exact losses), else None: a positional call names no labels."""
+        return None
+
+    def keywords(self, tensors: tuple[Any, ...] | None = None) -> dict[str, Any]:
+        """The training call's keyword arguments for its captured ``tensors`` (None: placeholders); a
+        positional call has none."""
+        return {}
+
     def _replayed_output(self, output: Any) -> Any:
         return output
 
@@ -128,27 +136,3 @@ class PipelinedCall:
             yield
         finally:
             self._mode = previous
-
-
-class PipelinedSequential(nn.Module):
-    """This rank's layers of a split ``nn.Sequential``, keyed by their original child names.
-
-    State-dict keys stay those of the unsplit module (``layers.3.weight``); calling it goes through
-    a :class:`PipelinedCall`.
-
-    Example::
-
-        proxy = PipelinedSequential({"2": block2, "3": block3}, name="layers")
-        module.layers = proxy            # state_dict keys: layers.2.*, layers.3.*
-        with proxy.call.replaying(output):
-            loss = module.training_step(batch, 0)   # self.layers(x) returns `output`
-    """
-
-    def __init__(self, layers: Mapping[str, nn.Module], name: str = "layers") -> None:
-        super().__init__()
-        for child_name, layer in layers.items():
-            self.add_module(child_name, layer)
-        self.call = PipelinedCall(f"the pipelined Sequential `self.{name}`", f"layers {list(layers)}")
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call(*args, **kwargs)

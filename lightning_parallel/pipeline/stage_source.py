@@ -1,17 +1,18 @@
 """The one interface between the pipeline's runtime and where a rank's stages come from.
 
-Two sources implement it: :class:`~lightning_parallel.pipeline.split.SequentialStages` (a top-level
-``nn.Sequential`` cut into stage modules, held for the whole fit) and
-:class:`~lightning_parallel.traced.split.TracedStages` (``forward`` exported once, each stage's graph
-prepared when an input first needs it). The runner (:mod:`lightning_parallel.pipeline.runner`), the
-memory options and the parallelize step call only what is declared here; the strategy picks the
-source once, when it splits the module, and nothing else asks which one it holds.
+Two sources implement it (:mod:`lightning_parallel.sources`): the Sequential path's ``SequentialStages``
+(a top-level ``nn.Sequential`` cut into stage modules, held for the whole fit) and the traced path's
+``TracedStages`` (``forward`` exported once, each stage's graph prepared when an input first needs it).
+The runner (:mod:`lightning_parallel.pipeline.runner`) and the techniques
+(:mod:`lightning_parallel.techniques`) call only what is declared here; the strategy picks the source
+once, when it splits the module, and nothing else asks which one it holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import nn
@@ -19,6 +20,45 @@ from torch.distributed.pipelining import PipelineStage
 
 # Called with (unit name, module) pairs: the units a stage runs, named as the source names them.
 UnitsHook = Callable[[list[tuple[str, nn.Module]]], Any]
+
+
+@dataclass(frozen=True)
+class UnitNaming:
+    """How a source names its units in the plan: ``prefix`` + the unit (``"layers."`` on the Sequential
+    path). ``blocks``: the block list's path (``"h."``) where ``True`` recomputes the blocks only, not the
+    embeddings or the head the first and last stages also call (nothing to gain there).
+
+    Example::
+
+        >>> UnitNaming("layers.").named([("3", None)])
+        [('layers.3', None)]
+    """
+
+    prefix: str = ""
+    blocks: str | None = None
+
+    def named(self, units: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """``units`` named as the plan names them."""
+        return [(self.prefix + name, unit) for name, unit in units]
+
+
+class FirstInput(Protocol):
+    """The pipelined call's input before the training loop runs, as a source reads it to split.
+
+    The strategy's is the module's ``example_input_array`` or its first batch's step run up to the call
+    (``strategies/pipeline/call_input.py``). ``training``: whether the job fits (else it evaluates).
+    """
+
+    training: bool
+
+    def example(self) -> tuple[Any, ...] | None:
+        """The module's ``example_input_array`` as call arguments, or None."""
+        ...
+
+    def capture(self, capture: Any) -> tuple[Any, ...]:
+        """Run the current stage's step on its first batch until ``capture`` (a stand-in with a
+        ``capture(step, *args)`` method) stops it at the pipelined call; that call's arguments."""
+        ...
 
 
 class StageSource(Protocol):
@@ -35,6 +75,7 @@ class StageSource(Protocol):
     """
 
     stage_indices: list[int]  # this rank's stages, in the order build() returns them
+    naming: UnitNaming  # how its units are named in the plan (recomputation, the stage table)
 
     @property
     def needs_example(self) -> bool:
@@ -74,4 +115,22 @@ class StageSource(Protocol):
 
     def use_stage_class(self, cls: type[PipelineStage]) -> None:
         """Build later stages as ``cls`` (a ``PipelineStage`` subclass: FSDP2's deferred reduction)."""
+        ...
+
+    # --- the techniques: each says what to do, the source does it to its own stages
+    def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
+        """Split this rank's stages over the tensor-parallel ``mesh`` as ``plan`` (a ``TensorPlan``) says."""
+        ...
+
+    def run_user_function(self, fn: Callable[..., Any], device_mesh: Any) -> None:
+        """Run a user's ``parallelize_fn(stage_module, device_mesh)`` on each stage module."""
+        ...
+
+    def compile(self, options: dict[str, Any]) -> str:
+        """Compile the stages' blocks in place (``torch.compile``'s keywords); what it compiles, in words."""
+        ...
+
+    def shard(self, mesh: Any | None) -> list[nn.Module]:
+        """Shard each stage with FSDP2 over the data-parallel ``mesh`` (None: shard nothing); the stage
+        modules that are FSDP roots (a stage its user's ``parallelize_fn`` sharded included)."""
         ...

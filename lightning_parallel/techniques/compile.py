@@ -51,6 +51,17 @@ MEMORY_NOTE = (
 estimate from above; the planner prints this note under a compiled plan's table."""
 
 
+def apply(stages: Any, options: CompileOptions) -> str:
+    """Compile this rank's stages (a ``StageSource``: each compiles its blocks, or its programs as they
+    are prepared); what was compiled, in words.
+
+    Example::
+
+        compile.apply(runner.stages, {"dynamic": True})
+    """
+    return stages.compile(options)
+
+
 def block_type(layers: Sequence[nn.Module]) -> type | None:
     """The class of the repeated blocks among ``layers`` (the most frequent class), None if none repeats.
 

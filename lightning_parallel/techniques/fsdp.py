@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,6 +26,36 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.techniques._fsdp_internals import finish_backward
+
+
+def apply(stages: Any, plan: Any, mesh: Any) -> list[nn.Module]:
+    """Shard this rank's stages with FSDP2 when the plan says ``data_parallel="fsdp"``; the stage modules
+    that are FSDP roots (also those a user's ``parallelize_fn`` made roots), whose gradients are then
+    reduced once per optimizer step (:class:`DeferredReduceStage`).
+
+    Raises:
+        ValueError: FSDP2 without a process group (no device mesh).
+
+    Example::
+
+        roots = fsdp.apply(runner.stages, plan, mesh)
+    """
+    if plan.data_parallel == "fsdp" and mesh.device_mesh is None:
+        raise ValueError(
+            'data_parallel="fsdp" needs a process group (a device mesh) and there is none: run '
+            'under a Trainer with the pipeline strategy, or use data_parallel="replicate"'
+        )
+    roots = stages.shard(mesh.data_parallel_mesh() if plan.data_parallel == "fsdp" else None)
+    if roots:
+        stages.use_stage_class(DeferredReduceStage)
+    return roots
+
+
+def describe(mesh: Any) -> str:
+    """The log line for sharded stages: over how many ranks, replicated how many times (HSDP)."""
+    shards, replicas = mesh.layout.dp_shard_size, mesh.layout.dp_replicate_size
+    hybrid = f", replicated {replicas} times (HSDP)" if replicas > 1 else ""
+    return f"each stage sharded with FSDP2 over {shards} ranks{hybrid}"
 
 
 def shard_stage(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = False) -> FSDPModule:

@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_parallel.pipeline.stage_source import StageSource, UnitNaming
 from lightning_parallel.plan.checks import Selection, check_selection
 
 Units = Sequence[tuple[str, nn.Module]]
@@ -137,38 +138,26 @@ def _recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-@dataclass(frozen=True)
-class UnitNaming:
-    """How a source names its units in the plan: ``prefix`` + the unit (``"layers."`` on the Sequential
-    path). ``blocks``: the block list's path (``"h."``) where ``True`` recomputes the blocks only, not the
-    embeddings or the head the first and last stages also call (nothing to gain there)."""
-
-    prefix: str = ""
-    blocks: str | None = None
-
-    def named(self, units: Units) -> list[tuple[str, nn.Module]]:
-        """``units`` named as the plan names them."""
-        return [(self.prefix + name, unit) for name, unit in units]
-
-    def local(self, select: Selection, units: Units) -> Selection:
-        """The part of ``select`` that names ``units`` (already named), ``True`` narrowed to the blocks."""
-        if select is True and self.blocks:
-            return [n for n, _ in units if n.startswith(self.blocks)]
-        if isinstance(select, bool) or callable(select):
-            return select
-        here = {n for n, _ in units}
-        return [n for n in select if n in here]
+def local_selection(select: Selection, naming: UnitNaming, units: Units) -> Selection:
+    """The part of ``select`` that names ``units`` (already named), ``True`` narrowed to the blocks."""
+    if select is True and naming.blocks:
+        return [n for n, _ in units if n.startswith(naming.blocks)]
+    if isinstance(select, bool) or callable(select):
+        return select
+    here = {n for n, _ in units}
+    return [n for n in select if n in here]
 
 
-def apply(stages: Any, select: Selection, naming: UnitNaming, every_unit: Sequence[str]) -> None:
-    """Recompute the selected units of this rank's stages (a ``StageSource``: now, or as each stage is
-    prepared). ``every_unit``: the names of every stage's units, so an unknown name raises the same
-    error on every rank (the plan is the same everywhere).
+def apply(stages: StageSource, select: Selection, every_unit: Sequence[str]) -> None:
+    """Recompute the selected units of this rank's stages (now, or as each stage is prepared).
+    ``every_unit``: the names of every stage's units, so an unknown name raises the same error on every
+    rank (the plan is the same everywhere).
 
     Example::
 
-        recompute.apply(runner.stages, ["h.1"], UnitNaming(blocks="h."), ["h.0", "h.1", "lm_head"])
+        recompute.apply(runner.stages, ["h.1"], ["h.0", "h.1", "lm_head"])
     """
+    naming = stages.naming
     if select is False:
         return
     if not callable(select) and not isinstance(select, bool):
@@ -181,7 +170,7 @@ def apply(stages: Any, select: Selection, naming: UnitNaming, every_unit: Sequen
 
     def wrap(units: Units) -> None:
         named = naming.named(units)
-        apply_activation_checkpointing(named, naming.local(select, named))
+        apply_activation_checkpointing(named, local_selection(select, naming, named))
 
     stages.recompute(wrap)
 

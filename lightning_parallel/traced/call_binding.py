@@ -175,6 +175,17 @@ class TracedCall(PipelinedCall):
     def _replayed_output(self, output: Any) -> Any:
         return self.bindings[self.train].output(output)
 
+    def target(self, module: nn.Module) -> nn.Module | None:
+        if self.path is None or True not in self.bindings:
+            return None
+        return module.get_submodule(self.path) if self.path else module
+
+    def keywords(self, tensors: tuple[Any, ...] | None = None) -> dict[str, Any]:
+        binding = self.bindings.get(self.train) or self.bindings[True]
+        if tensors is None:  # placeholders: which keywords the call passes, not their values
+            tensors = tuple(torch.zeros(1) for c in binding.constants if c is None)
+        return binding.arguments(tensors)[1]
+
 
 def _describe(binding: CallBinding) -> str:
     args, kwargs = binding.arguments(tuple("<tensor>" for c in binding.constants if c is None))

@@ -23,11 +23,14 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomRedu
 
 from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.stage_shapes import StageShapes
+from lightning_parallel.pipeline.stage_source import UnitNaming
 from lightning_parallel.pipeline.twin import to_meta
 from lightning_parallel.plan.checks import CompileOptions
 from lightning_parallel.techniques.compile import OwnInputs, compile_in_place
+from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
 from lightning_parallel.traced.call_binding import CallBinding
 from lightning_parallel.traced.errors import TraceStepFailed, explain, ours, step
+from lightning_parallel.traced.fsdp import ShardedTracedStage, shard_traced_stage
 from lightning_parallel.traced.stage_graphs import point_at, unit_calls
 from lightning_parallel.traced.tensor_parallel import (
     TensorParallelGraph,
@@ -197,7 +200,9 @@ class TracedStages:
         group: Any,
         bindings: Mapping[bool, CallBinding] | None = None,
         warn: Callable[[str], Any] = warnings.warn,
+        naming: UnitNaming | None = None,
     ) -> None:
+        self.naming = naming or UnitNaming()
         self.twin, self.split_points = twin, list(split_points)
         self.bindings = bindings if bindings is not None else {}
         self.stage_indices, self.module, self.aliases = list(stage_indices), module, dict(aliases)
@@ -239,20 +244,29 @@ class TracedStages:
         finally:
             self._merge_weights = None
 
-    # --- what only the traced path's parallelize step sets up
-    def compile_with(self, options: CompileOptions) -> None:
+    # --- the techniques (techniques/parallelize.py calls them in order): set up now, used as each
+    # stage's program is prepared
+    def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
+        """Split this rank's held modules with ``plan``'s styles and run the stages' graphs on DTensors
+        over the tensor-parallel ``mesh`` (see traced/tensor_parallel.py)."""
+        register_missing_shardings()
+        self.tensor_parallel_mesh, self._split_styles = mesh, apply_held_styles(module, plan, mesh)
+
+    def run_user_function(self, fn: Callable[..., Any], device_mesh: Any) -> None:
+        # (refused before the split, with the reason: a traced stage holds no modules of the user's to run)
+        raise RuntimeError("internal error: parallelize_fn reached a traced stage")
+
+    def compile(self, options: CompileOptions) -> str:
         """Compile each stage's program in place once it is prepared (``torch.compile``'s keywords)."""
         self._compile_options = options
+        return f"each stage's program is compiled (torch.compile, {options})"
 
-    def shard_with(self, root: Any) -> None:
-        """Run every stage through ``root``, the stage's FSDP2 root (traced/fsdp.py)."""
-        self.root = root
-
-    def split_over(self, mesh: Any, styles: Mapping[str, Any]) -> None:
-        """Run the stages' graphs on DTensors over the tensor-parallel ``mesh`` (this rank's modules are
-        split with ``styles``, module path -> ParallelStyle: see traced/tensor_parallel.py)."""
-        register_missing_shardings()
-        self.tensor_parallel_mesh, self._split_styles = mesh, dict(styles)
+    def shard(self, mesh: Any | None) -> list[nn.Module]:
+        """Shard this rank's stage as one FSDP2 root holding its modules; every stage runs through it."""
+        if mesh is None:
+            return []
+        self.root = ShardedTracedStage(self.module, self.tensor_parallel_mesh)
+        return [shard_traced_stage(self.root, mesh)]
 
     def step_context(self) -> Any:
         """Around each schedule step (tensor-parallel stages mix plain tensors and DTensors in backward)."""

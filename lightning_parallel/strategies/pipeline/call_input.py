@@ -7,40 +7,37 @@ it. Reading the first batch at strategy setup needs Lightning's private loader h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
 
-from lightning_parallel.pipeline.proxy import CapturedInput, PipelinedCall
 from lightning_parallel.pipeline.step_logs import LogRecorder
-from lightning_parallel.traced.call_binding import TracedCall
 
 
-def example_input(
-    trainer: pl.Trainer, module: pl.LightningModule, call: TracedCall, paths: Sequence[str] = ("",)
-) -> tuple[Any, ...]:
-    """The pipelined call's input to trace at: ``example_input_array``, else captured from the first batch.
+class TrainerInput:
+    """The strategy's :class:`~lightning_parallel.pipeline.stage_source.FirstInput`: what the sources read
+    before the loop runs, from the trainer's current stage.
 
-    ``paths`` are the modules the step may call to run the model (``""``: ``self(...)``; ``"model"``:
-    ``self.model(...)``, a Hugging Face model held by the LightningModule); the first one the step
-    calls is the pipelined call from then on.
+    Example::
+
+        inputs = TrainerInput(trainer, module)
+        args = inputs.example() or inputs.capture(call)    # the pipelined call's arguments
     """
-    call.train = trainer.state.fn == TrainerFn.FITTING
-    example = getattr(module, "example_input_array", None)
-    if example is not None:
-        args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
-        return call.captured_input(CapturedInput(args))
-    for path in paths:
-        call.install(module, path)
-    try:
-        return captured_input(trainer, module, call)
-    finally:
-        for path in paths:
-            call.uninstall(module, path)
+
+    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.trainer, self.module = trainer, module
+        self.training = trainer.state.fn == TrainerFn.FITTING
+
+    def example(self) -> tuple[Any, ...] | None:
+        example = getattr(self.module, "example_input_array", None)
+        if example is None:
+            return None
+        return tuple(example) if isinstance(example, (tuple, list)) else (example,)
+
+    def capture(self, capture: Any) -> tuple[Any, ...]:
+        return captured_input(self.trainer, self.module, capture)
 
 
 def captured_input(trainer: pl.Trainer, module: pl.LightningModule, capture: Any) -> tuple[Any, ...]:
@@ -74,22 +71,3 @@ def first_batch(trainer: pl.Trainer) -> Any:
     elif isinstance(loader, dict):
         loader = next(iter(loader.values()))
     return next(iter(loader))
-
-
-class SequentialCapture:
-    """Stop the user's step at its call of the Sequential (a forward pre-hook) to read that call's input."""
-
-    def __init__(self, seq: nn.Sequential) -> None:
-        self.seq = seq
-
-    def capture(self, step: Any, *args: Any) -> tuple[Any, ...]:
-        call = PipelinedCall("the pipelined Sequential")
-
-        def stop(_mod: nn.Module, inputs: tuple[Any, ...]) -> None:
-            call(*inputs)  # in capture mode: raises CapturedInput(inputs)
-
-        handle = self.seq.register_forward_pre_hook(stop)
-        try:
-            return call.capture(step, *args)
-        finally:
-            handle.remove()

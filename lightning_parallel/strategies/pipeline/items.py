@@ -22,7 +22,6 @@ from torch import nn
 from lightning_parallel.grads.item_weights import ItemCount, ItemWindow, hugging_face_count
 from lightning_parallel.pipeline.microbatches import split_microbatches
 from lightning_parallel.pipeline.proxy import PipelinedCall
-from lightning_parallel.traced.call_binding import CallBinding, TracedCall
 
 
 @dataclass
@@ -45,7 +44,7 @@ class StepItems:
         return self.count is None and self.call_target is not None
 
     def per_microbatch(
-        self, chunks: Sequence[Any], call_args: tuple[Any, ...] | None, binding: CallBinding | None
+        self, chunks: Sequence[Any], call_args: tuple[Any, ...] | None, call: PipelinedCall
     ) -> list[float] | None:
         """The items of each micro-batch: from the batch's ``chunks``, or the call's tensors split alike.
 
@@ -54,10 +53,10 @@ class StepItems:
         if self.count is not None:
             counts = [self.count(chunk) for chunk in chunks]
         else:
-            if call_args is None or binding is None or self.call_target is None:
+            if call_args is None or self.call_target is None:
                 raise RuntimeError("internal error: items counted from a call that was not captured")
             split = split_microbatches(call_args, len(chunks))  # as the schedule splits the call
-            counts = [hugging_face_count(self.call_target, binding.arguments(c)[1]) for c in split]
+            counts = [hugging_face_count(self.call_target, call.keywords(c)) for c in split]
             if any(c is None for c in counts):
                 return None
         return torch.stack([torch.as_tensor(c).reshape(()).double().cpu() for c in counts]).tolist()
@@ -67,11 +66,7 @@ def step_items(module: nn.Module, call: PipelinedCall, count: ItemCount | None) 
     """How this strategy's training steps count items: the user's ``count``, the call's labels, or None."""
     if count is not None:
         return StepItems(count=count)
-    if not isinstance(call, TracedCall) or call.path is None or True not in call.bindings:
-        return None
-    target = module.get_submodule(call.path) if call.path else module
-    binding = call.bindings[True]
-    kwargs = binding.arguments(tuple(torch.zeros(1) for c in binding.constants if c is None))[1]
-    if hugging_face_count(target, kwargs) is None:
+    target = call.target(module)
+    if target is None or hugging_face_count(target, call.keywords()) is None:
         return None
     return StepItems(call_target=target)

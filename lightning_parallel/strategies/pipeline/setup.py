@@ -17,14 +17,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.grads.sync import GradientSync
-from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline
-from lightning_parallel.strategies.pipeline.items import step_items
-from lightning_parallel.strategies.pipeline.parallelize import parallelize_parts, tensor_plan
+from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline, source_for
+from lightning_parallel.strategies.pipeline.call_input import TrainerInput
 from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
 from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
 from lightning_parallel.techniques import recompute, zero
 from lightning_parallel.techniques.compile import CompileWatch
+from lightning_parallel.techniques.parallelize import parallelize as apply_techniques
 
 
 def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelineParts, Any]:
@@ -36,13 +36,15 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
     refuse_compiled_module(module)  # (every rank holds the same module)
     if fitting:
         summarize_before_split(trainer, module, strategy)  # the whole model's table
+    source = source_for(module, plan)
     with failing_together():
-        tensors = tensor_plan(module, plan)
-    parts = build_pipeline(plan, trainer, module, strategy.layout, strategy.root_device, strategy._mesh)
-    naming = parts.glue.naming
-    every_unit = [naming.prefix + u for stage in parts.plan.stages for u in stage.units]
-    recompute.apply(parts.runner.stages, plan.activation_checkpointing, naming, every_unit)
-    parts.items = step_items(module, parts.call, strategy._item_count)
+        tensors = source.tensor_plan(module, plan)  # (read on the unsplit module)
+    inputs, mesh = TrainerInput(trainer, module), strategy._mesh
+    parts = build_pipeline(
+        source, plan, inputs, module, mesh, strategy.root_device, rank_zero_warn, strategy._item_count
+    )
+    every_unit = [parts.runner.stages.naming.prefix + u for stage in parts.plan.stages for u in stage.units]
+    recompute.apply(parts.runner.stages, plan.activation_checkpointing, every_unit)
     rank_zero_info(f"PipelineStrategy stage plan ({plan.schedule}):\n{parts.plan.format_table()}")
     return parts, tensors
 
@@ -53,7 +55,12 @@ def parallelize(
     """After the split: the techniques on this rank's stages; the optimizer step's gradient sync, and
     the watch on torch.compile (when the stages are compiled)."""
     plan, module = strategy.parallel_plan, strategy.lightning_module
-    parallelize_parts(parts, plan, module, tensors)
+    before = dict(module.named_parameters())
+    done = apply_techniques(parts.runner.stages, plan, parts.mesh, module, tensors)
+    after = dict(module.named_parameters())
+    parts.parallelized(done.roots, {id(p): after[n] for n, p in before.items() if after.get(n, p) is not p})
+    for note in done.notes:
+        rank_zero_info(f"PipelineStrategy: {note}")
     watch = None
     if plan.compile is not None:
         watch = CompileWatch(rank_zero_warn, rank_zero_info)

@@ -177,8 +177,7 @@ class _Step:
         """Each micro-batch's items, or None when this step does not count items."""
         if self.items is None:
             return None
-        binding = getattr(self.call, "bindings", {}).get(self.call.train)
-        return self.items.per_microbatch(chunks, self.stage_args, binding)
+        return self.items.per_microbatch(chunks, self.stage_args, self.call)
 
     def _in_scope(self, step: Any) -> Any:
         """The user's step, marked as step code while it runs; an error it raises in replay is kept.

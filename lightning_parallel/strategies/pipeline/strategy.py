@@ -274,8 +274,7 @@ class PipelineStrategy(
             self.parts, tensors = pipeline_setup.split(self, trainer, fitting)
             self._register_release()
         self.precision_plugin.convert_module(self.model)
-        if self.parts.twin is not None:
-            self.parts.twin = self.precision_plugin.convert_module(self.parts.twin)
+        self.precision_plugin.convert_module(self.parts.twin)  # (in place, as for the model)
         self.model_to_device()
         if first:
             self._sync, self._compile_watch = pipeline_setup.parallelize(self, self.parts, tensors)

@@ -7,32 +7,33 @@ checked against torch.export of the user's module before it is reported (traced/
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.pipeline.blocks import find_block_list
+from lightning_parallel.pipeline.materialize import materialize
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.microbatches import first_microbatch, microbatch_count
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
 from lightning_parallel.pipeline.profile import block_times
+from lightning_parallel.pipeline.proxy import CapturedInput
 from lightning_parallel.pipeline.runner import PipelineRunner
-from lightning_parallel.pipeline.split import materialize
-from lightning_parallel.pipeline.twin import meta_twin, to_meta
+from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming
+from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.strategies.pipeline.call_input import example_input
-from lightning_parallel.strategies.pipeline.plan import measured, stage_plan, units_per_stage
-from lightning_parallel.strategies.pipeline.source_glue import TracedGlue
-from lightning_parallel.techniques.recompute import UnitNaming
+from lightning_parallel.sources.split_result import SplitResult
+from lightning_parallel.sources.stage_plan import measured, stage_plan, units_per_stage
+from lightning_parallel.strategies.pipeline.refusals import refuse_traced_parallelize
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, traced_plan
 from lightning_parallel.traced.call_binding import CallBinding, TracedCall, bound_forward
 from lightning_parallel.traced.errors import TraceStepFailed, explain, export_check, ours
 from lightning_parallel.traced.split import (
@@ -43,45 +44,73 @@ from lightning_parallel.traced.split import (
     keep_only,
 )
 from lightning_parallel.traced.stage_graphs import stage_contents
+from lightning_parallel.traced.tensor_parallel import style_layouts
 from lightning_parallel.traced.trace import call_order, trace
 
 
-def traced_path(
-    config: ParallelPlan,
-    trainer: pl.Trainer,
-    module: pl.LightningModule,
-    mesh: PipelineMesh,
-    aliases: dict[str, str],
-    device: torch.device,
-) -> tuple[StagePlan, PipelineRunner, TracedCall, nn.Module, TracedGlue]:
-    num_stages = mesh.pp_size * config.stages_per_rank
-    naming = _unit_naming(module)  # (on the unsplit module)
-    with failing_together():
-        found = _traceable(config, trainer, module, mesh.pp_size, num_stages, device)
-    costs, unit = None, ""
-    if found.blocks and config.partition in ("parameters", "time"):
-        costs, unit = _block_costs(config, module, found)
-    with failing_together():
-        points, stage_cost = found.points, None
-        if found.blocks:
-            what = ("blocks", f"`{found.block_path}`")
-            counts = units_per_stage(config.partition, costs, len(found.blocks), num_stages, what)
-            blocks = [f"{found.block_path}.{found.blocks[sum(counts[:s])]}" for s in range(1, num_stages)]
-            points = [block_entry(found.order, b) for b in blocks]
-            stage_cost = costs and stage_costs(costs, counts)
-        if mesh.pp_size == 1 and config.stages_per_rank > 1:
-            # Adjacent stages on one rank: torch 2.13 trains them, but its evaluation step fails there
-            # ("can't steal_bwd_input if this stage doesn't have backward").
-            # torch workaround: no upstream issue found
-            #   canary: test_torch_runs_a_forward_only_step_of_adjacent_stages_on_one_rank
-            raise ValueError(
-                f"stages_per_rank={config.stages_per_rank} on one pipeline rank is not supported for a "
-                f"traced forward: use pipeline_size >= 2 to interleave, or stages_per_rank=1"
+class TracedSource:
+    """Any other module: its ``forward`` traced with torch.export and split at its blocks (or
+    ``split_points``).
+
+    Example::
+
+        source = TracedSource()
+        split = source.build(plan, inputs, gpt, mesh, device, warn)   # this rank's stages
+    """
+
+    def tensor_plan(self, module: nn.Module, plan: ParallelPlan) -> TensorPlan | None:
+        """The user's plan, else a Hugging Face model's own ``base_model_tp_plan``, else the default plan of
+        the block list; every style checked to be one a traced stage can place. None without tp."""
+        if plan.tensor_parallel_size == 1:
+            return None
+        tensors = traced_plan(module, plan.tensor_parallel_size, plan.tensor_parallel_plan)
+        for path, style in tensors.styles.items():
+            style_layouts(style, path)
+        return tensors
+
+    def build(
+        self,
+        plan: ParallelPlan,
+        inputs: FirstInput,
+        module: nn.Module,
+        mesh: PipelineMesh,
+        device: torch.device,
+        warn: Callable[[str], Any],
+    ) -> SplitResult:
+        """Trace, plan and keep this rank's tensors (every rank calls it: errors are raised by all)."""
+        with failing_together():
+            refuse_traced_parallelize(plan)
+        aliases = alias_table(module)
+        num_stages = mesh.pp_size * plan.stages_per_rank
+        naming = _unit_naming(module)  # (on the unsplit module)
+        with failing_together():
+            found = _traceable(plan, inputs, module, mesh.pp_size, num_stages, device)
+        costs, unit = None, ""
+        if found.blocks and plan.partition in ("parameters", "time"):
+            costs, unit = _block_costs(plan, module, found)
+        with failing_together():
+            points, stage_cost = found.points, None
+            if found.blocks:
+                what = ("blocks", f"`{found.block_path}`")
+                counts = units_per_stage(plan.partition, costs, len(found.blocks), num_stages, what)
+                blocks = [f"{found.block_path}.{found.blocks[sum(counts[:s])]}" for s in range(1, num_stages)]
+                points = [block_entry(found.order, b) for b in blocks]
+                stage_cost = costs and stage_costs(costs, counts)
+            if mesh.pp_size == 1 and plan.stages_per_rank > 1:
+                # Adjacent stages on one rank: torch 2.13 trains them, but its evaluation step fails there
+                # ("can't steal_bwd_input if this stage doesn't have backward").
+                # torch workaround: no upstream issue found
+                #   canary: test_torch_runs_a_forward_only_step_of_adjacent_stages_on_one_rank
+                raise ValueError(
+                    f"stages_per_rank={plan.stages_per_rank} on one pipeline rank is not supported for a "
+                    f"traced forward: use pipeline_size >= 2 to interleave, or stages_per_rank=1"
+                )
+            style = placement(plan.schedule)
+            stages_plan, stages = _traced_split(
+                module, found, points, mesh, aliases, device, stage_cost, unit, style, warn, naming
             )
-        style = placement(config.schedule)
-        plan, stages = _traced_split(module, found, points, mesh, aliases, device, stage_cost, unit, style)
-    runner = PipelineRunner(stages, plan.num_stages, config.schedule, config.num_microbatches)
-    return plan, runner, found.call, found.twin, TracedGlue(stages, naming)
+        runner = PipelineRunner(stages, stages_plan.num_stages, plan.schedule, plan.num_microbatches)
+        return SplitResult(stages_plan, runner, found.call, found.twin)
 
 
 def _unit_naming(module: nn.Module) -> UnitNaming:
@@ -134,8 +163,8 @@ def _what(call: TracedCall) -> str:
 
 def _traceable(
     config: ParallelPlan,
-    trainer: pl.Trainer,
-    module: pl.LightningModule,
+    inputs: FirstInput,
+    module: nn.Module,
     pp_size: int,
     num_stages: int,
     device: torch.device,
@@ -143,7 +172,7 @@ def _traceable(
     _check_traceable(module)
     twin = meta_twin(module)
     call = TracedCall(f"`self(...)` ({type(module).__name__}.forward)")
-    args = example_input(trainer, module, call, _call_paths(module, config))
+    args = example_input(inputs, module, call, _call_paths(module, config))
     if call.path:
         call.what = f"`self.{call.path}(...)` ({type(module.get_submodule(call.path)).__name__}.forward)"
     count = microbatch_count(samples_in(args) or 1, config.num_microbatches)
@@ -164,7 +193,7 @@ def _traceable(
 
 
 def _traced_split(
-    module: pl.LightningModule,
+    module: nn.Module,
     found: _Traceable,
     points: list[str],
     mesh: PipelineMesh,
@@ -172,7 +201,9 @@ def _traced_split(
     device: torch.device,
     costs: list[float] | None,
     unit: str,
-    style: str = "loop",
+    style: str,
+    warn: Callable[[str], Any],
+    naming: UnitNaming,
 ) -> tuple[StagePlan, TracedStages]:
     """Trace at the split points, plan, keep this rank's tensors, and put the stand-in in ``forward``."""
     pipe = found.trace(module, points)
@@ -189,7 +220,7 @@ def _traced_split(
     found.call.install(module, found.call.path)  # self(x) in the user's steps now goes through the pipeline
     stages = TracedStages(
         found.twin, points, indices, module, aliases, device, mesh.pp_group, found.call.bindings,
-        warn=rank_zero_warn,
+        warn, naming,
     )  # fmt: skip
     if found.call.train:
         stages.keep_for_later(True, found.example, pipe)
@@ -246,9 +277,7 @@ def _is_parameter(module: nn.Module, path: str) -> bool:
     return leaf in module.get_submodule(owner)._parameters
 
 
-def _block_costs(
-    config: ParallelPlan, module: pl.LightningModule, found: _Traceable
-) -> tuple[list[float], str]:
+def _block_costs(config: ParallelPlan, module: nn.Module, found: _Traceable) -> tuple[list[float], str]:
     paths = [f"{found.block_path}.{b}" for b in found.blocks]
     if config.partition == "parameters":
         costs = [float(sum(p.numel() for p in found.twin.get_submodule(p).parameters())) for p in paths]
@@ -265,3 +294,25 @@ def _block_costs(
         return [1000.0 * t for t in block_times(module, found.args, paths)]
 
     return measured(measure), "ms fwd+bwd"
+
+
+def example_input(
+    inputs: FirstInput, module: nn.Module, call: TracedCall, paths: Sequence[str] = ("",)
+) -> tuple[Any, ...]:
+    """The pipelined call's input to trace at: ``example_input_array``, else captured from the first batch.
+
+    ``paths`` are the modules the step may call to run the model (``""``: ``self(...)``; ``"model"``:
+    ``self.model(...)``, a Hugging Face model held by the LightningModule); the first one the step
+    calls is the pipelined call from then on.
+    """
+    call.train = inputs.training
+    example = inputs.example()
+    if example is not None:
+        return call.captured_input(CapturedInput(example))
+    for path in paths:
+        call.install(module, path)
+    try:
+        return inputs.capture(call)
+    finally:
+        for path in paths:
+            call.uninstall(module, path)

@@ -16,27 +16,20 @@ import copy
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_parallel.pipeline.split import find_sequential
-from lightning_parallel.techniques.tensor_parallel.plan import default_plan, traced_plan
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan
 
 
-def local_model(module: nn.Module, tp_size: int) -> nn.Module:
-    """A copy of ``module`` computing what one of ``tp_size`` tensor-parallel ranks computes.
-
-    Raises:
-        ValueError: a block the default plan cannot split (its error, naming the module).
+def local_model(module: nn.Module, plan: TensorPlan, tp_size: int) -> nn.Module:
+    """A copy of ``module`` computing what one of ``tp_size`` tensor-parallel ranks computes under ``plan``
+    (the traced path's plan with the head counts of one rank: a Hugging Face attention reads -1).
 
     Example::
 
-        facts = measure_model(local_model(model, 2), batch)   # as measure_model(..., tensor_parallel_size=2)
+        local = local_model(model, default_plan(model.layers, "layers", 2), 2)
+        facts = measure_model(local, batch)   # as measure_model(..., tensor_parallel_size=2)
     """
     if tp_size == 1:
         return module
-    found = find_sequential(module)
-    if found is not None:
-        plan = default_plan(found[1], found[0], tp_size)
-    else:  # the traced path's plan, with the head counts of one rank (a Hugging Face attention reads -1)
-        plan = traced_plan(module, tp_size, local_heads=True)
     local = copy.deepcopy(module)
     for path, style in plan.styles.items():
         parent_path, _, name = path.rpartition(".")
