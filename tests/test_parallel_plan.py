@@ -63,6 +63,11 @@ def test_sizes_follow_the_devices():
         ({"strategy": "single_device", "devices": 2}, ValueError, "runs on one device, got devices=2"),
         ({"strategy": "ddp", "data_parallel": "fsdp"}, ValueError, "shards the stages of a pipeline"),
         ({"parallelize_fn": 3}, TypeError, "parallelize_fn must be a callable"),
+        ({"offload": "optimiser"}, TypeError, "did you mean 'optimizer'"),
+        ({"offload": "parameters"}, ValueError, "offload='parameters' is FSDP2's offload"),
+        ({"offload": "optimizer", "data_parallel": "fsdp"}, ValueError, "pass offload='parameters'"),
+        ({"strategy": "ddp", "offload": "optimizer"}, ValueError, "offload runs under PipelineStrategy"),
+        ({"offload_pin_memory": "yes"}, TypeError, "offload_pin_memory must be True, False or None"),
     ],
 )
 def test_each_bad_setting_is_refused_with_the_fix(kwargs, error, message):
@@ -99,6 +104,16 @@ def test_a_planner_row_is_a_plan_the_strategy_runs():
     assert ddp.code() == "Trainer(strategy='ddp', devices=8)"
     with pytest.raises(ValueError, match="is not a PipelineStrategy: use Trainer"):
         PipelineStrategy.from_plan(ddp)
+
+
+def test_offload_names_what_lives_on_the_host():
+    assert ParallelPlan(offload="optimizer").offload == ("optimizer",)
+    fsdp = ParallelPlan(
+        devices=4, pipeline_size=2, data_parallel="fsdp", offload=["parameters", "activations"]
+    )
+    assert fsdp.offload == ("activations", "optimizer", "parameters")  # FSDP2's offload takes the state
+    assert fsdp.label() == "pp 2x2 1f1b m=4 +fsdp +offload act,param"
+    assert ParallelPlan(offload=None).offload == () == ParallelPlan().offload
 
 
 def test_each_choice_list_is_defined_once():

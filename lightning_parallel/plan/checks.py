@@ -14,6 +14,7 @@ from torch import nn
 from lightning_parallel._options import unknown_option_error
 from lightning_parallel.plan.choices import (
     DATA_PARALLEL,
+    OFFLOAD_TARGETS,
     PARTITION_METHODS,
     SPLIT_BACKWARD_SCHEDULES,
     V_SCHEDULES,
@@ -222,3 +223,44 @@ def checked_split_points(split_points: Any, partition: Any, module_name: Any) ->
             "split_points"
         )
     return tuple(split_points)
+
+
+def checked_offload(offload: Any, data_parallel: str) -> tuple[str, ...]:
+    """What lives on the host, as a sorted tuple of :data:`OFFLOAD_TARGETS` (a name or a list of names).
+
+    ``"parameters"`` is FSDP2's offload, which takes the optimizer state with it (all or nothing): it
+    implies ``"optimizer"`` and needs ``data_parallel="fsdp"``; an FSDP2 stage cannot offload its
+    optimizer state alone.
+
+    Example::
+
+        >>> checked_offload("optimizer", "replicate")
+        ('optimizer',)
+        >>> checked_offload(["parameters"], "fsdp")
+        ('optimizer', 'parameters')
+    """
+    if offload is None or offload is False:
+        return ()
+    names = (offload,) if isinstance(offload, str) else offload
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"offload must be one of {', '.join(map(repr, OFFLOAD_TARGETS))} or a list of them, got "
+            f"{offload!r}"
+        )
+    for name in names:
+        if name not in OFFLOAD_TARGETS:
+            raise unknown_option_error("PipelineStrategy(offload=...)", name, OFFLOAD_TARGETS)
+    chosen = set(names) | ({"optimizer"} if "parameters" in names else set())
+    if "parameters" in chosen and data_parallel != "fsdp":
+        raise ValueError(
+            f"offload='parameters' is FSDP2's offload of each stage's sharded parameters and gradients, but "
+            f"data_parallel={data_parallel!r}: use data_parallel='fsdp', or offload='optimizer' (the "
+            f"optimizer state and its step on the host)"
+        )
+    if data_parallel == "fsdp" and "optimizer" in chosen and "parameters" not in chosen:
+        raise ValueError(
+            "data_parallel='fsdp' offloads the optimizer state only together with the sharded parameters "
+            "and gradients (FSDP2's CPUOffloadPolicy is all or nothing, pytorch#187615): pass "
+            "offload='parameters', or use data_parallel='replicate' or 'zero1' with offload='optimizer'"
+        )
+    return tuple(sorted(chosen))

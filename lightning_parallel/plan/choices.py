@@ -27,6 +27,11 @@ SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 DATA_PARALLEL = ("replicate", "zero1", "fsdp")
 """How the data-parallel ranks of a stage share it: whole replicas, sharded optimizer state, FSDP2."""
 
+OFFLOAD_TARGETS = ("optimizer", "parameters", "activations")
+"""What can live on the host: the optimizer state and its step (gradients in, parameters out, once per
+step), an FSDP2 stage's sharded parameters and gradients (FSDP2's CPUOffloadPolicy, which takes the
+optimizer state with them), and the saved activations of the micro-batches in flight."""
+
 PARTITION_METHODS = ("uniform", "parameters", "time")
 """How stages are balanced (or an explicit list of layer/block counts per stage)."""
 

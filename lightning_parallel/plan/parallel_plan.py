@@ -24,6 +24,7 @@ from lightning_parallel.plan.checks import (
     check_tensor_parallel,
     checked_compile_options,
     checked_data_parallel,
+    checked_offload,
     checked_partition,
     checked_split_points,
     checked_stages_per_rank,
@@ -88,6 +89,15 @@ class ParallelPlan:
             recompile limit reached is warned. Not with the schedules that split backward
             (``"interleaved_zero_bubble"``, ``"zbv"``, ``"dualpipev"``) nor with
             ``tensor_parallel_size > 1``: refused, with the reason.
+        offload: what lives on the host instead of the device (``"optimizer"``, ``"parameters"``,
+            ``"activations"``, or a list of them): ``"optimizer"`` keeps the optimizer state and runs
+            its step on the host (the gradients reach the host once per optimizer step, the updated
+            parameters return once), for replicas and ZeRO-1; ``"parameters"`` is FSDP2's offload
+            (``data_parallel="fsdp"``: each stage's sharded parameters, gradients and optimizer state on
+            the host, the step there too); ``"activations"`` keeps what the micro-batches in flight save
+            for backward on the host (what recomputation keeps, with it).
+        offload_pin_memory: page-locked host memory for the copies (``None``: when the stages run on
+            an accelerator; a CPU-only build cannot pin).
         precision: the Trainer's precision the plan is sized for (``None``: the Trainer's own).
         accumulate_grad_batches: batches per optimizer step, as the Trainer's (sized by the planner;
             the strategy runs the Trainer's).
@@ -132,6 +142,8 @@ class ParallelPlan:
     tensor_parallel_size: int = 1
     tensor_parallel_plan: Mapping[str, Any] | None = None
     compile: CompileOptions | bool | None = None
+    offload: tuple[str, ...] | str | None = ()
+    offload_pin_memory: bool | None = None
     precision: str | None = None
     accumulate_grad_batches: int = 1
     module_name: str | None = None
@@ -164,6 +176,11 @@ class ParallelPlan:
         if self.tensor_parallel_plan is not None:
             self._set("tensor_parallel_plan", dict(self.tensor_parallel_plan))
         self._set("compile", checked_compile_options(self.compile))
+        self._set("offload", checked_offload(self.offload, self.data_parallel))
+        if self.offload_pin_memory is not None and not isinstance(self.offload_pin_memory, bool):
+            raise TypeError(
+                f"offload_pin_memory must be True, False or None, got {self.offload_pin_memory!r}"
+            )
         check_compile(self.compile, self.schedule, self.tensor_parallel_size)
         self._set("split_points", checked_split_points(self.split_points, self.partition, self.module_name))
         if self.parallelize_fn is not None and not callable(self.parallelize_fn):
@@ -200,6 +217,11 @@ class ParallelPlan:
             raise ValueError(
                 f"data_parallel='fsdp' shards the stages of a pipeline, but strategy={self.strategy!r}: use "
                 f"strategy='pipeline' (pipeline_size=1 for FSDP alone)"
+            )
+        if self.offload:
+            raise ValueError(
+                f"offload runs under PipelineStrategy, but strategy={self.strategy!r}: use "
+                f"strategy='pipeline' (pipeline_size=1 for one device or pure data parallelism)"
             )
         for name, value in (("pipeline_size", 1), ("num_microbatches", 1), ("stages_per_rank", 1)):
             self._set(name, value)
@@ -298,6 +320,10 @@ class ParallelPlan:
             flags += f" +hsdp {replicas}x{self.shard_size}" if replicas > 1 else " +fsdp"
         flags += f" tp={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         flags += " +compile" if self.compiled else ""
+        if self.offload:
+            short = {"optimizer": "opt", "parameters": "param", "activations": "act"}
+            shown = [short[t] for t in self.offload if t != "optimizer" or "parameters" not in self.offload]
+            flags += f" +offload {','.join(shown)}"
         shape = f"{self._pipeline_ranks}x{self.data_parallel_size}"
         return f"pp {shape} {self.schedule}{v} m={self.num_microbatches}{flags}"
 

@@ -136,6 +136,8 @@ class PipelineStrategy(
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
         compile: bool | dict[str, Any] = False,
+        offload: str | list[str] | None = None,
+        offload_pin_memory: bool | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         stop_grace_period: float | timedelta = DEFAULT_GRACE,
         timeout: timedelta | None = default_pg_timeout,
