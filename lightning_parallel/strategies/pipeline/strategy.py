@@ -51,7 +51,8 @@ from lightning_parallel.strategies.pipeline.refusals import (
     refuse_unsupported_callbacks,
 )
 from lightning_parallel.strategies.pipeline.release import ReleaseAtExit
-from lightning_parallel.strategies.pipeline.step import count_predict_batches, run_step
+from lightning_parallel.strategies.pipeline.step import run_step
+from lightning_parallel.strategies.pipeline.step_results import count_predict_batches
 from lightning_parallel.strategies.pipeline.stop import (
     StopAgreement,
     StopHooks,
