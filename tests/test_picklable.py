@@ -25,6 +25,7 @@ from lightning_parallel import (
     EvalDistributedSampler,
     GradientAccumulationScheduler,
     HangWatchdog,
+    ParallelPlan,
     PipelineStrategy,
     PipelineTimeline,
     Rank0Checkpoint,
@@ -65,7 +66,11 @@ CASES = {
     "HangWatchdog": (lambda: HangWatchdog(timeout=60, report_path="hang.txt"), lambda o: o.report_path),
     "PipelineStrategy": (
         lambda: PipelineStrategy(pipeline_size=2, num_microbatches=8, schedule="gpipe", start_method="spawn"),
-        lambda o: o.config,
+        lambda o: o.parallel_plan,
+    ),
+    "ParallelPlan": (
+        lambda: ParallelPlan(pipeline_size=2, data_parallel="zero1", activation_checkpointing=["h.1"]),
+        lambda o: o.code(),
     ),
     "PipelineTimeline": (lambda: PipelineTimeline(steps=[3, 4], dirpath="timeline"), lambda o: o.steps),
     "Rank0Checkpoint": (

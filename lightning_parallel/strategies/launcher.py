@@ -191,7 +191,7 @@ class PipelineMultiProcessingLauncher(CleanExitMultiProcessingLauncher):
         if args:  # Lightning's fit/validate/test/predict pass the (unwrapped) LightningModule first
             refuse_compiled_module(args[0])
         if self._start_method in ("spawn", "forkserver"):
-            refuse_unpicklable_options(self._strategy.config)
+            refuse_unpicklable_options(self._strategy.parallel_plan)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -215,7 +215,7 @@ class PipelineMultiProcessingLauncher(CleanExitMultiProcessingLauncher):
         super()._recover_results_in_main_process(worker_output, trainer)
 
 
-def refuse_unpicklable_options(config: Any) -> None:
+def refuse_unpicklable_options(plan: Any) -> None:
     """Raise ``pickle.PicklingError`` naming a PipelineStrategy function option that cannot be pickled.
 
     A spawn or forkserver launch pickles the strategy with the Trainer; pickle's own error would name
@@ -223,9 +223,9 @@ def refuse_unpicklable_options(config: Any) -> None:
 
     Example::
 
-        refuse_unpicklable_options(strategy.config)   # before the launch pickles the Trainer
+        refuse_unpicklable_options(strategy.parallel_plan)   # before the launch pickles the Trainer
     """
     for name in ("parallelize_fn", "activation_checkpointing"):
-        value = getattr(config, name)
+        value = getattr(plan, name)
         if callable(value):
             check_picklable(value, f"PipelineStrategy({name}={{}})")
