@@ -600,6 +600,48 @@ def compile_bench(rows: Rows) -> str:
     return _table(header, body) + note
 
 
+def trace_share(rows: Rows) -> str:
+    header = ["model", "ranks", "variant", "repeats", "exports, loads"]
+    names = {"trace_cpu_s": "trace CPU", "setup_cpu_s": "setup CPU", "first_step_s": "first step"}
+    for name in names.values():
+        header += [f"{name} s" + (" per node" if "CPU" in name else ""), f"{name}: ratio to every rank"]
+    body = []
+    for r in rows:
+        cells = [r["model"], r["ranks"], r["variant"].replace("_", " "), r["repeats"]]
+        cells.append(f"{_f(r['exports'], 0)}, {_f(r['received'], 0)}")
+        for key in names:
+            ratio, words = f"{key}_ratio", dict(higher_is_better=False, words=("less", "more"))
+            shared = r["variant"] == "shared"
+            cells += [
+                timed_col(r, key, 2),
+                timed_col(r, ratio, 2, _verdict(r, ratio, **words)) if shared else "-",
+            ]
+        body.append(cells)
+    return _table(header, body) + (
+        "\n\nOne training step under `PipelineStrategy(pipeline_size=ranks)`, the traced forward exported by "
+        "every rank (as before) or once, by rank 0, the others loading its program (`traced/share.py`); "
+        "interleaved in one job per rank count. Trace CPU: exporting, pickling and loading programs, summed "
+        "over the ranks; setup CPU: every rank's from `fit()` to the end of the first step, summed; first "
+        "step: `fit()` to the end of the first step on the slowest rank. The ratios are against every rank "
+        "exporting, taken within each repeat."
+    )
+
+
+def trace_share_transport(rows: Rows) -> str:
+    header = ["model", "repeats", "export CPU s", "GraphPickler MB", "pickle CPU s", "its load CPU s",
+              "torch.export.save MB", "save CPU s", "torch.export.load CPU s"]  # fmt: skip
+    body = [
+        [r["model"], r["repeats"], timed_col(r, "export_cpu_s", 2), _f(r["pickle_mb"], 2),
+         timed_col(r, "pickle_cpu_s", 2), timed_col(r, "unpickle_cpu_s", 2), _f(r["save_mb"], 2),
+         timed_col(r, "save_cpu_s", 2), timed_col(r, "load_cpu_s", 2)]
+        for r in rows
+    ]  # fmt: skip
+    return _table(header, body) + (
+        "\n\nIn one process: the program of one export moved both ways, what a receiving rank pays against "
+        "exporting it itself."
+    )
+
+
 QUESTIONS = (
     Question(
         "Pipeline overhead: the Trainer against a hand-driven schedule",
@@ -667,4 +709,9 @@ QUESTIONS = (
         (tensor_parallel,),
     ),
     Question("Compiled stages: PipelineStrategy(compile=True) against eager", "compile", (compile_bench,)),
+    Question(
+        "Tracing once per job: one rank exports the traced forward for all, against every rank",
+        "trace_share",
+        (trace_share, trace_share_transport),
+    ),
 )

@@ -33,7 +33,7 @@ def ex() -> ModuleType:
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(EXPERIMENTS))
         names = ("_repeats", "_harness", "bench_metric_sync", "bench_pipeline", "scaling_charlm")
-        names += ("bench_hf_pipeline", "bench_compile")
+        names += ("bench_hf_pipeline", "bench_compile", "bench_trace_share")
         yield _namespace({n: importlib.import_module(n) for n in names})
 
 
@@ -263,6 +263,29 @@ def test_hf_pipeline_rows_take_each_variant_from_its_rank_and_ratios_per_repeat(
     # A step without a loss shows as NaN instead of vanishing in max().
     nan = hf.result_rows([*one, *[{**s, "losses": [2.0, float("nan")]} for s in pipe]], 2, 4)
     assert nan[1]["max_loss_diff"] == "nan"
+
+
+def test_trace_share_rows_sum_cpu_over_ranks_and_take_the_slowest_first_step(ex):
+    ts = ex.bench_trace_share
+
+    def sample(rep: int, variant: str, rank: int) -> dict:
+        shared = variant == "gpt/shared"
+        cpu = (2.0 if rank == 0 else 0.5) if shared else 2.0
+        mb = 0.15 if shared and rank == 0 else 0.0
+        return {"repeat": rep, "variant": variant, "position": 0, "trace_cpu_s": cpu, "setup_cpu_s": cpu + 1,
+                "first_step_s": 3.0 + rank + rep, "exports": int(rank == 0 or not shared),
+                "received": int(rank > 0 and shared), "program_mb": mb}  # fmt: skip
+
+    ranks = [
+        [sample(r, v, rank) for r in range(5) for v in ("gpt/every_rank", "gpt/shared")] for rank in range(2)
+    ]
+    fits = ts.per_node(ranks, 2)
+    assert len(fits) == 10 and fits[1]["first_step_s"] == 4.0 and fits[1]["trace_cpu_s"] == 2.5
+    rows = {r["variant"]: r for r in ts.result_rows(fits)}
+    shared, every = rows["shared"], rows["every_rank"]
+    assert (every["trace_cpu_s"], shared["trace_cpu_s"], shared["trace_cpu_s_ratio"]) == (4.0, 2.5, 0.625)
+    assert shared["first_step_s_ratio"] == shared["first_step_s_ratio_max"] == 1.0
+    assert (shared["exports"], shared["received"], every["exports"]) == (1, 1, 2)
 
 
 def test_compile_rows_take_ratios_per_repeat_and_the_cold_compile_apart(ex):

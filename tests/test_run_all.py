@@ -280,6 +280,32 @@ KEY_COLUMNS = {
         "compile_s_max",
         "first_compile_s",
     ],
+    "trace_share": [
+        "trace_cpu_s",
+        "trace_cpu_s_max",
+        "trace_cpu_s_ratio",
+        "trace_cpu_s_ratio_min",
+        "setup_cpu_s",
+        "setup_cpu_s_ratio",
+        "first_step_s",
+        "first_step_s_min",
+        "first_step_s_ratio",
+        "first_step_s_ratio_max",
+        "exports",
+        "received",
+    ],
+    "trace_share_transport": [
+        "export_cpu_s",
+        "export_cpu_s_max",
+        "pickle_mb",
+        "pickle_cpu_s",
+        "unpickle_cpu_s",
+        "unpickle_cpu_s_min",
+        "save_mb",
+        "save_cpu_s",
+        "load_cpu_s",
+        "load_cpu_s_max",
+    ],
     "scaling_charlm": [
         "samples_per_s",
         "samples_per_s_min",
@@ -409,6 +435,8 @@ TIMED_TABLES = {
     "checkpoint_bench",
     "scaling_charlm",
     "hf_pipeline",
+    "trace_share",
+    "trace_share_transport",
 }
 
 

@@ -13,6 +13,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from lightning_parallel.techniques.tensor_parallel.apply import apply_held_style
 from lightning_parallel.traced.call_binding import CallBinding
 from lightning_parallel.traced.errors import TraceStepFailed, explain, ours, step
 from lightning_parallel.traced.fsdp import ShardedTracedStage, shard_traced_stage
+from lightning_parallel.traced.share import ProgramShare
 from lightning_parallel.traced.stage_graphs import point_at, unit_calls
 from lightning_parallel.traced.tensor_parallel import (
     TensorParallelGraph,
@@ -178,6 +180,9 @@ class TracedStages:
         bindings: how the user's step calls the traced module, per mode (training: True), kept up to
             date by the stand-in (:class:`~lightning_parallel.traced.call_binding.TracedCall`).
         warn: how to say that a shape is traced again (``rank_zero_warn`` in the strategy).
+        share: the ranks that build the same stages at the same points (the pipeline ranks of one
+            replica: they see the same batches), which then take one export from the first of them
+            (:class:`~lightning_parallel.traced.share.ProgramShare`); ``None``: this rank exports.
 
     Example::
 
@@ -201,9 +206,11 @@ class TracedStages:
         bindings: Mapping[bool, CallBinding] | None = None,
         warn: Callable[[str], Any] = warnings.warn,
         naming: UnitNaming | None = None,
+        share: ProgramShare | None = None,
     ) -> None:
         self.naming = naming or UnitNaming()
         self.twin, self.split_points = twin, list(split_points)
+        self.share = share
         self.bindings = bindings if bindings is not None else {}
         self.stage_indices, self.module, self.aliases = list(stage_indices), module, dict(aliases)
         self.device, self.group = device, group
@@ -331,18 +338,17 @@ class TracedStages:
         return program
 
     def _trace(self, train: bool, example: tuple[Any, ...]) -> Any:
-        """Trace again for a shape no program serves; a failure says whose it is (traced/errors.py)."""
-        try:
-            return trace(
-                self.twin, example, self.split_points, train, self.bindings.get(train), device=self.device
-            )
-        except TraceStepFailed as failed:
-            shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
-            note = (
-                f"traced again for inputs of shapes {shapes}; not checked against the module itself, "
-                f"which this rank holds only its stages of"
-            )
-            raise explain(failed, self._what, note=note) from failed.error
+        """Trace again for a shape no program serves (one export for the ranks of ``share``); a failure
+        says whose it is (traced/errors.py)."""
+        shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
+        note = (
+            f"traced again for inputs of shapes {shapes}; not checked against the module itself, "
+            f"which this rank holds only its stages of"
+        )
+        return trace(
+            self.twin, example, self.split_points, train, self.bindings.get(train), device=self.device,
+            share=self.share, explain=partial(explain, what=self._what, note=note),
+        )  # fmt: skip
 
     @property
     def _what(self) -> str:
