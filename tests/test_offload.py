@@ -31,6 +31,8 @@ from mp_harness import (
 )
 from tiny_models import SequentialRegressor, loader, regression_data
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import PipelineStrategy
@@ -123,7 +125,7 @@ def test_state_dicts_load_both_ways_and_written_parameters_are_taken():
     assert_close_dicts(resumed_plain_model.state_dict(), plain_model.state_dict(), rtol=1e-6, atol=1e-7)
 
 
-def test_the_host_kernel_is_the_fastest_one_the_class_has_and_optimizers_without_one_are_refused():
+def test_the_host_kernel_is_the_fastest_one_the_class_has_and_optimizers_without_one_are_refused(one_rank):
     fused_adamw = {"fused": True, "foreach": False, "capturable": False}
     assert host_kernel(torch.optim.AdamW, {"lr": 0.1}) == fused_adamw
     assert host_kernel(torch.optim.SGD, {"lr": 0.1}) == {"fused": True, "foreach": False}
@@ -141,6 +143,11 @@ def test_the_host_kernel_is_the_fastest_one_the_class_has_and_optimizers_without
     _train(model, stepped, scheduler, 1)
     with pytest.raises(ValueError, match="already holds state: offload it right after it is built"):
         host_step(stepped, None, False, False)
+    # DTensor parameters (a parallelize_fn's split weights) have no whole-tensor host copy yet.
+    mesh = init_device_mesh("cpu", (1,))
+    split = nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match=r"holds DTensor parameters .* not supported yet"):
+        host_step(torch.optim.AdamW([split]), None, False, False)
     # The GradScaler unscales the device gradients before a fused optimizer's host step.
     fused = host_step(torch.optim.AdamW(_mlp().parameters(), fused=True), None, False, False)
     assert is_host_stepping(fused) and not fused._step_supports_amp_scaling

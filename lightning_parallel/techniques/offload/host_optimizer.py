@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.techniques import zero
 
@@ -298,6 +299,12 @@ def host_step(optimizer: torch.optim.Optimizer, group: Any, shard: bool, pin_mem
         raise ValueError(
             f"offload='optimizer' got a {type(optimizer).__name__} that already holds state: offload it "
             f"right after it is built, before its first step"
+        )
+    if any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "offload='optimizer' keeps host copies of whole tensors, but this optimizer holds DTensor "
+            "parameters (split by a parallelize_fn): not supported yet. Use data_parallel='fsdp' with "
+            "offload='parameters' (FSDP2 offloads its own shards), or drop offload"
         )
     cls = host_stepping(type(optimizer), pin_memory)
     if shard:
