@@ -642,6 +642,44 @@ def trace_share_transport(rows: Rows) -> str:
     )
 
 
+def offload(rows: Rows) -> str:
+    body = []
+    for r in rows:
+        words = {"higher_is_better": False, "words": ("faster", "slower")}
+        ratio = timed_col(r, "ratio", 3, _verdict(r, "ratio", **words)) if r["variant"] != "device" else "1"
+        share = timed_col(r, "host_share", 3) if r["host_copies_bytes"] else "-"
+        held = ("host_copies_bytes", "host_state_bytes", "host_activations_peak_bytes")
+        mib = [_f(float(r[k]) / 2**20, 2) if r[k] else "-" for k in held]
+        body.append([r["variant"], r["repeats"], timed_col(r, "step_ms", 1), ratio, share, *mib])
+    header = ["variant", "repeats", "step ms", "vs device", "host step's share of the step"]
+    header += ["host copies + gradient buffers MiB", "host AdamW state MiB", "activations on the host MiB"]
+    r0 = rows[0]
+    note = (
+        f"\n\n`SequentialCharLM` width {r0['model_dim']}, {r0['model_depth']} blocks, AdamW, batch "
+        f"{r0['batch']} in {r0['microbatches']} micro-batches, `PipelineStrategy(pipeline_size=1)` on one "
+        "process (one thread); the ratio is taken within each repeat against `device` (the user's AdamW as "
+        "torch builds it on a CPU: its loop implementation). The host step's share: what `step()` spends "
+        "after the closure (gradients in, the host kernel, weights out) over the step. Host and device are "
+        "the same memory on this machine: the copies cost a memcpy, and nothing leaves a device; how to "
+        "read it: [Offload](offload.md)."
+    )
+    return _table(header, body) + note
+
+
+def offload_kernels(rows: Rows) -> str:
+    body = []
+    for r in rows:
+        words = {"higher_is_better": False, "words": ("faster than fused", "slower than fused")}
+        ratio = timed_col(r, "ratio", 2, _verdict(r, "ratio", **words)) if r["kernel"] != "fused" else "1"
+        body.append([r["optimizer"], r["kernel"], r["repeats"], timed_col(r, "step_ms", 2), ratio])
+    header = ["optimizer", "host kernel", "repeats", "ms per step", "vs fused"]
+    return _table(header, body) + (
+        f"\n\nOne optimizer step over the same model's {rows[0]['parameters']} parameters "
+        f"({rows[0]['tensors']} tensors) on host tensors, one thread: the order offload tries the host "
+        "kernels in (fused, foreach, the loop)."
+    )
+
+
 QUESTIONS = (
     Question(
         "Pipeline overhead: the Trainer against a hand-driven schedule",
@@ -713,5 +751,10 @@ QUESTIONS = (
         "Tracing once per job: one rank exports the traced forward for all, against every rank",
         "trace_share",
         (trace_share, trace_share_transport),
+    ),
+    Question(
+        "Offload: the optimizer step and the activations on the host, and the host kernel",
+        "offload",
+        (offload, offload_kernels),
     ),
 )

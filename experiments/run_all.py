@@ -59,6 +59,7 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "tensor_parallel": "bench_tensor_parallel.py",
     "compile": "bench_compile.py",
     "trace_share": "bench_trace_share.py",
+    "offload": "bench_offload.py",
 }
 
 

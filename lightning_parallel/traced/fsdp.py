@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
 from lightning_parallel.traced.tensor_parallel import run_on_dtensors
 
@@ -92,13 +92,18 @@ class ShardedTracedStage(nn.Module):
                 owner._parameters[name] = self._parameters[name]
 
 
-def shard_traced_stage(root: ShardedTracedStage, mesh: DeviceMesh) -> FSDPModule:
-    """``fully_shard`` the root over ``mesh`` (one unit per stage; see the module's docstring).
+def shard_traced_stage(
+    root: ShardedTracedStage, mesh: DeviceMesh, offload_policy: OffloadPolicy | None = None
+) -> FSDPModule:
+    """``fully_shard`` the root over ``mesh`` (one unit per stage; see the module's docstring), with
+    FSDP2's ``offload_policy`` (``CPUOffloadPolicy``: the shards on the host).
 
     Example::
 
         shard_traced_stage(ShardedTracedStage(pruned_module), mesh.data_parallel_mesh())
     """
-    fully_shard(root, mesh=mesh, reshard_after_forward=False)
+    fully_shard(
+        root, mesh=mesh, reshard_after_forward=False, offload_policy=offload_policy or OffloadPolicy()
+    )
     root.restore_owner_parameters()
     return root  # type: ignore[return-value]

@@ -268,12 +268,12 @@ class TracedStages:
         self._compile_options = options
         return f"each stage's program is compiled (torch.compile, {options})"
 
-    def shard(self, mesh: Any | None) -> list[nn.Module]:
+    def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         """Shard this rank's stage as one FSDP2 root holding its modules; every stage runs through it."""
         if mesh is None:
             return []
         self.root = ShardedTracedStage(self.module, self.tensor_parallel_mesh)
-        return [shard_traced_stage(self.root, mesh)]
+        return [shard_traced_stage(self.root, mesh, offload_policy)]
 
     def step_context(self) -> Any:
         """Around each schedule step (tensor-parallel stages mix plain tensors and DTensors in backward)."""

@@ -174,8 +174,8 @@ class SequentialStages:
         what = f"its {self.block_class.__name__} layers" if self.block_class is not None else "its layers"
         return f"each stage compiles {what} in place (torch.compile, {options})"
 
-    def shard(self, mesh: Any | None) -> list[nn.Module]:
+    def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         for module in self.modules:
             if mesh is not None and not isinstance(module, FSDPModule):  # (a user-sharded one is left to it)
-                shard_stage(module, mesh)
+                shard_stage(module, mesh, offload_policy=offload_policy)
         return [m for m in self.modules if isinstance(m, FSDPModule)]

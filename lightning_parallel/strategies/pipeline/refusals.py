@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
+from lightning_parallel.distributed.agree import reduces_host_tensors
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 
@@ -24,6 +26,31 @@ def refuse_traced_parallelize(plan: ParallelPlan) -> None:
             f"traced forward: each traced stage is sharded as one FSDP root holding this rank's modules, "
             f"so a rank can hold one stage. Use stages_per_rank=1 (schedule='1f1b' or 'gpipe'), or hold the "
             f"layers in one top-level nn.Sequential"
+        )
+
+
+def refuse_offload(plan: ParallelPlan, device: torch.device) -> None:
+    """What offload cannot do on this job (the plan refused what it cannot do anywhere): say why and the fix.
+
+    Raises:
+        ValueError: pinned memory asked for without an accelerator; FSDP2's offload on an accelerator whose
+            process group has no host backend (its host gradients would reach NCCL).
+    """
+    if not plan.offload:
+        return
+    if plan.offload_pin_memory and device.type == "cpu":
+        raise ValueError(
+            "offload_pin_memory=True page-locks the host copies so an accelerator copies them "
+            "asynchronously, but the stages run on the CPU (accelerator='cpu'; a CPU-only torch build "
+            "cannot pin memory at all): drop offload_pin_memory (by default it pins on an accelerator only)"
+        )
+    if "parameters" in plan.offload and device.type != "cpu" and not reduces_host_tensors():
+        raise ValueError(
+            f"offload='parameters' keeps FSDP2's gradients on the host, and clipping and the fp16 overflow "
+            f"check reduce them there, but this job's process group has no host backend (only "
+            f"{device.type}'s): let "
+            f"PipelineStrategy start the process group (it adds 'cpu:gloo'), or start it yourself with "
+            f"backend='{device.type}:nccl,cpu:gloo'"
         )
 
 
