@@ -619,7 +619,8 @@ def trace_share(rows: Rows) -> str:
         body.append(cells)
     return _table(header, body) + (
         "\n\nOne training step under `PipelineStrategy(pipeline_size=ranks)`, the traced forward exported by "
-        "every rank (as before) or once, by rank 0, the others loading its program (`traced/share.py`); "
+        "every rank (as before) or once, by rank 0, the others loading its program "
+        "(`sources/traced/share.py`); "
         "interleaved in one job per rank count. Trace CPU: exporting, pickling and loading programs, summed "
         "over the ranks; setup CPU: every rank's from `fit()` to the end of the first step, summed; first "
         "step: `fit()` to the end of the first step on the slowest rank. The ratios are against every rank "

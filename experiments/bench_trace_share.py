@@ -8,7 +8,7 @@ GPT (``models.CharLM``, width 128, 4 blocks, its ``forward`` traced). Each train
 
 * **every_rank** (the baseline, as before sharing): ``LIGHTNING_PARALLEL_SHARE_TRACES=0``, every rank
   exports the program (the fingerprints are still compared);
-* **shared**: global rank 0 exports, the others load its program (``traced/share.py``).
+* **shared**: global rank 0 exports, the others load its program (``sources/traced/share.py``).
 
 Reported per fit (the model is built before the clock starts):
 
@@ -49,10 +49,10 @@ from typing_extensions import override
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.pipeline.microbatches import first_microbatch
-from lightning_parallel.pipeline.twin import meta_twin, to_meta
-from lightning_parallel.traced.call_binding import CallBinding
-from lightning_parallel.traced.share import SHARE_ENV, ProgramShare, pack, tally, unpack
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.traced.call_binding import CallBinding
+from lightning_parallel.sources.traced.share import SHARE_ENV, ProgramShare, pack, tally, unpack
+from lightning_parallel.sources.traced.trace import trace
+from lightning_parallel.sources.twin import meta_twin, to_meta
 
 BASELINE = "every_rank"
 VARIANTS = (BASELINE, "shared")

@@ -1,4 +1,5 @@
-"""traced/share.py: one rank exports the traced forward, the others cut the same stages from its program.
+"""sources/traced/share.py: one rank exports the traced forward, the others cut the same stages from its
+program.
 
 In one process, a stand-in for the group plays the receiving rank: the program is exported, packed and
 loaded back as a receiver loads it, and the stages cut from it are compared with a local trace's, graph
@@ -23,13 +24,19 @@ from mp_harness import spawn_gloo
 from tiny_models import DeviceAwareGPT, TinyGPT
 from torch import nn
 
-import lightning_parallel.traced.share as share_module
+import lightning_parallel.sources.traced.share as share_module
 from lightning_parallel.distributed.host_group import host_group
-from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
-from lightning_parallel.traced.errors import EXPORT, PipelineTraceError, TraceStepFailed, explain
-from lightning_parallel.traced.share import SHARE_ENV, ProgramShare, fingerprint, refuse_mismatch, tally
-from lightning_parallel.traced.split import TracedStages
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.traced.errors import EXPORT, PipelineTraceError, TraceStepFailed, explain
+from lightning_parallel.sources.traced.share import (
+    SHARE_ENV,
+    ProgramShare,
+    fingerprint,
+    refuse_mismatch,
+    tally,
+)
+from lightning_parallel.sources.traced.split import TracedStages
+from lightning_parallel.sources.traced.trace import trace
+from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch.export, inside torch
 TOKENS = torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -130,7 +137,7 @@ def test_a_program_exported_for_another_gpu_is_moved_to_this_ranks():
 
 def test_hugging_face_llama_received_program_equals_the_local_export():
     hf_models = pytest.importorskip("hf_models")  # (transformers, from .hf_packages)
-    from lightning_parallel.traced.call_binding import CallBinding
+    from lightning_parallel.sources.traced.call_binding import CallBinding
 
     torch.manual_seed(0)
     model = hf_models.HFCausalLM("llama", tied=True)

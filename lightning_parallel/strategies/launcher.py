@@ -30,7 +30,7 @@ from lightning_parallel.distributed.stop import (
     forwarding_stop_signals,
     stopped_status,
 )
-from lightning_parallel.pipeline.twin import alias_table, retie
+from lightning_parallel.sources.twin import alias_table, retie
 from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
 from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
 

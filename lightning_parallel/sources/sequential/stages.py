@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_parallel.pipeline.export import export_for_pipeline
-from lightning_parallel.pipeline.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
 from lightning_parallel.pipeline.stage_source import UnitNaming
+from lightning_parallel.sources.export import export_for_pipeline
 from lightning_parallel.sources.sequential.split import StageModule
+from lightning_parallel.sources.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
 from lightning_parallel.techniques.compile import compile_in_place
 from lightning_parallel.techniques.fsdp import shard_stage
 from lightning_parallel.techniques.tensor_parallel.apply import apply_plan

@@ -11,24 +11,6 @@ from lightning_parallel.distributed.agree import reduces_host_tensors
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 
-def refuse_traced_parallelize(plan: ParallelPlan) -> None:
-    """What the traced path's stages cannot take: say why, before its split."""
-    if plan.parallelize_fn is not None:
-        raise ValueError(
-            "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split by "
-            "tracing its forward: a traced stage is an export graph that reads its weights directly, with "
-            "no modules of yours to parallelize. Hold the layers in one top-level nn.Sequential, or drop "
-            'parallelize_fn (data_parallel="fsdp" shards traced stages too)'
-        )
-    if plan.data_parallel == "fsdp" and plan.stages_per_rank > 1:
-        raise ValueError(
-            f'data_parallel="fsdp" with stages_per_rank={plan.stages_per_rank} is not supported for a '
-            f"traced forward: each traced stage is sharded as one FSDP root holding this rank's modules, "
-            f"so a rank can hold one stage. Use stages_per_rank=1 (schedule='1f1b' or 'gpipe'), or hold the "
-            f"layers in one top-level nn.Sequential"
-        )
-
-
 def refuse_offload(plan: ParallelPlan, device: torch.device) -> None:
     """What offload cannot do on this job (the plan refused what it cannot do anywhere): say why and the fix.
 

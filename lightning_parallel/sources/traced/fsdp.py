@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
-from lightning_parallel.traced.tensor_parallel import run_on_dtensors
+from lightning_parallel.sources.traced.tensor_parallel import run_on_dtensors
 
 # (the graph's slot dict, its name there, the root's slot dict, the name there)
 _Link = tuple[dict[str, Any], str, dict[str, Any], str]
@@ -34,7 +34,7 @@ class ShardedTracedStage(nn.Module):
             (shared, so the user's module sees the sharded parameters FSDP puts in their place) and
             its own parameters are registered here too (and put back in it after sharding).
         tensor_parallel_mesh: set when the modules are split over tensor-parallel ranks too: the graph
-            then runs on DTensors (:func:`~lightning_parallel.traced.tensor_parallel.run_on_dtensors`).
+            then runs on DTensors (``run_on_dtensors`` in ``tensor_parallel.py``).
 
     Example::
 

@@ -5,7 +5,7 @@ ModuleList of blocks, a head, maybe tied to the embedding). Tracing runs on a *m
 (same structure and ties, parameters on the meta device), so it costs no memory, leaves the user's
 module untouched, and can be repeated for each new input shape. While it is traced, the twin's tensors
 and the example's are fake tensors of the device the stages run on
-(:mod:`~lightning_parallel.pipeline.fake_device`): a forward that branches on its inputs' device, or
+(:mod:`~lightning_parallel.sources.fake_device`): a forward that branches on its inputs' device, or
 enters ``torch.autocast(x.device.type, ...)``, is traced on the path that device takes. The stage
 modules it yields are then pointed at this rank's real tensors and wrapped in torch's pipeline stages.
 """
@@ -24,19 +24,19 @@ from torch.distributed.pipelining import Pipe, pipe_split
 from torch.distributed.pipelining._IR import MultiUseParameterConfig
 from torch.export.unflatten import InterpreterModule
 
-from lightning_parallel.pipeline.export import export_for_pipeline
-from lightning_parallel.pipeline.fake_device import FakeDevice, faked_on, trace_device
-from lightning_parallel.pipeline.stage_shapes import keeping_rng
-from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, localize_sizes
-from lightning_parallel.traced.call_binding import CallBinding, bound_forward
-from lightning_parallel.traced.errors import (
+from lightning_parallel.sources.export import export_for_pipeline
+from lightning_parallel.sources.fake_device import FakeDevice, faked_on, trace_device
+from lightning_parallel.sources.stage_shapes import keeping_rng
+from lightning_parallel.sources.symbolic_sizes import SizeConstraints, localize_sizes
+from lightning_parallel.sources.traced.call_binding import CallBinding, bound_forward
+from lightning_parallel.sources.traced.errors import (
     EXPORT,
     TraceStepFailed,
     step,
 )
-from lightning_parallel.traced.graph_regions import inline_wrapped_regions
-from lightning_parallel.traced.relay import relay_skips
-from lightning_parallel.traced.share import Exported, ProgramShare, exported_locally
+from lightning_parallel.sources.traced.graph_regions import inline_wrapped_regions
+from lightning_parallel.sources.traced.relay import relay_skips
+from lightning_parallel.sources.traced.share import Exported, ProgramShare, exported_locally
 
 
 def call_order(
@@ -99,18 +99,18 @@ def trace(
     transformer), so one trace serves every such shape; where the model fixes a size (its width),
     export specialises it. Where export fails with dynamic dimensions but not without, the pipe is
     the static one and ``pipe.dynamic_failure`` says why (else it is ``None``). The sizes the program
-    holds for are ``pipe.size_constraints`` (:class:`~lightning_parallel.pipeline.symbolic_sizes.
+    holds for are ``pipe.size_constraints`` (:class:`~lightning_parallel.sources.symbolic_sizes.
     SizeConstraints`).
 
     A split point is marked by a forward pre-hook, removed afterwards, so the twin can be traced
     again at another shape.
 
-    With ``share`` (:class:`~lightning_parallel.traced.share.ProgramShare`, a collective: every rank
+    With ``share`` (:class:`~lightning_parallel.sources.traced.share.ProgramShare`, a collective: every rank
     of its group calls ``trace`` at the same point with the same arguments), one rank exports and the
     others cut their stages from its program: the same pipe as their own export would give.
 
     Raises:
-        TraceStepFailed: a step failed (:mod:`~lightning_parallel.traced.errors` says whose
+        TraceStepFailed: a step failed (:mod:`~lightning_parallel.sources.traced.errors` says whose
             failure it is: the forward's, or this package's); with ``explain``, ``explain(failed)``
             is raised instead, made where the step failed (the export's on the exporting rank, and
             raised on every rank).
@@ -239,9 +239,9 @@ def _pipeline(
     The cut is the second half of ``pipeline()``, handed the export of :func:`_export` (private, torch
     2.13; test_trace.py fails loudly if it moves). The split points are marked with torch's
     ``pipe_split()`` (see :func:`trace`), and the split policy, the hook where the graph can be changed
-    before the cut, inlines the no-grad regions (:mod:`~lightning_parallel.traced.graph_regions`, for
+    before the cut, inlines the no-grad regions (:mod:`~lightning_parallel.sources.traced.graph_regions`, for
     pytorch#184361) and makes every stage compute the sizes it uses
-    (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
+    (:mod:`~lightning_parallel.sources.symbolic_sizes`).
     """
     with step(f"splitting the exported graph into stages at {list(split_points)}"):
         pipe = Pipe._from_traced(twin, program, MultiUseParameterConfig.REPLICATE, split_policy=_before_split)

@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_parallel.distributed.agree import decide_on, distributed_ready, failing_together, world_size
 from lightning_parallel.distributed.collectives import all_gather_objects
 from lightning_parallel.distributed.host_group import host_group
-from lightning_parallel.pipeline.fake_device import trace_device
+from lightning_parallel.sources.fake_device import trace_device
 
 __all__ = [
     "SHARE_ENV",

@@ -1,8 +1,8 @@
 """The traced path: ``forward`` is traced with torch.export on a meta twin and split at the blocks.
 
-The twin is traced as fake tensors of this rank's device (pipeline/fake_device.py); a failure is
-checked against torch.export of the user's module before it is reported (traced/errors.py). Each
-export is made once for the ranks that trace together (traced/share.py): global rank 0 exports for
+The twin is traced as fake tensors of this rank's device (sources/fake_device.py); a failure is
+checked against torch.export of the user's module before it is reported (sources/traced/errors.py). Each
+export is made once for the ranks that trace together (sources/traced/share.py): global rank 0 exports for
 the job at setup, a replica's first pipeline rank for its later traces.
 """
 
@@ -20,35 +20,34 @@ from torch import nn
 from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.pipeline.blocks import find_block_list
-from lightning_parallel.pipeline.materialize import materialize
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.microbatches import first_microbatch, microbatch_count
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
-from lightning_parallel.pipeline.profile import block_times
 from lightning_parallel.pipeline.proxy import CapturedInput
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming
-from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.sources.materialize import materialize
+from lightning_parallel.sources.profile import block_times
 from lightning_parallel.sources.split_result import SplitResult
 from lightning_parallel.sources.stage_plan import measured, stage_plan, units_per_stage
-from lightning_parallel.strategies.pipeline.refusals import refuse_traced_parallelize
-from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, traced_plan
-from lightning_parallel.traced.call_binding import CallBinding, TracedCall, bound_forward
-from lightning_parallel.traced.errors import TraceStepFailed, explain, export_check, ours
-from lightning_parallel.traced.share import ProgramShare
-from lightning_parallel.traced.split import (
+from lightning_parallel.sources.traced.call_binding import CallBinding, TracedCall, bound_forward
+from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, export_check, ours
+from lightning_parallel.sources.traced.share import ProgramShare
+from lightning_parallel.sources.traced.split import (
     TracedStages,
     block_entry,
     block_extras,
     check_split_points,
     keep_only,
 )
-from lightning_parallel.traced.stage_graphs import stage_contents
-from lightning_parallel.traced.tensor_parallel import style_layouts
-from lightning_parallel.traced.trace import call_order, trace
+from lightning_parallel.sources.traced.stage_graphs import stage_contents
+from lightning_parallel.sources.traced.tensor_parallel import style_layouts
+from lightning_parallel.sources.traced.trace import call_order, trace
+from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, traced_plan
 
 
 class TracedSource:
@@ -109,8 +108,8 @@ class TracedSource:
                     f"traced forward: use pipeline_size >= 2 to interleave, or stages_per_rank=1"
                 )
             style = placement(plan.schedule)
-        # One export for every rank of the job now, one per replica later (traced/share.py); made here,
-        # out of the blocks below, since under NCCL each makes a gloo group (a collective).
+        # One export for every rank of the job now, one per replica later (share.py); made here, out
+        # of the blocks below, since under NCCL each makes a gloo group (a collective).
         shares = ProgramShare.over(None), ProgramShare.over(mesh.pp_group)
         with failing_together():  # (the shared trace comes first: no rank can fail before it and skip it)
             stages_plan, stages = _traced_split(
@@ -333,3 +332,21 @@ def example_input(
     finally:
         for path in paths:
             call.uninstall(module, path)
+
+
+def refuse_traced_parallelize(plan: ParallelPlan) -> None:
+    """What the traced path's stages cannot take: say why, before its split."""
+    if plan.parallelize_fn is not None:
+        raise ValueError(
+            "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split by "
+            "tracing its forward: a traced stage is an export graph that reads its weights directly, with "
+            "no modules of yours to parallelize. Hold the layers in one top-level nn.Sequential, or drop "
+            'parallelize_fn (data_parallel="fsdp" shards traced stages too)'
+        )
+    if plan.data_parallel == "fsdp" and plan.stages_per_rank > 1:
+        raise ValueError(
+            f'data_parallel="fsdp" with stages_per_rank={plan.stages_per_rank} is not supported for a '
+            f"traced forward: each traced stage is sharded as one FSDP root holding this rank's modules, "
+            f"so a rank can hold one stage. Use stages_per_rank=1 (schedule='1f1b' or 'gpipe'), or hold the "
+            f"layers in one top-level nn.Sequential"
+        )

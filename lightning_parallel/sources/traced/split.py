@@ -23,24 +23,24 @@ from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
 from lightning_parallel.pipeline.blocks import find_block_list
-from lightning_parallel.pipeline.stage_shapes import StageShapes
 from lightning_parallel.pipeline.stage_source import UnitNaming
-from lightning_parallel.pipeline.twin import to_meta
 from lightning_parallel.plan.checks import CompileOptions
-from lightning_parallel.techniques.compile import OwnInputs, compile_in_place
-from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
-from lightning_parallel.traced.call_binding import CallBinding
-from lightning_parallel.traced.errors import TraceStepFailed, explain, ours, step
-from lightning_parallel.traced.fsdp import ShardedTracedStage, shard_traced_stage
-from lightning_parallel.traced.share import ProgramShare
-from lightning_parallel.traced.stage_graphs import point_at, unit_calls
-from lightning_parallel.traced.tensor_parallel import (
+from lightning_parallel.sources.stage_shapes import StageShapes
+from lightning_parallel.sources.traced.call_binding import CallBinding
+from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, ours, step
+from lightning_parallel.sources.traced.fsdp import ShardedTracedStage, shard_traced_stage
+from lightning_parallel.sources.traced.share import ProgramShare
+from lightning_parallel.sources.traced.stage_graphs import point_at, unit_calls
+from lightning_parallel.sources.traced.tensor_parallel import (
     TensorParallelGraph,
     place_split_ops,
     register_missing_shardings,
     tensor_parallel_step,
 )
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.traced.trace import trace
+from lightning_parallel.sources.twin import to_meta
+from lightning_parallel.techniques.compile import OwnInputs, compile_in_place
+from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
 
 
 def check_split_points(
@@ -165,24 +165,24 @@ def retrace_message(shapes: StageShapes, example: Sequence[Any]) -> str:
 class TracedStages:
     """This rank's traced stages: the meta twin traced once per mode, the stages built per input shape.
 
-    ``forward`` is exported with dynamic sizes (:func:`~lightning_parallel.traced.trace.trace`), so
+    ``forward`` is exported with dynamic sizes (:func:`~lightning_parallel.sources.traced.trace.trace`), so
     one trace serves every sequence length and micro-batch size the model allows; a shape it cannot
     serve (a size the model fixed, or a model that cannot be exported with dynamic sizes) is traced
     again, with one warning saying why.
 
     Args:
-        twin: the module's meta twin (:func:`~lightning_parallel.traced.trace.meta_twin`).
+        twin: the module's meta twin (:func:`~lightning_parallel.sources.traced.trace.meta_twin`).
         split_points: module paths where stages 1.. begin.
         stage_indices: this rank's stages.
         module: the user's module, pruned to this rank's tensors (the real parameters and buffers).
         aliases: the unsplit module's alias table (name -> canonical name).
         device, group: where the stages run, and the pipeline process group.
         bindings: how the user's step calls the traced module, per mode (training: True), kept up to
-            date by the stand-in (:class:`~lightning_parallel.traced.call_binding.TracedCall`).
+            date by the stand-in (:class:`~lightning_parallel.sources.traced.call_binding.TracedCall`).
         warn: how to say that a shape is traced again (``rank_zero_warn`` in the strategy).
         share: the ranks that build the same stages at the same points (the pipeline ranks of one
             replica: they see the same batches), which then take one export from the first of them
-            (:class:`~lightning_parallel.traced.share.ProgramShare`); ``None``: this rank exports.
+            (:class:`~lightning_parallel.sources.traced.share.ProgramShare`); ``None``: this rank exports.
 
     Example::
 
@@ -255,7 +255,7 @@ class TracedStages:
     # stage's program is prepared
     def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
         """Split this rank's held modules with ``plan``'s styles and run the stages' graphs on DTensors
-        over the tensor-parallel ``mesh`` (see traced/tensor_parallel.py)."""
+        over the tensor-parallel ``mesh`` (see sources/traced/tensor_parallel.py)."""
         register_missing_shardings()
         self.tensor_parallel_mesh, self._split_styles = mesh, apply_held_styles(module, plan, mesh)
 
@@ -339,7 +339,7 @@ class TracedStages:
 
     def _trace(self, train: bool, example: tuple[Any, ...]) -> Any:
         """Trace again for a shape no program serves (one export for the ranks of ``share``); a failure
-        says whose it is (traced/errors.py)."""
+        says whose it is (sources/traced/errors.py)."""
         shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
         note = (
             f"traced again for inputs of shapes {shapes}; not checked against the module itself, "
@@ -446,7 +446,7 @@ class TracedStages:
 
 @contextlib.contextmanager
 def _building(name: str, what: str) -> Iterator[None]:
-    """A failure of this package's own stage building, reported as such (traced/errors.py)."""
+    """A failure of this package's own stage building, reported as such (sources/traced/errors.py)."""
     try:
         with step(name):
             yield
