@@ -5,11 +5,10 @@ names io/atomic.py re-exports, and _pids.py (a live writer's pid) through remove
 """
 
 import errno
+import functools
+import multiprocessing
 import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,6 +18,8 @@ import torch
 from lightning_parallel.io import atomic, tempfiles
 from lightning_parallel.io.async_writer import AsyncWriter, SnapshotBuffers, snapshot
 from lightning_parallel.io.tempfiles import NAMED_TEMP_ENV
+
+FORKSERVER = multiprocessing.get_context("forkserver")
 
 METHODS = ["O_TMPFILE", "named"]
 
@@ -204,23 +205,32 @@ def test_async_writer_one_in_flight_followups_and_errors():
     assert writer.wait() is None  # reported once
 
 
-_CHILD = """
-import sys, torch
-from lightning_parallel.io import atomic
-d = sys.argv[1]
-torch.manual_seed(0)
-state = {"w": torch.randn(1_000_000)}
-step = 0
-print("ready", flush=True)
-while True:
-    step += 1
-    atomic.save_checkpoint_file({**state, "step": step}, f"{d}/last.ckpt", {"step": step})
-    atomic.save_checkpoint_file({**state, "step": step}, f"{d}/step={step % 3}.ckpt", {"step": step})
-"""
+def _writer(method: str, ready, work) -> None:
+    """Runs in a forkserver worker (torch already imported there): announce itself, then ``work()``."""
+    os.environ[NAMED_TEMP_ENV] = "1" if method == "named" else "0"
+    work(ready)
 
 
-def _child_env(method: str) -> dict[str, str]:
-    return {**os.environ, NAMED_TEMP_ENV: "1" if method == "named" else "0"}
+def _save_forever(directory: str, ready) -> None:
+    torch.manual_seed(0)
+    state = {"w": torch.randn(1_000_000)}
+    ready.send("ready")
+    step = 0
+    while True:
+        step += 1
+        for name in ("last.ckpt", f"step={step % 3}.ckpt"):
+            atomic.save_checkpoint_file({**state, "step": step}, f"{directory}/{name}", {"step": step})
+
+
+def _start_writer(method: str, work) -> tuple[multiprocessing.Process, str]:
+    """A writer process, forked from the suite's forkserver (a fresh interpreter would spend seconds
+    importing torch before its first write); returns it and the first thing it said."""
+    reader, ready = FORKSERVER.Pipe(duplex=False)
+    proc = FORKSERVER.Process(target=_writer, args=(method, ready, work), daemon=True)
+    proc.start()
+    ready.close()
+    assert reader.poll(60), "the writer did not start"
+    return proc, reader.recv()
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -229,16 +239,11 @@ def test_sigkill_at_random_instants_leaves_only_complete_files(tmp_path, monkeyp
     _use(method, tmp_path, monkeypatch)
     rng = random.Random(0)
     for kill in range(4 if method == "O_TMPFILE" else 2):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=_child_env(method),
-        )
-        assert proc.stdout.readline().strip() == "ready"
+        proc, said = _start_writer(method, functools.partial(_save_forever, str(tmp_path)))
+        assert said == "ready"
         time.sleep(rng.uniform(0.05, 0.6))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.kill()  # SIGKILL
+        proc.join()
         ckpts = [n for n in os.listdir(tmp_path) if n.endswith(".ckpt")]
         assert "last.ckpt" in ckpts or kill == 0
         for name in ckpts:
@@ -249,35 +254,26 @@ def test_sigkill_at_random_instants_leaves_only_complete_files(tmp_path, monkeyp
         assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
 
 
-_MID_WRITE_CHILD = """
-import os, sys, time
-from lightning_parallel.io import atomic
+def _write_and_hang(directory: str, ready) -> None:
+    def write(f):
+        f.write(b"x" * (1 << 20))
+        f.flush()
+        ready.send("writing")
+        time.sleep(60)
 
-def write(f):
-    f.write(b"x" * (1 << 20))
-    f.flush()
-    print("writing", flush=True)
-    time.sleep(60)
-
-atomic.atomic_write(os.path.join(sys.argv[1], "new.ckpt"), write)
-"""
+    atomic.atomic_write(os.path.join(directory, "new.ckpt"), write)
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.timeout(60)
 def test_a_kill_during_the_write_leaves_nothing_with_o_tmpfile(tmp_path, monkeypatch, method):
     _use(method, tmp_path, monkeypatch)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _MID_WRITE_CHILD, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=_child_env(method),
-    )
+    proc, said = _start_writer(method, functools.partial(_write_and_hang, str(tmp_path)))
     try:
-        assert proc.stdout.readline().strip() == "writing"
+        assert said == "writing"
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.kill()  # SIGKILL
+        proc.join()
     left = os.listdir(tmp_path)
     if method == "O_TMPFILE":
         assert left == []
