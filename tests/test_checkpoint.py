@@ -78,7 +78,11 @@ class RecordingCheckpoint(Rank0Checkpoint):
                 f.write(f"{type(err).__name__}: {err}")
             if trainer.global_rank == 0:
                 # The launcher stops the other ranks once rank 0's error arrives: let them record first.
-                time.sleep(2)
+                names = [f"exc-rank{r}.txt" for r in range(trainer.world_size)]
+                others = [os.path.join(self.record_dir, n) for n in names]
+                deadline = time.monotonic() + 10
+                while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+                    time.sleep(0.02)
             raise
 
     def setup(self, trainer, pl_module, stage):
