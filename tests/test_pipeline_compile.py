@@ -3,15 +3,21 @@
 Every compiled case runs in one job per world size (a spawn pays seconds of imports, a cold inductor
 compile tens of seconds): the 2-rank job (pp 2) fits the Sequential GPT (then validates and predicts),
 the traced GPT with recomputation, a Hugging Face Llama, and the Sequential GPT under bf16-mixed; the
-4-rank job (pp 2 x dp 2) the Sequential GPT with plain replicas and with FSDP2. The jobs share one
-inductor cache: programs compiled with dynamic sizes for the same micro-batches are found again. The
-one-process eager references run in this process.
+4-rank job (pp 2 x dp 2) the Sequential GPT with FSDP2 and with plain replicas. The jobs share one
+inductor cache: programs compiled with dynamic sizes for the same micro-batches are found again.
+
+The two jobs and the one-process eager references (in this process) run at the same time: a pipeline
+compiles one stage at a time (the next stage waits for the previous one's output), so the 2-rank job
+keeps one core busy of two. The 4-rank job's plain replicas wait for the 2-rank job's Sequential GPT to
+be done, and then find its programs in the cache instead of compiling them a second time beside it.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -54,6 +60,9 @@ class Case:
     # compiled programs; 32 at pp 2 x dp 2 (a short batch there would hold micro-batches of one sample,
     # a size compiled programs specialise on)
     samples: int = 38
+    # a case of the 2-rank job whose compiled programs this one finds in the shared cache: it starts
+    # once that case is done (compiled beside it, they would be compiled twice)
+    after: str = ""
 
 
 CASES_2 = {  # pp 2 on 2 ranks
@@ -66,12 +75,13 @@ CASES_2 = {  # pp 2 on 2 ranks
     "sequential-bf16": Case("sgd", trainer=dict(precision="bf16-mixed")),
 }
 CASES_4 = {  # pp 2 x dp 2 on 4 ranks
-    "sequential-dp2": Case("sequential", samples=32),
     # aot_eager (dynamo and AOTAutograd, eager kernels): FSDP2's hooks break the blocks' graphs, so these
-    # are new programs, which inductor would compile cold again on 4 ranks sharing 2 cores.
+    # are new programs, which inductor would compile cold again on 4 ranks sharing 2 cores. First: it
+    # needs nothing of the 2-rank job, which compiles meanwhile.
     "sequential-fsdp-dp2": Case(
         "sequential", dict(data_parallel="fsdp"), compile={"backend": "aot_eager"}, samples=32
     ),
+    "sequential-dp2": Case("sequential", samples=32, after="sequential"),
 }
 
 
@@ -123,6 +133,8 @@ def _compiled_fits(rank: int, world: int, port: int, out_dir: str, cases: dict[s
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{out_dir}/../inductor"  # shared by both jobs
     torch.set_num_threads(1)
     for name, case in cases.items():
+        if case.after:
+            _wait_for_case(Path(out_dir).parent / "pp2" / case.after, ranks=2)
         strategy = PipelineStrategy(
             pipeline_size=2, num_microbatches=4, compile=case.compile, **case.strategy
         )
@@ -145,6 +157,16 @@ def _compiled_fits(rank: int, world: int, port: int, out_dir: str, cases: dict[s
         torch.save(facts, f"{out_dir}/{name}/facts-rank{rank}.pt")
 
 
+def _wait_for_case(case_dir: Path, ranks: int, timeout: float = 600.0) -> None:
+    """Wait until every rank of another job has finished the case that writes ``case_dir``."""
+    facts = [case_dir / f"facts-rank{r}.pt" for r in range(ranks)]
+    deadline = time.monotonic() + timeout
+    while not all(f.exists() for f in facts):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{case_dir.name} of the other job not done after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 def _reference(name: str, case: Case, out_dir, replicas: int) -> tuple[dict, L.LightningModule]:
     """The eager one-process run of ``case`` on the batches every replica sees together."""
     data, val = _data(case)
@@ -155,9 +177,23 @@ def _reference(name: str, case: Case, out_dir, replicas: int) -> tuple[dict, L.L
     return record, model
 
 
-def _run_job(cases: dict[str, Case], world: int, out_dir) -> None:
-    mp.start_processes(_compiled_fits, args=(world, free_port(), str(out_dir), cases), nprocs=world,
-                       start_method=START_METHOD)  # fmt: skip
+def _start_job(cases: dict[str, Case], world: int, out_dir) -> mp.ProcessContext:
+    return mp.start_processes(_compiled_fits, args=(world, free_port(), str(out_dir), cases), nprocs=world,
+                              start_method=START_METHOD, join=False)  # fmt: skip
+
+
+def _join(jobs: list[mp.ProcessContext]) -> None:
+    """Wait for every job; a rank's failure raises here, and ends the other jobs' ranks too."""
+    try:
+        while not all([job.join(timeout=0.2) for job in jobs]):  # (a list: every job polled each time)
+            pass
+    finally:
+        _kill(jobs)
+
+
+def _kill(jobs: list[mp.ProcessContext]) -> None:
+    for process in (p for job in jobs for p in job.processes if p.is_alive()):
+        process.kill()
 
 
 def _check(name: str, case: Case, ref: dict, out_dir) -> list[dict]:
@@ -192,12 +228,16 @@ def _check(name: str, case: Case, ref: dict, out_dir) -> list[dict]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_compiled_stages_train_validate_and_predict_as_one_eager_process(tmp_path):
+    jobs = [_start_job(CASES_2, 2, tmp_path / "pp2"), _start_job(CASES_4, 4, tmp_path / "pp2dp2")]
     refs, models = {}, {}
-    for replicas, cases in ((1, CASES_2), (2, CASES_4)):
-        for name, case in cases.items():
-            refs[name], models[name] = _reference(name, case, tmp_path, replicas)
-    _run_job(CASES_2, 2, tmp_path / "pp2")
-    _run_job(CASES_4, 4, tmp_path / "pp2dp2")
+    try:
+        for replicas, cases in ((1, CASES_2), (2, CASES_4)):
+            for name, case in cases.items():
+                refs[name], models[name] = _reference(name, case, tmp_path, replicas)
+    except BaseException:
+        _kill(jobs)
+        raise
+    _join(jobs)
     for cases, out_dir in ((CASES_2, tmp_path / "pp2"), (CASES_4, tmp_path / "pp2dp2")):
         for name, case in cases.items():
             _check(name, case, refs[name], out_dir)
