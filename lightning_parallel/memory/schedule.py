@@ -9,6 +9,7 @@ The memory planner walks these lists to know how many micro-batches each stage k
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -48,12 +49,17 @@ def rank_actions(
     order = _pipeline_order(cls, pp_size, stages_per_rank, num_microbatches)
     out = []
     for rank in range(pp_size):
-        actions = []
+        actions, count = [], Counter()
         for a in order[rank]:
             kind = getattr(a, "computation_type", None)
             kind = _KIND.get(str(getattr(kind, "value", kind)), "")
             if a is not None and kind in COMPUTE:
-                actions.append(Action(kind, int(a.stage_index), int(a.microbatch_index or 0)))
+                # Each stage runs its micro-batches in order, as the runtime does; the k-th action of a
+                # kind is micro-batch k (torch 2.13's Schedule1F1B order numbers the last rank's
+                # forwards from 1: its runtime does not, so the index is not read from the order).
+                stage = int(a.stage_index)
+                count[(kind, stage)] += 1
+                actions.append(Action(kind, stage, count[(kind, stage)] - 1))
         out.append(actions)
     return out
 
