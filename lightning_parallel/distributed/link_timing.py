@@ -1,0 +1,172 @@
+"""Time the job's own links: an all-reduce over the group and a send/recv between two of its ranks.
+
+What the planner's time model reads its latency and bandwidth from (``memory/links.py`` fits them):
+each of two message sizes is sent a few times after a warm-up and the fastest time is kept (other
+work on the machine only ever adds time). :func:`time_group` runs on every rank of a process group
+(it is collective) and hands every rank rank 0's timings; :func:`time_loopback` times two gloo ranks
+in threads of this process over loopback, for a planner that runs without a job (the command line).
+Pure PyTorch (no Lightning import).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_parallel.distributed.agree import collective_device, world_size
+
+SIZES = (1 << 16, 1 << 22)  # bytes: 64 KiB and 4 MiB
+
+
+@dataclass(frozen=True)
+class LinkTimings:
+    """Seconds per message for each size in ``sizes``: an all-reduce over ``ranks``, a send/recv of two.
+
+    Example::
+
+        timings = time_group()          # on every rank of the job
+        timings.all_reduce[-1]          # seconds for a 4 MiB all-reduce over every rank
+    """
+
+    sizes: tuple[int, ...]
+    ranks: int
+    all_reduce: tuple[float, ...]
+    send: tuple[float, ...]
+    where: str
+
+
+def time_group(
+    group: Any | None = None, sizes: tuple[int, ...] = SIZES, repeats: int = 3
+) -> LinkTimings | None:
+    """Time an all-reduce over ``group`` and a send from its first rank to its second; ``None`` alone.
+
+    Every rank of ``group`` calls it; every rank returns the first rank's timings.
+
+    Example::
+
+        timings = time_group()     # None without a process group or with one rank
+    """
+    ranks = world_size(group)
+    if ranks < 2:
+        return None
+    device = collective_device(group)
+    me = dist.get_rank(group)
+    first, second = (dist.get_global_rank(group, r) if group is not None else r for r in (0, 1))
+    reduce_times, send_times = [], []
+    for size in sizes:
+        t = torch.ones(size // 4, device=device)
+        reduce_times.append(_fastest(lambda t=t: dist.all_reduce(t, group=group), repeats, device))
+        if me == 0:
+            send_times.append(_fastest(lambda t=t: _ping(t, second, True, group), repeats, device))
+        elif me == 1:
+            _fastest(lambda t=t: _ping(t, first, False, group), repeats, device)
+    box = [(tuple(reduce_times), tuple(send_times))]
+    dist.broadcast_object_list(box, src=first, group=group)
+    backend = dist.get_backend(group)
+    return LinkTimings(
+        tuple(sizes), ranks, *box[0], f"measured on the job's group ({backend}, {ranks} ranks)"
+    )
+
+
+def _ping(t: torch.Tensor, peer: int, sending: bool, group: Any) -> None:
+    """One message there and a small acknowledgement back, so the sender sees the whole transfer."""
+    ack = torch.zeros(1, device=t.device)
+    if sending:
+        dist.send(t, peer, group=group)
+        dist.recv(ack, peer, group=group)
+    else:
+        dist.recv(t, peer, group=group)
+        dist.send(ack, peer, group=group)
+
+
+def time_loopback(sizes: tuple[int, ...] = SIZES, repeats: int = 3) -> LinkTimings:
+    """Time two gloo ranks in threads of this process, over loopback (no job, no process group needed).
+
+    Example::
+
+        time_loopback().send      # seconds per send of 64 KiB and of 4 MiB on this machine
+    """
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    found: dict[int, tuple[list[float], list[float]]] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            mine = store if r == 0 else dist.TCPStore("127.0.0.1", store.port, 2, False)
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("links", mine), r, 2, datetime.timedelta(seconds=60))
+            reduces, sends = [], []
+            for size in sizes:
+                t = torch.ones(size // 4)
+                reduces.append(_fastest(lambda t=t: pg.allreduce([t]).wait(), repeats))
+                sends.append(_fastest(lambda t=t: _pg_ping(pg, t, 1 - r, r == 0), repeats))
+            found[r] = (reduces, sends)
+        except BaseException as err:  # re-raised in the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    if errors or 0 not in found:
+        raise RuntimeError(f"could not time loopback links: {errors[0] if errors else 'timed out'}")
+    return LinkTimings(
+        tuple(sizes), 2, tuple(found[0][0]), tuple(found[0][1]), "measured on loopback (gloo, 2 ranks)"
+    )
+
+
+def _pg_ping(pg: Any, t: torch.Tensor, peer: int, sending: bool) -> None:
+    ack = torch.zeros(1)
+    if sending:
+        pg.send([t], peer, 0).wait()
+        pg.recv([ack], peer, 1).wait()
+    else:
+        pg.recv([t], peer, 0).wait()
+        pg.send([ack], peer, 1).wait()
+
+
+def time_copy(nbytes: int = 1 << 24, device: torch.device | None = None, repeats: int = 3) -> float:
+    """Seconds to copy ``nbytes`` from the host to ``device`` and back, halved (one direction).
+
+    On a CPU-only machine the device is the host: the figure is a memory copy.
+
+    Example::
+
+        time_copy(1 << 24)      # seconds for 16 MiB one way
+    """
+    device = device or torch.device("cpu")
+    pin = device.type == "cuda"
+    host = torch.ones(nbytes // 4, pin_memory=pin)
+    there = torch.empty(nbytes // 4, device=device)
+
+    def both() -> None:
+        there.copy_(host, non_blocking=pin)
+        host.copy_(there, non_blocking=pin)
+
+    return _fastest(both, repeats, device) / 2
+
+
+def _fastest(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
+    samples = []
+    for _ in range(repeats + 1):  # the first warms up
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return min(samples[1:])
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = ["SIZES", "LinkTimings", "time_copy", "time_group", "time_loopback"]
