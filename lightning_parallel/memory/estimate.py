@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from lightning_parallel._table import format_bytes, format_table
+from lightning_parallel.memory import offload
 from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.precision import LOSS_SCALER_BYTES
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
@@ -61,6 +62,8 @@ class RankMemory:
 
     ``activations`` includes the backward transient; ``buffers``: communication buffers and kept outputs;
     ``gathered``: an FSDP2 stage's all-gathered parameters (``parameters`` is then the rank's shard).
+    ``peak`` is the device's; ``host``: what the plan's offload keeps in host memory for this rank
+    (:mod:`~lightning_parallel.memory.offload`), apart from it.
     """
 
     rank: int
@@ -72,6 +75,12 @@ class RankMemory:
     buffers: int
     in_flight: tuple[int, ...]
     gathered: int = 0
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        """Device and host together (one memory on a machine without an accelerator)."""
+        return self.peak + self.host
 
     @property
     def peak(self) -> int:
@@ -106,12 +115,20 @@ class MemoryEstimate:
     def peak(self) -> int:
         return self.worst.peak
 
+    @property
+    def host(self) -> int:
+        """The most host bytes any one rank's offload keeps."""
+        return max((r.host for r in self.ranks), default=0)
+
     def format_table(self) -> str:
         components = [*COMPONENTS, *([GATHERED] if any(r.gathered for r in self.ranks) else [])]
-        headers = ["rank", "stages", "in flight", *components, "peak"]
+        hosted = any(r.host for r in self.ranks)
+        headers = ["rank", "stages", "in flight", *components, "peak" + (" (device)" if hosted else "")]
+        headers += ["host"] if hosted else []
         rows = [
             [str(r.rank), ",".join(map(str, r.stages)), ",".join(map(str, r.in_flight)),
-             *(format_bytes(getattr(r, c)) for c in components), format_bytes(r.peak)]
+             *(format_bytes(getattr(r, c)) for c in components), format_bytes(r.peak),
+             *([format_bytes(r.host)] if hosted else [])]
             for r in self.ranks
         ]  # fmt: skip
         table = f"{self.plan.label()} ({self.plan.precision})\n" + format_table(headers, rows, align=">")
@@ -218,23 +235,44 @@ def _pipeline_rank(facts: ModelFacts, costs: list[StageCosts], config: ParallelP
     actions = rank_actions(
         config.schedule, config.pipeline_size, config.stages_per_rank, config.num_microbatches
     )
+    in_flight = peak_in_flight(actions[rank])
+    moved = _offloaded(facts, params, config, p_bytes, state)
+    host = moved.host
+    if "activations" in config.offload:
+        local, host_activations = offload.activations_on_host(local, in_flight)
+        host += host_activations
     # The previous step's gradients are released before the schedule (Lightning zeroes them after
     # training_step anyway): the new ones grow during backward. Inside an accumulation window the
     # schedule adds into the window's gradients, which are there from the start.
     accumulating = config.accumulate_grad_batches > 1
     walk = _walk(actions[rank], {c.index: c for c in local}, 0 if accumulating else g_bytes)
-    in_flight = peak_in_flight(actions[rank])
     return RankMemory(
         rank,
         tuple(c.index for c in local),
-        p_bytes,
+        p_bytes - moved.parameters,
         g_bytes if accumulating else walk.new_grads,
-        state,
+        state - moved.optimizer,
         walk.activations,
         buffers + walk.kept,
         tuple(in_flight.get(c.index, 0) for c in local),
         gathered,
+        host,
     )
+
+
+def _offloaded(
+    facts: ModelFacts, keys: list[int], config: ParallelPlan, p_bytes: int, state: int
+) -> offload.Moved:
+    """What the plan's offload moves off this rank's device (:mod:`~lightning_parallel.memory.offload`)."""
+    if "parameters" in config.offload:  # FSDP2's CPUOffloadPolicy: p_bytes is the rank's shard already
+        grads = [(facts.tensors[k].rows, facts.tensors[k].grad) for k in keys]
+        return offload.parameter_offload(p_bytes, fsdp.memory(grads, config.shard_size).shard, state)
+    if "optimizer" in config.offload:
+        trainable = sum(facts.tensors[k].nbytes for k in keys if facts.tensors[k].grad)
+        grads = sum(facts.tensors[k].grad for k in keys)
+        whole = facts.state_of(keys) + LOSS_SCALER_BYTES.get(config.precision, 0)
+        return offload.optimizer_offload(trainable, grads, state, whole)
+    return offload.Moved()
 
 
 @dataclass
