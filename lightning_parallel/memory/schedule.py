@@ -9,6 +9,7 @@ The memory planner walks these lists to know how many micro-batches each stage k
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -43,6 +44,14 @@ def rank_actions(
         >>> [a.kind for a in rank_actions("gpipe", 2, 1, 2)[0]]
         ['F', 'F', 'B', 'B']
     """
+    return [list(actions) for actions in _rank_actions(schedule, pp_size, stages_per_rank, num_microbatches)]
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_actions(
+    schedule: str, pp_size: int, stages_per_rank: int, num_microbatches: int
+) -> tuple[tuple[Action, ...], ...]:
+    """:func:`rank_actions`, built once per schedule shape (the planner asks for each many times)."""
     cls = schedule_class(schedule)
     if not is_multi_stage(cls) and num_microbatches < pp_size and cls is not ScheduleGPipe:
         cls = ScheduleGPipe
@@ -60,8 +69,8 @@ def rank_actions(
                 stage = int(a.stage_index)
                 count[(kind, stage)] += 1
                 actions.append(Action(kind, stage, count[(kind, stage)] - 1))
-        out.append(actions)
-    return out
+        out.append(tuple(actions))
+    return tuple(out)
 
 
 def peak_in_flight(actions: list[Action]) -> dict[int, int]:

@@ -247,7 +247,7 @@ def _timed_run(
 
 
 def optimizer_step_cost(
-    optimizers: list[torch.optim.Optimizer], device: torch.device, numel: int = 1 << 20, repeats: int = 3
+    optimizers: list[torch.optim.Optimizer], device: torch.device, numel: int = 1 << 18, repeats: int = 3
 ) -> StepCost:
     """Seconds per element and per tensor of the optimizers' step, timed on stand-ins on ``device``.
 
