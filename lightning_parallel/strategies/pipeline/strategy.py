@@ -35,7 +35,9 @@ from lightning_parallel.plan.checks import Selection
 from lightning_parallel.plan.layout import RankLayout
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
+from lightning_parallel.strategies.pipeline import autoplan
 from lightning_parallel.strategies.pipeline import setup as pipeline_setup
+from lightning_parallel.strategies.pipeline.autoplan import AUTO_ARGUMENT_DOCS, auto_request
 from lightning_parallel.strategies.pipeline.build import PipelineParts
 from lightning_parallel.strategies.pipeline.checkpointing import PipelineCheckpointHooks
 from lightning_parallel.strategies.pipeline.collectives import StepCollectives
@@ -138,6 +140,10 @@ class PipelineStrategy(
         compile: bool | dict[str, Any] = False,
         offload: str | list[str] | None = None,
         offload_pin_memory: bool | None = None,
+        plan: Literal["auto"] | None = None,
+        memory: str | int | None = None,
+        host_memory: str | int | None = None,
+        global_batch_size: int | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         stop_grace_period: float | timedelta = DEFAULT_GRACE,
         timeout: timedelta | None = default_pg_timeout,
@@ -166,6 +172,8 @@ class PipelineStrategy(
         self.parallel_plan = plan_from_options(
             {name: arguments[name] for name in (*PLAN_OPTIONS, *OLDER_NAMES)}
         )
+        # plan="auto": the planner replaces parallel_plan at setup (autoplan.py); None otherwise.
+        self._auto = auto_request(plan, memory, host_memory, global_batch_size, self.parallel_plan)
         self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
         self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
         self._stop_agreement = StopAgreement()
@@ -261,7 +269,9 @@ class PipelineStrategy(
         if self._stop_guard is None:
             guard, launched = start_rank_guard(self, self.stop_grace_period)
             self._stop_guard = guard if launched else None
-        if self._mesh is None:  # the one device mesh: every rank builds it (a collective)
+        if self._auto is not None and self.parts is None:  # the mesh waits for the planner's choice
+            autoplan.prepare(self, self.lightning_module.trainer)
+        elif self._mesh is None:  # the one device mesh: every rank builds it (a collective)
             self._mesh = build_mesh(self.root_device.type, self.layout)
 
     @override
@@ -272,6 +282,8 @@ class PipelineStrategy(
         if fitting:
             check_fit_supported(trainer)
         first = self.parts is None
+        if first and self._auto is not None:
+            autoplan.decide(self, trainer)  # the plan chosen on rank 0, applied on every rank; the mesh
         if first:
             self.parts, tensors = pipeline_setup.split(self, trainer, fitting)
             self._register_release()
@@ -382,5 +394,5 @@ class PipelineStrategy(
 
 
 PipelineStrategy.__doc__ = (PipelineStrategy.__doc__ or "").replace(
-    "        {plan_arguments}", plan_argument_docs()
+    "        {plan_arguments}", plan_argument_docs() + "\n" + AUTO_ARGUMENT_DOCS
 )
