@@ -1,16 +1,19 @@
 """Time the job's own links: an all-reduce over the group and a send/recv between two of its ranks.
 
 What the planner's time model reads its latency and bandwidth from (``memory/links.py`` fits them):
-each of two message sizes is sent a few times after a warm-up and the fastest time is kept (other
-work on the machine only ever adds time). :func:`time_group` runs on every rank of a process group
-(it is collective) and hands every rank rank 0's timings; :func:`time_loopback` times two gloo ranks
-in threads of this process over loopback, for a planner that runs without a job (the command line).
+each of two message sizes is sent a few times after a warm-up and the median is kept: a message's
+typical time on the group as it is now, the wake-up of a busy peer included (every message of a
+plan pays it, unlike a compute disturbance that the fastest of a few runs leaves out).
+:func:`time_group` runs on every rank of a process group (it is collective) and hands every rank rank
+0's timings; :func:`time_loopback` times two gloo ranks in threads of this process over loopback, for a
+planner that runs without a job (the command line).
 Pure PyTorch (no Lightning import).
 """
 
 from __future__ import annotations
 
 import datetime
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -62,11 +65,11 @@ def time_group(
     reduce_times, send_times = [], []
     for size in sizes:
         t = torch.ones(size // 4, device=device)
-        reduce_times.append(_fastest(lambda t=t: dist.all_reduce(t, group=group), repeats, device))
+        reduce_times.append(_typical(lambda t=t: dist.all_reduce(t, group=group), repeats, device))
         if me == 0:
-            send_times.append(_fastest(lambda t=t: _ping(t, second, True, group), repeats, device))
+            send_times.append(_typical(lambda t=t: _ping(t, second, True, group), repeats, device))
         elif me == 1:
-            _fastest(lambda t=t: _ping(t, first, False, group), repeats, device)
+            _typical(lambda t=t: _ping(t, first, False, group), repeats, device)
     box = [(tuple(reduce_times), tuple(send_times))]
     dist.broadcast_object_list(box, src=first, group=group)
     backend = dist.get_backend(group)
@@ -86,7 +89,7 @@ def _ping(t: torch.Tensor, peer: int, sending: bool, group: Any) -> None:
         dist.send(ack, peer, group=group)
 
 
-def time_loopback(sizes: tuple[int, ...] = SIZES, repeats: int = 3) -> LinkTimings:
+def time_loopback(sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> LinkTimings:
     """Time two gloo ranks in threads of this process, over loopback (no job, no process group needed).
 
     Example::
@@ -104,8 +107,8 @@ def time_loopback(sizes: tuple[int, ...] = SIZES, repeats: int = 3) -> LinkTimin
             reduces, sends = [], []
             for size in sizes:
                 t = torch.ones(size // 4)
-                reduces.append(_fastest(lambda t=t: pg.allreduce([t]).wait(), repeats))
-                sends.append(_fastest(lambda t=t: _pg_ping(pg, t, 1 - r, r == 0), repeats))
+                reduces.append(_typical(lambda t=t: pg.allreduce([t]).wait(), repeats))
+                sends.append(_typical(lambda t=t: _pg_ping(pg, t, 1 - r, r == 0), repeats))
             found[r] = (reduces, sends)
         except BaseException as err:  # re-raised in the caller's thread
             errors.append(err)
@@ -150,10 +153,11 @@ def time_copy(nbytes: int = 1 << 24, device: torch.device | None = None, repeats
         there.copy_(host, non_blocking=pin)
         host.copy_(there, non_blocking=pin)
 
-    return _fastest(both, repeats, device) / 2
+    return _typical(both, repeats, device) / 2
 
 
-def _fastest(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
+def _typical(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
+    """The median seconds of ``fn`` over ``repeats`` runs after a warm-up."""
     samples = []
     for _ in range(repeats + 1):  # the first warms up
         _sync(device)
@@ -161,7 +165,7 @@ def _fastest(fn: Callable[[], Any], repeats: int, device: torch.device | None = 
         fn()
         _sync(device)
         samples.append(time.perf_counter() - start)
-    return min(samples[1:])
+    return statistics.median(samples[1:])
 
 
 def _sync(device: torch.device | None) -> None:
