@@ -1,8 +1,7 @@
 """``python -m lightning_parallel.memory``: the table, the chosen plan as code, nothing fits, clear errors."""
 
-import os
 import re
-import subprocess
+import runpy
 import sys
 import textwrap
 from pathlib import Path
@@ -144,18 +143,20 @@ def test_parse_bytes():
     assert parse_bytes("512") == 512
 
 
-def test_the_module_runs_as_a_command(model_file):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_parallel.memory", model_file, "--batch", "long:16", "long:16",
-         "--devices", "4", "--memory", "24GiB", "--precision", "bf16-mixed", "--rows", "0"],
-        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "links measured on this machine's loopback: send" in proc.stdout
-    assert re.search(r"^chosen: pp \S+ .* ms per step", proc.stdout, re.M)
-    assert "pp 4x1 interleaved_1f1b v=2 m=8" not in proc.stdout  # 4 blocks: no room for 8 stages
-    assert "pp 2x2 interleaved_1f1b v=2 m=4" in proc.stdout
+def test_the_module_runs_as_a_command(model_file, capsys, monkeypatch):
+    # As `python -m lightning_parallel.memory ...` runs it (runpy runs the package's __main__ as "__main__"),
+    # in this process: a new interpreter would add half a minute of imports on 2 cores.
+    argv = [model_file, "--batch", "long:16", "long:16", "--devices", "4", "--memory", "24GiB",
+            "--precision", "bf16-mixed", "--rows", "0"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["python -m lightning_parallel.memory", *argv])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("lightning_parallel.memory", run_name="__main__", alter_sys=True)
+    out = capsys.readouterr().out
+    assert exited.value.code == 0, out[-3000:]
+    assert "links measured on this machine's loopback: send" in out
+    assert re.search(r"^chosen: pp \S+ .* ms per step", out, re.M)
+    assert "pp 4x1 interleaved_1f1b v=2 m=8" not in out  # 4 blocks: no room for 8 stages
+    assert "pp 2x2 interleaved_1f1b v=2 m=4" in out
 
 
 def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys):
