@@ -46,7 +46,7 @@ class LinkTimings:
 
 
 def time_group(
-    group: Any | None = None, sizes: tuple[int, ...] = SIZES, repeats: int = 3
+    group: Any | None = None, sizes: tuple[int, ...] = SIZES, repeats: int = 7
 ) -> LinkTimings | None:
     """Time an all-reduce over ``group`` and a send from its first rank to its second; ``None`` alone.
 
@@ -62,15 +62,11 @@ def time_group(
     device = collective_device(group)
     me = dist.get_rank(group)
     first, second = (dist.get_global_rank(group, r) if group is not None else r for r in (0, 1))
-    reduce_times, send_times = [], []
-    for size in sizes:
-        t = torch.ones(size // 4, device=device)
-        reduce_times.append(_typical(lambda t=t: dist.all_reduce(t, group=group), repeats, device))
-        if me == 0:
-            send_times.append(_typical(lambda t=t: _ping(t, second, True, group), repeats, device))
-        elif me == 1:
-            _typical(lambda t=t: _ping(t, first, False, group), repeats, device)
-    box = [(tuple(reduce_times), tuple(send_times))]
+    tensors = [torch.ones(size // 4, device=device) for size in sizes]
+    peer = second if me == 0 else first
+    reduces = [lambda t=t: dist.all_reduce(t, group=group) for t in tensors]
+    sends = [lambda t=t: _ping(t, peer, me == 0, group) if me < 2 else None for t in tensors]
+    box = [(_interleaved(reduces, repeats, device), _interleaved(sends, repeats, device))]
     dist.broadcast_object_list(box, src=first, group=group)
     backend = dist.get_backend(group)
     return LinkTimings(
@@ -89,7 +85,7 @@ def _ping(t: torch.Tensor, peer: int, sending: bool, group: Any) -> None:
         dist.send(ack, peer, group=group)
 
 
-def time_loopback(sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> LinkTimings:
+def time_loopback(sizes: tuple[int, ...] = SIZES, repeats: int = 7) -> LinkTimings:
     """Time two gloo ranks in threads of this process, over loopback (no job, no process group needed).
 
     Example::
@@ -97,19 +93,17 @@ def time_loopback(sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> LinkTimin
         time_loopback().send      # seconds per send of 64 KiB and of 4 MiB on this machine
     """
     store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
-    found: dict[int, tuple[list[float], list[float]]] = {}
+    found: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:
             mine = store if r == 0 else dist.TCPStore("127.0.0.1", store.port, 2, False)
             pg = dist.ProcessGroupGloo(dist.PrefixStore("links", mine), r, 2, datetime.timedelta(seconds=60))
-            reduces, sends = [], []
-            for size in sizes:
-                t = torch.ones(size // 4)
-                reduces.append(_typical(lambda t=t: pg.allreduce([t]).wait(), repeats))
-                sends.append(_typical(lambda t=t: _pg_ping(pg, t, 1 - r, r == 0), repeats))
-            found[r] = (reduces, sends)
+            tensors = [torch.ones(size // 4) for size in sizes]
+            reduces = [lambda t=t: pg.allreduce([t]).wait() for t in tensors]
+            sends = [lambda t=t: _pg_ping(pg, t, 1 - r, r == 0) for t in tensors]
+            found[r] = (_interleaved(reduces, repeats), _interleaved(sends, repeats))
         except BaseException as err:  # re-raised in the caller's thread
             errors.append(err)
 
@@ -120,9 +114,7 @@ def time_loopback(sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> LinkTimin
         th.join(timeout=120)
     if errors or 0 not in found:
         raise RuntimeError(f"could not time loopback links: {errors[0] if errors else 'timed out'}")
-    return LinkTimings(
-        tuple(sizes), 2, tuple(found[0][0]), tuple(found[0][1]), "measured on loopback (gloo, 2 ranks)"
-    )
+    return LinkTimings(tuple(sizes), 2, *found[0], "measured on loopback (gloo, 2 ranks)")
 
 
 def _pg_ping(pg: Any, t: torch.Tensor, peer: int, sending: bool) -> None:
@@ -154,6 +146,23 @@ def time_copy(nbytes: int = 1 << 24, device: torch.device | None = None, repeats
         host.copy_(there, non_blocking=pin)
 
     return _typical(both, repeats, device) / 2
+
+
+def _interleaved(
+    fns: list[Callable[[], Any]], repeats: int, device: torch.device | None = None
+) -> tuple[float, ...]:
+    """The median seconds of each of ``fns``, run in turn ``repeats`` times after a warm-up: a burst of
+    other work on the machine falls on every message size alike, not on one of them."""
+    samples: list[list[float]] = [[] for _ in fns]
+    for repeat in range(repeats + 1):
+        for i, fn in enumerate(fns):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if repeat:
+                samples[i].append(time.perf_counter() - start)
+    return tuple(statistics.median(s) for s in samples)
 
 
 def _typical(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:

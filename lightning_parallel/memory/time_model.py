@@ -16,10 +16,11 @@ times from :mod:`~lightning_parallel.memory.time_probe`) and the links
    bubble and the stage imbalance come out of the simulation, not from a formula; with accumulation the
    schedule runs once per batch of the window.
 3. **The step's tail**, after the schedule, not overlapped (this package's ``GradientSync`` runs once
-   after the schedule): the replicas' all-reduce of the gradients (FSDP2: one reduce-scatter, HSDP an
-   all-reduce of the shard on top; its all-gather is charged before the first forward), the optimizer
-   step (per element and per tensor, on the device or, offloaded, on the host), ZeRO-1's broadcast of
-   the updated parameters, and offload's copies (gradients to the host, parameters back).
+   after the schedule): the replicas' all-reduce of the gradients (one coalesced message; FSDP2: one
+   reduce-scatter per FSDP2 unit, HSDP an all-reduce of the shard on top; its all-gathers are charged
+   before the first forward), the optimizer step (per element and per tensor, on the device or,
+   offloaded, on the host), ZeRO-1's broadcast of each updated parameter from its owner, and offload's
+   copies (gradients to the host, parameters back). Every collective message pays the latency.
 
 The step time is the last rank's finish. What is not modelled: the Trainer's own per-batch work (the
 same for every plan), the overlap of communication with compute, other jobs on the machine.
@@ -300,7 +301,11 @@ def _gather(facts: ModelFacts, links: Links, plan: ParallelPlan, local: list[Sta
         return 0.0
     nbytes = sum(facts.tensors[k].nbytes for k in _keys(local))
     up = links.copy(nbytes / plan.shard_size) if "parameters" in plan.offload else 0.0
-    return links.all_gather(plan.shard_size, nbytes) + up
+    return (
+        links.all_gather(plan.shard_size, nbytes)
+        + _more_messages(links, plan.shard_size, _fsdp_units(local))
+        + up
+    )
 
 
 def _tail(
@@ -314,16 +319,17 @@ def _tail(
     tensors = sum(1 for k in keys if facts.tensors[k].grad)
     dp, mode = plan.data_parallel_size, plan.data_parallel
     offload = 0.0
-    if mode == "fsdp":
-        shards, replicas = plan.shard_size, dp // plan.shard_size
-        comm = links.all_gather(shards, grads) + links.all_reduce(replicas, grads / shards)
+    if mode == "fsdp":  # one reduce-scatter (and HSDP all-reduce) per FSDP2 unit
+        shards, replicas, units = plan.shard_size, dp // plan.shard_size, _fsdp_units(local)
+        comm = links.all_gather(shards, grads) + _more_messages(links, shards, units)
+        comm += links.all_reduce(replicas, grads / shards) + 2 * _more_messages(links, replicas, units)
         elements /= shards
         if "parameters" in plan.offload:
             offload += links.copy(grads / shards)
     else:
         comm = links.all_reduce(dp, grads)
-        if mode == "zero1":
-            comm += links.all_gather(dp, params)
+        if mode == "zero1":  # ZeroRedundancyOptimizer broadcasts each updated parameter from its owner
+            comm += links.all_gather(dp, params) + _more_messages(links, dp, tensors)
             elements, tensors = elements / dp, tensors / dp
         if "optimizer" in plan.offload:
             offload += links.copy(grads) + links.copy(params)
@@ -332,6 +338,16 @@ def _tail(
     if on_host:
         offload += max(0.0, step - times.step.of(elements, tensors))
     return comm + offload + step, comm, offload, step
+
+
+def _fsdp_units(local: list[StageCosts]) -> int:
+    """FSDP2 units of the rank's stages: each layer of a split Sequential, then each stage's root."""
+    return sum(len(c.units) + 1 for c in local)
+
+
+def _more_messages(links: Links, ranks: int, messages: float) -> float:
+    """The latency of ``messages - 1`` more collectives than the one whose bytes are charged."""
+    return max(0.0, messages - 1) * (ranks - 1) * links.collective.latency if ranks > 1 else 0.0
 
 
 def _keys(local: list[StageCosts]) -> list[int]:
