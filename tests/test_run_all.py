@@ -190,6 +190,7 @@ def test_every_number_in_the_block_comes_from_a_csv(run_all, tmp_path):
 # The key numbers each table must show: changing any one of these columns must change the table.
 KEY_COLUMNS = {
     "memory_validation": ["measured_bytes", "predicted_bytes", "error"],
+    "autoplan": ["predicted_ms", "measured_ms", "measured_ms_max", "measured_peak_bytes", "spearman_all"],
     "watchdog": ["step_ms", "ratio"],
     "watchdog_calls": ["call_us", "added_us"],
     "gpt_pipeline": ["samples_per_s", "step_ms", "ratio", "tied_ms", "tied_share"],
