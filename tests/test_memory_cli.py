@@ -1,4 +1,8 @@
-"""``python -m lightning_parallel.memory``: the table, the chosen plan as code, nothing fits, clear errors."""
+"""``python -m lightning_parallel.memory``: the table, the chosen plan as code, nothing fits, clear errors.
+
+Covers memory/quantities.py (sizes, rates and durations as written) and, through the command's default
+links, distributed/link_timing.py's loopback timing (its group timing: tests/test_autoplan.py's job).
+"""
 
 import re
 import runpy
