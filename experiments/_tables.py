@@ -653,6 +653,87 @@ def compile_bench(rows: Rows) -> str:
     return _table(header, body) + note
 
 
+def trace_share(rows: Rows) -> str:
+    header = ["model", "ranks", "variant", "repeats", "exports, loads"]
+    names = {"trace_cpu_s": "trace CPU", "setup_cpu_s": "setup CPU", "first_step_s": "first step"}
+    for name in names.values():
+        header += [f"{name} s" + (" per node" if "CPU" in name else ""), f"{name}: ratio to every rank"]
+    body = []
+    for r in rows:
+        cells = [r["model"], r["ranks"], r["variant"].replace("_", " "), r["repeats"]]
+        cells.append(f"{_f(r['exports'], 0)}, {_f(r['received'], 0)}")
+        for key in names:
+            ratio, words = f"{key}_ratio", dict(higher_is_better=False, words=("less", "more"))
+            shared = r["variant"] == "shared"
+            cells += [
+                timed_col(r, key, 2),
+                timed_col(r, ratio, 2, _verdict(r, ratio, **words)) if shared else "-",
+            ]
+        body.append(cells)
+    return _table(header, body) + (
+        "\n\nOne training step under `PipelineStrategy(pipeline_size=ranks)`, the traced forward exported by "
+        "every rank (as before) or once, by rank 0, the others loading its program "
+        "(`sources/traced/share.py`); "
+        "interleaved in one job per rank count. Trace CPU: exporting, pickling and loading programs, summed "
+        "over the ranks; setup CPU: every rank's from `fit()` to the end of the first step, summed; first "
+        "step: `fit()` to the end of the first step on the slowest rank. The ratios are against every rank "
+        "exporting, taken within each repeat."
+    )
+
+
+def trace_share_transport(rows: Rows) -> str:
+    header = ["model", "repeats", "export CPU s", "GraphPickler MB", "pickle CPU s", "its load CPU s",
+              "torch.export.save MB", "save CPU s", "torch.export.load CPU s"]  # fmt: skip
+    body = [
+        [r["model"], r["repeats"], timed_col(r, "export_cpu_s", 2), _f(r["pickle_mb"], 2),
+         timed_col(r, "pickle_cpu_s", 2), timed_col(r, "unpickle_cpu_s", 2), _f(r["save_mb"], 2),
+         timed_col(r, "save_cpu_s", 2), timed_col(r, "load_cpu_s", 2)]
+        for r in rows
+    ]  # fmt: skip
+    return _table(header, body) + (
+        "\n\nIn one process: the program of one export moved both ways, what a receiving rank pays against "
+        "exporting it itself."
+    )
+
+
+def offload(rows: Rows) -> str:
+    body = []
+    for r in rows:
+        words = {"higher_is_better": False, "words": ("faster", "slower")}
+        ratio = timed_col(r, "ratio", 3, _verdict(r, "ratio", **words)) if r["variant"] != "device" else "1"
+        share = timed_col(r, "host_share", 3) if r["host_copies_bytes"] else "-"
+        held = ("host_copies_bytes", "host_state_bytes", "host_activations_peak_bytes")
+        mib = [_f(float(r[k]) / 2**20, 2) if r[k] else "-" for k in held]
+        body.append([r["variant"], r["repeats"], timed_col(r, "step_ms", 1), ratio, share, *mib])
+    header = ["variant", "repeats", "step ms", "vs device", "host step's share of the step"]
+    header += ["host copies + gradient buffers MiB", "host AdamW state MiB", "activations on the host MiB"]
+    r0 = rows[0]
+    note = (
+        f"\n\n`SequentialCharLM` width {r0['model_dim']}, {r0['model_depth']} blocks, AdamW, batch "
+        f"{r0['batch']} in {r0['microbatches']} micro-batches, `PipelineStrategy(pipeline_size=1)` on one "
+        "process (one thread); the ratio is taken within each repeat against `device` (the user's AdamW as "
+        "torch builds it on a CPU: its loop implementation). The host step's share: what `step()` spends "
+        "after the closure (gradients in, the host kernel, weights out) over the step. Host and device are "
+        "the same memory on this machine: the copies cost a memcpy, and nothing leaves a device; how to "
+        "read it: [Offload](offload.md)."
+    )
+    return _table(header, body) + note
+
+
+def offload_kernels(rows: Rows) -> str:
+    body = []
+    for r in rows:
+        words = {"higher_is_better": False, "words": ("faster than fused", "slower than fused")}
+        ratio = timed_col(r, "ratio", 2, _verdict(r, "ratio", **words)) if r["kernel"] != "fused" else "1"
+        body.append([r["optimizer"], r["kernel"], r["repeats"], timed_col(r, "step_ms", 2), ratio])
+    header = ["optimizer", "host kernel", "repeats", "ms per step", "vs fused"]
+    return _table(header, body) + (
+        f"\n\nOne optimizer step over the same model's {rows[0]['parameters']} parameters "
+        f"({rows[0]['tensors']} tensors) on host tensors, one thread: the order offload tries the host "
+        "kernels in (fused, foreach, the loop)."
+    )
+
+
 QUESTIONS = (
     Question(
         "Pipeline overhead: the Trainer against a hand-driven schedule",
@@ -720,6 +801,16 @@ QUESTIONS = (
         (tensor_parallel,),
     ),
     Question("Compiled stages: PipelineStrategy(compile=True) against eager", "compile", (compile_bench,)),
+    Question(
+        "Tracing once per job: one rank exports the traced forward for all, against every rank",
+        "trace_share",
+        (trace_share, trace_share_transport),
+    ),
+    Question(
+        "Offload: the optimizer step and the activations on the host, and the host kernel",
+        "offload",
+        (offload, offload_kernels),
+    ),
     Question(
         "plan='auto': the planner's choice and predicted step times against measured runs",
         "autoplan",

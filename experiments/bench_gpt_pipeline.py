@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.pipeline.microbatches import first_microbatch
-from lightning_parallel.pipeline.twin import meta_twin, to_meta
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.traced.trace import trace
+from lightning_parallel.sources.twin import meta_twin, to_meta
 
 GOAL = 0.97  # the traced path keeps at least this share of the Sequential path's throughput
 

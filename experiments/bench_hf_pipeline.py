@@ -45,9 +45,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.pipeline.microbatches import first_microbatch
-from lightning_parallel.pipeline.twin import meta_twin, to_meta
-from lightning_parallel.traced.call_binding import CallBinding
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.traced.call_binding import CallBinding
+from lightning_parallel.sources.traced.trace import trace
+from lightning_parallel.sources.twin import meta_twin, to_meta
 
 BASELINE = "one_process"
 

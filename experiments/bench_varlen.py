@@ -40,10 +40,10 @@ from models import ByteWindows
 from torch.utils.data import DataLoader
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
-from lightning_parallel.traced.call_binding import CallBinding
-from lightning_parallel.traced.split import TracedStages
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.traced.call_binding import CallBinding
+from lightning_parallel.sources.traced.split import TracedStages
+from lightning_parallel.sources.traced.trace import trace
+from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 
 BASELINE = "fixed"
 VARIANTS = ("dynamic", "fixed", "one_process")

@@ -35,8 +35,8 @@ import hf_decoders  # puts .hf_packages on the path where make test installed tr
 import transformers as tf
 from lightning_parallel import load_pretrained
 from lightning_parallel.grads.tied import alias_table
-from lightning_parallel.pipeline.materialize import materialize
-from lightning_parallel.traced.split import keep_only
+from lightning_parallel.sources.materialize import materialize
+from lightning_parallel.sources.traced.split import keep_only
 
 directory, variant = sys.argv[1], sys.argv[2]
 def peak():  # VmHWM: this process's resident high-water mark (ru_maxrss would keep the parent's over exec)

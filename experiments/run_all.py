@@ -58,6 +58,8 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "memory_validation": "memory_validation.py",
     "tensor_parallel": "bench_tensor_parallel.py",
     "compile": "bench_compile.py",
+    "trace_share": "bench_trace_share.py",
+    "offload": "bench_offload.py",
     "autoplan": "bench_autoplan.py",
 }
 

@@ -24,16 +24,18 @@ after 100 warm-up steps) learns far more in that time than a larger one taking f
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from models import CharLM, StdlibText, stdlib_text, unigram_bits_per_byte
 from typing_extensions import override
@@ -65,6 +67,68 @@ class Throughput(Callback):
 
     def samples_per_second(self, steps: int) -> float:
         return steps * self.global_batch_size / max(self.seconds, 1e-9)
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's progress bar, counting optimizer steps out of ``max_steps``, without ``v_num``.
+
+    Given ``max_steps`` only, Lightning 2.6 sets ``max_epochs`` to -1, and its bar reads "Epoch 0/-2"
+    over the epoch's batches; it also shows the CSV log's version (``v_num: 0.000``), which says nothing
+    about the run. Here it reads "Steps" and, e.g., ``120/1700``: the optimizer steps so far out of
+    the run's, as ``--max-steps`` counts them (also when batches are accumulated).
+    """
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._show_steps(trainer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._show_steps(trainer)
+
+    def _show_steps(self, trainer: L.Trainer) -> None:
+        if self.progress is None or self.train_progress_bar_id is None or trainer.max_steps < 0:
+            return
+        description = f"{'Steps':{len(self.validation_description)}}"  # as wide: no flicker
+        self.progress.update(
+            self.train_progress_bar_id,
+            description=description,
+            completed=trainer.global_step,
+            total=trainer.max_steps,
+        )
+        self.refresh()
+
+    @override
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)  # the log's version, not the run's progress
+        return items
+
+
+def progress_bar() -> ProgressBar | None:
+    """The steps bar where ``rich`` is installed (``make demo`` installs it); else Lightning's default."""
+    return StepProgressBar() if importlib.util.find_spec("rich") is not None else None
+
+
+def hide_lightning_deprecations() -> None:
+    """Hide the two FutureWarnings that Lightning 2.6.6 raises under torch 2.13, in this script only.
+
+    They come from Lightning's own code, not from this script or the package's API, so a user has
+    nothing to change: ``isinstance(treespec, LeafSpec)`` (Lightning's ``utilities/_pytree.py`` builds a
+    ``LeafSpec``) and ``torch.distributed.nn.functional.all_gather`` (Lightning's ``strategy.all_gather``,
+    which GradientAccumulationScheduler calls once as training starts); each rank printed them. Filtered
+    by their exact messages, in this script's processes (each rank runs ``main``), not at import of the
+    package: another script still sees them, and any other warning still shows.
+    """
+    for message in (
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+    ):
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def make_strategy(args: argparse.Namespace) -> Any:
@@ -232,6 +296,7 @@ def build_trainer(args: argparse.Namespace, logger: CSVLogger, callbacks: list[C
             GradientAccumulationScheduler(global_batch_size=args.global_batch_size),
             AllReducedMetrics(),
             *callbacks,
+            *filter(None, [progress_bar()]),
         ],
     )
 
@@ -239,6 +304,7 @@ def build_trainer(args: argparse.Namespace, logger: CSVLogger, callbacks: list[C
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
+    hide_lightning_deprecations()
     L.seed_everything(args.seed, verbose=False)
     dp = data_parallel_size(args)
     if args.global_batch_size % dp:

@@ -1,4 +1,4 @@
-"""Suite-wide settings: one thread per process, and no process outlives its test."""
+"""Suite-wide settings: one thread per process, no process outlives its test, no patch outlives it."""
 
 import multiprocessing
 import os
@@ -10,6 +10,7 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 
 import pytest
 import torch
+from global_state import changes, snapshot
 
 torch.set_num_threads(1)
 
@@ -50,6 +51,23 @@ def _isolate_distributed_state():
         torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(environ)
+
+
+@pytest.fixture(autouse=True)
+def _no_global_state_left_behind(request):
+    """Fail the test that leaves torch.distributed, the pipeline schedule or torch's flags changed.
+
+    The cheap guard against order dependence (see global_state.py): whatever a test patches, the next
+    test would otherwise inherit, so the suite would pass or fail by the order its files run in.
+    """
+    before = snapshot()
+    yield
+    if left := changes(before, snapshot()):
+        pytest.fail(
+            f"{request.node.nodeid} left global state changed for the tests after it: {'; '.join(left)}. "
+            "Restore it in the test (monkeypatch, or try/finally)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

@@ -234,16 +234,37 @@ def assert_close_dicts(
 
 
 def processes_with_env(entry: str) -> list[int]:
-    """PIDs of the processes whose environment holds ``entry`` ("NAME=value"): a job's leftover ranks."""
+    """PIDs of the processes whose environment holds ``entry`` ("NAME=value"): a job's leftover ranks.
+
+    A process's environment here is the one it started with (``/proc/PID/environ``): a forkserver worker
+    shows its server's, not the variables its launcher set in it. This process's own multiprocessing
+    helpers are left out (:func:`_session_helper`).
+    """
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if entry.encode() in f.read().split(b"\0"):
+                if entry.encode() in f.read().split(b"\0") and not _session_helper(pid):
                     pids.append(int(pid))
         except OSError:
             continue
     return pids
+
+
+def _session_helper(pid: str) -> bool:
+    """Whether ``pid`` is this process's multiprocessing resource tracker or forkserver.
+
+    Each starts at the first launch that needs it, with that moment's environment (alone, the first
+    test's), serves every later launch and lives as long as pytest: not a job's process. A forkserver
+    worker has the server's command line but the server as its parent, so it still counts.
+    """
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        command = f.read()
+    if b"multiprocessing.resource_tracker" not in command and b"multiprocessing.forkserver" not in command:
+        return False
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        parent = int(f.read().rsplit(b")", 1)[1].split()[1])  # "pid (name) state ppid ..."
+    return parent == os.getpid()
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""traced/call_binding.py: one call of the pipelined module as tensors in, tensors out (pure logic).
+"""sources/traced/call_binding.py: one call of the pipelined module as tensors in, tensors out (pure logic).
 
 The Hugging Face runs of tests/test_pipeline_hf.py go through it under PipelineStrategy; here its pieces
 run alone on tiny modules.
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.traced.call_binding import CallBinding, TracedCall, bound_forward
+from lightning_parallel.sources.traced.call_binding import CallBinding, TracedCall, bound_forward
 
 
 def test_a_calls_tensors_become_the_inputs_in_order_and_the_rest_constants():

@@ -1,4 +1,4 @@
-"""pipeline/fake_device.py: a module's tensors as fake tensors of the device its stages run on."""
+"""sources/fake_device.py: a module's tensors as fake tensors of the device its stages run on."""
 
 import pytest
 import torch
@@ -6,8 +6,8 @@ from tiny_models import DeviceAwareGPT, TinyGPT
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lightning_parallel.pipeline.fake_device import faked_on, trace_device, tracks_gradients
-from lightning_parallel.pipeline.twin import meta_twin, to_meta
+from lightning_parallel.sources.fake_device import faked_on, trace_device, tracks_gradients
+from lightning_parallel.sources.twin import meta_twin, to_meta
 
 
 def _tensors(module):

@@ -6,7 +6,9 @@ it on the whole global batch, whatever splits the batch: micro-batches, accumula
 in ONE job of 4 spawned processes (pipeline 2 x data parallel 2, pipeline 2 x tensor parallel 2, and
 plain DDP over 4 ranks); the
 one-device references run in this process. The batches have a new length nearly every time: the
-traced path must trace once per mode, not per length.
+traced path must trace once per mode, not per length. The callbacks are built in this process and reach
+the ranks pickled, as a spawn launch (``strategy="ddp_spawn"``, ``start_method="spawn"``) sends them:
+``TokenWeightedLoss(count=labelled_tokens(...))`` must travel and still count.
 
 Covers strategies/pipeline/items.py (the user's count, or a Hugging Face model's own labels, per micro-batch)
 and callbacks/token_loss.py under PipelineStrategy.
@@ -115,7 +117,7 @@ class StepRecorder(Callback):
         torch.save(record, self.path)
 
 
-def _fits(rank: int, world: int, port: int, out_dir: str) -> None:
+def _fits(rank: int, world: int, port: int, out_dir: str, callbacks: dict[str, list]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
@@ -124,8 +126,9 @@ def _fits(rank: int, world: int, port: int, out_dir: str) -> None:
         strategy = (
             "ddp" if pipeline is None else PipelineStrategy(pipeline_size=2, num_microbatches=2, **pipeline)
         )
-        callbacks = [*case.get("callbacks", list)(), StepRecorder(f"{out_dir}/{name}-rank{rank}.pt")]
-        trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=callbacks,
+        recorder = StepRecorder(f"{out_dir}/{name}-rank{rank}.pt")
+        trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS,
+                                callbacks=[*callbacks[name], recorder],
                                 **case.get("trainer", {}))  # fmt: skip
         model = FineTune(**case["model"])
         trainer.fit(model, finetune_loader(PromptResponses(64), BATCH))
@@ -172,9 +175,10 @@ def _step_losses(records: list[dict]) -> list[float]:
 @pytest.mark.timeout(900)
 def test_finetuning_losses_are_token_exact_in_every_axis_and_lengths_are_traced_once(tmp_path):
     refs = {name: _reference(case, tmp_path / name) for name, case in _cases().items()}
-    mp.start_processes(
-        _fits, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, start_method=START_METHOD
-    )
+    # Built here, pickled to each rank (the start method pickles the arguments), as a spawn launch does.
+    callbacks = {name: case.get("callbacks", list)() for name, case in _cases().items()}
+    args = (WORLD, free_port(), str(tmp_path), callbacks)
+    mp.start_processes(_fits, args=args, nprocs=WORLD, start_method=START_METHOD)
     for name, case in _cases().items():
         records = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
         ref = refs[name]

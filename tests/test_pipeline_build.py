@@ -2,7 +2,7 @@
 pipeline run).
 
 Covers strategies/pipeline/call_input.py (the first batch read at setup), sources/stage_plan.py (costs
-measured, stages planned), sources/sequential/source.py and strategies/pipeline/traced.py (both split
+measured, stages planned), sources/sequential/source.py and sources/traced/source.py (both split
 paths, each handing back a sources/split_result.py) through Trainer.fit.
 """
 

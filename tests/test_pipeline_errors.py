@@ -198,7 +198,7 @@ def test_a_failure_of_the_packages_own_step_says_so_and_asks_for_a_bug_report(mo
     def broken(pipe):
         raise KeyError("add_3")
 
-    monkeypatch.setattr("lightning_parallel.traced.trace.relay_skips", broken)
+    monkeypatch.setattr("lightning_parallel.sources.traced.trace.relay_skips", broken)
     with pytest.raises(
         RuntimeError, match=r"its own step `relaying values read past the next stage`"
     ) as info:
@@ -215,7 +215,7 @@ def test_a_twin_export_failure_the_module_does_not_have_is_the_packages(monkeypa
     def broken(module, example, dynamic=True):
         raise RuntimeError("torch.export could not capture") from ValueError("a stand-in for a twin bug")
 
-    monkeypatch.setattr("lightning_parallel.traced.trace.export_for_pipeline", broken)
+    monkeypatch.setattr("lightning_parallel.sources.traced.trace.export_for_pipeline", broken)
     with pytest.raises(
         RuntimeError, match=r"failed in its own step `exporting forward with torch.export`"
     ) as info:

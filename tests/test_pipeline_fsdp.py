@@ -4,8 +4,8 @@ The multi-process configurations share one spawned job of 4 gloo ranks: each ran
 Trainers in turn on the process group the job set up (as under torchrun), so the imports are paid once.
 
 Covers techniques/_fsdp_internals.py (finish_backward, spied on), techniques/parallelize.py and
-strategies/pipeline/source_glue.py (parallelize_fn, then FSDP2, on each stage), traced/fsdp.py (the traced
-configurations' one FSDP root per stage) and techniques/recompute.py's recomputation
+the stage sources' shard() (parallelize_fn, then FSDP2, on each stage), sources/traced/fsdp.py (the
+traced configurations' one FSDP root per stage) and techniques/recompute.py's recomputation
 (activation_checkpointing=True).
 """
 
@@ -257,8 +257,8 @@ def test_data_parallel_options_are_checked():
         PipelineStrategy(parallelize_fn="fsdp")
     planned = resolve(PipelineStrategy(pipeline_size=2, data_parallel="fsdp"), devices=4, precision="32-true")
     assert planned.label() == "pp 2x2 1f1b m=4 +fsdp"  # the memory planner models it
-    assert PipelineStrategy(shard_optimizer_state=True).data_parallel == "zero1"
-    assert PipelineStrategy(data_parallel="zero1").shard_optimizer_state
+    assert PipelineStrategy(shard_optimizer_state=True).parallel_plan.data_parallel == "zero1"
+    assert PipelineStrategy(data_parallel="zero1").parallel_plan.shard_optimizer_state
 
 
 def test_the_traced_path_refuses_what_its_stages_cannot_take_with_the_reason():

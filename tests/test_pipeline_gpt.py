@@ -3,7 +3,7 @@
 The traced path: forward is split with torch.export at the blocks; the tied weight is replicated on the
 first and last stage, its gradients summed, and the replicas stay bit-identical.
 
-Covers strategies/pipeline/traced.py.
+Covers sources/traced/source.py.
 """
 
 import csv

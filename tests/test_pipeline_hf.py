@@ -4,13 +4,15 @@ Every family and way of calling runs in ONE pair of spawned processes (each fit 
 ``Trainer`` under the script launcher's environment, reusing the process group), since a spawn pays
 seconds of imports: the one-device references run in this process.
 
-Covers traced/call_binding.py (keyword calls, constants baked in, a ModelOutput rebuilt) under
-PipelineStrategy, and traced/graph_regions.py (the decoders' rotary tables, computed under no_grad and
-read by every block, inlined: pytorch#184361).
+Covers sources/traced/call_binding.py (keyword calls, constants baked in, a ModelOutput rebuilt) under
+PipelineStrategy, sources/traced/graph_regions.py (the decoders' rotary tables, computed under no_grad
+and read by every block, inlined: pytorch#184361), and sources/traced/share.py: each fit's traces are
+exported once, on rank 0, for both ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -34,6 +36,7 @@ from tiny_models import loader
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed.dtensors import full_tensors
+from lightning_parallel.sources.traced.share import tally
 
 # (family, tied, how the step calls the model, schedule): every family, both kinds of schedule for the
 # four with the most unusual blocks (learned positions, tied and untied RoPE, scaled embeddings,
@@ -146,6 +149,7 @@ def _pipelined_fits(rank: int, world: int, port: int, out_dir: str) -> None:
     held = {type(p).__name__ for p in model.parameters()}
     params = {k: v.detach().cpu() for k, v in full_tensors(model.state_dict()).items()}
     torch.save({"losses": recorder.losses, "params": params, "held": held}, f"{out_dir}/fsdp-rank{rank}.pt")
+    torch.save(dataclasses.asdict(tally), f"{out_dir}/exports-rank{rank}.pt")
 
 
 @pytest.mark.multiprocess
@@ -200,6 +204,12 @@ def test_hugging_face_families_train_as_on_one_device(tmp_path):
     torch.testing.assert_close(losses, torch.tensor(refs[FSDP_CASE]["losses"]), rtol=1e-5, atol=1e-6)
     records = load_rank_results(tmp_path / "pp" / "pretrained-run")
     assert_close_dicts(merged_params(records), ref_pretrained["params"], rtol=1e-5, atol=1e-5)
+    # One export for both ranks, each time: every fit's at setup, and the evaluation mode's
+    # (sources/traced/share.py).
+    exports = [torch.load(tmp_path / "pp" / f"exports-rank{r}.pt") for r in range(2)]
+    print(f"exports by rank: {exports}")
+    assert exports[1]["exported"] == 0 and exports[0]["exported"] == exports[1]["received"] > 0, exports
+    assert exports[0]["unshared"] == 0, exports
     # Back to the Hugging Face format: the consolidated checkpoint -> plain module -> save_pretrained.
     from transformers import AutoModelForCausalLM
 

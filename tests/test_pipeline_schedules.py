@@ -160,9 +160,9 @@ def test_v_placement_is_torchs_and_a_conflicting_stages_per_rank_is_refused():
         for style in ("v", "loop"):
             expected = generate_stage_to_rank_mapping(p, 2 * p, style=style)
             assert {s: stage_rank(s, p, 2 * p, style) for s in range(2 * p)} == expected
-    assert PipelineStrategy(schedule="zbv").stages_per_rank == 2
-    assert PipelineStrategy(schedule="dualpipev", stages_per_rank=2).stages_per_rank == 2
-    assert PipelineStrategy(schedule="1f1b").stages_per_rank == 1
+    assert PipelineStrategy(schedule="zbv").parallel_plan.stages_per_rank == 2
+    assert PipelineStrategy(schedule="dualpipev", stages_per_rank=2).parallel_plan.stages_per_rank == 2
+    assert PipelineStrategy(schedule="1f1b").parallel_plan.stages_per_rank == 1
     with pytest.raises(
         ValueError, match=r"schedule='zbv' runs exactly 2 stages per rank in a V .*stages_per_rank=3"
     ):

@@ -36,21 +36,21 @@ from lightning_parallel import PipelineStrategy, consolidate_checkpoint
 from lightning_parallel.grads.loss_scale import agree_on_overflow
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model, planned_tensors
-from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.strategies.pipeline.build import source_for
-from lightning_parallel.strategies.pipeline.traced import TracedSource
-from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
-from lightning_parallel.techniques.tensor_parallel.memory import local_model
-from lightning_parallel.techniques.tensor_parallel.plan import default_plan, user_plan
-from lightning_parallel.traced.stage_graphs import point_at
-from lightning_parallel.traced.tensor_parallel import (
+from lightning_parallel.sources.traced.source import TracedSource
+from lightning_parallel.sources.traced.stage_graphs import point_at
+from lightning_parallel.sources.traced.tensor_parallel import (
     TensorParallelGraph,
     place_split_ops,
     register_missing_shardings,
     tensor_parallel_step,
 )
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.traced.trace import trace
+from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
+from lightning_parallel.strategies.pipeline.build import source_for
+from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
+from lightning_parallel.techniques.tensor_parallel.memory import local_model
+from lightning_parallel.techniques.tensor_parallel.plan import default_plan, user_plan
 
 # 48 samples, global batch 16: 3 batches an epoch; accumulate_grad_batches=2 gives the windows [0, 1]
 # and [2]: a full and a partial window per epoch. The clip value is below the gradient norm.

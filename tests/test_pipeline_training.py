@@ -1,7 +1,8 @@
 """PipelineStrategy training against one device: same seed, data and global batch -> same numbers.
 
 Covers strategies/pipeline/strategy.py, strategies/pipeline/setup.py (the set-up's order) and
-strategies/pipeline/step.py (a training step through the schedule).
+strategies/pipeline/step.py (a training step through the schedule) and strategies/pipeline/step_results.py
+(the last stage's loss and logs on every rank).
 """
 
 import csv

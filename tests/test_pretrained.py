@@ -1,6 +1,6 @@
 """load_pretrained: safetensors weights read per stage into a model built on the meta device (no spawns).
 
-Covers pipeline/pretrained.py.
+Covers sources/pretrained.py.
 """
 
 import pytest
@@ -9,9 +9,9 @@ from hf_models import hf_config, hf_model
 from transformers import AutoModelForCausalLM
 
 from lightning_parallel import load_pretrained
-from lightning_parallel.pipeline.materialize import materialize
-from lightning_parallel.pipeline.twin import alias_table
-from lightning_parallel.traced.split import keep_only
+from lightning_parallel.sources.materialize import materialize
+from lightning_parallel.sources.traced.split import keep_only
+from lightning_parallel.sources.twin import alias_table
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from tiny_models import TinyGPT
 from torch import nn
 
 from lightning_parallel.pipeline.partition import partition_balanced, stage_costs
-from lightning_parallel.pipeline.profile import block_times, layer_times
+from lightning_parallel.sources.profile import block_times, layer_times
 
 
 def uneven_layers() -> nn.Sequential:

@@ -1,4 +1,4 @@
-"""Values that skip stages are relayed through the stages between (traced/relay.py).
+"""Values that skip stages are relayed through the stages between (sources/traced/relay.py).
 
 SkipGPT hands its padding mask (a root input, first read by h.2) and its embeddings x0 (read by every
 block) past the next stage, as litgpt and the Hugging Face decoders do with their masks and rotary
@@ -13,8 +13,8 @@ import torch
 from tiny_models import SkipGPT, TinyGPT, masked_token_data
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from lightning_parallel.traced.relay import relay_skips
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.traced.relay import relay_skips
+from lightning_parallel.sources.traced.trace import trace
 
 SPLITS = {
     "4 stages, mask first read by stage 2": ["h.1", "h.2", "h.3"],

@@ -189,6 +189,8 @@ def test_every_number_in_the_block_comes_from_a_csv(run_all, tmp_path):
 
 # The key numbers each table must show: changing any one of these columns must change the table.
 KEY_COLUMNS = {
+    "offload": ["step_ms", "ratio", "host_share", "host_copies_bytes"],
+    "offload_kernels": ["step_ms", "ratio"],
     "memory_validation": ["measured_bytes", "predicted_bytes", "error"],
     "autoplan": ["predicted_ms", "measured_ms", "measured_ms_max", "measured_peak_bytes", "spearman_all"],
     "watchdog": ["step_ms", "ratio"],
@@ -280,6 +282,32 @@ KEY_COLUMNS = {
         "compile_s",
         "compile_s_max",
         "first_compile_s",
+    ],
+    "trace_share": [
+        "trace_cpu_s",
+        "trace_cpu_s_max",
+        "trace_cpu_s_ratio",
+        "trace_cpu_s_ratio_min",
+        "setup_cpu_s",
+        "setup_cpu_s_ratio",
+        "first_step_s",
+        "first_step_s_min",
+        "first_step_s_ratio",
+        "first_step_s_ratio_max",
+        "exports",
+        "received",
+    ],
+    "trace_share_transport": [
+        "export_cpu_s",
+        "export_cpu_s_max",
+        "pickle_mb",
+        "pickle_cpu_s",
+        "unpickle_cpu_s",
+        "unpickle_cpu_s_min",
+        "save_mb",
+        "save_cpu_s",
+        "load_cpu_s",
+        "load_cpu_s_max",
     ],
     "scaling_charlm": [
         "samples_per_s",
@@ -410,6 +438,8 @@ TIMED_TABLES = {
     "checkpoint_bench",
     "scaling_charlm",
     "hf_pipeline",
+    "trace_share",
+    "trace_share_transport",
 }
 
 

@@ -7,8 +7,8 @@ from torch import nn
 
 from lightning_parallel.grads.tied import SharedParameter, SharedReplicas, find_shared
 from lightning_parallel.pipeline.mesh import build_mesh
-from lightning_parallel.pipeline.twin import alias_table, retie
 from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.sources.twin import alias_table, retie
 
 
 class Tied(nn.Module):

@@ -1,4 +1,4 @@
-"""sources/sequential/split.py and stages.py, pipeline/materialize.py: the Sequential path, from finding the
+"""sources/sequential/split.py and stages.py, sources/materialize.py: the Sequential path, from finding the
 Sequential to this rank's layers (one process)."""
 
 from collections import OrderedDict
@@ -7,10 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.materialize import materialize
 from lightning_parallel.pipeline.plan import make_plan
-from lightning_parallel.pipeline.stage_shapes import ChainedShapes, run_on_fake
 from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.sources.materialize import materialize
 from lightning_parallel.sources.sequential.call import PipelinedSequential
 from lightning_parallel.sources.sequential.split import (
     StageModule,
@@ -22,6 +21,7 @@ from lightning_parallel.sources.sequential.split import (
     stage_twins,
 )
 from lightning_parallel.sources.sequential.stages import SequentialStages
+from lightning_parallel.sources.stage_shapes import ChainedShapes, run_on_fake
 
 
 class TiedLM(nn.Module):

@@ -1,4 +1,4 @@
-"""pipeline/symbolic_sizes.py and stage_shapes.py: one program with dynamic sizes, cut into stages.
+"""sources/symbolic_sizes.py and stage_shapes.py: one program with dynamic sizes, cut into stages.
 
 One process, no process group: the traced pipe's stage graphs are run directly.
 """
@@ -8,11 +8,11 @@ import torch
 from tiny_models import TinyGPT
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 
-from lightning_parallel.pipeline.stage_shapes import StageShapes, stage_examples
-from lightning_parallel.pipeline.symbolic_sizes import evaluate_shape, is_symbolic, symbol_values
-from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
-from lightning_parallel.traced.stage_graphs import point_at
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.stage_shapes import StageShapes, stage_examples
+from lightning_parallel.sources.symbolic_sizes import evaluate_shape, is_symbolic, symbol_values
+from lightning_parallel.sources.traced.stage_graphs import point_at
+from lightning_parallel.sources.traced.trace import trace
+from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch.export, inside torch
 SPLITS = ["h.1", "h.3"]

@@ -322,7 +322,7 @@ def test_torch_schedules_take_a_batch_of_another_shape_after_their_first(one_ran
     "backward' on 2026-12-03): a forward-only step fails where two adjacent stages share a rank (the V "
     "schedules always; interleaving on one rank) with 'can't steal_bwd_input if this stage doesn't have "
     "backward'; worked around by _v_forward.py (VForwardOnly), runner.py (PipelineRunner._schedule) and "
-    "traced.py (traced_path refuses interleaving on one rank)",
+    "source.py (TracedSource refuses interleaving on one rank)",
 )
 def test_torch_runs_a_forward_only_step_of_adjacent_stages_on_one_rank(one_rank):
     torch.manual_seed(0)

@@ -1,11 +1,12 @@
-"""traced/trace.py and traced/split.py: a module's forward traced on a meta twin and split at its blocks.
+"""sources/traced/trace.py and sources/traced/split.py: a module's forward traced on a meta twin and split
+at its blocks.
 
 The twin is traced as fake tensors of the stages' device: a CPU trace takes the CPU's branches, and a
 trace for ``cuda:0`` (fake, no GPU needed) the CUDA ones.
 
 One process. torch.export takes ~1 s per trace here, so the tests share one traced pipe.
 
-Covers pipeline/export.py (export_for_pipeline: dynamic sizes, the static fallback and its reason) through
+Covers sources/export.py (export_for_pipeline: dynamic sizes, the static fallback and its reason) through
 TracedStages.
 """
 
@@ -16,16 +17,16 @@ from tiny_models import DeviceAwareGPT, TinyGPT
 from torch import nn
 
 from lightning_parallel.pipeline.blocks import find_block_list
-from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
-from lightning_parallel.traced.split import (
+from lightning_parallel.sources.traced.split import (
     TracedStages,
     block_entry,
     block_extras,
     check_split_points,
     keep_only,
 )
-from lightning_parallel.traced.stage_graphs import point_at, stage_contents
-from lightning_parallel.traced.trace import call_order, trace
+from lightning_parallel.sources.traced.stage_graphs import point_at, stage_contents
+from lightning_parallel.sources.traced.trace import call_order, trace
+from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch.export, inside torch
 TOKENS = torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""traced/errors.py: a failed trace says whose failure it is (the forward's, or this package's)."""
+"""sources/traced/errors.py: a failed trace says whose failure it is (the forward's, or this package's)."""
 
 import contextlib
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.traced.errors import (
+from lightning_parallel.sources.traced.errors import (
     EXPORT,
     PipelineTraceError,
     TraceStepFailed,

@@ -260,27 +260,32 @@ def _marker(monkeypatch) -> str:
 
 
 def _ranks_with_env(marker: str) -> list[str]:
-    """Command lines of the processes holding ``marker``, but the multiprocessing resource tracker.
-
-    The tracker is pytest's own helper (started by the first spawn of the session, with the environment
-    of that moment), not a rank; it lives as long as pytest does.
-    """
+    """Command lines of the processes holding ``marker`` (pytest's own multiprocessing helpers aside)."""
     commands = []
     for pid in processes_with_env(marker):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "resource_tracker" not in command:
-            commands.append(f"{pid}: {command}")
+        commands.append(f"{pid}: {command}")
     return commands
 
 
-def _assert_no_leftovers(marker: str) -> None:
+def _assert_no_leftovers(marker: str, launched: list | None = None) -> None:
+    """No process holding ``marker`` is left, nor any of the ``launched`` processes (a launcher's ranks).
+
+    A rank forked from a forkserver started by an earlier test holds that server's environment, not the
+    marker: its launcher's process list finds it instead.
+    """
     deadline = time.monotonic() + 10  # a process that just exited may take a moment to be reaped
-    while (left := _ranks_with_env(marker)) and time.monotonic() < deadline:
+
+    def left() -> list[str]:
+        alive = [f"{p.pid}: rank {i}" for i, p in enumerate(launched or []) if p.is_alive()]
+        return _ranks_with_env(marker) + alive
+
+    while (still := left()) and time.monotonic() < deadline:
         time.sleep(0.3)
-    assert left == [], f"processes of the hung run still alive: {left}"
+    assert still == [], f"processes of the hung run still alive: {still}"
 
 
 def _assert_ended_in_time(mark: Path) -> None:
@@ -302,7 +307,7 @@ def _spawn_fit(model, tmp_path, monkeypatch, strategy=None, max_steps=6):
         trainer.fit(model, loader(regression_data(), 8))
     except Exception as err:
         error = err
-    _assert_no_leftovers(marker)
+    _assert_no_leftovers(marker, trainer.strategy.launcher.procs)
     if error is not None:
         _assert_ended_in_time(tmp_path / "hang-started")
     return error, report.read_text() if report.exists() else None

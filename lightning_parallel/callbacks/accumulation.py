@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
@@ -58,6 +57,7 @@ from lightning_parallel.data.accumulation_plan import (
 from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.data.step_count import batches_until_step, count_optimizer_steps
 from lightning_parallel.distributed.agree import failing_together
+from lightning_parallel.distributed.collectives import all_gather_objects
 
 __all__ = ["GradientAccumulationScheduler"]
 
@@ -206,8 +206,8 @@ class GradientAccumulationScheduler(Callback):
         with failing_together():
             per_device, num_samples, drop_last = _loader_layout(trainer.train_dataloader)
         layout = [per_device, num_samples, int(drop_last), _num_batches(trainer)]
-        gathered = trainer.strategy.all_gather(torch.tensor(layout, device=trainer.strategy.root_device))
-        rows = gathered.reshape(-1, len(layout)).tolist()
+        # (Lightning's strategy.all_gather goes through torch.distributed.nn, deprecated in torch 2.13)
+        rows = all_gather_objects(layout)
         check_equal_across_replicas(rows, ["batch_size", "samples", "drop_last", "batches"])
         return per_device
 

@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from typing_extensions import override
 
 from lightning_parallel._options import checks_options
+from lightning_parallel._picklable import HoldsUserCallables
 from lightning_parallel.callbacks._step_wrapping import wrap_training_step
 from lightning_parallel.grads.item_weights import ItemCount, ItemWindow, scale_gradients
 from lightning_parallel.strategies.pipeline.strategy import PipelineStrategy
@@ -31,7 +32,7 @@ from lightning_parallel.strategies.pipeline.strategy import PipelineStrategy
 __all__ = ["TokenWeightedLoss"]
 
 
-class TokenWeightedLoss(Callback):
+class TokenWeightedLoss(HoldsUserCallables, Callback):
     """Make every optimizer step's loss the mean over all its items (labelled tokens), across micro-batches,
     accumulated batches and data-parallel replicas: what one device computes on the whole global batch.
 
@@ -48,10 +49,14 @@ class TokenWeightedLoss(Callback):
 
     Args:
         count: ``count(batch) -> int | Tensor``, the items of a batch (under a pipeline: of a
-            micro-batch, split as the batch is); e.g. ``labelled_tokens("labels")``.
+            micro-batch, split as the batch is); e.g. ``labelled_tokens("labels")``. Under a spawn
+            launch (``strategy="ddp_spawn"``, ``start_method="spawn"``) it is pickled for the ranks:
+            a function of your own is then defined at the top level of a module, not a lambda.
 
     Raises:
         TypeError: ``count`` is not callable.
+        pickle.PicklingError: when the callback is pickled (a spawn launch, before any rank starts),
+            ``count`` cannot be; the message names it and the fix.
         RuntimeError: at setup, manual optimization or DeepSpeed (which owns backward and the gradients).
 
     Example::
@@ -69,13 +74,17 @@ class TokenWeightedLoss(Callback):
         if not callable(count):
             raise TypeError(
                 f"TokenWeightedLoss(count=...) takes a function of a batch, got {type(count).__name__}: "
-                f"e.g. count=labelled_tokens('labels') or count=lambda batch: (batch[1] != -100).sum()"
+                "e.g. count=labelled_tokens('labels'), or a function of your own defined at the top "
+                "level of a module: def count(batch): return (batch[1] != -100).sum()"
             )
         self.count = count
         self.window = ItemWindow()
         self._weight = 1.0
         self._delegated = False
         self._restore: Callable[[], None] | None = None
+
+    def _user_callables(self) -> dict[str, Any]:
+        return {"TokenWeightedLoss(count={})": self.count}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_parallel._picklable import HoldsUserCallables, describe
+
 
 def pad_to_multiple(
     batch: Any, multiple: int, pad_values: Mapping[str, int | float] | None = None, dim: int = 1
@@ -63,13 +65,31 @@ def padding_to_multiple(
 ) -> Callable[[list[Any]], Any]:
     """A collate function: ``collate_fn``'s batch padded with :func:`pad_to_multiple`.
 
+    It pickles (a spawn launch sends the data loaders to the ranks) when ``collate_fn`` does; when
+    ``collate_fn`` does not (a lambda), pickling it raises ``pickle.PicklingError`` naming it and the fix.
+
+    Raises:
+        ValueError: ``multiple`` is not a positive int.
+
     Example::
 
         DataLoader(data, batch_size=8, collate_fn=padding_to_multiple(pad_to_longest, 64, {"labels": -100}))
     """
     pad_to_multiple(torch.zeros(1, 1), multiple)  # (validates multiple now, not at the first batch)
+    return _PaddingToMultiple(collate_fn, multiple, dict(pad_values or {}))
 
-    def collate(samples: list[Any]) -> Any:
-        return pad_to_multiple(collate_fn(samples), multiple, pad_values)
 
-    return collate
+class _PaddingToMultiple(HoldsUserCallables):
+    """What :func:`padding_to_multiple` returns: a class, not a closure, so that it pickles."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], multiple: int, pad_values: dict) -> None:
+        self.collate_fn, self.multiple, self.pad_values = collate_fn, multiple, pad_values
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return pad_to_multiple(self.collate_fn(samples), self.multiple, self.pad_values)
+
+    def __repr__(self) -> str:
+        return f"padding_to_multiple({describe(self.collate_fn)}, {self.multiple}, {self.pad_values})"
+
+    def _user_callables(self) -> dict[str, Any]:
+        return {f"padding_to_multiple(collate_fn={{}}, multiple={self.multiple})": self.collate_fn}

@@ -1,2 +1,3 @@
-"""A stage's gradients and optimizer state: held aside, reduced over replicas, clipped across stages;
-tied weights' replicas, ZeRO-1, fp16 loss scaling, token-exact (item-weighted) losses."""
+"""One optimizer step's gradients: synchronised once per step (sync.py), held aside across Lightning's
+zero_grad, reduced over replicas, clipped across stages; tied weights' replicas, fp16 loss scaling,
+token-exact (item-weighted) losses."""

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +43,9 @@ _UNSHIFTED = ("ForMaskedLM", "ForTokenClassification")
 def labelled_tokens(key: str | int = "labels", ignore_index: int = -100, shift: bool = False) -> ItemCount:
     """A count function for :class:`~lightning_parallel.TokenWeightedLoss`: the labels that are not ignored.
 
+    The function can be pickled, so it travels to the ranks of a spawn launch (``strategy="ddp_spawn"``,
+    ``start_method="spawn"``) with the callback that holds it.
+
     Args:
         key: where the labels are in a batch: a dict key (``"labels"``) or a tuple/list index (``1``
             for ``(x, y)`` batches).
@@ -56,18 +60,28 @@ def labelled_tokens(key: str | int = "labels", ignore_index: int = -100, shift: 
         3
         >>> int(labelled_tokens(1, shift=True)((None, torch.tensor([[1, 2, -100]]))))
         1
+        >>> labelled_tokens("labels", shift=True)
+        labelled_tokens('labels', ignore_index=-100, shift=True)
     """
+    return _LabelledTokens(key, ignore_index, shift)
 
-    def count(batch: Any) -> torch.Tensor:
-        labels = batch[key]
+
+@dataclass(frozen=True)
+class _LabelledTokens:
+    """What :func:`labelled_tokens` returns: a class, not a closure, so that it pickles."""
+
+    key: str | int
+    ignore_index: int
+    shift: bool
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        labels = batch[self.key]
         if not torch.is_tensor(labels):
-            raise TypeError(
-                f"labelled_tokens({key!r}): batch[{key!r}] is a {type(labels).__name__}, not a tensor"
-            )
-        return count_labelled(labels, ignore_index, shift)
+            raise TypeError(f"{self!r}: batch[{self.key!r}] is a {type(labels).__name__}, not a tensor")
+        return count_labelled(labels, self.ignore_index, self.shift)
 
-    count.__qualname__ = f"labelled_tokens({key!r}, ignore_index={ignore_index}, shift={shift})"
-    return count
+    def __repr__(self) -> str:
+        return f"labelled_tokens({self.key!r}, ignore_index={self.ignore_index}, shift={self.shift})"
 
 
 def count_labelled(labels: torch.Tensor, ignore_index: int = -100, shift: bool = False) -> torch.Tensor:

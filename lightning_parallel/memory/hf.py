@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 
 
-class CausalLMStep(L.LightningModule):
-    """``self.model`` (a ``transformers`` causal LM) trained on ``(input_ids, targets)``.
+class CausalLMStep(torch.nn.Module):
+    """``self.model`` (a ``transformers`` causal LM) trained on ``(input_ids, targets)``: the planner runs
+    its ``training_step`` (a plain module: the planner imports no Lightning).
 
     Example::
 

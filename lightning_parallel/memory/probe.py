@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_parallel.memory.units import UnitLayout
-from lightning_parallel.pipeline.fake_device import FakeDevice, faked_on
+from lightning_parallel.sources.fake_device import FakeDevice, faked_on
 
 StepFn = Callable[[nn.Module, Any], Any]
 BEFORE = "<before>"  # saved before any unit runs (charged to the first stage)
@@ -97,7 +97,7 @@ def probe_activations(
     """Run ``step`` on the first ``n`` samples of ``batch`` for each ``n`` in ``sizes``; fit lines.
 
     A module on the meta device is run on fake tensors of ``device`` (default: this machine's
-    accelerator, else the CPU; see :mod:`~lightning_parallel.pipeline.fake_device`): nothing is
+    accelerator, else the CPU; see :mod:`~lightning_parallel.sources.fake_device`): nothing is
     allocated, and the forward takes that device's path (its attention kernel, its autocast).
 
     Raises:

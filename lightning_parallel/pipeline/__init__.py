@@ -1,2 +1,4 @@
-"""The plan and the runtime, pure torch (no Lightning): partition, plan, mesh, the Sequential stage source,
-the runner of torch's schedules, the stand-in for the pipelined call, step logs, twins and stage shapes."""
+"""The pipeline's runtime, pure torch (no Lightning): the runner of torch's schedules, the StageSource
+protocol both sources implement, a step's micro-batches, the stand-in protocol for the pipelined call,
+step logs and scope, torchmetrics on the stages, and the vocabulary both sides share (stage plan, mesh,
+partition, blocks)."""

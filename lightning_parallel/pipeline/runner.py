@@ -8,8 +8,10 @@ mode (train / forward-only) gets its own stages and schedule, built on first use
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -52,6 +54,9 @@ class PipelineRunner:
         self._loss_fn: Callable[[Any, int], torch.Tensor] | None = None
         self._metadata_call_pending = False
         self._seen: list[int] = []
+        # Where a training step's saved tensors go: left where they are, or hooks that move them
+        # (offload's ActivationOffload); entered around every training schedule step.
+        self.saving: AbstractContextManager[Any] = contextlib.nullcontext()
 
     def needs_input(self, key: Hashable, num_microbatches: int, train: bool) -> bool:
         """Whether this rank needs the pipelined call's input (to feed the schedule, or to build one)."""
@@ -87,7 +92,7 @@ class PipelineRunner:
             # The step's outputs reach the user's step through loss_fn, one micro-batch at a time: not
             # asking for them merged lets the last stage free each output at its backward (and a
             # forward that returns a scalar loss beside its logits, as nanoGPT's does, needs no merge).
-            with self.stages.step_context():
+            with self.stages.step_context(), self.saving:
                 schedule.step(*(args if self.has_first else ()), target=target, return_outputs=False)
         finally:
             self._loss_fn = None

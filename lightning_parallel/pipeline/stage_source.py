@@ -130,7 +130,8 @@ class StageSource(Protocol):
         """Compile the stages' blocks in place (``torch.compile``'s keywords); what it compiles, in words."""
         ...
 
-    def shard(self, mesh: Any | None) -> list[nn.Module]:
-        """Shard each stage with FSDP2 over the data-parallel ``mesh`` (None: shard nothing); the stage
-        modules that are FSDP roots (a stage its user's ``parallelize_fn`` sharded included)."""
+    def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
+        """Shard each stage with FSDP2 over the data-parallel ``mesh`` (None: shard nothing), with FSDP2's
+        ``offload_policy`` (None: its default, on the device); the stage modules that are FSDP roots (a
+        stage its user's ``parallelize_fn`` sharded included)."""
         ...

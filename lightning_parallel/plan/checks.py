@@ -264,3 +264,31 @@ def checked_offload(offload: Any, data_parallel: str) -> tuple[str, ...]:
             "offload='parameters', or use data_parallel='replicate' or 'zero1' with offload='optimizer'"
         )
     return tuple(sorted(chosen))
+
+
+def check_offload(offload: tuple[str, ...], tensor_parallel_size: int, parallelize_fn: Any) -> None:
+    """Refuse offload where it is not supported yet, with the reason and the fix.
+
+    Raises:
+        ValueError: offload with tensor-parallel stages; FSDP2's offload with a ``parallelize_fn``.
+
+    Example::
+
+        >>> check_offload(("optimizer",), 1, None)          # fine
+    """
+    if offload and tensor_parallel_size > 1:
+        raise ValueError(
+            f"offload={list(offload)} with tensor_parallel_size={tensor_parallel_size} is not supported yet: "
+            f"the host copies and their checkpoints are written for whole tensors, not tensor-parallel "
+            f"DTensor slices, and FSDP2's offload of 2-D shards is untested here. Use tensor_parallel_size=1 "
+            f"(data_parallel='fsdp' with offload='parameters' shards each stage over all its ranks instead), "
+            f"or drop offload"
+        )
+    if "parameters" in offload and parallelize_fn is not None:
+        raise ValueError(
+            "offload='parameters' with a parallelize_fn is not supported: a stage your function shards "
+            "with fully_shard would keep its shards on the device (PipelineStrategy gives FSDP2's "
+            "CPUOffloadPolicy to the stages it shards itself). Drop parallelize_fn and let "
+            "data_parallel='fsdp' shard the stages, or pass offload_policy=CPUOffloadPolicy() to your "
+            "own fully_shard and drop offload='parameters'"
+        )

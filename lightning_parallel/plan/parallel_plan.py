@@ -19,6 +19,7 @@ from lightning_parallel.plan.checks import (
     CompileOptions,
     Selection,
     check_compile,
+    check_offload,
     check_positive_int,
     check_selection,
     check_tensor_parallel,
@@ -182,6 +183,7 @@ class ParallelPlan:
                 f"offload_pin_memory must be True, False or None, got {self.offload_pin_memory!r}"
             )
         check_compile(self.compile, self.schedule, self.tensor_parallel_size)
+        check_offload(self.offload, self.tensor_parallel_size, self.parallelize_fn)
         self._set("split_points", checked_split_points(self.split_points, self.partition, self.module_name))
         if self.parallelize_fn is not None and not callable(self.parallelize_fn):
             raise TypeError(

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.multiprocessing.spawn import ProcessExitedException
 from typing_extensions import override
 
+from lightning_parallel._picklable import check_picklable
 from lightning_parallel.distributed.collectives import barrier
 from lightning_parallel.distributed.stop import (
     DEFAULT_GRACE,
@@ -29,7 +30,7 @@ from lightning_parallel.distributed.stop import (
     forwarding_stop_signals,
     stopped_status,
 )
-from lightning_parallel.pipeline.twin import alias_table, retie
+from lightning_parallel.sources.twin import alias_table, retie
 from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
 from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
 
@@ -181,13 +182,16 @@ class PipelineMultiProcessingLauncher(CleanExitMultiProcessingLauncher):
     unsplit module in the main process then holds every stage's weights, as after ``ddp_spawn``.
     Overrides Lightning's private ``_collect_rank_zero_results`` (2.6.6); test_launcher.py checks it.
     A module compiled with ``torch.compile(model)`` is refused in the main process, before it is pickled
-    for the workers (it cannot be: Lightning puts the compiled methods on the instance).
+    for the workers (it cannot be: Lightning puts the compiled methods on the instance), and so is a
+    ``parallelize_fn`` or ``activation_checkpointing`` function that cannot be pickled (a lambda), by name.
     """
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if args:  # Lightning's fit/validate/test/predict pass the (unwrapped) LightningModule first
             refuse_compiled_module(args[0])
+        if self._start_method in ("spawn", "forkserver"):
+            refuse_unpicklable_options(self._strategy.parallel_plan)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -209,3 +213,19 @@ class PipelineMultiProcessingLauncher(CleanExitMultiProcessingLauncher):
             module.to_empty(device="cpu")
             retie(module, aliases)  # to_empty gives each name of a tied weight its own tensor
         super()._recover_results_in_main_process(worker_output, trainer)
+
+
+def refuse_unpicklable_options(plan: Any) -> None:
+    """Raise ``pickle.PicklingError`` naming a PipelineStrategy function option that cannot be pickled.
+
+    A spawn or forkserver launch pickles the strategy with the Trainer; pickle's own error would name
+    the function only, not the option it was given as.
+
+    Example::
+
+        refuse_unpicklable_options(strategy.parallel_plan)   # before the launch pickles the Trainer
+    """
+    for name in ("parallelize_fn", "activation_checkpointing"):
+        value = getattr(plan, name)
+        if callable(value):
+            check_picklable(value, f"PipelineStrategy({name}={{}})")

@@ -20,18 +20,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.techniques._fsdp_internals import finish_backward
+from lightning_parallel.techniques.offload.apply import fsdp_policy, pins
 
 
 def apply(stages: Any, plan: Any, mesh: Any) -> list[nn.Module]:
-    """Shard this rank's stages with FSDP2 when the plan says ``data_parallel="fsdp"``; the stage modules
-    that are FSDP roots (also those a user's ``parallelize_fn`` made roots), whose gradients are then
-    reduced once per optimizer step (:class:`DeferredReduceStage`).
+    """Shard this rank's stages with FSDP2 when the plan says ``data_parallel="fsdp"`` (their shards on
+    the host with ``offload="parameters"``); the stage modules that are FSDP roots (also those a user's
+    ``parallelize_fn`` made roots), whose gradients are then reduced once per optimizer step
+    (:class:`DeferredReduceStage`).
 
     Raises:
         ValueError: FSDP2 without a process group (no device mesh).
@@ -45,7 +48,12 @@ def apply(stages: Any, plan: Any, mesh: Any) -> list[nn.Module]:
             'data_parallel="fsdp" needs a process group (a device mesh) and there is none: run '
             'under a Trainer with the pipeline strategy, or use data_parallel="replicate"'
         )
-    roots = stages.shard(mesh.data_parallel_mesh() if plan.data_parallel == "fsdp" else None)
+    sharding = plan.data_parallel == "fsdp"
+    policy = None
+    if sharding:
+        device = torch.device(mesh.device_mesh.device_type)
+        policy = fsdp_policy(plan, pins(plan.offload_pin_memory, device))
+    roots = stages.shard(mesh.data_parallel_mesh() if sharding else None, policy)
     if roots:
         stages.use_stage_class(DeferredReduceStage)
     return roots
@@ -58,11 +66,17 @@ def describe(mesh: Any) -> str:
     return f"each stage sharded with FSDP2 over {shards} ranks{hybrid}"
 
 
-def shard_stage(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = False) -> FSDPModule:
+def shard_stage(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool = False,
+    offload_policy: OffloadPolicy | None = None,
+) -> FSDPModule:
     """``fully_shard`` each block of ``module`` (its children with parameters), then ``module`` itself.
 
     Children that share a parameter with another child are left to the root (FSDP2 cannot shard one
-    parameter in two modules). A 2-D ``mesh`` (replicate, shard) gives HSDP.
+    parameter in two modules). A 2-D ``mesh`` (replicate, shard) gives HSDP. ``offload_policy``:
+    FSDP2's ``CPUOffloadPolicy`` keeps the shards, their gradients and the optimizer state on the host.
 
     Example::
 
@@ -74,10 +88,12 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool
     for block in blocks:
         for p in block.parameters():
             owners[id(p)] = owners.get(id(p), 0) + 1
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs["offload_policy"] = offload_policy or OffloadPolicy()
     for block in blocks:
         if all(owners[id(p)] == 1 for p in block.parameters()):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
     return module  # type: ignore[return-value]
 
 

@@ -32,6 +32,7 @@ def shard_optimizer_state(
     optimizer: torch.optim.Optimizer,
     group: dist.ProcessGroup | None,
     schedulers: Iterable[Any] = (),
+    optimizer_class: type | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap a freshly built optimizer into a ``ZeroRedundancyOptimizer`` over ``group``.
 
@@ -43,6 +44,8 @@ def shard_optimizer_state(
         optimizer: as ``configure_optimizers`` built it, before any step.
         group: the replicas of this rank's stage (``PipelineMesh.dp_group``).
         schedulers: LR schedulers (``torch.optim.lr_scheduler`` objects) to retarget.
+        optimizer_class: the class each replica builds over its shard (default: ``optimizer``'s own;
+            offload passes it made host-stepping), taking ``optimizer``'s defaults.
 
     Raises:
         ValueError: the optimizer has already stepped (its state would be lost), or is a wrapper.
@@ -64,14 +67,14 @@ def shard_optimizer_state(
             f"shard_optimizer_state got a {type(optimizer).__name__} that already holds state: shard it "
             f"right after it is built, before its first step"
         )
-    cls = type(optimizer)
-    accepted = inspect.signature(cls).parameters
+    accepted = inspect.signature(type(optimizer)).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(g) for g in optimizer.param_groups]
+    cls = optimizer_class or type(optimizer)
     sharded = ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=group, **defaults)
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is optimizer:
-            _retarget_scheduler(scheduler, sharded)
+            retarget_scheduler(scheduler, sharded)
     return sharded
 
 
@@ -190,7 +193,7 @@ def memory(groups: Sequence[Sequence[tuple[int, int]]], replicas: int) -> int:
     return max(per_replica)
 
 
-def _retarget_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+def retarget_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Point an LR scheduler at ``optimizer``, keeping its "optimizer.step() was called" tracking.
 
     torch 2.13's ``LRScheduler.__init__`` wraps the optimizer's ``step`` to set ``_opt_called`` and

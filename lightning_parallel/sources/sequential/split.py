@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.materialize import materialize
 from lightning_parallel.pipeline.plan import StagePlan, describe_layers
-from lightning_parallel.pipeline.twin import alias_table, meta_twin
+from lightning_parallel.sources.materialize import materialize
 from lightning_parallel.sources.sequential.call import PipelinedSequential
+from lightning_parallel.sources.twin import alias_table, meta_twin
 
 
 def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential] | None:

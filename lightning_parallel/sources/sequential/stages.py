@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_parallel.pipeline.export import export_for_pipeline
-from lightning_parallel.pipeline.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
 from lightning_parallel.pipeline.stage_source import UnitNaming
+from lightning_parallel.sources.export import export_for_pipeline
 from lightning_parallel.sources.sequential.split import StageModule
+from lightning_parallel.sources.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
 from lightning_parallel.techniques.compile import compile_in_place
 from lightning_parallel.techniques.fsdp import shard_stage
 from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
@@ -174,8 +174,8 @@ class SequentialStages:
         what = f"its {self.block_class.__name__} layers" if self.block_class is not None else "its layers"
         return f"each stage compiles {what} in place (torch.compile, {options})"
 
-    def shard(self, mesh: Any | None) -> list[nn.Module]:
+    def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         for module in self.modules:
             if mesh is not None and not isinstance(module, FSDPModule):  # (a user-sharded one is left to it)
-                shard_stage(module, mesh)
+                shard_stage(module, mesh, offload_policy=offload_policy)
         return [m for m in self.modules if isinstance(m, FSDPModule)]

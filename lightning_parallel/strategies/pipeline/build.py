@@ -33,12 +33,12 @@ from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.stage_source import FirstInput
 from lightning_parallel.pipeline.step_scope import StepScope
-from lightning_parallel.pipeline.twin import alias_table
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.sequential.source import SequentialSource
 from lightning_parallel.sources.sequential.split import find_sequential
+from lightning_parallel.sources.traced.source import TracedSource
+from lightning_parallel.sources.twin import alias_table
 from lightning_parallel.strategies.pipeline.items import StepItems, step_items
-from lightning_parallel.strategies.pipeline.traced import TracedSource
 from lightning_parallel.timeline.recorder import Timeline
 
 

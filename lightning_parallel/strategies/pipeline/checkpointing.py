@@ -88,4 +88,6 @@ class PipelineCheckpointHooks:
             dcp_glue.load_optimizers(self.optimizers, self.parts, checkpoint)
         else:
             load_stage_optimizer_states(self.optimizers, self.parts, checkpoint["optimizer_states"])
-        _optimizers_to_device(self.optimizers, self.root_device)
+        # Offloaded optimizer state stays on the host (it loaded there: FSDP2's shards, or host-stepping).
+        if "optimizer" not in self.parallel_plan.offload:
+            _optimizers_to_device(self.optimizers, self.root_device)

@@ -5,25 +5,34 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
+from lightning_parallel.distributed.agree import reduces_host_tensors
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 
-def refuse_traced_parallelize(plan: ParallelPlan) -> None:
-    """What the traced path's stages cannot take: say why, before its split."""
-    if plan.parallelize_fn is not None:
+def refuse_offload(plan: ParallelPlan, device: torch.device) -> None:
+    """What offload cannot do on this job (the plan refused what it cannot do anywhere): say why and the fix.
+
+    Raises:
+        ValueError: pinned memory asked for without an accelerator; FSDP2's offload on an accelerator whose
+            process group has no host backend (its host gradients would reach NCCL).
+    """
+    if not plan.offload:
+        return
+    if plan.offload_pin_memory and device.type == "cpu":
         raise ValueError(
-            "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split by "
-            "tracing its forward: a traced stage is an export graph that reads its weights directly, with "
-            "no modules of yours to parallelize. Hold the layers in one top-level nn.Sequential, or drop "
-            'parallelize_fn (data_parallel="fsdp" shards traced stages too)'
+            "offload_pin_memory=True page-locks the host copies so an accelerator copies them "
+            "asynchronously, but the stages run on the CPU (accelerator='cpu'; a CPU-only torch build "
+            "cannot pin memory at all): drop offload_pin_memory (by default it pins on an accelerator only)"
         )
-    if plan.data_parallel == "fsdp" and plan.stages_per_rank > 1:
+    if "parameters" in plan.offload and device.type != "cpu" and not reduces_host_tensors():
         raise ValueError(
-            f'data_parallel="fsdp" with stages_per_rank={plan.stages_per_rank} is not supported for a '
-            f"traced forward: each traced stage is sharded as one FSDP root holding this rank's modules, "
-            f"so a rank can hold one stage. Use stages_per_rank=1 (schedule='1f1b' or 'gpipe'), or hold the "
-            f"layers in one top-level nn.Sequential"
+            f"offload='parameters' keeps FSDP2's gradients on the host, and clipping and the fp16 overflow "
+            f"check reduce them there, but this job's process group has no host backend (only "
+            f"{device.type}'s): let "
+            f"PipelineStrategy start the process group (it adds 'cpu:gloo'), or start it yourself with "
+            f"backend='{device.type}:nccl,cpu:gloo'"
         )
 
 

@@ -1,10 +1,11 @@
 """PipelineStrategy's set-up, in its order: split, recompute, parallelize, then the optimizers.
 
 Split first (every rank holds the same module; the split is collective), then recompute the stages'
-units, the precision plugin converts the stages, then the techniques in torchtitan's order (tensor
-parallelism, ``parallelize_fn``, compile, data-parallel sharding), then the optimizers built by the
-user's ``configure_optimizers`` are wrapped (ZeRO-1) and the precision plugin's clipping and loss scaling
-made global. Each step here is a function of the strategy (``strategy.parallel_plan`` says what to do).
+units (and keep the activations on the host, if offloaded), the precision plugin converts the stages,
+then the techniques in torchtitan's order (tensor parallelism, ``parallelize_fn``, compile, data-parallel
+sharding), then the optimizers built by the user's ``configure_optimizers`` are wrapped (ZeRO-1, offload
+to the host) and the precision plugin's clipping and loss scaling made global. Each step here is a
+function of the strategy (``strategy.parallel_plan`` says what to do).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from lightning_parallel.grads.sync import GradientSync
 from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline, source_for
 from lightning_parallel.strategies.pipeline.call_input import TrainerInput
 from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
-from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
+from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module, refuse_offload
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
 from lightning_parallel.techniques import recompute, zero
 from lightning_parallel.techniques.compile import CompileWatch
+from lightning_parallel.techniques.offload import apply as offload
 from lightning_parallel.techniques.parallelize import parallelize as apply_techniques
 
 
@@ -34,8 +36,7 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
     """
     module, plan = strategy.lightning_module, strategy.parallel_plan
     refuse_compiled_module(module)  # (every rank holds the same module)
-    if plan.offload:  # (planned and sized; the runtime lands with techniques/offload.py)
-        raise NotImplementedError("PipelineStrategy(offload=...) is not implemented yet")
+    refuse_offload(plan, strategy.root_device)
     if fitting:
         summarize_before_split(trainer, module, strategy)  # the whole model's table
     source = source_for(module, plan)
@@ -47,6 +48,8 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
     )
     every_unit = [parts.runner.stages.naming.prefix + u for stage in parts.plan.stages for u in stage.units]
     recompute.apply(parts.runner.stages, plan.activation_checkpointing, every_unit)
+    if "activations" in plan.offload:
+        offload.apply_activations(parts.runner, offload.pins(plan.offload_pin_memory, strategy.root_device))
     rank_zero_info(f"PipelineStrategy stage plan ({plan.schedule}):\n{parts.plan.format_table()}")
     return parts, tensors
 
@@ -73,13 +76,24 @@ def parallelize(
 
 
 def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts) -> None:
-    """The user's optimizers, sharded as planned (ZeRO-1), on the device; clipping and loss scaling
-    made global (one norm over the pipeline, one skip decision under fp16)."""
+    """The user's optimizers, sharded as planned (ZeRO-1), their state and step on the host or the
+    device; clipping and loss scaling made global (one norm over the pipeline, one skip decision under
+    fp16)."""
     strategy.setup_optimizers(trainer)
-    if strategy.parallel_plan.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
-        schedulers = [config.scheduler for config in strategy.lr_scheduler_configs]
-        strategy.optimizers = zero.apply(strategy.optimizers, schedulers, parts.mesh.dp_group)
+    plan, group = strategy.parallel_plan, parts.mesh.dp_group
+    schedulers = [config.scheduler for config in strategy.lr_scheduler_configs]
+    on_host = "optimizer" in plan.offload
+    if plan.offload:
+        pin = offload.pins(plan.offload_pin_memory, strategy.root_device)
+        rank_zero_info(f"PipelineStrategy: {offload.describe(plan.offload, pin)}")
+    if on_host:  # (its step on the host, ZeRO-1's shard too; an error is every rank's, before training)
+        with failing_together():
+            strategy.optimizers = offload.apply(strategy.optimizers, schedulers, plan, group, pin)
+    elif plan.shard_optimizer_state:  # ZeRO-1 over the replicas of each stage
+        strategy.optimizers = zero.apply(strategy.optimizers, schedulers, group)
+    if plan.shard_optimizer_state:
         rank_zero_info(f"PipelineStrategy: optimizer state sharded over {parts.mesh.dp_size} replica(s)")
-    _optimizers_to_device(strategy.optimizers, strategy.root_device)
+    if not on_host:
+        _optimizers_to_device(strategy.optimizers, strategy.root_device)
     install_global_clipping(strategy.precision_plugin, parts.mesh.pp_group, parts.shared)
     install_loss_scaling(strategy.precision_plugin, strategy.optimizers)  # 16-mixed: one skip decision

@@ -53,7 +53,8 @@ from lightning_parallel.strategies.pipeline.refusals import (
     refuse_unsupported_callbacks,
 )
 from lightning_parallel.strategies.pipeline.release import ReleaseAtExit
-from lightning_parallel.strategies.pipeline.step import count_predict_batches, run_step
+from lightning_parallel.strategies.pipeline.step import run_step
+from lightning_parallel.strategies.pipeline.step_results import count_predict_batches
 from lightning_parallel.strategies.pipeline.stop import (
     StopAgreement,
     StopHooks,
@@ -61,6 +62,7 @@ from lightning_parallel.strategies.pipeline.stop import (
     start_rank_guard,
 )
 from lightning_parallel.techniques.compile import CompileWatch
+from lightning_parallel.techniques.offload import apply as offload
 from lightning_parallel.timeline.recorder import Timeline, span_of
 
 
@@ -265,6 +267,9 @@ class PipelineStrategy(
     def setup_environment(self) -> None:
         if self._lightning_module is not None and self._lightning_module._trainer is not None:
             refuse_unsupported_callbacks(self._lightning_module.trainer)  # before the callbacks' own setup
+        if "parameters" in self.parallel_plan.offload:  # FSDP2's host gradients are reduced on the host
+            backend = offload.process_group_backend(self.root_device.type, self._process_group_backend)
+            self._process_group_backend = backend
         super().setup_environment()
         if self._stop_guard is None:
             guard, launched = start_rank_guard(self, self.stop_grace_period)
@@ -295,6 +300,13 @@ class PipelineStrategy(
         if fitting:
             pipeline_setup.prepare_optimizers(self, trainer, self.parts)
         self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        if "parameters" in self.parallel_plan.offload:  # FSDP2 keeps the (sharded) parameters on the host
+            offload.buffers_to(self.model, self.root_device)
+        else:
+            super().model_to_device()
 
     def weight_items_by(self, count: ItemCount | None) -> None:
         """Make each optimizer step's loss the mean over its items, as ``count(micro_batch)`` counts them.

@@ -1,6 +1,6 @@
 """Fake tensors of the device a stage runs on: what the traced path traces, orders and sizes with.
 
-The twin of a module (:func:`~lightning_parallel.traced.trace.meta_twin`) keeps its tensors on the
+The twin of a module (:func:`~lightning_parallel.sources.traced.trace.meta_twin`) keeps its tensors on the
 ``meta`` device: they allocate nothing, but a forward that asks its inputs' device (``torch.autocast(
 x.device.type, ...)``, ``if x.is_cuda:``, a kernel chosen by device) is told ``meta``, and the graph
 traced from it is not the one the device runs. A ``FakeTensor`` allocates nothing either (a meta

@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
-from lightning_parallel.traced.tensor_parallel import run_on_dtensors
+from lightning_parallel.sources.traced.tensor_parallel import run_on_dtensors
 
 # (the graph's slot dict, its name there, the root's slot dict, the name there)
 _Link = tuple[dict[str, Any], str, dict[str, Any], str]
@@ -34,7 +34,7 @@ class ShardedTracedStage(nn.Module):
             (shared, so the user's module sees the sharded parameters FSDP puts in their place) and
             its own parameters are registered here too (and put back in it after sharding).
         tensor_parallel_mesh: set when the modules are split over tensor-parallel ranks too: the graph
-            then runs on DTensors (:func:`~lightning_parallel.traced.tensor_parallel.run_on_dtensors`).
+            then runs on DTensors (``run_on_dtensors`` in ``tensor_parallel.py``).
 
     Example::
 
@@ -92,13 +92,18 @@ class ShardedTracedStage(nn.Module):
                 owner._parameters[name] = self._parameters[name]
 
 
-def shard_traced_stage(root: ShardedTracedStage, mesh: DeviceMesh) -> FSDPModule:
-    """``fully_shard`` the root over ``mesh`` (one unit per stage; see the module's docstring).
+def shard_traced_stage(
+    root: ShardedTracedStage, mesh: DeviceMesh, offload_policy: OffloadPolicy | None = None
+) -> FSDPModule:
+    """``fully_shard`` the root over ``mesh`` (one unit per stage; see the module's docstring), with
+    FSDP2's ``offload_policy`` (``CPUOffloadPolicy``: the shards on the host).
 
     Example::
 
         shard_traced_stage(ShardedTracedStage(pruned_module), mesh.data_parallel_mesh())
     """
-    fully_shard(root, mesh=mesh, reshard_after_forward=False)
+    fully_shard(
+        root, mesh=mesh, reshard_after_forward=False, offload_policy=offload_policy or OffloadPolicy()
+    )
     root.restore_owner_parameters()
     return root  # type: ignore[return-value]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.pretrained import load_pending
-from lightning_parallel.pipeline.twin import alias_table, retie
+from lightning_parallel.sources.pretrained import load_pending
+from lightning_parallel.sources.twin import alias_table, retie
 
 
 def materialize(module: nn.Module, device: torch.device, aliases: dict[str, str] | None = None) -> None:

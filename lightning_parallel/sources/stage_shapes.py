@@ -19,8 +19,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import Pipe
 
-from lightning_parallel.pipeline.fake_device import faked_on, trace_device
-from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, evaluate_shape, symbol_values
+from lightning_parallel.sources.fake_device import faked_on, trace_device
+from lightning_parallel.sources.symbolic_sizes import SizeConstraints, evaluate_shape, symbol_values
 
 StageExample = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (inputs, outputs), meta tensors
 
@@ -223,7 +223,7 @@ def run_on_fake(
 
     Nothing is allocated and the random number generators are left as they were. With ``device``,
     each module's (meta) parameters and buffers, and the example's tensors, take part as fake tensors
-    on that device (:mod:`~lightning_parallel.pipeline.fake_device`): every branch on a device and
+    on that device (:mod:`~lightning_parallel.sources.fake_device`): every branch on a device and
     every autocast region (``torch.autocast("cpu")`` casts no meta tensor) takes the path the real
     stage will take. Without it, the tensors take part on the devices they are on.
     """

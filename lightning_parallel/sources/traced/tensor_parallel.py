@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils._pytree import tree_map
 
-from lightning_parallel.traced.stage_graphs import graph_modules
+from lightning_parallel.sources.traced.stage_graphs import graph_modules
 
 aten = torch.ops.aten
 

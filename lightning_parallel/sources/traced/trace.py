@@ -5,7 +5,7 @@ ModuleList of blocks, a head, maybe tied to the embedding). Tracing runs on a *m
 (same structure and ties, parameters on the meta device), so it costs no memory, leaves the user's
 module untouched, and can be repeated for each new input shape. While it is traced, the twin's tensors
 and the example's are fake tensors of the device the stages run on
-(:mod:`~lightning_parallel.pipeline.fake_device`): a forward that branches on its inputs' device, or
+(:mod:`~lightning_parallel.sources.fake_device`): a forward that branches on its inputs' device, or
 enters ``torch.autocast(x.device.type, ...)``, is traced on the path that device takes. The stage
 modules it yields are then pointed at this rank's real tensors and wrapped in torch's pipeline stages.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,18 +24,19 @@ from torch.distributed.pipelining import Pipe, pipe_split
 from torch.distributed.pipelining._IR import MultiUseParameterConfig
 from torch.export.unflatten import InterpreterModule
 
-from lightning_parallel.pipeline.export import export_for_pipeline
-from lightning_parallel.pipeline.fake_device import FakeDevice, faked_on, trace_device
-from lightning_parallel.pipeline.stage_shapes import keeping_rng
-from lightning_parallel.pipeline.symbolic_sizes import SizeConstraints, localize_sizes
-from lightning_parallel.traced.call_binding import CallBinding, bound_forward
-from lightning_parallel.traced.errors import (
+from lightning_parallel.sources.export import export_for_pipeline
+from lightning_parallel.sources.fake_device import FakeDevice, faked_on, trace_device
+from lightning_parallel.sources.stage_shapes import keeping_rng
+from lightning_parallel.sources.symbolic_sizes import SizeConstraints, localize_sizes
+from lightning_parallel.sources.traced.call_binding import CallBinding, bound_forward
+from lightning_parallel.sources.traced.errors import (
     EXPORT,
     TraceStepFailed,
     step,
 )
-from lightning_parallel.traced.graph_regions import inline_wrapped_regions
-from lightning_parallel.traced.relay import relay_skips
+from lightning_parallel.sources.traced.graph_regions import inline_wrapped_regions
+from lightning_parallel.sources.traced.relay import relay_skips
+from lightning_parallel.sources.traced.share import Exported, ProgramShare, exported_locally
 
 
 def call_order(
@@ -85,6 +86,8 @@ def trace(
     binding: CallBinding | None = None,
     dynamic: bool = True,
     device: torch.device | str | None = None,
+    share: ProgramShare | None = None,
+    explain: Callable[[TraceStepFailed], BaseException] | None = None,
 ) -> Pipe:
     """``torch.distributed.pipelining.pipeline`` on the twin, split before each of ``split_points``.
 
@@ -96,16 +99,41 @@ def trace(
     transformer), so one trace serves every such shape; where the model fixes a size (its width),
     export specialises it. Where export fails with dynamic dimensions but not without, the pipe is
     the static one and ``pipe.dynamic_failure`` says why (else it is ``None``). The sizes the program
-    holds for are ``pipe.size_constraints`` (:class:`~lightning_parallel.pipeline.symbolic_sizes.
+    holds for are ``pipe.size_constraints`` (:class:`~lightning_parallel.sources.symbolic_sizes.
     SizeConstraints`).
 
     A split point is marked by a forward pre-hook, removed afterwards, so the twin can be traced
     again at another shape.
 
+    With ``share`` (:class:`~lightning_parallel.sources.traced.share.ProgramShare`, a collective: every rank
+    of its group calls ``trace`` at the same point with the same arguments), one rank exports and the
+    others cut their stages from its program: the same pipe as their own export would give.
+
     Raises:
-        TraceStepFailed: a step failed (:mod:`~lightning_parallel.traced.errors` says whose
-            failure it is: the forward's, or this package's).
+        TraceStepFailed: a step failed (:mod:`~lightning_parallel.sources.traced.errors` says whose
+            failure it is: the forward's, or this package's); with ``explain``, ``explain(failed)``
+            is raised instead, made where the step failed (the export's on the exporting rank, and
+            raised on every rank).
     """
+    try:
+        return _trace(twin, example, split_points, train, binding, dynamic, device, share, explain)
+    except TraceStepFailed as failed:
+        if explain is None:
+            raise
+        raise explain(failed) from failed.error
+
+
+def _trace(
+    twin: nn.Module,
+    example: tuple[Any, ...],
+    split_points: Sequence[str],
+    train: bool,
+    binding: CallBinding | None,
+    dynamic: bool,
+    device: torch.device | str | None,
+    share: ProgramShare | None,
+    explain: Callable[[TraceStepFailed], BaseException] | None,
+) -> Pipe:
     twin.train(train)
     # Each stage begins with torch's pipe_split marker, recorded by a pre-hook of the module where it
     # begins (torch's annotate_split_points patches the module's forward instead, which makes export
@@ -118,13 +146,52 @@ def trace(
             #   canary: test_torch_pipeline_warns_nothing_about_its_own_pytree_internals
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             with _bound(twin, binding), keeping_rng():
-                pipe = _pipeline(twin, example, split_points, dynamic, device)
+                exported = _exported(
+                    twin, example, split_points, train, binding, dynamic, device, share, explain
+                )
+                pipe = _pipeline(twin, exported.program, exported.failure, split_points)
     finally:
         for hook in hooks:
             hook.remove()
     with step("relaying values read past the next stage"):
         relay_skips(pipe)  # a value made before the blocks and read by every block reaches the later stages
     return run_generated_code(pipe)
+
+
+def _exported(
+    twin: nn.Module,
+    example: tuple[Any, ...],
+    split_points: Sequence[str],
+    train: bool,
+    binding: CallBinding | None,
+    dynamic: bool,
+    device: torch.device | str | None,
+    share: ProgramShare | None,
+    explain: Callable[[TraceStepFailed], BaseException] | None,
+) -> Exported:
+    """This rank's export of the twin, or the one ``share`` hands every rank of its group.
+
+    Running forward, the export also learns the structure of the call's output (``binding.out_spec``,
+    a ``ModelOutput``...): it travels with the program, and is set on ``binding`` on every rank.
+    """
+
+    def export() -> Exported:
+        program, failure = _export(twin, example, dynamic, device, explain)
+        return Exported(program, failure, binding.out_spec if binding is not None else None)
+
+    if share is None:
+        exported = exported_locally(export)
+    else:
+        settings = {
+            "mode": "train" if train else "eval",
+            "split points": list(split_points),
+            "call": binding.key if binding is not None else None,
+            "dynamic": dynamic,
+        }
+        exported = share.exported(export, twin, example, settings, device)
+    if binding is not None:
+        binding.out_spec = exported.out_spec
+    return exported
 
 
 def _split_before(_module: nn.Module, _args: Any) -> None:
@@ -135,29 +202,47 @@ def _bound(module: nn.Module, binding: CallBinding | None) -> Any:
     return bound_forward(module, binding) if binding is not None else contextlib.nullcontext()
 
 
-def _pipeline(
+def _export(
     twin: nn.Module,
     example: tuple[Any, ...],
-    split_points: Sequence[str],
     dynamic: bool,
     device: torch.device | str | None,
-) -> Pipe:
-    """torch's ``pipeline(twin, example, split_spec)``, exported with dynamic sizes, regions inlined.
+    explain: Callable[[TraceStepFailed], BaseException] | None,
+) -> tuple[torch.export.ExportedProgram, str | None]:
+    """The twin's forward exported with dynamic sizes (:func:`export_for_pipeline`, on fake tensors of
+    ``device``), holding the twin's meta tensors; and why it is static, or ``None``.
 
-    ``pipeline()`` is ``torch.export`` (with static shapes only) followed by ``Pipe._from_traced``,
-    which cuts the exported program; the export is made here (:func:`export_for_pipeline`, on fake
-    tensors of ``device``) and handed to that step (private, torch 2.13; test_trace.py fails loudly if
-    it moves). The split points are marked with torch's ``pipe_split()`` (see :func:`trace`), and the
-    split policy, the hook where the graph can be changed before the cut, inlines the no-grad
-    regions (:mod:`~lightning_parallel.traced.graph_regions`, for pytorch#184361) and makes every
-    stage compute the sizes it uses (:mod:`~lightning_parallel.pipeline.symbolic_sizes`).
+    ``pipeline()`` is ``torch.export`` (with static shapes only) followed by ``Pipe._from_traced``: the
+    export is made here, the cut in :func:`_pipeline`. A failure is explained here, where the export
+    ran (a shared export's error then travels to every rank as it is).
     """
     with faked_on(twin, device) as fake:
         try:
             program, failure = export_for_pipeline(twin, fake.inputs(example), dynamic)
         except RuntimeError as err:
-            raise TraceStepFailed(EXPORT, err.__cause__ or err) from err
+            failed = TraceStepFailed(EXPORT, err.__cause__ or err)
+            if explain is None:
+                raise failed from err
+            raise explain(failed) from err
         _hold_originals(program, fake)
+    return program, failure
+
+
+def _pipeline(
+    twin: nn.Module,
+    program: torch.export.ExportedProgram,
+    failure: str | None,
+    split_points: Sequence[str],
+) -> Pipe:
+    """The exported ``program`` cut into stages with torch's ``Pipe._from_traced``, regions inlined.
+
+    The cut is the second half of ``pipeline()``, handed the export of :func:`_export` (private, torch
+    2.13; test_trace.py fails loudly if it moves). The split points are marked with torch's
+    ``pipe_split()`` (see :func:`trace`), and the split policy, the hook where the graph can be changed
+    before the cut, inlines the no-grad regions (:mod:`~lightning_parallel.sources.traced.graph_regions`, for
+    pytorch#184361) and makes every stage compute the sizes it uses
+    (:mod:`~lightning_parallel.sources.symbolic_sizes`).
+    """
     with step(f"splitting the exported graph into stages at {list(split_points)}"):
         pipe = Pipe._from_traced(twin, program, MultiUseParameterConfig.REPLICATE, split_policy=_before_split)
     pipe.dynamic_failure = failure

@@ -1,7 +1,9 @@
 """The traced path: ``forward`` is traced with torch.export on a meta twin and split at the blocks.
 
-The twin is traced as fake tensors of this rank's device (pipeline/fake_device.py); a failure is
-checked against torch.export of the user's module before it is reported (traced/errors.py).
+The twin is traced as fake tensors of this rank's device (sources/fake_device.py); a failure is
+checked against torch.export of the user's module before it is reported (sources/traced/errors.py). Each
+export is made once for the ranks that trace together (sources/traced/share.py): global rank 0 exports for
+the job at setup, a replica's first pipeline rank for its later traces.
 """
 
 from __future__ import annotations
@@ -18,34 +20,34 @@ from torch import nn
 from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.pipeline.blocks import find_block_list
-from lightning_parallel.pipeline.materialize import materialize
 from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.microbatches import first_microbatch, microbatch_count
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
-from lightning_parallel.pipeline.profile import block_times
 from lightning_parallel.pipeline.proxy import CapturedInput
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming
-from lightning_parallel.pipeline.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.sources.materialize import materialize
+from lightning_parallel.sources.profile import block_times
 from lightning_parallel.sources.split_result import SplitResult
 from lightning_parallel.sources.stage_plan import measured, stage_plan, units_per_stage
-from lightning_parallel.strategies.pipeline.refusals import refuse_traced_parallelize
-from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, traced_plan
-from lightning_parallel.traced.call_binding import CallBinding, TracedCall, bound_forward
-from lightning_parallel.traced.errors import TraceStepFailed, explain, export_check, ours
-from lightning_parallel.traced.split import (
+from lightning_parallel.sources.traced.call_binding import CallBinding, TracedCall, bound_forward
+from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, export_check, ours
+from lightning_parallel.sources.traced.share import ProgramShare
+from lightning_parallel.sources.traced.split import (
     TracedStages,
     block_entry,
     block_extras,
     check_split_points,
     keep_only,
 )
-from lightning_parallel.traced.stage_graphs import stage_contents
-from lightning_parallel.traced.tensor_parallel import style_layouts
-from lightning_parallel.traced.trace import call_order, trace
+from lightning_parallel.sources.traced.stage_graphs import stage_contents
+from lightning_parallel.sources.traced.tensor_parallel import style_layouts
+from lightning_parallel.sources.traced.trace import call_order, trace
+from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, traced_plan
 
 
 class TracedSource:
@@ -106,8 +108,12 @@ class TracedSource:
                     f"traced forward: use pipeline_size >= 2 to interleave, or stages_per_rank=1"
                 )
             style = placement(plan.schedule)
+        # One export for every rank of the job now, one per replica later (share.py); made here, out
+        # of the blocks below, since under NCCL each makes a gloo group (a collective).
+        shares = ProgramShare.over(None), ProgramShare.over(mesh.pp_group)
+        with failing_together():  # (the shared trace comes first: no rank can fail before it and skip it)
             stages_plan, stages = _traced_split(
-                module, found, points, mesh, aliases, device, stage_cost, unit, style, warn, naming
+                module, found, points, mesh, aliases, device, stage_cost, unit, style, warn, naming, shares
             )
         runner = PipelineRunner(stages, stages_plan.num_stages, plan.schedule, plan.num_microbatches)
         return SplitResult(stages_plan, runner, found.call, found.twin)
@@ -140,19 +146,21 @@ class _Traceable:
     def binding(self) -> CallBinding:
         return self.call.bindings[self.call.train]
 
-    def trace(self, module: nn.Module, points: list[str]) -> Any:
-        """The twin traced at ``points``; a failure checked against torch.export of ``module`` (real)."""
-        try:
-            return trace(
-                self.twin, self.example, points, train=True, binding=self.binding, device=self.device
-            )
-        except TraceStepFailed as failed:
-            what = _what(self.call)
-            if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-                note = "the module is on the meta device: not checked against torch.export of the module"
-                raise explain(failed, what, note=note) from failed.error
-            check = partial(export_check, module, self.args, partial(bound_forward, module, self.binding))
-            raise explain(failed, what, check=check) from failed.error
+    def trace(self, module: nn.Module, points: list[str], share: ProgramShare | None = None) -> Any:
+        """The twin traced at ``points`` (exported once for the ranks of ``share``); a failure checked
+        against torch.export of ``module`` (real), where the export ran."""
+        return trace(
+            self.twin, self.example, points, train=True, binding=self.binding, device=self.device,
+            share=share, explain=partial(self._explain, module),
+        )  # fmt: skip
+
+    def _explain(self, module: nn.Module, failed: TraceStepFailed) -> BaseException:
+        what = _what(self.call)
+        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            note = "the module is on the meta device: not checked against torch.export of the module"
+            return explain(failed, what, note=note)
+        check = partial(export_check, module, self.args, partial(bound_forward, module, self.binding))
+        return explain(failed, what, check=check)
 
 
 def _what(call: TracedCall) -> str:
@@ -204,9 +212,16 @@ def _traced_split(
     style: str,
     warn: Callable[[str], Any],
     naming: UnitNaming,
+    shares: tuple[ProgramShare | None, ProgramShare | None] = (None, None),
 ) -> tuple[StagePlan, TracedStages]:
-    """Trace at the split points, plan, keep this rank's tensors, and put the stand-in in ``forward``."""
-    pipe = found.trace(module, points)
+    """Trace at the split points, plan, keep this rank's tensors, and put the stand-in in ``forward``.
+
+    ``shares``: the job's ranks, which all trace here at the same point and take one export from
+    global rank 0; then the pipeline ranks of this replica, which trace again at the same points
+    (a new mode or shape, in ``TracedStages``: they see the same batches) and take one export from
+    the first of them.
+    """
+    pipe = found.trace(module, points, share=shares[0])
     contents = stage_contents(pipe)
     params = [frozenset(aliases[t] for t in c.tensors if _is_parameter(module, t)) for c in contents]
     units, holds = [c.calls for c in contents], [describe_paths(c.calls) for c in contents]
@@ -220,7 +235,7 @@ def _traced_split(
     found.call.install(module, found.call.path)  # self(x) in the user's steps now goes through the pipeline
     stages = TracedStages(
         found.twin, points, indices, module, aliases, device, mesh.pp_group, found.call.bindings,
-        warn, naming,
+        warn, naming, shares[1],
     )  # fmt: skip
     if found.call.train:
         stages.keep_for_later(True, found.example, pipe)
@@ -233,6 +248,7 @@ def _call_order(module: nn.Module, found: _Traceable) -> list[str]:
     except ValueError as err:
         # A forward that cannot run on fake tensors (a branch on a value) cannot be exported either;
         # export's own error, checked against the real module, says more about why: it goes first.
+        # Each rank exports for itself: not every rank need be here (a rank whose model differs).
         found.trace(module, [])
         failed = TraceStepFailed(
             "finding the order forward calls the modules in (a run on fake tensors)", err
@@ -316,3 +332,21 @@ def example_input(
     finally:
         for path in paths:
             call.uninstall(module, path)
+
+
+def refuse_traced_parallelize(plan: ParallelPlan) -> None:
+    """What the traced path's stages cannot take: say why, before its split."""
+    if plan.parallelize_fn is not None:
+        raise ValueError(
+            "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split by "
+            "tracing its forward: a traced stage is an export graph that reads its weights directly, with "
+            "no modules of yours to parallelize. Hold the layers in one top-level nn.Sequential, or drop "
+            'parallelize_fn (data_parallel="fsdp" shards traced stages too)'
+        )
+    if plan.data_parallel == "fsdp" and plan.stages_per_rank > 1:
+        raise ValueError(
+            f'data_parallel="fsdp" with stages_per_rank={plan.stages_per_rank} is not supported for a '
+            f"traced forward: each traced stage is sharded as one FSDP root holding this rank's modules, "
+            f"so a rank can hold one stage. Use stages_per_rank=1 (schedule='1f1b' or 'gpipe'), or hold the "
+            f"layers in one top-level nn.Sequential"
+        )

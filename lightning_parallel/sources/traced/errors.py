@@ -39,6 +39,11 @@ class TraceStepFailed(RuntimeError):
         super().__init__(f"{step}: {type(error).__name__}: {error}")
         self.step, self.error = step, error
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its two arguments: a failure on the rank that exports for the others travels
+        # to them as itself (distributed/agree.py pickles it).
+        return (TraceStepFailed, (self.step, self.error))
+
 
 @contextlib.contextmanager
 def step(name: str) -> Iterator[None]:

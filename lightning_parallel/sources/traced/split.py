@@ -13,6 +13,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,23 +23,24 @@ from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
 from lightning_parallel.pipeline.blocks import find_block_list
-from lightning_parallel.pipeline.stage_shapes import StageShapes
 from lightning_parallel.pipeline.stage_source import UnitNaming
-from lightning_parallel.pipeline.twin import to_meta
 from lightning_parallel.plan.checks import CompileOptions
-from lightning_parallel.techniques.compile import OwnInputs, compile_in_place
-from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
-from lightning_parallel.traced.call_binding import CallBinding
-from lightning_parallel.traced.errors import TraceStepFailed, explain, ours, step
-from lightning_parallel.traced.fsdp import ShardedTracedStage, shard_traced_stage
-from lightning_parallel.traced.stage_graphs import point_at, unit_calls
-from lightning_parallel.traced.tensor_parallel import (
+from lightning_parallel.sources.stage_shapes import StageShapes
+from lightning_parallel.sources.traced.call_binding import CallBinding
+from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, ours, step
+from lightning_parallel.sources.traced.fsdp import ShardedTracedStage, shard_traced_stage
+from lightning_parallel.sources.traced.share import ProgramShare
+from lightning_parallel.sources.traced.stage_graphs import point_at, unit_calls
+from lightning_parallel.sources.traced.tensor_parallel import (
     TensorParallelGraph,
     place_split_ops,
     register_missing_shardings,
     tensor_parallel_step,
 )
-from lightning_parallel.traced.trace import trace
+from lightning_parallel.sources.traced.trace import trace
+from lightning_parallel.sources.twin import to_meta
+from lightning_parallel.techniques.compile import OwnInputs, compile_in_place
+from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
 
 
 def check_split_points(
@@ -163,21 +165,24 @@ def retrace_message(shapes: StageShapes, example: Sequence[Any]) -> str:
 class TracedStages:
     """This rank's traced stages: the meta twin traced once per mode, the stages built per input shape.
 
-    ``forward`` is exported with dynamic sizes (:func:`~lightning_parallel.traced.trace.trace`), so
+    ``forward`` is exported with dynamic sizes (:func:`~lightning_parallel.sources.traced.trace.trace`), so
     one trace serves every sequence length and micro-batch size the model allows; a shape it cannot
     serve (a size the model fixed, or a model that cannot be exported with dynamic sizes) is traced
     again, with one warning saying why.
 
     Args:
-        twin: the module's meta twin (:func:`~lightning_parallel.traced.trace.meta_twin`).
+        twin: the module's meta twin (:func:`~lightning_parallel.sources.traced.trace.meta_twin`).
         split_points: module paths where stages 1.. begin.
         stage_indices: this rank's stages.
         module: the user's module, pruned to this rank's tensors (the real parameters and buffers).
         aliases: the unsplit module's alias table (name -> canonical name).
         device, group: where the stages run, and the pipeline process group.
         bindings: how the user's step calls the traced module, per mode (training: True), kept up to
-            date by the stand-in (:class:`~lightning_parallel.traced.call_binding.TracedCall`).
+            date by the stand-in (:class:`~lightning_parallel.sources.traced.call_binding.TracedCall`).
         warn: how to say that a shape is traced again (``rank_zero_warn`` in the strategy).
+        share: the ranks that build the same stages at the same points (the pipeline ranks of one
+            replica: they see the same batches), which then take one export from the first of them
+            (:class:`~lightning_parallel.sources.traced.share.ProgramShare`); ``None``: this rank exports.
 
     Example::
 
@@ -201,9 +206,11 @@ class TracedStages:
         bindings: Mapping[bool, CallBinding] | None = None,
         warn: Callable[[str], Any] = warnings.warn,
         naming: UnitNaming | None = None,
+        share: ProgramShare | None = None,
     ) -> None:
         self.naming = naming or UnitNaming()
         self.twin, self.split_points = twin, list(split_points)
+        self.share = share
         self.bindings = bindings if bindings is not None else {}
         self.stage_indices, self.module, self.aliases = list(stage_indices), module, dict(aliases)
         self.device, self.group = device, group
@@ -248,7 +255,7 @@ class TracedStages:
     # stage's program is prepared
     def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
         """Split this rank's held modules with ``plan``'s styles and run the stages' graphs on DTensors
-        over the tensor-parallel ``mesh`` (see traced/tensor_parallel.py)."""
+        over the tensor-parallel ``mesh`` (see sources/traced/tensor_parallel.py)."""
         register_missing_shardings()
         self.tensor_parallel_mesh, self._split_styles = mesh, apply_held_styles(module, plan, mesh)
 
@@ -261,12 +268,12 @@ class TracedStages:
         self._compile_options = options
         return f"each stage's program is compiled (torch.compile, {options})"
 
-    def shard(self, mesh: Any | None) -> list[nn.Module]:
+    def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         """Shard this rank's stage as one FSDP2 root holding its modules; every stage runs through it."""
         if mesh is None:
             return []
         self.root = ShardedTracedStage(self.module, self.tensor_parallel_mesh)
-        return [shard_traced_stage(self.root, mesh)]
+        return [shard_traced_stage(self.root, mesh, offload_policy)]
 
     def step_context(self) -> Any:
         """Around each schedule step (tensor-parallel stages mix plain tensors and DTensors in backward)."""
@@ -331,18 +338,17 @@ class TracedStages:
         return program
 
     def _trace(self, train: bool, example: tuple[Any, ...]) -> Any:
-        """Trace again for a shape no program serves; a failure says whose it is (traced/errors.py)."""
-        try:
-            return trace(
-                self.twin, example, self.split_points, train, self.bindings.get(train), device=self.device
-            )
-        except TraceStepFailed as failed:
-            shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
-            note = (
-                f"traced again for inputs of shapes {shapes}; not checked against the module itself, "
-                f"which this rank holds only its stages of"
-            )
-            raise explain(failed, self._what, note=note) from failed.error
+        """Trace again for a shape no program serves (one export for the ranks of ``share``); a failure
+        says whose it is (sources/traced/errors.py)."""
+        shapes = [tuple(t.shape) for t in example if torch.is_tensor(t)]
+        note = (
+            f"traced again for inputs of shapes {shapes}; not checked against the module itself, "
+            f"which this rank holds only its stages of"
+        )
+        return trace(
+            self.twin, example, self.split_points, train, self.bindings.get(train), device=self.device,
+            share=self.share, explain=partial(explain, what=self._what, note=note),
+        )  # fmt: skip
 
     @property
     def _what(self) -> str:
@@ -440,7 +446,7 @@ class TracedStages:
 
 @contextlib.contextmanager
 def _building(name: str, what: str) -> Iterator[None]:
-    """A failure of this package's own stage building, reported as such (traced/errors.py)."""
+    """A failure of this package's own stage building, reported as such (sources/traced/errors.py)."""
     try:
         with step(name):
             yield

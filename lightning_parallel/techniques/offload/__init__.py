@@ -1,0 +1,18 @@
+"""Offload: the optimizer state and its step, FSDP2's shards, or the saved activations, on the host.
+
+One setting of the plan (``offload=``, :class:`~lightning_parallel.plan.parallel_plan.ParallelPlan`):
+
+* ``apply.py`` - the entry points the strategy calls where what they act on is made: the optimizers
+  (:func:`~lightning_parallel.techniques.offload.apply.apply`), FSDP2's policy for each stage
+  (``fsdp_policy``), the runner's training steps (``apply_activations``), and the process group's host
+  backend;
+* ``host_optimizer.py`` - the user's optimizer class made host-stepping (plain replicas and ZeRO-1), and
+  the fastest host kernel of a step;
+* ``activations.py`` - saved-tensor hooks that keep the micro-batches' activations on the host;
+* ``memory.py`` - what it does to a stage's bytes (device -> host), for the planner.
+
+State dicts stay the user's optimizer's (same class name, keys, ids and param groups; the state tensors
+live on the host), so checkpoints load with or without offload and at another world size. On a
+CPU-only machine host and device are the same memory: the copies are still separate tensors, so the
+control path and its exactness are what the tests exercise there.
+"""

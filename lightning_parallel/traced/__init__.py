@@ -1,2 +1,0 @@
-"""The traced stage source: a module's forward exported with dynamic sizes, cut at its blocks, and the
-parallelize adapters its stage graphs need (tensor parallelism on DTensors, one FSDP2 root per stage)."""

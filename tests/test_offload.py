@@ -1,0 +1,418 @@
+"""Offload (techniques/offload/, its entry points in techniques/offload/apply.py): the optimizer step,
+FSDP2's shards and the activations on the host.
+
+Pure tests first (the host-stepping optimizer against the plain one, the host kernel, the activation
+hooks, the refusals), then one spawned job of 4 gloo ranks that trains every multi-process configuration
+in turn (pipeline 2 x data parallel 2 under 1F1B with accumulation and clipping, ZeRO-1, FSDP2 and HSDP
+stages, the interleaved and V schedules with recomputation, 16-mixed on FSDP2's host gradients,
+validation and prediction, resumes from a consolidated file and a distributed checkpoint at another
+shape), each against one device (or, for 16-mixed, the same run without offload) to 1e-5. The model's
+first layer is frozen everywhere (a LoRA base): it gets no host copy and no optimizer state. On this
+CPU-only machine host and device are the same memory: the copies are real, separate tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+from mp_harness import (
+    GatheredRecorder,
+    SaveAtEpochEnd,
+    assert_close_dicts,
+    fit,
+    merged_records,
+    quiet_trainer,
+    reference_loader,
+    spawn_gloo,
+)
+from tiny_models import SequentialRegressor, loader, regression_data
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from lightning_parallel import PipelineStrategy
+from lightning_parallel.techniques.offload.activations import ActivationOffload
+from lightning_parallel.techniques.offload.host_optimizer import host_kernel, host_step, is_host_stepping
+from lightning_parallel.techniques.offload.memory import memory
+
+STEPS = 4
+
+
+# ------------------------------------------------------------------ the host-stepping optimizer, alone
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    model[0].requires_grad_(False)  # frozen (a LoRA base): no host copy, no state
+    return model
+
+
+OPTIMIZERS = {
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=0.05, amsgrad=True),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1),
+}
+
+
+def _build(model: nn.Module, name: str, host: bool):
+    groups = [{"params": model[0].parameters()}, {"params": model[2:].parameters(), "lr": 0.02}]
+    optimizer = OPTIMIZERS[name](groups)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    if host:
+        optimizer = host_step(optimizer, None, False, False, [scheduler])
+    return optimizer, scheduler
+
+
+def _train(model, optimizer, scheduler, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_host_stepping_steps_as_the_plain_optimizer_and_keeps_its_state_dict(name):
+    model, plain_model = _mlp(), _mlp()
+    optimizer, scheduler = _build(model, name, host=True)
+    plain, plain_scheduler = _build(plain_model, name, host=False)
+    assert type(optimizer).__name__ == type(plain).__name__ and isinstance(optimizer, type(plain))
+    _train(model, optimizer, scheduler, STEPS)
+    _train(plain_model, plain, plain_scheduler, STEPS)
+    assert_close_dicts(model.state_dict(), plain_model.state_dict(), rtol=1e-6, atol=1e-7)
+    assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in plain.param_groups]
+    # The user's state dict: same ids, groups (the user's fused/foreach too) and state keys.
+    mine, theirs = optimizer.state_dict(), plain.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert sorted(mine["state"]) == sorted(theirs["state"]) == [2, 3, 4, 5]  # the frozen 0, 1: none
+    for i, state in theirs["state"].items():
+        assert_close_dicts(mine["state"][i], state, rtol=1e-6, atol=1e-7)
+    # The host step's copies are separate tensors (on a GPU: on the host), the frozen weight has none.
+    copies = [c for group in optimizer._copies for c in group]
+    assert [c is None for c in copies] == [True, True, False, False, False, False]
+    assert all(c.host.data_ptr() != c.device.data_ptr() for c in copies if c is not None)
+    assert not any(p in optimizer.state for p in model[0].parameters())
+
+
+def test_state_dicts_load_both_ways_and_written_parameters_are_taken():
+    """A host-stepping state loads into the plain optimizer and back; a model loaded between steps (a
+    checkpoint's weights) is what the host step continues from."""
+    model, plain_model = _mlp(), _mlp()
+    optimizer, scheduler = _build(model, "adamw", host=True)
+    plain, plain_scheduler = _build(plain_model, "adamw", host=False)
+    _train(model, optimizer, scheduler, 2)
+    _train(plain_model, plain, plain_scheduler, 2)
+    resumed_model, resumed_plain_model = _mlp(), _mlp()
+    resumed, resumed_scheduler = _build(resumed_model, "adamw", host=True)
+    resumed_plain, resumed_plain_scheduler = _build(resumed_plain_model, "adamw", host=False)
+    resumed.load_state_dict(copy.deepcopy(plain.state_dict()))  # plain -> host
+    resumed_plain.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # host -> plain
+    for sched in (resumed_scheduler, resumed_plain_scheduler):
+        sched.load_state_dict(scheduler.state_dict())
+    resumed_model.load_state_dict(model.state_dict())  # after the host copies were made: taken at step
+    resumed_plain_model.load_state_dict(model.state_dict())
+    assert all(v.device.type == "cpu" for s in resumed.state.values() for v in s.values())
+    _train(resumed_model, resumed, resumed_scheduler, 2, start=2)
+    _train(resumed_plain_model, resumed_plain, resumed_plain_scheduler, 2, start=2)
+    _train(plain_model, plain, plain_scheduler, 2, start=2)
+    assert_close_dicts(resumed_model.state_dict(), plain_model.state_dict(), rtol=1e-6, atol=1e-7)
+    assert_close_dicts(resumed_plain_model.state_dict(), plain_model.state_dict(), rtol=1e-6, atol=1e-7)
+
+
+def test_the_host_kernel_is_the_fastest_one_the_class_has_and_optimizers_without_one_are_refused(one_rank):
+    fused_adamw = {"fused": True, "foreach": False, "capturable": False}
+    assert host_kernel(torch.optim.AdamW, {"lr": 0.1}) == fused_adamw
+    assert host_kernel(torch.optim.SGD, {"lr": 0.1}) == {"fused": True, "foreach": False}
+    assert host_kernel(torch.optim.RMSprop, {"lr": 0.1}) == {"foreach": True, "capturable": False}
+
+    class CudaOnly(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("this optimizer runs on CUDA only")
+
+    for cls, error in [(torch.optim.LBFGS, "TypeError"), (CudaOnly, "RuntimeError: this optimizer runs")]:
+        with pytest.raises(ValueError, match=rf"runs {cls.__name__}'s step on the host, .*\({error}"):
+            host_step(cls(_mlp().parameters(), lr=0.1), None, False, False)
+    model = _mlp()
+    stepped, scheduler = _build(model, "sgd", host=False)
+    _train(model, stepped, scheduler, 1)
+    with pytest.raises(ValueError, match="already holds state: offload it right after it is built"):
+        host_step(stepped, None, False, False)
+    # DTensor parameters (a parallelize_fn's split weights) have no whole-tensor host copy yet.
+    mesh = init_device_mesh("cpu", (1,))
+    split = nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match=r"holds DTensor parameters .* not supported yet"):
+        host_step(torch.optim.AdamW([split]), None, False, False)
+    # The GradScaler unscales the device gradients before a fused optimizer's host step.
+    fused = host_step(torch.optim.AdamW(_mlp().parameters(), fused=True), None, False, False)
+    assert is_host_stepping(fused) and not fused._step_supports_amp_scaling
+
+
+# ------------------------------------------------------------------------------------ activations, alone
+class _Stage(nn.Module):
+    """Two units, the second recomputed (torch's non-reentrant checkpoint keeps its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    def forward(self, x):
+        return checkpoint(self.b, self.a(x), use_reentrant=False).sum()
+
+
+def test_activations_in_flight_live_on_the_host_and_leave_with_their_backward():
+    """Three micro-batches forward (in flight together), then their backwards: everything saved but the
+    parameters went to the host, the recomputed unit's kept input too; the gradients are unchanged."""
+    stage = _Stage()
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        expected = [torch.autograd.grad(stage(x), list(stage.parameters())) for x in xs[:1]]
+    activations = {id(t): t.nbytes for t in saved if t._base is None or not isinstance(t._base, nn.Parameter)}
+    # a's input and its tanh's output, which is b's input too (kept by the checkpoint): saved three times
+    assert len(activations) == 2 and sum(activations.values()) == 3 * 4 * 4 + 3 * 8 * 4
+    hooks = ActivationOffload()
+    with hooks:
+        losses = [stage(x) for x in xs]
+    assert hooks.packed == 3 * 2 and hooks.live_bytes == hooks.peak_bytes == 3 * (3 * 4 * 4 + 3 * 8 * 4)
+    grads = []
+    for loss in losses:
+        grads.append(torch.autograd.grad(loss, list(stage.parameters())))
+    del losses
+    assert hooks.live_bytes == 0
+    for got, want in zip(grads[0], expected[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_memory_moves_what_each_offload_takes_to_the_host():
+    sizes = dict(parameters=100, gradients=100, optimizer=200, trainable=100, activations=30, in_flight=4)
+    assert memory((), **sizes).device == 520
+    assert memory(("optimizer",), **sizes) == (memory((), **sizes).__class__(320, 400))
+    both = memory(("activations", "optimizer", "parameters"), **sizes, gathered=250)
+    assert (both.device, both.host) == (250 + 30, 400 + 120)
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def test_offload_is_refused_where_it_cannot_work_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"offload=\['optimizer'\] with tensor_parallel_size=2 is not supp"):
+        PipelineStrategy(offload="optimizer", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"offload='parameters' with a parallelize_fn is not supported"):
+        PipelineStrategy(offload="parameters", data_parallel="fsdp", parallelize_fn=lambda stage, mesh: None)
+    cases = [
+        (dict(offload="optimizer", offload_pin_memory=True), FrozenFirst, r"offload_pin_memory=True page-"),
+        (dict(offload="optimizer"), LbfgsRegressor, r"runs LBFGS's step on the host, but it failed"),
+    ]
+    for kwargs, model_cls, message in cases:
+        trainer = quiet_trainer(devices=1, max_steps=1, strategy=PipelineStrategy(pipeline_size=1, **kwargs),
+                                default_root_dir=tmp_path)  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            trainer.fit(model_cls(), loader(regression_data(8), 4))
+
+
+# ------------------------------------------------------------------------- one device, bf16, resumes
+class FrozenFirst(SequentialRegressor):
+    """The job's model: an MLP whose first layer is frozen (a LoRA base); AdamW over all parameters."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden=16, depth=5, adam=True)
+        self.layers[0].requires_grad_(False)
+
+
+class LbfgsRegressor(FrozenFirst):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+N_SAMPLES, GLOBAL_BATCH, WORLD = 48, 16, 4
+TRAIN = dict(gradient_clip_val=0.5, accumulate_grad_batches=2, num_sanity_val_steps=0)
+DATA, VAL = regression_data(N_SAMPLES), regression_data(16, seed=1)
+
+
+def _reference(tmp: Path, epochs: int, **kwargs) -> dict:
+    torch.manual_seed(0)
+    model = FrozenFirst()
+    record = fit(model, reference_loader(DATA, GLOBAL_BATCH), tmp, max_epochs=epochs, **TRAIN, **kwargs)[0]
+    return {**record, "model": model}
+
+
+def test_one_device_and_bf16_mixed_train_as_without_offload(tmp_path):
+    """pipeline_size=1 on one device: the optimizer and the activations on the host, fp32 and bf16-mixed."""
+    for precision in ("32-true", "bf16-mixed"):
+        runs = {}
+        for offload in (None, ["optimizer", "activations"]):
+            torch.manual_seed(0)
+            strategy = PipelineStrategy(pipeline_size=1, num_microbatches=4, offload=offload)
+            out = tmp_path / f"{precision}-{bool(offload)}"
+            runs[bool(offload)] = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), out, strategy=strategy,
+                                      max_epochs=1, precision=precision, **TRAIN)[0]  # fmt: skip
+        assert_close_dicts(runs[True]["params"], runs[False]["params"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(runs[True]["losses"], runs[False]["losses"], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------- the spawned job
+class Record(GatheredRecorder):
+    """Also: how this rank's optimizer is held, and what the activation hooks moved."""
+
+    def extra(self, trainer, pl_module):
+        optimizer = trainer.optimizers[0]
+        inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1's shard
+        hooks = trainer.strategy.parts.runner.saving
+        frozen = {p for n, p in pl_module.named_parameters() if n.startswith("layers.0.")}
+        return {
+            "host_stepping": is_host_stepping(optimizer),
+            "frozen_with_state": sum(p in frozen for p in inner.state),
+            "frozen_with_copy": sum(
+                c is not None and c.device in frozen for g in getattr(inner, "_copies", []) for c in g
+            ),
+            "state_devices": sorted({str(v.device) for s in inner.state.values() for v in s.values()}),
+            "activations": (hooks.packed_bytes, hooks.peak_bytes, hooks.live_bytes)
+            if isinstance(hooks, ActivationOffload)
+            else None,
+            "pp_rank": trainer.strategy.mesh.pp_rank,
+            "dp_rank": trainer.strategy.mesh.dp_rank,
+            "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+        }
+
+
+def _fp16() -> dict:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=2)
+    return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+
+
+BOTH = ["optimizer", "activations"]
+# name -> (strategy options, epochs, resumed from, Trainer options); run in this order in the job.
+CONFIGS = {
+    "replicate-1f1b": (dict(pipeline_size=2, offload=BOTH), 1, None, {}),
+    "zero1-dcp": (dict(pipeline_size=2, data_parallel="zero1", offload="optimizer",
+                       save_distributed_checkpoint=True), 1, None, {}),
+    "fsdp": (dict(pipeline_size=2, data_parallel="fsdp", offload=["parameters", "activations"]), 1, None, {}),
+    "hsdp-from-file": (dict(pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2,
+                            offload="parameters"), 2, "replicate-1f1b", {}),
+    "zero1-1x4-from-dcp": (dict(pipeline_size=1, data_parallel="zero1", offload="optimizer"), 2,
+                           "zero1-dcp", {}),
+    "interleaved-recompute": (dict(pipeline_size=2, schedule="interleaved_1f1b", stages_per_rank=2,
+                                   activation_checkpointing=True, offload=BOTH), 1, None, {}),
+    "zbv-recompute": (dict(pipeline_size=2, schedule="zbv", activation_checkpointing=True, offload=BOTH),
+                      1, None, {}),
+    "dualpipev": (dict(pipeline_size=2, schedule="dualpipev", offload="activations"), 1, None, {}),
+    "fsdp-16-mixed": (dict(pipeline_size=2, data_parallel="fsdp", offload="parameters"), 1, None, _fp16),
+    "fsdp-16-mixed-without": (dict(pipeline_size=2, data_parallel="fsdp"), 1, None, _fp16),
+}  # fmt: skip
+
+
+def _checkpoint(out_dir: str, name: str) -> str:
+    return f"{out_dir}/{name}.ckpt"
+
+
+def _job(rank: int, world: int, out_dir: str) -> None:
+    # The spawned ranks already share a gloo process group: Lightning joins it as it joins torchrun's.
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    for name, (options, epochs, resumed_from, trainer_options) in CONFIGS.items():
+        dp = world // options["pipeline_size"]
+        torch.manual_seed(0)
+        callbacks = [Record(f"{out_dir}/{name}-rank{rank}.pt"), SaveAtEpochEnd(_checkpoint(out_dir, name))]
+        extra = trainer_options() if callable(trainer_options) else trainer_options
+        trainer = quiet_trainer(
+            devices=world, strategy=PipelineStrategy(num_microbatches=4, **options), callbacks=callbacks,
+            max_epochs=epochs, **TRAIN, **extra,
+        )  # fmt: skip
+        first = name == "replicate-1f1b"
+        model = FrozenFirst()
+        trainer.fit(
+            model, loader(DATA, GLOBAL_BATCH // dp), val_dataloaders=loader(VAL, 16 // dp) if first else None,
+            ckpt_path=_checkpoint(out_dir, resumed_from) if resumed_from else None,
+        )  # fmt: skip
+        if first:  # forward-only schedules of the offloaded run: predictions back on global rank 0
+            predicted = trainer.predict(model, loader(VAL, 16 // dp))
+            torch.save(predicted, f"{out_dir}/predictions-rank{rank}.pt")
+    torch.save(None, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_every_offload_trains_as_on_one_device(tmp_path):
+    one, two = _reference(tmp_path / "ref1", 1), _reference(tmp_path / "ref2", 2)
+    spawn_gloo(_job, WORLD, tmp_path)
+    for name, (options, epochs, resumed_from, trainer_options) in CONFIGS.items():
+        if trainer_options:
+            continue
+        params, losses, records = merged_records(tmp_path, name, WORLD)
+        ref = one if epochs == 1 else two
+        want = torch.tensor(ref["losses"])[-3:] if resumed_from else torch.tensor(ref["losses"])
+        assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        _check_placement(name, options, records)
+    _check_precision(tmp_path)
+    _check_evaluation(tmp_path, one["model"])
+    _check_activations_in_flight(tmp_path)
+    _check_resumed_on_one_device(tmp_path, two)
+
+
+def _check_resumed_on_one_device(tmp: Path, ref: dict) -> None:
+    """The 4-rank runs' checkpoints (a consolidated file, a distributed checkpoint) resumed at world size
+    1, offloaded: the second epoch is the reference's."""
+    for saved in ("replicate-1f1b", "zero1-dcp"):
+        torch.manual_seed(0)
+        strategy = PipelineStrategy(pipeline_size=1, num_microbatches=4, offload="optimizer")
+        record = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), tmp / f"one-{saved}", strategy=strategy,
+                     max_epochs=2, ckpt_path=_checkpoint(str(tmp), saved), **TRAIN)[0]  # fmt: skip
+        assert_close_dicts(record["params"], ref["params"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(record["losses"], ref["losses"][-3:], rtol=1e-5, atol=1e-6)
+
+
+def _check_placement(name: str, options: dict, records: list[dict]) -> None:
+    offload = options["offload"]
+    for r in records:
+        assert r["frozen_with_state"] == 0 and r["frozen_with_copy"] == 0, (name, r)
+        assert r["host_stepping"] == ("optimizer" in offload and options.get("data_parallel") != "fsdp"), name
+        assert r["state_devices"] in ([], ["cpu"]), (name, r["state_devices"])
+        assert (r["activations"] is not None) == ("activations" in offload), name
+
+
+def _check_precision(tmp: Path) -> None:
+    """16-mixed with FSDP2's host gradients (found_inf agreed from them) is the run without offload."""
+    params, losses, _ = merged_records(tmp, "fsdp-16-mixed", WORLD)
+    want_params, want_losses, _ = merged_records(tmp, "fsdp-16-mixed-without", WORLD)
+    assert_close_dicts(params, want_params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+
+
+def _check_evaluation(tmp: Path, model: nn.Module) -> None:
+    """Validation on each replica's half of VAL, prediction of all of it, with the epoch-1 weights."""
+    x, y = VAL.tensors
+    with torch.no_grad():
+        out = model.eval()(x)
+    _, _, records = merged_records(tmp, "replicate-1f1b", WORLD)
+    for r in records:
+        want = nn.functional.mse_loss(out[r["dp_rank"] :: 2], y[r["dp_rank"] :: 2])
+        assert abs(r["val_loss"] - float(want)) < 1e-5, (r["val_loss"], float(want))
+    predicted = torch.load(tmp / "predictions-rank0.pt", weights_only=False)
+    torch.testing.assert_close(torch.cat(predicted), out, rtol=1e-5, atol=1e-6)
+
+
+def _check_activations_in_flight(tmp: Path) -> None:
+    """What a rank keeps for backward sat on the host, several micro-batches' worth at once where the
+    schedule holds several in flight, and none once each step's backwards ran."""
+    steps_microbatches = 3 * 4  # an epoch: 3 batches of 4 micro-batches
+    for name in ("replicate-1f1b", "fsdp", "interleaved-recompute", "zbv-recompute", "dualpipev"):
+        options = CONFIGS[name][0]
+        stages = 2 if options.get("schedule", "1f1b") != "1f1b" else 1
+        _, _, records = merged_records(tmp, name, WORLD)
+        assert any(r["activations"][0] for r in records), name
+        for r in records:
+            packed, peak, live = r["activations"]
+            assert live == 0, (name, r["activations"])
+            if not packed:  # (a V stage of one recomputed layer keeps only its received input)
+                continue
+            per_microbatch = packed / (steps_microbatches * stages)  # (per stage, on average)
+            if stages == 1:  # 1F1B: p - stage micro-batches in flight on each stage
+                assert peak == (2 - r["pp_rank"]) * per_microbatch, (name, r)
+            else:
+                assert peak >= 2 * per_microbatch, (name, r)
