@@ -89,10 +89,9 @@ def test_nothing_fits_says_by_how_much_and_what_would(model_file, capsys):
     found = re.search(r"no plan fits 1.00 KiB per device, host .*: the smallest device peak is ([\d.]+ KiB) "
                       r"\((pp [^)]+)\), [\d.]+ KiB \(\d+%\) over the 921 B usable", out)  # fmt: skip
     assert found, out[-2000:]
-    assert "offload" not in found.group(2)  # (the runtime is pending: offload rows are never the answer)
     assert re.search(r"  - 4 devices: smallest peak [\d.]+ KiB \(pp \S+ .*\): still over", out)
     assert re.search(r"  - a batch of 8 per replica \(accumulating twice as many\): smallest peak", out)
-    assert "  - offload" in out and "recomputation and sharded optimizer state are in the search" in out
+    assert "recomputation, sharded optimizer state and offload are in the search already" in out
 
 
 def test_the_arguments_mean_what_plan_auto_takes():

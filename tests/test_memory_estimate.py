@@ -1,7 +1,8 @@
 """The memory planner's logic without processes: units, probe, optimizer state, per-rank arithmetic.
 
 Covers memory/stage_costs.py (each stage's parameters, in-flight and received bytes, the too-many-stages
-error) through predict, memory/offload.py (each rank's device and host bytes under offload) and
+error) through predict, techniques/offload/memory.py as the planner composes it (each rank's device and
+host bytes under offload) and
 _table.py's format_bytes (which memory/estimate.py re-exports).
 """
 

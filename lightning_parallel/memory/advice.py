@@ -81,11 +81,14 @@ def suggestions(facts: Mapping[int, ModelFacts], search: Search, budget: Budget)
         halved = replace(search, batch_size=batch // 2, global_batch_size=global_batch)
         what = f"a batch of {batch // 2} per replica (accumulating twice as many)"
         out.append(_line(what, facts, halved, budget))
+    searched = "recomputation and sharded optimizer state"
     if not search.offload or not OFFLOAD_RUNTIME:
         pending = "" if OFFLOAD_RUNTIME else " (the offload runtime is pending: not runnable yet)"
         out.append(_line("offload" + pending, facts, replace(search, offload=True), budget, True))
-    out.append("recomputation and sharded optimizer state are in the search already; a smaller precision "
-               "(bf16-mixed) is measured again with --precision / Trainer(precision=...)")  # fmt: skip
+    else:
+        searched = "recomputation, sharded optimizer state and offload"
+    out.append(f"{searched} are in the search already; a smaller precision (bf16-mixed) is measured again "
+               f"with --precision / Trainer(precision=...)")  # fmt: skip
     return out
 
 

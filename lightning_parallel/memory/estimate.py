@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from lightning_parallel._table import format_bytes, format_table
-from lightning_parallel.memory import offload
 from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.precision import LOSS_SCALER_BYTES
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
@@ -51,6 +50,7 @@ from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.techniques import fsdp, zero
 from lightning_parallel.techniques.compile import MEMORY_NOTE
+from lightning_parallel.techniques.offload import memory as offload
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 GATHERED = "gathered"  # FSDP2's unsharded stage parameters, a column only where a rank has them
@@ -63,7 +63,7 @@ class RankMemory:
     ``activations`` includes the backward transient; ``buffers``: communication buffers and kept outputs;
     ``gathered``: an FSDP2 stage's all-gathered parameters (``parameters`` is then the rank's shard).
     ``peak`` is the device's; ``host``: what the plan's offload keeps in host memory for this rank
-    (:mod:`~lightning_parallel.memory.offload`), apart from it.
+    (``techniques/offload/memory.py``), apart from it.
     """
 
     rank: int
@@ -236,10 +236,9 @@ def _pipeline_rank(facts: ModelFacts, costs: list[StageCosts], config: ParallelP
         config.schedule, config.pipeline_size, config.stages_per_rank, config.num_microbatches
     )
     in_flight = peak_in_flight(actions[rank])
-    moved = _offloaded(facts, params, config, p_bytes, state)
-    host = moved.host
+    moved_parameters, moved_state, host = _offloaded(facts, params, config, p_bytes, state)
     if "activations" in config.offload:
-        local, host_activations = offload.activations_on_host(local, in_flight)
+        local, host_activations = _activations_on_host(local, in_flight)
         host += host_activations
     # The previous step's gradients are released before the schedule (Lightning zeroes them after
     # training_step anyway): the new ones grow during backward. Inside an accumulation window the
@@ -249,9 +248,9 @@ def _pipeline_rank(facts: ModelFacts, costs: list[StageCosts], config: ParallelP
     return RankMemory(
         rank,
         tuple(c.index for c in local),
-        p_bytes - moved.parameters,
+        p_bytes - moved_parameters,
         g_bytes if accumulating else walk.new_grads,
-        state - moved.optimizer,
+        state - moved_state,
         walk.activations,
         buffers + walk.kept,
         tuple(in_flight.get(c.index, 0) for c in local),
@@ -262,17 +261,34 @@ def _pipeline_rank(facts: ModelFacts, costs: list[StageCosts], config: ParallelP
 
 def _offloaded(
     facts: ModelFacts, keys: list[int], config: ParallelPlan, p_bytes: int, state: int
-) -> offload.Moved:
-    """What the plan's offload moves off this rank's device (:mod:`~lightning_parallel.memory.offload`)."""
-    if "parameters" in config.offload:  # FSDP2's CPUOffloadPolicy: p_bytes is the rank's shard already
-        grads = [(facts.tensors[k].rows, facts.tensors[k].grad) for k in keys]
-        return offload.parameter_offload(p_bytes, fsdp.memory(grads, config.shard_size).shard, state)
-    if "optimizer" in config.offload:
-        trainable = sum(facts.tensors[k].nbytes for k in keys if facts.tensors[k].grad)
-        grads = sum(facts.tensors[k].grad for k in keys)
-        whole = facts.state_of(keys) + LOSS_SCALER_BYTES.get(config.precision, 0)
-        return offload.optimizer_offload(trainable, grads, state, whole)
-    return offload.Moved()
+) -> tuple[int, int, int]:
+    """``(parameter bytes, optimizer bytes)`` the offload moves off this rank's device, and the host's
+    bytes, as the offload technique says (``techniques/offload/memory.py``; activations apart)."""
+    hosted = tuple(t for t in config.offload if t != "activations")
+    if not hosted:
+        return 0, 0, 0
+    trainable = sum(facts.tensors[k].nbytes for k in keys if facts.tensors[k].grad)
+    grads = [(facts.tensors[k].rows, facts.tensors[k].grad) for k in keys]
+    if "parameters" in hosted:  # FSDP2's CPUOffloadPolicy: p_bytes and state are the rank's shards
+        shard = fsdp.memory(grads, config.shard_size).shard
+        placed = offload.memory(hosted, parameters=p_bytes, gradients=shard, optimizer=state,
+                                trainable=trainable, activations=0, in_flight=0)  # fmt: skip
+        return p_bytes, state, placed.host
+    whole = facts.state_of(keys) + LOSS_SCALER_BYTES.get(config.precision, 0)
+    share = round(trainable * state / whole) if whole else trainable  # ZeRO-1 steps its shard
+    placed = offload.memory(hosted, parameters=p_bytes, gradients=sum(g for _, g in grads), optimizer=state,
+                            trainable=share, activations=0, in_flight=0)  # fmt: skip
+    return 0, state, placed.host
+
+
+def _activations_on_host(stages: list[StageCosts], in_flight: dict[int, int]) -> tuple[list[StageCosts], int]:
+    """``"activations"``: the stages as the device sees them (a micro-batch's saved tensors only during
+    its backward, a transient) and the host's bytes (each stage's micro-batches in flight at their most),
+    as ``techniques/offload/memory.py`` moves them."""
+    host = sum(c.per_microbatch * in_flight.get(c.index, 0) for c in stages)
+    device = [replace(c, per_microbatch=0, backward_transient=c.backward_transient + c.per_microbatch)
+              for c in stages]  # fmt: skip
+    return device, host
 
 
 @dataclass

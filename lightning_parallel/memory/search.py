@@ -39,8 +39,10 @@ class Search:
         pipeline_sizes: pipeline sizes to try (default: every divisor of the devices).
         schedules: of :data:`SEARCHED_SCHEDULES`.
         tensor_parallel_sizes: tensor-parallel sizes to try (each measured on its own local model).
-        offload: also try offloading to the host.
+        offload: also try offloading to the host (not with tensor parallelism, which offload refuses).
         ranks_per_node: ranks sharing one host's memory (default: all of them, one node).
+        offload_parameters: with ``offload``, also FSDP2's (its process group needs a host backend, which
+            ``plan="auto"`` cannot add on an accelerator once the group is up).
 
     Example::
 
@@ -58,6 +60,7 @@ class Search:
     tensor_parallel_sizes: tuple[int, ...] = (1,)
     offload: bool = True
     ranks_per_node: int | None = None
+    offload_parameters: bool = True
 
     def __post_init__(self) -> None:
         for name in ("devices", "global_batch_size", "batch_size", "ranks_per_node"):
@@ -135,6 +138,12 @@ class Search:
             return (1, 1)
         return min(sizes), max(sizes)
 
+    def _offloads(self, mode: str, recomputed: bool, tp: int) -> list[tuple[str, ...]]:
+        if not self.offload or tp > 1:
+            return [()]
+        out = [o for o in _offloads(mode, recomputed) if self.offload_parameters or "parameters" not in o]
+        return out
+
     def _variants(self, base: ParallelPlan, num_blocks: int, batch: int, fsdp: bool) -> list[ParallelPlan]:
         """``base``'s schedules x micro-batches x recomputation x data-parallel modes x offloads."""
         p, tp, out = base.pipeline_size, base.tensor_parallel_size, []
@@ -143,7 +152,7 @@ class Search:
             for m in _microbatches(p, batch):
                 for ac in (False, True):
                     for mode in modes if base.data_parallel_size > 1 else ("replicate",):
-                        for offload in _offloads(mode, ac) if self.offload else [()]:
+                        for offload in self._offloads(mode, ac, tp):
                             out.append(replace(base, num_microbatches=m, schedule=schedule, stages_per_rank=v,
                                                activation_checkpointing=ac, data_parallel=mode,
                                                offload=offload))  # fmt: skip

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_parallel.memory.probe import BEFORE, StepFn, _autocast, default_step
 from lightning_parallel.memory.units import UnitLayout
+from lightning_parallel.techniques.offload.host_optimizer import host_kernel
 
 AFTER = "<after>"  # suffix: time spent outside any unit after this one returned (a residual add, the loss)
 
@@ -139,7 +140,7 @@ def measure_times(
         for name in dict.fromkeys(k for r in runs for k in r)
     }  # fmt: skip
     cost = optimizer_step_cost(optimizers or [], device)
-    host = cost if device.type == "cpu" else optimizer_step_cost(optimizers or [], torch.device("cpu"))
+    host = optimizer_step_cost(optimizers or [], torch.device("cpu"), on_host=True)
     return TimeFacts(units, tuple(sizes), cost, host, device.type)
 
 
@@ -247,12 +248,18 @@ def _timed_run(
 
 
 def optimizer_step_cost(
-    optimizers: list[torch.optim.Optimizer], device: torch.device, numel: int = 1 << 18, repeats: int = 3
+    optimizers: list[torch.optim.Optimizer],
+    device: torch.device,
+    numel: int = 1 << 18,
+    repeats: int = 3,
+    on_host: bool = False,
 ) -> StepCost:
     """Seconds per element and per tensor of the optimizers' step, timed on stand-ins on ``device``.
 
     The first optimizer's class and first param group's settings are stepped over one tensor of
-    ``numel`` elements and over 64 tensors of ``numel / 64``: two points, a line.
+    ``numel`` elements and over 64 tensors of ``numel / 64``: two points, a line. ``on_host``: with the
+    kernel an offloaded step runs on the host (the fastest of fused, foreach and the loop,
+    ``techniques/offload/host_optimizer.py: host_kernel``).
 
     Example::
 
@@ -266,6 +273,8 @@ def optimizer_step_cost(
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
     accepted = inspect.signature(cls).parameters
     kwargs = {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "capturable")}
+    if on_host:
+        kwargs |= host_kernel(cls, kwargs)
     one = _step_seconds(cls, kwargs, [numel], device, repeats)
     many = _step_seconds(cls, kwargs, [numel // 64] * 64, device, repeats)
     per_tensor = max(0.0, (many - one) / 63)

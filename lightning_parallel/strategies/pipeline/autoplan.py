@@ -50,7 +50,7 @@ from lightning_parallel.memory.planner import (
 )
 from lightning_parallel.memory.quantities import host_memory, parse_bytes
 from lightning_parallel.memory.search import Search
-from lightning_parallel.pipeline.mesh import build_mesh
+from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh
 from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.call_input import first_batch
@@ -131,6 +131,17 @@ def auto_request(
     return AutoRequest(sizes["memory"], sizes["host_memory"], global_batch_size, kept=dict(options))
 
 
+def environment_mesh(strategy: Any) -> PipelineMesh | None:
+    """At ``setup_environment``: the mesh of the given plan; under ``plan="auto"`` none yet (it waits for
+    the choice at ``setup``), the budget checked and the global batch's scheduler in place."""
+    if strategy._auto is None:
+        return build_mesh(strategy.root_device.type, strategy.layout)
+    module = strategy._lightning_module
+    if module is not None and module._trainer is not None:
+        prepare(strategy, module.trainer)
+    return None
+
+
 def prepare(strategy: Any, trainer: pl.Trainer) -> None:
     """At ``setup_environment``: the device budget is known, the global batch has its scheduler."""
     import lightning_parallel  # the public callback (the callbacks package imports the strategies)
@@ -200,7 +211,7 @@ def _choose(
     search = Search(
         strategy.world_size, request.global_batch_size, samples, trainer.precision,
         tensor_parallel_sizes=_tensor_parallel_sizes(strategy.world_size), offload=OFFLOAD_RUNTIME,
-        ranks_per_node=trainer.num_devices,
+        ranks_per_node=trainer.num_devices, offload_parameters=strategy.root_device.type == "cpu",
     )  # fmt: skip
     with LogRecorder().recording(module, samples), _on_device(module, strategy.root_device, budget):
         facts = _measured(module, batch, search, _optimizers(module))
