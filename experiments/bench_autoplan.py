@@ -7,8 +7,7 @@ For three models (the main job's GPT ``models.CharLM``, split by tracing; the sa
 1. the links of the job's own group are timed (an all-reduce and a send of two sizes, in the spawned
    ranks), and each model is measured and planned in this process as ``PipelineStrategy(plan="auto")``
    plans it (``measure_for``, ``plan_search``, ``choose``: unit times at the smallest and largest
-   micro-batch, every plan sized and timed; offload rows left out while the offload runtime is not on
-   main);
+   micro-batch, every plan sized and timed, offload rows among them);
 2. two device budgets per model, artificial on this CPU machine and chosen from the predicted peaks: one
    where data parallelism fits (every plan fits), one where it does not (below the smallest peak of any
    ``pipeline_size=1`` plan, less the 10% margin);
@@ -23,7 +22,7 @@ Reported (``autoplan.csv``, one row per model x budget x plan; ``autoplan.png``,
 measured step time): the auto choice (the fastest predicted that fits), whether its measured peak fits
 the budget on every rank, how far its measured time is from the best measured among the six, and the
 Spearman rank correlation between predicted and measured step times, over all measured plans and within
-each model. Offload rows wait for the offload runtime (pending on main).
+each model.
 
 Usage::
 
@@ -85,7 +84,7 @@ def plan_model(model: str, links: Any, quick: bool) -> tuple[list[Candidate], di
     """Every plan of the model, sized and timed as plan="auto" does; the two budgets."""
     module = build(model)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
-    search = Search(DEVICES, GLOBAL_BATCH, offload=False, tensor_parallel_sizes=_tp_sizes(module))
+    search = Search(DEVICES, GLOBAL_BATCH, tensor_parallel_sizes=_tp_sizes(module))
     facts = {}
     for tp in search.tensor_parallel_sizes:
         facts |= measure_for(
