@@ -140,6 +140,17 @@ def fsdp_unsharded_params(strategy: Any) -> list[torch.Tensor]:
     return out
 
 
+def host_copies(optimizers: list[Any]) -> list[torch.Tensor]:
+    """The host copies of an offloaded optimizer's parameters and their gradient buffers (made at the first
+    step, outside the tracked one). ``techniques/offload/host_optimizer.py: HostStepping`` keeps them in
+    ``_copies`` (this package's own private name, read here only to tell the meter of them)."""
+    out = []
+    for optimizer in optimizers:
+        for group in getattr(optimizer, "_copies", []):
+            out += [t for copy in group if copy is not None for t in (copy.host, copy.grad)]
+    return out
+
+
 class StepMeter(L.Callback):
     """MemTracker around training step ``step`` (after warm-up); the peak total bytes of this rank."""
 
@@ -159,8 +170,9 @@ class StepMeter(L.Callback):
         optimizers = [getattr(o, "optim", o) for o in trainer.optimizers]
         strategy = trainer.strategy
         self.tracker.track_external(
-            pl_module, *optimizers, batch, *pipeline_buffers(strategy), *fsdp_unsharded_params(strategy)
-        )
+            pl_module, *optimizers, batch, *pipeline_buffers(strategy), *fsdp_unsharded_params(strategy),
+            *host_copies(optimizers),
+        )  # fmt: skip
         self.start = _total(self.tracker.get_tracker_snapshot("current"))
         self.tracker.__enter__()
 

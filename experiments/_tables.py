@@ -353,6 +353,59 @@ def memory_validation(rows: Rows) -> str:
     )
 
 
+def autoplan(rows: Rows) -> str:
+    body = []
+    for (model, budget), mine in _groups_of(rows, ("model", "budget")).items():
+        auto = next(r for r in mine if r["auto"] == "True")
+        best = next(r for r in mine if r["best_measured"] == "True")
+        ratio, goal = float(auto["auto_vs_best"]), float(auto["time_goal"])
+        words = (
+            "the best measured"
+            if auto is best
+            else ("within the goal" if ratio <= goal else "misses the goal")
+        )
+        body.append(
+            [model, budget, _mib(float(auto["budget_bytes"])), f"`{auto['plan']}`",
+             _f(auto["predicted_ms"], 1), timed_col(auto, "measured_ms", 1), f"`{best['plan']}`",
+             timed_col(best, "measured_ms", 1), timed_col(auto, "auto_vs_best", 2, words),
+             _mib(float(auto["measured_peak_bytes"])), "yes" if auto["fits_measured"] == "True" else "**no**",
+             len(mine)]
+        )  # fmt: skip
+    header = ["model", "budget", "MiB per device", "plan='auto' chose", "predicted milliseconds",
+              "its measured ms", "best measured of the six", "best ms", "auto / best ratio",
+              "its measured peak MiB (worst rank)", "fits", "plans run"]  # fmt: skip
+    detail = [
+        [r["model"], r["budget"], r["predicted_rank"], f"`{r['plan']}`", _f(r["predicted_ms"], 1),
+         timed_col(r, "measured_ms", 1), _mib(float(r["predicted_peak_bytes"])),
+         _mib(float(r["measured_peak_bytes"])), _f(r["peak_error"], 3)]
+        for r in rows
+    ]  # fmt: skip
+    detail_header = ["model", "budget", "predicted rank", "plan", "predicted milliseconds", "measured ms",
+                     "predicted peak MiB", "measured peak MiB (worst rank)", "peak error"]  # fmt: skip
+    models = {r["model"]: r for r in rows}
+    within = "; ".join(
+        f"{m} {_f(r['spearman_model'], 2)} ({r['plans_model']} plans)" for m, r in models.items()
+    )
+    r0 = rows[0]
+    return (
+        _table(header, body) + f"\n\nSpearman rank correlation between predicted and measured step time: "
+        f"{_f(r0['spearman_all'], 2)} over all {r0['plans_all']} plans measured (goal "
+        f"{r0['spearman_goal']}); within each model: {within}. Step time: the median of each plan's timed "
+        "steps over two passes (the second in reverse order), min-max beside it; the ratio's range pairs "
+        "the extremes. Peaks: MemTracker on one "
+        "step, every rank; fits = the measured peak within the budget on every rank; the goal for the auto "
+        f"choice: a median ratio to the best measured of at most {r0['time_goal']}.\n\n"
+        + _table(detail_header, detail)
+    )
+
+
+def _groups_of(rows: Rows, keys: tuple[str, ...]) -> dict[tuple[str, ...], Rows]:
+    out: dict[tuple[str, ...], Rows] = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
 # ------------------------------------------------------------------------------ the questions
 
 
@@ -757,5 +810,10 @@ QUESTIONS = (
         "Offload: the optimizer step and the activations on the host, and the host kernel",
         "offload",
         (offload, offload_kernels),
+    ),
+    Question(
+        "plan='auto': the planner's choice and predicted step times against measured runs",
+        "autoplan",
+        (autoplan,),
     ),
 )

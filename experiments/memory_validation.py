@@ -4,7 +4,9 @@ For each configuration (one device, as ``Trainer(devices=1)`` runs it: without D
 with p = 2 and 4; gpipe, 1f1b, interleaved; m in {2, 4, 8}; with and without recomputation; optimizer
 state sharded or not; stages sharded with FSDP2 (2 pipeline ranks x 2 shards, and HSDP: 2 replicas x
 2 shards); fp32 and bf16-mixed; the main job's GPT through the traced split and the same
-network as an ``nn.Sequential``), the same model, seed and batch are
+network as an ``nn.Sequential``; offload of the optimizer, of FSDP2's shards and of the activations, where
+the device peak plus the host bytes are compared, host and device being one memory here), the same
+model, seed and batch are
 
 - **predicted** by ``lightning_parallel.memory`` in this process (no training), and
 - **measured** on every rank by torch's own meter, ``torch.distributed._tools.mem_tracker.MemTracker``,
@@ -12,8 +14,9 @@ network as an ``nn.Sequential``), the same model, seed and batch are
   ``Trainer`` with gloo on CPU. The tracker counts every tensor an operator creates inside it, plus
   the tensors it is told of (``track_external``): the model, its gradients, the optimizer state (for a
   sharded one, the local optimizer it wraps), the batch, the pipeline's receive buffers (allocated
-  at the first step, outside the tracked one) and FSDP2's unsharded parameters (see
-  ``_meters.fsdp_unsharded_params``; the meter is ``_meters.StepMeter``).
+  at the first step, outside the tracked one), FSDP2's unsharded parameters (see
+  ``_meters.fsdp_unsharded_params``) and an offloaded optimizer's host copies (``_meters.host_copies``);
+  the meter is ``_meters.StepMeter``.
 
 The tracker's module hooks are turned off (see ``_meters.blind_to_modules``): they refuse a module called
 once per micro-batch, as a pipeline stage is ("does not support ... multiple iterative calls", torch 2.13),
@@ -30,7 +33,7 @@ and ``memory_validation.png`` (predicted against measured) under ``--out-dir``.
 
 Usage::
 
-    python experiments/memory_validation.py            # 25 configurations, ~5-12 minutes on 2 cores
+    python experiments/memory_validation.py            # 32 configurations, ~6-12 minutes on 2 cores
     python experiments/memory_validation.py --quick    # 2 small configurations, ~1 minute
 """
 
@@ -83,12 +86,13 @@ class Case:
     seq_len: int = 64
     fsdp_shards: int = 0  # > 0: data_parallel="fsdp", the stages sharded over this many ranks (HSDP if fewer)
     tensor_parallel: int = 1  # > 1: model "seq-tp" (SequentialCharLM with separate q, k, v)
+    offload: tuple[str, ...] = ()  # on this machine host and device are one memory: their total is compared
 
     def config(self) -> ParallelPlan:
         return ParallelPlan(
             self.strategy, self.devices, self.pipeline_size, self.num_microbatches, self.schedule,
             self.stages_per_rank, activation_checkpointing=self.checkpointing, precision=self.precision,
-            **self.data_parallel(), tensor_parallel_size=self.tensor_parallel,
+            **self.data_parallel(), tensor_parallel_size=self.tensor_parallel, offload=self.offload,
         )  # fmt: skip
 
     def data_parallel(self) -> dict[str, Any]:
@@ -145,6 +149,11 @@ def cases(quick: bool) -> list[Case]:
         Case("pp 2x1 1f1b m=4 tp=2 (Sequential)", pp, 4, 2, 4, model="seq-tp", tensor_parallel=2),
         Case("pp 1x1 1f1b m=2 tp=2 (Sequential)", pp, 2, 1, 2, model="seq-tp", tensor_parallel=2),
         Case("pp 2x1 1f1b m=4 tp=2 (HF Llama)", pp, 4, 2, 4, model="hf-llama", tensor_parallel=2),
+        Case("pp 2x1 1f1b m=4 +offload opt", pp, 2, 2, 4, offload=("optimizer",)),
+        Case("pp 1x2 1f1b m=2 +zero +offload opt", pp, 2, 1, 2, sharded=True, offload=("optimizer",)),
+        Case("pp 2x1 1f1b m=4 +offload act", pp, 2, 2, 4, offload=("activations",)),
+        Case("pp 1x2 1f1b m=2 +fsdp +offload param (Sequential)", pp, 2, 1, 2, model="seq",
+             fsdp_shards=2, offload=("parameters",)),
     ]  # fmt: skip
 
 
@@ -201,6 +210,7 @@ def _strategy(case: Case) -> Any:
         pipeline_size=case.pipeline_size, num_microbatches=case.num_microbatches, schedule=case.schedule,
         stages_per_rank=case.stages_per_rank, activation_checkpointing=case.checkpointing,
         shard_optimizer_state=case.sharded, **case.data_parallel(), tensor_parallel_size=case.tensor_parallel,
+        offload=list(case.offload) or None,
     )  # fmt: skip
 
 
@@ -224,11 +234,17 @@ def rows_for(case: Case, estimate: MemoryEstimate, measured: list[dict[str, Any]
     for record in measured:
         rank = record["rank"]
         mine = estimate.ranks[rank // per_pp_rank if case.strategy == "pipeline" else 0]
+        # With offload the device peak and the host bytes are one memory here: the meter sees both. The
+        # micro-batch whose backward runs is, with its activations offloaded, its host copy itself here
+        # (unpacking to the CPU copies nothing): counted once (one stage per rank in these cases).
+        twice = mine.host // max(mine.in_flight) if "activations" in case.offload else 0
+        predicted_bytes = mine.peak + mine.host - twice
         rows.append(
             dict(
-                config=case.name, **{k: v for k, v in asdict(case).items() if k != "name"},
-                rank=rank, measured_bytes=record["measured"], predicted_bytes=mine.peak,
-                error=round(mine.peak / record["measured"] - 1, 4),
+                config=case.name, **{k: v for k, v in asdict(case).items() if k not in ("name", "offload")},
+                offload=",".join(case.offload), rank=rank, measured_bytes=record["measured"],
+                predicted_bytes=predicted_bytes, predicted_host=mine.host,
+                error=round(predicted_bytes / record["measured"] - 1, 4),
                 predicted_parameters=mine.parameters, predicted_gradients=mine.gradients,
                 predicted_optimizer=mine.optimizer, predicted_activations=mine.activations,
                 predicted_buffers=mine.buffers, predicted_gathered=mine.gathered,

@@ -1,7 +1,9 @@
 """The memory planner's logic without processes: units, probe, optimizer state, per-rank arithmetic.
 
 Covers memory/stage_costs.py (each stage's parameters, in-flight and received bytes, the too-many-stages
-error) through predict, and _table.py's format_bytes (which memory/estimate.py re-exports).
+error) through predict, techniques/offload/memory.py as the planner composes it (each rank's device and
+host bytes under offload) and
+_table.py's format_bytes (which memory/estimate.py re-exports).
 """
 
 import dataclasses
@@ -18,11 +20,19 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_parallel import PipelineStrategy, estimate_memory
 from lightning_parallel.memory.estimate import format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.memory.links import given_links
 from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
-from lightning_parallel.memory.planner import candidate_plans, fastest_fit, format_plan, rank_plans
+from lightning_parallel.memory.planner import (
+    candidate_plans,
+    fastest_fit,
+    format_plan,
+    host_per_node,
+    rank_plans,
+)
 from lightning_parallel.memory.precision import LOSS_SCALER_BYTES
 from lightning_parallel.memory.probe import probe_activations, probe_sizes
 from lightning_parallel.memory.resolve import resolve
+from lightning_parallel.memory.search import Search
 from lightning_parallel.memory.units import find_units
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.techniques.zero import shard_sizes
@@ -337,19 +347,44 @@ def test_a_pipeline_strategy_carries_its_plan():
 
 
 def test_planner_table_marks_what_fits_and_the_fastest():
-    facts = _deep_facts()
-    configs = candidate_plans(devices=4, num_blocks=8, global_batch=32)
-    assert configs[0].label() == "ddp x4"
-    assert {c.pipeline_size for c in configs} == {1, 2, 4}
-    ranked = rank_plans(facts, configs, 32)
-    assert ranked[0].plan.label() == "ddp x4"  # no bubble, no recomputation: the cost model's best
+    model = SequentialRegressor(d_in=16, hidden=64, depth=8, adam=True)
+    facts = measure_model(model, (torch.randn(32, 16), torch.randn(32, 4)), time_sizes=(2, 8))
+    search = Search(devices=4, global_batch_size=32)
+    plans = search.plans(num_blocks=8)
+    assert {c.pipeline_size for c in plans} == {1, 2, 4} and all(c.strategy == "pipeline" for c in plans)
+    ranked = rank_plans(facts, plans, search, given_links(bandwidth=10e9, latency=1e-5))
+    assert all(c.time is not None and c.time.seconds > 0 for c in ranked)
+    assert [c.seconds / c.samples for c in ranked] == sorted(c.seconds / c.samples for c in ranked)
     budget = sorted(c.peak for c in ranked)[len(ranked) // 2]
     best = fastest_fit(ranked, budget)
-    assert best is not None and best.peak <= budget
-    assert all(c.time >= best.time for c in ranked if c.peak <= budget)
+    assert best is not None and best.peak <= budget and best.runnable
+    assert all(c.seconds >= best.seconds for c in ranked if c.peak <= budget and c.runnable)
     table = format_plan(ranked, budget)
-    assert table.count("<- fastest that fits") == 1 and "no" in table and "yes" in table
+    assert table.count("<- chosen") == 1 and "no" in table and "yes" in table
     assert fastest_fit(ranked, 1) is None
+
+
+def test_offload_moves_state_or_activations_to_the_host_and_the_node_counts_its_ranks():
+    facts = _deep_facts()
+    plain = predict(facts, ParallelPlan("pipeline", 4, 2, 4))
+    optimizer = predict(facts, ParallelPlan("pipeline", 4, 2, 4, offload="optimizer"))
+    activations = predict(facts, ParallelPlan("pipeline", 4, 2, 4, offload="activations"))
+    fsdp = predict(facts, ParallelPlan("pipeline", 4, 2, 4, data_parallel="fsdp"))
+    fsdp_off = predict(facts, ParallelPlan("pipeline", 4, 2, 4, data_parallel="fsdp", offload="parameters"))
+    for p, o, a, f, fo in zip(plain.ranks, optimizer.ranks, activations.ranks, fsdp.ranks, fsdp_off.ranks):
+        assert p.host == 0 and o.optimizer == 0 and o.peak == p.peak - p.optimizer
+        # The host: a copy of the trainable parameters, the gradients and the optimizer state.
+        assert o.host == p.parameters + p.gradients + p.optimizer
+        # On the device: a micro-batch's saved tensors only while its backward runs.
+        assert a.host > 0 and a.activations <= p.activations and a.parameters == p.parameters
+        assert fo.parameters == 0 and fo.optimizer == 0 and fo.gathered == f.gathered
+        assert fo.host == f.parameters + f.optimizer + fo.gradients // 2  # the shards (2 ranks) on the host
+        assert o.total == o.peak + o.host
+    assert activations.ranks[0].activations < plain.ranks[0].activations  # (2 micro-batches in flight)
+    # 4 ranks, pp 2 x dp 2: ranks 0, 1 (stage 0) on node 0, ranks 2, 3 (stage 1) on node 1.
+    assert host_per_node(optimizer, 2) == 2 * max(r.host for r in optimizer.ranks)
+    assert host_per_node(optimizer, 4) == 2 * sum(r.host for r in optimizer.ranks)
+    assert "peak (device)" in optimizer.format_table() and "host" in optimizer.format_table()
 
 
 def test_format_bytes():

@@ -192,6 +192,7 @@ KEY_COLUMNS = {
     "offload": ["step_ms", "ratio", "host_share", "host_copies_bytes"],
     "offload_kernels": ["step_ms", "ratio"],
     "memory_validation": ["measured_bytes", "predicted_bytes", "error"],
+    "autoplan": ["predicted_ms", "measured_ms", "measured_ms_max", "measured_peak_bytes", "spearman_all"],
     "watchdog": ["step_ms", "ratio"],
     "watchdog_calls": ["call_us", "added_us"],
     "gpt_pipeline": ["samples_per_s", "step_ms", "ratio", "tied_ms", "tied_share"],

@@ -1,16 +1,21 @@
-"""``python -m lightning_parallel.memory``: will this model fit N devices, and how best?
+"""``python -m lightning_parallel.memory``: will this model fit N devices, which plan is fastest, written how?
 
     python -m lightning_parallel.memory experiments/train_charlm.py:CharLM --init dim=256 depth=8 \\
         --batch long:64 long:64 --global-batch-size 64 --devices 4 --memory 24GiB --optimizer AdamW
 
 The model is ``file.py:Class`` or ``package.module:Class`` (any callable returning an ``nn.Module``),
 built with the ``--init`` keyword arguments (on the meta device with ``--meta``, for models too large
-for this machine). ``--batch`` gives the tensors of one sample as ``dtype:shape`` (integers are
-zeros, floating tensors random), the training step sees them as a tuple; without it the module's
-``example_input_array`` is fed to ``forward`` (no loss). Prints one table of candidate configurations
-(DDP and pipeline shapes x schedules x micro-batches x recomputation x sharded optimizer state), marks
-those whose fullest rank fits ``--memory``, and names the fastest that fits (see
-:mod:`lightning_parallel.memory.planner` for the cost model).
+for this machine: then sized, not timed). ``--batch`` gives the tensors of one sample as
+``dtype:shape`` (integers are zeros, floating tensors random), the training step sees them as a tuple;
+without it the module's ``example_input_array`` is fed to ``forward`` (no loss). Prints one table of
+the ``PipelineStrategy`` plans (pipeline shapes x schedules x micro-batches x recomputation x
+data-parallel modes x offload), each rank's device peak and each node's host bytes against
+``--memory`` and ``--host-memory`` (less ``--margin``), and the predicted step time (the schedule
+simulated with each unit's forward and backward timed here, the links measured on this machine's
+loopback or given with ``--bandwidth``/``--latency``); then the fastest plan that fits, as the
+``PipelineStrategy(...)`` line to paste, and the next ones with the reason for each. The arguments
+mean what ``PipelineStrategy(plan="auto", memory=..., host_memory=..., global_batch_size=...)`` takes
+(:mod:`lightning_parallel.memory.planner`, :mod:`lightning_parallel.memory.time_model`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import argparse
 import ast
 import importlib
 import importlib.util
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,34 +31,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_parallel.memory.estimate import format_bytes
-from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.distributed.link_timing import time_copy, time_loopback
+from lightning_parallel.memory.advice import NothingFits, choose
+from lightning_parallel.memory.links import Links, given_links, links_from
 from lightning_parallel.memory.planner import (
-    SEARCHED_SCHEDULES,
-    candidate_plans,
-    fastest_fit,
+    MARGIN,
+    Budget,
+    format_choice,
     format_plan,
-    rank_plans,
-    ranked,
+    measure_for,
+    plan_search,
 )
+from lightning_parallel.memory.quantities import host_memory, parse_bytes, parse_rate, parse_seconds
+from lightning_parallel.memory.search import SEARCHED_SCHEDULES, Search
+from lightning_parallel.memory.units import find_units
 from lightning_parallel.plan.choices import PRECISIONS
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
-
-
-def parse_bytes(text: str) -> int:
-    """``"24GiB"`` -> 25769803776; ``"1.5GB"``, ``"512MiB"``, ``"1000"`` (bytes) also work.
-
-    Example::
-
-        >>> parse_bytes("2KiB")
-        2048
-    """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read the memory size {text!r}: write e.g. 24GiB, 80GB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+__all__ = ["main", "parse_bytes"]
 
 
 def load_factory(spec: str) -> Any:
@@ -141,8 +134,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--global-batch-size", type=int, default=32, help="samples per optimizer step (default 32)"
     )
+    p.add_argument("--batch-size", type=int, help="one replica's batch, as its dataloader yields it "
+                   "(default: the global batch / the replicas, no accumulation)")  # fmt: skip
     p.add_argument("--devices", type=int, required=True, help="devices in all")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over (default 1)")
     p.add_argument("--memory", required=True, help="memory per device, e.g. 24GiB, 80GB")
+    p.add_argument(
+        "--host-memory", help="host memory per node, shared by its ranks (default: this machine's)"
+    )
+    p.add_argument("--margin", type=float, default=MARGIN, help=f"safety margin (default {MARGIN})")
     p.add_argument("--precision", default="32-true", choices=list(PRECISIONS), help="(default 32-true)")
     p.add_argument("--optimizer", help="a torch.optim class, when configure_optimizers needs a Trainer")
     p.add_argument("--pipeline-sizes", type=int, nargs="*", help="pipeline sizes to try (default: divisors)")
@@ -151,12 +151,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tensor-parallel-sizes", type=int, nargs="+", default=[1],
         help="tensor-parallel sizes to try (default 1: none), e.g. 1 2 4",
     )  # fmt: skip
+    p.add_argument("--no-offload", action="store_true", help="do not try offloading to the host")
+    p.add_argument("--bandwidth", help="link bandwidth between ranks, e.g. 25GB/s (default: measured here)")
+    p.add_argument("--latency", default="0us", help="link latency with --bandwidth, e.g. 10us")
+    p.add_argument("--host-bandwidth", help="device<->host copy rate, e.g. 20GB/s (default: measured here)")
+    p.add_argument("--rows", type=int, default=25, help="table rows to print (0: all; default 25)")
     p.add_argument("--meta", action="store_true", help="build the model on the meta device (large models)")
     return p.parse_args(argv)
 
 
-def build(args: argparse.Namespace) -> tuple[nn.Module, Any, Any]:
-    """The model, the probe batch and the optimizer override from the arguments."""
+def build(args: argparse.Namespace) -> tuple[nn.Module, Any]:
+    """The model and the optimizer override from the arguments."""
     factory = load_factory(args.model)
     kwargs = parse_init(args.init)
     with torch.device("meta") if args.meta else torch.device("cpu"):
@@ -169,63 +174,87 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, Any, Any]:
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise ValueError(f"torch.optim has no optimizer {args.optimizer!r}")
         optimizer = cls(model.parameters())
+    return model, optimizer
+
+
+def probe_batch(args: argparse.Namespace, model: nn.Module, samples: int) -> Any:
+    """``samples`` samples of ``--batch`` (the largest micro-batch the plans run), or the example input."""
     if args.batch:
-        return model, make_batch(args.batch, min(4, args.global_batch_size)), optimizer
+        return make_batch(args.batch, samples)
     example = getattr(model, "example_input_array", None)
     if example is None:
         raise ValueError(f"pass --batch (one sample's tensors, e.g. long:64 long:64): {args.model} has no "
                          f"example_input_array")  # fmt: skip
-    return model, example, optimizer
+    return example
+
+
+def search_of(args: argparse.Namespace) -> tuple[Search, Budget]:
+    """The search and the budget the arguments describe (as ``PipelineStrategy(plan="auto")`` builds them)."""
+    if args.nodes < 1 or args.devices % args.nodes:
+        raise ValueError(f"--nodes ({args.nodes}) must divide --devices ({args.devices})")
+    search = Search(
+        args.devices, args.global_batch_size, args.batch_size, args.precision,
+        tuple(args.pipeline_sizes) if args.pipeline_sizes else None, tuple(args.schedules),
+        tuple(args.tensor_parallel_sizes), not args.no_offload, args.devices // args.nodes,
+    )  # fmt: skip
+    host = parse_bytes(args.host_memory) if args.host_memory else host_memory()
+    return search, Budget(parse_bytes(args.memory), host, search.node_ranks, args.margin)
+
+
+def links_of(args: argparse.Namespace) -> Links:
+    """Given (``--bandwidth``, ``--latency``, ``--host-bandwidth``) or measured on this machine."""
+    if args.bandwidth:
+        host = parse_rate(args.host_bandwidth) if args.host_bandwidth else None
+        return given_links(parse_rate(args.bandwidth), parse_seconds(args.latency), host)
+    links = links_from(time_loopback(), time_copy(1 << 24), 1 << 24, "measured on this machine's loopback")
+    if args.host_bandwidth:
+        host = given_links(parse_rate(args.host_bandwidth)).host
+        links = Links(links.p2p, links.collective, host, links.source)
+    return links
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        budget = parse_bytes(args.memory)
-        model, batch, optimizer = build(args)
-        step = None if args.batch else (lambda module, b: module(b))
-        candidates, facts = [], None
-        for tp in args.tensor_parallel_sizes:
-            # Each tensor-parallel size is measured on one tp rank's local model (memory/tensor_parallel).
-            found = measure_model(model, batch, args.precision, optimizer, tensor_parallel_size=tp,
-                                  **({"step": step} if step else {}))  # fmt: skip
-            facts = facts or found
-            configs = candidate_plans(
-                args.devices,
-                len(found.layout.blocks()),
-                args.global_batch_size,
-                args.precision,
-                args.pipeline_sizes,
-                tuple(args.schedules),
-                fsdp=found.layout.kind == "sequential",  # FSDP2 shards the stages of a split Sequential
-                tensor_parallel_size=tp,
-            )
-            candidates += rank_plans(found, configs, args.global_batch_size)
-        assert facts is not None
-        blocks = len(facts.layout.blocks())
-        if not candidates:
-            raise ValueError(f"no configuration divides the global batch ({args.global_batch_size}) evenly "
-                             f"over {args.devices} devices: use a multiple of {args.devices}")  # fmt: skip
-        candidates = ranked(candidates)
+        search, budget = search_of(args)
+        model, optimizer = build(args)
+        blocks = len(find_units(model).blocks())
+        batch = probe_batch(args, model, search.micro_batch_sizes(blocks)[1])
+        step = {} if args.batch else {"step": lambda module, b: module(b)}
+        facts = measure_for(model, batch, search, optimizer, **step)
+        links = links_of(args)
+        candidates = plan_search(facts, search, links)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    params = sum(t.numel for t in facts.tensors.values())
+    first = facts[search.tensor_parallel_sizes[0]]
+    params = sum(t.numel for t in first.tensors.values())
     print(
-        f"{args.model}: {params:,} parameters, {blocks} pipeline units ({facts.layout.kind} "
-        f"`{facts.layout.container}`); global batch {args.global_batch_size}, {args.devices} devices, "
-        f"{args.precision}, budget {format_bytes(budget)} per device\n"
+        f"{args.model}: {params:,} parameters, {blocks} pipeline units ({first.layout.kind} "
+        f"`{first.layout.container}`); global batch {args.global_batch_size}, {args.devices} devices, "
+        f"{args.precision}; budget {budget.describe()}"
     )
-    print(format_plan(candidates, budget))
-    best = fastest_fit(candidates, budget)
-    if best is None:
-        smallest = min(candidates, key=lambda c: c.peak)
-        print(f"\nnothing fits {format_bytes(budget)}: the smallest peak is {format_bytes(smallest.peak)} "
-              f"({smallest.plan.label()}); add devices, use bf16 or fp16, or shrink the batch")  # fmt: skip
+    print(_timing_line(first, links) + "\n")
+    shown = candidates if args.rows <= 0 else candidates[: args.rows]
+    print(format_plan(shown, budget))
+    if len(shown) < len(candidates):
+        print(f"... and {len(candidates) - len(shown)} more (--rows 0 shows all)")
+    try:
+        best = choose(facts, search, budget, links, candidates)
+    except NothingFits as err:
+        print(f"\n{err}")
         return 1
-    print(f"\nfastest that fits {format_bytes(budget)}: {best.plan.label()} (est. time {best.time:.2f})")
+    print("\n" + format_choice(candidates, budget))
     print(best.estimate.format_table())
     return 0
+
+
+def _timing_line(facts: Any, links: Links) -> str:
+    if facts.times is None:
+        return "not timed (a model on the meta device): plans ranked by their peak"
+    small, large = facts.times.sizes[0], facts.times.sizes[-1]
+    where = f"units timed here ({facts.times.device}) at micro-batches of {small} and {large}"
+    return f"step times: {where}; {links.describe()}"
 
 
 if __name__ == "__main__":

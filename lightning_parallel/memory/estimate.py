@@ -50,6 +50,7 @@ from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.techniques import fsdp, zero
 from lightning_parallel.techniques.compile import MEMORY_NOTE
+from lightning_parallel.techniques.offload import memory as offload
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 GATHERED = "gathered"  # FSDP2's unsharded stage parameters, a column only where a rank has them
@@ -61,6 +62,8 @@ class RankMemory:
 
     ``activations`` includes the backward transient; ``buffers``: communication buffers and kept outputs;
     ``gathered``: an FSDP2 stage's all-gathered parameters (``parameters`` is then the rank's shard).
+    ``peak`` is the device's; ``host``: what the plan's offload keeps in host memory for this rank
+    (``techniques/offload/memory.py``), apart from it.
     """
 
     rank: int
@@ -72,6 +75,12 @@ class RankMemory:
     buffers: int
     in_flight: tuple[int, ...]
     gathered: int = 0
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        """Device and host together (one memory on a machine without an accelerator)."""
+        return self.peak + self.host
 
     @property
     def peak(self) -> int:
@@ -106,12 +115,20 @@ class MemoryEstimate:
     def peak(self) -> int:
         return self.worst.peak
 
+    @property
+    def host(self) -> int:
+        """The most host bytes any one rank's offload keeps."""
+        return max((r.host for r in self.ranks), default=0)
+
     def format_table(self) -> str:
         components = [*COMPONENTS, *([GATHERED] if any(r.gathered for r in self.ranks) else [])]
-        headers = ["rank", "stages", "in flight", *components, "peak"]
+        hosted = any(r.host for r in self.ranks)
+        headers = ["rank", "stages", "in flight", *components, "peak" + (" (device)" if hosted else "")]
+        headers += ["host"] if hosted else []
         rows = [
             [str(r.rank), ",".join(map(str, r.stages)), ",".join(map(str, r.in_flight)),
-             *(format_bytes(getattr(r, c)) for c in components), format_bytes(r.peak)]
+             *(format_bytes(getattr(r, c)) for c in components), format_bytes(r.peak),
+             *([format_bytes(r.host)] if hosted else [])]
             for r in self.ranks
         ]  # fmt: skip
         table = f"{self.plan.label()} ({self.plan.precision})\n" + format_table(headers, rows, align=">")
@@ -218,23 +235,60 @@ def _pipeline_rank(facts: ModelFacts, costs: list[StageCosts], config: ParallelP
     actions = rank_actions(
         config.schedule, config.pipeline_size, config.stages_per_rank, config.num_microbatches
     )
+    in_flight = peak_in_flight(actions[rank])
+    moved_parameters, moved_state, host = _offloaded(facts, params, config, p_bytes, state)
+    if "activations" in config.offload:
+        local, host_activations = _activations_on_host(local, in_flight)
+        host += host_activations
     # The previous step's gradients are released before the schedule (Lightning zeroes them after
     # training_step anyway): the new ones grow during backward. Inside an accumulation window the
     # schedule adds into the window's gradients, which are there from the start.
     accumulating = config.accumulate_grad_batches > 1
     walk = _walk(actions[rank], {c.index: c for c in local}, 0 if accumulating else g_bytes)
-    in_flight = peak_in_flight(actions[rank])
     return RankMemory(
         rank,
         tuple(c.index for c in local),
-        p_bytes,
+        p_bytes - moved_parameters,
         g_bytes if accumulating else walk.new_grads,
-        state,
+        state - moved_state,
         walk.activations,
         buffers + walk.kept,
         tuple(in_flight.get(c.index, 0) for c in local),
         gathered,
+        host,
     )
+
+
+def _offloaded(
+    facts: ModelFacts, keys: list[int], config: ParallelPlan, p_bytes: int, state: int
+) -> tuple[int, int, int]:
+    """``(parameter bytes, optimizer bytes)`` the offload moves off this rank's device, and the host's
+    bytes, as the offload technique says (``techniques/offload/memory.py``; activations apart)."""
+    hosted = tuple(t for t in config.offload if t != "activations")
+    if not hosted:
+        return 0, 0, 0
+    trainable = sum(facts.tensors[k].nbytes for k in keys if facts.tensors[k].grad)
+    grads = [(facts.tensors[k].rows, facts.tensors[k].grad) for k in keys]
+    if "parameters" in hosted:  # FSDP2's CPUOffloadPolicy: p_bytes and state are the rank's shards
+        shard = fsdp.memory(grads, config.shard_size).shard
+        placed = offload.memory(hosted, parameters=p_bytes, gradients=shard, optimizer=state,
+                                trainable=trainable, activations=0, in_flight=0)  # fmt: skip
+        return p_bytes, state, placed.host
+    whole = facts.state_of(keys) + LOSS_SCALER_BYTES.get(config.precision, 0)
+    share = round(trainable * state / whole) if whole else trainable  # ZeRO-1 steps its shard
+    placed = offload.memory(hosted, parameters=p_bytes, gradients=sum(g for _, g in grads), optimizer=state,
+                            trainable=share, activations=0, in_flight=0)  # fmt: skip
+    return 0, state, placed.host
+
+
+def _activations_on_host(stages: list[StageCosts], in_flight: dict[int, int]) -> tuple[list[StageCosts], int]:
+    """``"activations"``: the stages as the device sees them (a micro-batch's saved tensors only during
+    its backward, a transient) and the host's bytes (each stage's micro-batches in flight at their most),
+    as ``techniques/offload/memory.py`` moves them."""
+    host = sum(c.per_microbatch * in_flight.get(c.index, 0) for c in stages)
+    device = [replace(c, per_microbatch=0, backward_transient=c.backward_transient + c.per_microbatch)
+              for c in stages]  # fmt: skip
+    return device, host
 
 
 @dataclass

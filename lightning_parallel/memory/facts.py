@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.utils._pytree import tree_leaves
 
 from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
@@ -22,6 +23,7 @@ from lightning_parallel.memory.probe import (
     probe_activations,
     probe_sizes,
 )
+from lightning_parallel.memory.time_probe import TimeFacts, measure_times
 from lightning_parallel.memory.units import UnitLayout, find_units, order_extras
 from lightning_parallel.sources.sequential.split import find_sequential
 from lightning_parallel.techniques.fsdp import shard_rows
@@ -67,6 +69,8 @@ class ModelFacts:
     tensor_parallel_size: int = (
         1  # measured on one tensor-parallel rank's local model (memory.tensor_parallel)
     )
+    times: TimeFacts | None = None  # each unit's forward and backward seconds (the time model's)
+    tp_reduces: dict[str, int] = field(default_factory=dict)  # unit -> all-reduces per pass under tp
 
     def state_of(self, keys: list[int], shards: int = 1) -> int:
         """Optimizer state of ``keys``; with ``shards``, of the fullest FSDP2 shard of each (per-tensor
@@ -86,12 +90,16 @@ def measure_model(
     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     step: StepFn = default_step,
     tensor_parallel_size: int = 1,
+    time_sizes: tuple[int, ...] | None = None,
 ) -> ModelFacts:
     """Find the units, run the probe forwards, and size parameters, gradients and optimizer state.
 
     With ``tensor_parallel_size`` > 1, of one tensor-parallel rank's local model
     (:func:`~lightning_parallel.techniques.tensor_parallel.memory.local_model`); the optimizer is then
-    built anew over its parameters, of the given optimizer's class and defaults.
+    built anew over its parameters, of the given optimizer's class and defaults. With ``time_sizes``
+    (two micro-batch sizes, at most the batch's), each unit's forward and backward are also timed at
+    those sizes (:func:`~lightning_parallel.memory.time_probe.measure_times`, the time model's facts);
+    a model on the meta device cannot be timed (``times`` stays ``None``).
 
     Raises:
         ValueError: unknown precision; a batch the model rejects; no optimizer to size.
@@ -104,9 +112,12 @@ def measure_model(
         raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISION_DTYPES)}")
     param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
     optimizers = _optimizers(module, optimizer)
+    reduces: dict[str, int] = {}
     if tensor_parallel_size > 1:
-        module = local_model(module, planned_tensors(module, tensor_parallel_size), tensor_parallel_size)
+        tensor_plan = planned_tensors(module, tensor_parallel_size)
+        module = local_model(module, tensor_plan, tensor_parallel_size)
         optimizers = [_rebuilt(o, module) for o in optimizers]
+        reduces = _row_splits(tensor_plan, find_units(module))
     layout = find_units(module)
     samples = _samples(batch)
     probed = module if param_dtype is None else _converted(module, param_dtype)
@@ -117,9 +128,29 @@ def measure_model(
     tensors, groups = _tensors(module, optimizers, sizes, param_dtype)
     unit_params = {u.name: [id(p) for p in u.module.parameters()] for u in layout.units}
     loose = [id(p) for p in layout.loose]
+    times = None
+    if time_sizes and not any(p.is_meta for p in probed.parameters()):
+        times = measure_times(
+            probed, probe_layout, batch, time_sizes, optimizers, step, autocast_dtype=autocast_dtype
+        )
     return ModelFacts(
-        layout, probe, samples, precision, tensors, unit_params, loose, groups, tensor_parallel_size
-    )
+        layout, probe, samples, precision, tensors, unit_params, loose, groups, tensor_parallel_size,
+        times, reduces,
+    )  # fmt: skip
+
+
+def _row_splits(plan: TensorPlan, layout: UnitLayout) -> dict[str, int]:
+    """Per unit, its row-wise split layers: one activation all-reduce each in forward (and in backward)."""
+    out = {}
+    for unit in layout.units:
+        rows = [
+            p
+            for p, style in plan.styles.items()
+            if p.startswith(unit.name + ".") and isinstance(style, RowwiseParallel)
+        ]
+        if rows:
+            out[unit.name] = len(rows)
+    return out
 
 
 def _optimizers(module: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer]:

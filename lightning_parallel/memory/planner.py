@@ -1,59 +1,247 @@
 """Which configurations fit a memory budget on N devices, and which of those is fastest.
 
-Every candidate (DDP, and each pipeline shape x schedule x micro-batches x recomputation x sharded
-optimizer state) is sized by :func:`~lightning_parallel.memory.estimate.predict` from one measurement
-of the model. They are ranked by a simple cost model, the estimated step time relative to perfect
-scaling (1.0 = N devices each doing 1/N of the work, no waiting):
-
-    time = imbalance / (1 - bubble) x (1 + recompute / 3) x (1 + 0.01 (v m - 1)) x (1.02 if sharded)
-
-- ``bubble`` = (p - 1) / (v m + p - 1): the idle share of a pipeline of p ranks, m micro-batches,
-  v stages per rank (0 for DDP);
-- ``imbalance`` = the slowest stage's work / the mean stage's work, work measured by the bytes a
-  stage saves per micro-batch (a proxy for its FLOPs; 1 for DDP);
-- ``recompute``: the share of that work whose forward runs twice (a forward is ~1/3 of forward +
-  backward);
-- each micro-batch beyond the first costs 1% (Python and kernel launches per micro-batch and stage;
-  ``bench_pipeline.py`` measured about 1.5% per micro-batch for one process on CPU);
-- a sharded optimizer state broadcasts each updated parameter once per step: a flat 2%; FSDP2 stages
-  (their parameters, gradients and optimizer state sharded) all-gather each stage once per step and
-  reduce-scatter its gradients: a flat 3%;
-- tensor parallelism over t ranks all-reduces each block's activations twice per direction, on the
-  critical path: a flat 10% (a guess for fast links within a node; ``bench_tensor_parallel.py`` measured
-  1.7-1.9x the step on 2 CPU cores with gloo, where nothing is fast).
-
-Ties go to DDP (Lightning's own strategy, whose all-reduce overlaps the backward), then to the
-smaller peak. Communication (DDP's all-reduce of every gradient against a pipeline's activations) is
-not modelled; the ranking is a first guess to try, the memory column is the prediction.
+Every plan of a :class:`~lightning_parallel.memory.search.Search` is sized by
+:func:`~lightning_parallel.memory.estimate.predict` (each rank's device peak, and what its offload
+keeps on the host) and timed by :func:`~lightning_parallel.memory.time_model.step_time` (the schedule
+simulated with the unit times measured on this machine, the collectives and copies from the links),
+from one measurement of the model. A plan **fits** when its fullest rank's device peak is within the
+device budget less a safety margin (:data:`MARGIN`), and the host bytes of the ranks of one node
+(they share its memory) are within the host budget less the same margin. The chosen plan is the one
+that fits with the least time per sample (ties: the smaller peak).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
 
 from lightning_parallel._table import format_table
 from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
-from lightning_parallel.memory.facts import ModelFacts
-from lightning_parallel.memory.stage_costs import stage_costs
+from lightning_parallel.memory.facts import ModelFacts, measure_model
+from lightning_parallel.memory.links import Links
+from lightning_parallel.memory.probe import StepFn, default_step
+from lightning_parallel.memory.search import SEARCHED_SCHEDULES, Search
+from lightning_parallel.memory.time_model import StepTime, step_time
+from lightning_parallel.memory.units import find_units
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 
-SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-"""The schedules the search tries (the zero-bubble ones are run by hand: their memory is modelled too)."""
+MARGIN = 0.10
+"""The safety margin: a plan fits when its predicted peak is at most 90% of the budget (the memory
+model is validated within 15% of torch's meter, mostly within 5%; allocators round up)."""
+
+OFFLOAD_RUNTIME = importlib.util.find_spec("lightning_parallel.techniques.offload") is not None
+"""Whether ``PipelineStrategy(offload=...)`` can run here; until it can, offload rows are sized and
+timed but never chosen."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes per device and per node's host (``None``: not checked), and the safety margin.
+
+    Example::
+
+        Budget(24 * 2**30, host=512 * 2**30, ranks_per_node=8).fits(candidate)
+    """
+
+    device: int
+    host: int | None = None
+    ranks_per_node: int = 1
+    margin: float = MARGIN
+
+    def __post_init__(self) -> None:
+        if self.device <= 0 or (self.host is not None and self.host <= 0) or not 0 <= self.margin < 1:
+            raise ValueError(
+                f"a budget needs positive bytes and a margin in [0, 1), got device={self.device}, "
+                f"host={self.host}, margin={self.margin}"
+            )
+
+    @property
+    def usable(self) -> int:
+        return int(self.device * (1 - self.margin))
+
+    @property
+    def usable_host(self) -> int | None:
+        return None if self.host is None else int(self.host * (1 - self.margin))
+
+    def fits(self, c: Candidate) -> bool:
+        host = self.usable_host
+        return c.peak <= self.usable and (host is None or c.host_per_node <= host)
+
+    def describe(self) -> str:
+        host = f", host {format_bytes(self.host)} per node of {self.ranks_per_node}" if self.host else ""
+        return f"{format_bytes(self.device)} per device{host} (margin {self.margin:.0%})"
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One sized configuration: its estimate, the per-replica batch, and the cost model's time."""
+    """One sized (and timed) plan: its estimate, its batches, its predicted step."""
 
     plan: ParallelPlan
     estimate: MemoryEstimate
-    batch: int
-    time: float
-    bubble: float
+    batch: int  # one replica's batch
+    accumulate: int  # batches per optimizer step
+    host_per_node: int
+    time: StepTime | None = None
 
     @property
     def peak(self) -> int:
         return self.estimate.peak
+
+    @property
+    def samples(self) -> int:
+        """Samples per optimizer step, over every replica."""
+        return self.batch * self.accumulate * self.plan.data_parallel_size
+
+    @property
+    def seconds(self) -> float:
+        return self.time.seconds if self.time is not None else float("nan")
+
+    @property
+    def runnable(self) -> bool:
+        return OFFLOAD_RUNTIME or not self.plan.offload
+
+    def reason(self) -> str:
+        """Peak device and host bytes, and where the time goes."""
+        host = f", host {format_bytes(self.host_per_node)} per node" if self.host_per_node else ""
+        timed = f", {self.time.describe()}" if self.time is not None else ""
+        return f"device peak {format_bytes(self.peak)}{host}{timed}"
+
+
+def rank_plans(
+    facts: ModelFacts, plans: list[ParallelPlan], search: Search, links: Links | None = None
+) -> list[Candidate]:
+    """Size (and, with ``links`` and timed facts, time) ``plans``; fastest first (see :func:`ranked`).
+
+    Example::
+
+        search = Search(devices=4, global_batch_size=32)
+        ranked = rank_plans(facts, search.plans(8), search, links)
+    """
+    out = []
+    for plan in plans:
+        found = search.batches(plan)
+        if found is None:
+            continue
+        batch, accumulate = found
+        plan = replace(plan, accumulate_grad_batches=accumulate)
+        estimate = predict(facts, plan, samples=batch)
+        timed = None
+        if links is not None and facts.times is not None and plan.strategy == "pipeline":
+            timed = step_time(facts, links, plan, batch, accumulate)
+        out.append(
+            Candidate(plan, estimate, batch, accumulate, host_per_node(estimate, search.node_ranks), timed)
+        )
+    return ranked(out)
+
+
+def ranked(candidates: list[Candidate]) -> list[Candidate]:
+    """Least predicted time per sample first (untimed ones by peak); ties to the smaller peak."""
+    return sorted(
+        candidates,
+        key=lambda c: (c.time is None, c.seconds / c.samples if c.time else 0.0, c.peak, c.plan.label()),
+    )
+
+
+def host_per_node(estimate: MemoryEstimate, ranks_per_node: int) -> int:
+    """The host bytes of the fullest node: the ranks of one node share its memory.
+
+    Global ranks fill the nodes in order (``ranks_per_node`` each); a rank holds its pipeline rank's
+    offloaded bytes (:class:`~lightning_parallel.plan.layout.RankLayout` places pipeline ranks outermost).
+    """
+    plan = estimate.plan
+    if plan.strategy != "pipeline" or not any(r.host for r in estimate.ranks):
+        return estimate.ranks[0].host if plan.strategy != "pipeline" else 0
+    layout = plan.layout()
+    nodes: dict[int, int] = {}
+    for g in range(plan.world):
+        pp_rank = layout.coordinates(g)[0]
+        nodes[g // ranks_per_node] = nodes.get(g // ranks_per_node, 0) + estimate.ranks[pp_rank].host
+    return max(nodes.values())
+
+
+def fastest_fit(candidates: list[Candidate], budget: Budget | int) -> Candidate | None:
+    """The first (fastest) runnable candidate that fits ``budget`` (bytes per device, no margin), or None."""
+    budget = budget if isinstance(budget, Budget) else Budget(budget, margin=0.0)
+    return next((c for c in candidates if c.runnable and budget.fits(c)), None)
+
+
+def format_plan(candidates: list[Candidate], budget: Budget | int) -> str:
+    """The table: one row per candidate, ``fits`` against ``budget``, the chosen one marked ``<-``."""
+    budget = budget if isinstance(budget, Budget) else Budget(budget, margin=0.0)
+    best = fastest_fit(candidates, budget)
+    headers = ["configuration", "batch/replica", "micro-batch", "device peak", "host/node", "fits", "step",
+               "bubble", ""]  # fmt: skip
+    rows = []
+    for c in candidates:
+        mb = c.batch // c.plan.num_microbatches
+        batch = f"{c.batch}" + (f" x{c.accumulate}" if c.accumulate > 1 else "")
+        mark = "<- chosen" if c is best else ("(offload runtime pending)" if not c.runnable else "")
+        step = f"{c.seconds * 1e3:.1f} ms" if c.time else "-"
+        bubble = f"{c.time.bubble:.2f}" if c.time else "-"
+        rows.append([c.plan.label(), batch, str(mb), format_bytes(c.peak), format_bytes(c.host_per_node),
+                     "yes" if budget.fits(c) else "no", step, bubble, mark])  # fmt: skip
+    return format_table(headers, rows)
+
+
+def format_choice(candidates: list[Candidate], budget: Budget, others: int = 3) -> str:
+    """The chosen plan, its ``PipelineStrategy(...)`` line, and the next ``others`` that fit, with why."""
+    fits = [c for c in candidates if c.runnable and budget.fits(c)]
+    if not fits:
+        return ""
+    best = fits[0]
+    lines = [f"chosen: {best.plan.label()} ({_seconds(best)}; {best.reason()})", f"    {best.plan.code()}"]
+    for c in fits[1 : 1 + others]:
+        slower = f"{c.seconds / best.seconds:.2f}x the time" if c.time and best.time else "untimed"
+        lines.append(f"  then: {c.plan.label()} ({slower}; {c.reason()})")
+    return "\n".join(lines)
+
+
+def _seconds(c: Candidate) -> str:
+    return f"{c.seconds * 1e3:.1f} ms per step" if c.time else "not timed"
+
+
+def measure_for(
+    module: nn.Module,
+    batch: Any,
+    search: Search,
+    optimizer: Any = None,
+    step: StepFn = default_step,
+) -> dict[int, ModelFacts]:
+    """The model measured for ``search``: at each tensor-parallel size, with its units timed at the
+    search's smallest and largest micro-batch (``batch`` holds at least the largest).
+
+    Example::
+
+        facts = measure_for(model, batch, Search(devices=2, global_batch_size=16))
+    """
+    blocks = len(find_units(module).blocks())
+    sizes = search.micro_batch_sizes(blocks)
+    return {
+        tp: measure_model(module, batch, search.precision, optimizer, step, tp, time_sizes=sizes)
+        for tp in search.tensor_parallel_sizes
+    }
+
+
+def plan_search(
+    facts: Mapping[int, ModelFacts], search: Search, links: Links | None = None
+) -> list[Candidate]:
+    """Every plan of ``search``, sized and timed with the facts measured at each tensor-parallel size.
+
+    Example::
+
+        facts = {1: measure_model(model, batch, time_sizes=(2, 8))}
+        candidates = plan_search(facts, Search(devices=2, global_batch_size=16), links)
+    """
+    out: list[Candidate] = []
+    for tp in search.tensor_parallel_sizes:
+        f = facts[tp]
+        sequential = f.layout.kind == "sequential"  # FSDP2 shards the stages of a split Sequential
+        out += rank_plans(f, search.plans(len(f.layout.blocks()), tp, fsdp=sequential), search, links)
+    return ranked(out)
 
 
 def candidate_plans(
@@ -66,131 +254,15 @@ def candidate_plans(
     fsdp: bool = False,
     tensor_parallel_size: int = 1,
 ) -> list[ParallelPlan]:
-    """DDP and every pipeline shape the model and batch allow, with and without each memory option.
-
-    Micro-batches m in {p, 2p, 4p} (1, 2, 4 for p = 1) that divide the per-replica batch. With
-    several replicas, the stages' data parallelism: plain replicas, ZeRO-1, and with ``fsdp`` (a
-    model split as an ``nn.Sequential``, whose stages FSDP2 can shard) FSDP2 over all replicas. With
-    ``tensor_parallel_size`` t > 1, pipelines of ``devices / t`` ranks whose stages are split over t
-    (no DDP, no ZeRO-1: it does not take split weights).
-
-    Raises:
-        ValueError: a requested pipeline size does not divide ``devices`` or exceeds the blocks.
+    """Lightning's DDP (or one device) and the :class:`Search`'s plans without offload: a memory-only listing.
 
     Example::
 
         candidate_plans(devices=4, num_blocks=10, global_batch=32)
     """
-    tp = tensor_parallel_size
-    if tp < 1 or devices % tp:
-        raise ValueError(f"tensor-parallel size {tp} does not divide the devices ({devices})")
-    ranks = devices // tp  # the pipeline x data-parallel ranks of one tensor-parallel coordinate
-    sizes = pipeline_sizes or [p for p in range(1, ranks + 1) if ranks % p == 0]
-    if pipeline_sizes and tp > 1:
-        sizes = [p for p in sizes if ranks % p == 0]  # the others are tried at tp = 1
-    for p in sizes:
-        if ranks % p or p > num_blocks:
-            raise ValueError(
-                f"pipeline size {p} does not fit: it must divide the devices ({devices}) and be at most "
-                f"the number of blocks ({num_blocks})"
-            )
+    search = Search(devices, global_batch, None, precision, tuple(pipeline_sizes or ()) or None, schedules,
+                    offload=False)  # fmt: skip
     whole = "single_device" if devices == 1 else "ddp"
-    ddp = global_batch % devices == 0 and tp == 1
+    ddp = global_batch % devices == 0 and tensor_parallel_size == 1
     out = [ParallelPlan(whole, devices, precision=precision)] if ddp else []
-    for p in sizes:
-        dp = ranks // p
-        if global_batch % dp:
-            continue
-        per_replica = global_batch // dp
-        for schedule, v in _schedules(p, num_blocks, schedules):
-            for m in _microbatches(p, per_replica):
-                for ac in (False, True):
-                    modes = ("replicate", *(["zero1"] if tp == 1 else []), *(["fsdp"] if fsdp else []))
-                    for mode in modes if dp > 1 else ("replicate",):
-                        out.append(
-                            ParallelPlan(
-                                "pipeline", devices, p, m, schedule, v, activation_checkpointing=ac,
-                                precision=precision, data_parallel=mode, tensor_parallel_size=tp,
-                            )
-                        )  # fmt: skip
-    return out
-
-
-def rank_plans(facts: ModelFacts, configs: list[ParallelPlan], global_batch: int) -> list[Candidate]:
-    """Size and rank ``configs`` (fastest first by the cost model).
-
-    Example::
-
-        ranked = rank_plans(measure_model(model, batch), candidate_plans(4, 10, 32), 32)
-    """
-    out = []
-    for config in configs:
-        batch = global_batch // config.data_parallel_size
-        estimate = predict(facts, config, samples=batch)
-        bubble, time = _time(facts, config, batch)
-        out.append(Candidate(config, estimate, batch, time, bubble))
-    return ranked(out)
-
-
-def ranked(candidates: list[Candidate]) -> list[Candidate]:
-    """Fastest first by the cost model; ties to DDP, then to the smaller peak (several plans merged)."""
-    return sorted(candidates, key=lambda c: (round(c.time, 6), c.plan.strategy == "pipeline", c.peak))
-
-
-def fastest_fit(candidates: list[Candidate], budget: int) -> Candidate | None:
-    """The first (fastest) candidate whose worst rank fits ``budget`` bytes, or None."""
-    return next((c for c in candidates if c.peak <= budget), None)
-
-
-def format_plan(candidates: list[Candidate], budget: int) -> str:
-    """The table: one row per candidate, ``fits`` against ``budget``, the fastest fit marked ``<-``."""
-    best = fastest_fit(candidates, budget)
-    headers = [
-        "configuration",
-        "batch/replica",
-        "micro-batch",
-        "peak (worst rank)",
-        "fits",
-        "bubble",
-        "est. time",
-        "",
-    ]
-    rows = []
-    for c in candidates:
-        mb = c.batch // c.plan.num_microbatches if c.plan.strategy == "pipeline" else c.batch
-        fits = "yes" if c.peak <= budget else "no"
-        mark = "<- fastest that fits" if c is best else ""
-        rows.append([c.plan.label(), str(c.batch), str(mb), format_bytes(c.peak), fits, f"{c.bubble:.2f}",
-                     f"{c.time:.2f}", mark])  # fmt: skip
-    return format_table(headers, rows)
-
-
-def _schedules(p: int, num_blocks: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
-    if p == 1:
-        return [("1f1b", 1)]
-    out = [(s, 1) for s in schedules if s in ("gpipe", "1f1b")]
-    if "interleaved_1f1b" in schedules and 2 * p <= num_blocks:
-        out.append(("interleaved_1f1b", 2))
-    return out
-
-
-def _microbatches(p: int, per_replica: int) -> list[int]:
-    wanted = (1, 2, 4) if p == 1 else (p, 2 * p, 4 * p)
-    return [m for m in wanted if m <= per_replica and per_replica % m == 0]
-
-
-def _time(facts: ModelFacts, config: ParallelPlan, batch: int) -> tuple[float, float]:
-    if config.strategy != "pipeline":
-        return 0.0, 1.0
-    p, v, m = config.pipeline_size, config.stages_per_rank, config.num_microbatches
-    bubble = (p - 1) / (v * m + p - 1)
-    costs = stage_costs(facts, config, samples=batch)
-    work = [c.work for c in costs]
-    per_rank = [sum(w for c, w in zip(costs, work) if c.index % p == r) for r in range(p)]
-    imbalance = max(per_rank) / (sum(per_rank) / p) if sum(per_rank) else 1.0
-    recomputed = sum(c.recomputed_work for c in costs) / max(sum(work), 1)
-    overhead = 1 + 0.01 * (v * m - 1)
-    time = imbalance / (1 - bubble) * (1 + recomputed / 3) * overhead
-    time *= {"zero1": 1.02, "fsdp": 1.03}.get(config.data_parallel, 1.0)
-    time *= 1.10 if config.tensor_parallel_size > 1 else 1.0
-    return bubble, time
+    return out + search.plans(num_blocks, tensor_parallel_size, fsdp)

@@ -9,6 +9,8 @@ The memory planner walks these lists to know how many micro-batches each stage k
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -42,20 +44,33 @@ def rank_actions(
         >>> [a.kind for a in rank_actions("gpipe", 2, 1, 2)[0]]
         ['F', 'F', 'B', 'B']
     """
+    return [list(actions) for actions in _rank_actions(schedule, pp_size, stages_per_rank, num_microbatches)]
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_actions(
+    schedule: str, pp_size: int, stages_per_rank: int, num_microbatches: int
+) -> tuple[tuple[Action, ...], ...]:
+    """:func:`rank_actions`, built once per schedule shape (the planner asks for each many times)."""
     cls = schedule_class(schedule)
     if not is_multi_stage(cls) and num_microbatches < pp_size and cls is not ScheduleGPipe:
         cls = ScheduleGPipe
     order = _pipeline_order(cls, pp_size, stages_per_rank, num_microbatches)
     out = []
     for rank in range(pp_size):
-        actions = []
+        actions, count = [], Counter()
         for a in order[rank]:
             kind = getattr(a, "computation_type", None)
             kind = _KIND.get(str(getattr(kind, "value", kind)), "")
             if a is not None and kind in COMPUTE:
-                actions.append(Action(kind, int(a.stage_index), int(a.microbatch_index or 0)))
-        out.append(actions)
-    return out
+                # Each stage runs its micro-batches in order, as the runtime does; the k-th action of a
+                # kind is micro-batch k (torch 2.13's Schedule1F1B order numbers the last rank's
+                # forwards from 1: its runtime does not, so the index is not read from the order).
+                stage = int(a.stage_index)
+                count[(kind, stage)] += 1
+                actions.append(Action(kind, stage, count[(kind, stage)] - 1))
+        out.append(tuple(actions))
+    return tuple(out)
 
 
 def peak_in_flight(actions: list[Action]) -> dict[int, int]:

@@ -56,12 +56,13 @@ def stage_costs(facts: ModelFacts, config: ParallelPlan, samples: int | None = N
         )
     counts = partition(facts.layout, n_stages, config.partition)
     per_stage = facts.layout.stage_units(counts)
-    chosen = set(_recomputed(facts, config))
+    chosen = set(recomputed_units(facts, config))
     mb = (samples or facts.samples) / config.num_microbatches
     return [_one(facts, s, units, chosen, mb, config) for s, units in enumerate(per_stage)]
 
 
-def _recomputed(facts: ModelFacts, config: ParallelPlan) -> list[str]:
+def recomputed_units(facts: ModelFacts, config: ParallelPlan) -> list[str]:
+    """The units ``config``'s ``activation_checkpointing`` recomputes, as the strategy selects them."""
     units = [(u.name, u.module) for u in facts.layout.units]
     blocks = [(u.name, u.module) for u in facts.layout.blocks()] if facts.layout.kind == "blocks" else units
     return recompute.selected(units, blocks, config.activation_checkpointing)

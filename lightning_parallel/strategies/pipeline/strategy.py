@@ -28,13 +28,14 @@ from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, check_grace
 from lightning_parallel.grads.item_weights import ItemCount
 from lightning_parallel.grads.sync import GradientSync
-from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh
+from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.microbatches import check_feeds
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.plan.checks import Selection
 from lightning_parallel.plan.layout import RankLayout
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
+from lightning_parallel.strategies.pipeline import autoplan
 from lightning_parallel.strategies.pipeline import setup as pipeline_setup
 from lightning_parallel.strategies.pipeline.build import PipelineParts
 from lightning_parallel.strategies.pipeline.checkpointing import PipelineCheckpointHooks
@@ -140,12 +141,14 @@ class PipelineStrategy(
         compile: bool | dict[str, Any] = False,
         offload: str | list[str] | None = None,
         offload_pin_memory: bool | None = None,
+        plan: Literal["auto"] | None = None,
+        memory: str | int | None = None,
+        host_memory: str | int | None = None,
+        global_batch_size: int | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         stop_grace_period: float | timedelta = DEFAULT_GRACE,
         timeout: timedelta | None = default_pg_timeout,
         num_stages: int | None = None,
-        # DDPStrategy's arguments that this strategy honours; the others (comm hooks, model averaging,
-        # DistributedDataParallel's kwargs) act on the DDP wrapper, which it never builds.
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -168,6 +171,7 @@ class PipelineStrategy(
         self.parallel_plan = plan_from_options(
             {name: arguments[name] for name in (*PLAN_OPTIONS, *OLDER_NAMES)}
         )
+        self._auto = autoplan.auto_request(plan, memory, host_memory, global_batch_size, self.parallel_plan)
         self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
         self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
         self._stop_agreement = StopAgreement()
@@ -181,13 +185,8 @@ class PipelineStrategy(
     # ----------------------------------------------------------------------------------- layout
     @classmethod
     def from_plan(cls, plan: ParallelPlan, **kwargs: Any) -> PipelineStrategy:
-        """The strategy that runs ``plan`` (a planner row, or ``strategy.parallel_plan``); ``kwargs``:
-        the launcher's options (``start_method``, ``stop_grace_period``, ...).
-
-        Example::
-
-            best = rank_plans(facts, candidate_plans(4, 10, 32), 32)[0]
-            trainer = L.Trainer(devices=4, strategy=PipelineStrategy.from_plan(best.plan))
+        """The strategy that runs ``plan`` (a planner row, ``strategy.parallel_plan``); ``kwargs``: the
+        launcher's options (``start_method``, ...). Example: ``PipelineStrategy.from_plan(choice.plan)``.
         """
         return cls(**plan.strategy_arguments(), **kwargs)
 
@@ -212,8 +211,8 @@ class PipelineStrategy(
     def device_mesh(self) -> DeviceMesh | None:
         """The torch ``DeviceMesh``: ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"tp"`` (and ``"dp"``).
 
-        Built in ``setup_environment``, as Lightning's ``ModelParallelStrategy`` does, so
-        ``configure_model`` can read it; ``None`` before, or without a process group.
+        Built in ``setup_environment``, as Lightning's ``ModelParallelStrategy`` does, so ``configure_model``
+        can read it; ``None`` before, without a process group, or until ``plan="auto"`` chose (at setup).
         """
         return self._mesh.device_mesh if self._mesh is not None else None
 
@@ -266,8 +265,8 @@ class PipelineStrategy(
         if self._stop_guard is None:
             guard, launched = start_rank_guard(self, self.stop_grace_period)
             self._stop_guard = guard if launched else None
-        if self._mesh is None:  # the one device mesh: every rank builds it (a collective)
-            self._mesh = build_mesh(self.root_device.type, self.layout)
+        if self._mesh is None:  # the one device mesh (a collective); plan="auto": after the choice, at setup
+            self._mesh = autoplan.environment_mesh(self)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -394,5 +393,5 @@ class PipelineStrategy(
 
 
 PipelineStrategy.__doc__ = (PipelineStrategy.__doc__ or "").replace(
-    "        {plan_arguments}", plan_argument_docs()
+    "        {plan_arguments}", plan_argument_docs() + "\n" + autoplan.AUTO_ARGUMENT_DOCS
 )

@@ -1,0 +1,181 @@
+"""Which configurations the planner tries: the plans a device count, a model and a batch allow.
+
+A :class:`Search` says what is given (the devices, the global batch, one replica's batch) and which
+options to try; :meth:`Search.plans` lists the ``PipelineStrategy`` plans: every pipeline size that
+divides the devices (``pipeline_size=1``: pure data parallelism through the strategy), the searched
+schedules, micro-batches in {p, 2p, 4p} (1, 2, 4 for p = 1), with and without recomputation, each
+data-parallel mode (replicas, ZeRO-1, FSDP2 for a split ``nn.Sequential``), tensor-parallel sizes,
+and each offload the plan allows (the optimizer for replicas and ZeRO-1, the parameters for FSDP2,
+the activations of a plan without recomputation).
+
+**The global batch.** A replica's dataloader yields one batch per step; a plan with ``d`` replicas sees
+``d`` of them, and ``accumulate = global / (batch x d)`` batches make one optimizer step (as
+:class:`~lightning_parallel.GradientAccumulationScheduler` computes it at run time). Without a given
+``batch_size`` (the command line, planning before any loader exists) each replica's batch is
+``global / d`` and nothing accumulates; without a ``global_batch_size`` the global batch is what the
+replicas' batches add up to, and plans are compared by time per sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lightning_parallel.plan.parallel_plan import ParallelPlan
+
+SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""The schedules the search tries (the zero-bubble ones are run by hand: their memory is modelled too)."""
+
+
+@dataclass(frozen=True)
+class Search:
+    """The planner's question: these devices, this batch; these options to try.
+
+    Args:
+        devices: ranks in all.
+        global_batch_size: samples per optimizer step over every replica (``None``: the replicas'
+            batches, whatever their number).
+        batch_size: one replica's batch, as its dataloader yields it (``None``: ``global / replicas``).
+        precision: the Trainer's precision.
+        pipeline_sizes: pipeline sizes to try (default: every divisor of the devices).
+        schedules: of :data:`SEARCHED_SCHEDULES`.
+        tensor_parallel_sizes: tensor-parallel sizes to try (each measured on its own local model).
+        offload: also try offloading to the host (not with tensor parallelism, which offload refuses).
+        ranks_per_node: ranks sharing one host's memory (default: all of them, one node).
+        offload_parameters: with ``offload``, also FSDP2's (its process group needs a host backend, which
+            ``plan="auto"`` cannot add on an accelerator once the group is up).
+
+    Example::
+
+        search = Search(devices=4, global_batch_size=64)
+        search.plans(num_blocks=8)           # the plans to size and time
+        search.batches(search.plans(8)[0])   # (per-replica batch, batches per optimizer step)
+    """
+
+    devices: int
+    global_batch_size: int | None = None
+    batch_size: int | None = None
+    precision: str = "32-true"
+    pipeline_sizes: tuple[int, ...] | None = None
+    schedules: tuple[str, ...] = SEARCHED_SCHEDULES
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
+    offload: bool = True
+    ranks_per_node: int | None = None
+    offload_parameters: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "global_batch_size", "batch_size", "ranks_per_node"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.global_batch_size is None and self.batch_size is None:
+            raise ValueError("give the global batch size, one replica's batch size, or both")
+
+    @property
+    def node_ranks(self) -> int:
+        return min(self.ranks_per_node or self.devices, self.devices)
+
+    def batches(self, plan: ParallelPlan) -> tuple[int, int] | None:
+        """``(one replica's batch, batches per optimizer step)`` for ``plan``, or None if the global batch
+        cannot be made of whole batches of its replicas."""
+        dp = plan.data_parallel_size
+        if self.batch_size is None:
+            assert self.global_batch_size is not None
+            return (self.global_batch_size // dp, 1) if self.global_batch_size % dp == 0 else None
+        if self.global_batch_size is None:
+            return self.batch_size, 1
+        per_step = self.batch_size * dp
+        if self.global_batch_size % per_step:
+            return None
+        return self.batch_size, self.global_batch_size // per_step
+
+    def plans(self, num_blocks: int, tensor_parallel_size: int = 1, fsdp: bool = False) -> list[ParallelPlan]:
+        """Every plan to try at one tensor-parallel size whose batches divide as they must.
+
+        ``fsdp``: the model is split as an ``nn.Sequential``, whose stages FSDP2 can shard.
+
+        Raises:
+            ValueError: a requested pipeline size does not divide the devices or exceeds the blocks.
+        """
+        tp = tensor_parallel_size
+        if tp < 1 or self.devices % tp:
+            raise ValueError(f"tensor-parallel size {tp} does not divide the devices ({self.devices})")
+        ranks = self.devices // tp
+        every = [p for p in range(1, ranks + 1) if ranks % p == 0 and p <= num_blocks]
+        sizes = list(self.pipeline_sizes or every)
+        if self.pipeline_sizes and tp > 1:
+            sizes = [p for p in sizes if ranks % p == 0]  # the others are tried at tp = 1
+        for p in sizes:
+            if ranks % p or p > num_blocks:
+                raise ValueError(
+                    f"pipeline size {p} does not fit: it must divide the devices ({self.devices}) and be at "
+                    f"most the number of blocks ({num_blocks})"
+                )
+        out = []
+        for p in sizes:
+            base = ParallelPlan(
+                "pipeline", self.devices, p, tensor_parallel_size=tp, precision=self.precision
+            )
+            found = self.batches(base)
+            if found is not None:
+                out += self._variants(base, num_blocks, found[0], fsdp)
+        return out
+
+    def micro_batch_sizes(self, num_blocks: int) -> tuple[int, int]:
+        """The smallest and the largest micro-batch of the search's plans (what the time probe measures).
+
+        Example::
+
+            >>> Search(devices=2, global_batch_size=32).micro_batch_sizes(num_blocks=4)
+            (4, 16)
+        """
+        sizes = []
+        for tp in self.tensor_parallel_sizes:
+            for plan in self.plans(num_blocks, tp):
+                found = self.batches(plan)
+                if found is not None:
+                    sizes.append(found[0] // plan.num_microbatches)
+        if not sizes:
+            return (1, 1)
+        return min(sizes), max(sizes)
+
+    def _offloads(self, mode: str, recomputed: bool, tp: int) -> list[tuple[str, ...]]:
+        if not self.offload or tp > 1:
+            return [()]
+        out = [o for o in _offloads(mode, recomputed) if self.offload_parameters or "parameters" not in o]
+        return out
+
+    def _variants(self, base: ParallelPlan, num_blocks: int, batch: int, fsdp: bool) -> list[ParallelPlan]:
+        """``base``'s schedules x micro-batches x recomputation x data-parallel modes x offloads."""
+        p, tp, out = base.pipeline_size, base.tensor_parallel_size, []
+        modes = ("replicate", *(["zero1"] if tp == 1 else []), *(["fsdp"] if fsdp else []))
+        for schedule, v in _schedules(p, num_blocks, self.schedules):
+            for m in _microbatches(p, batch):
+                for ac in (False, True):
+                    for mode in modes if base.data_parallel_size > 1 else ("replicate",):
+                        for offload in self._offloads(mode, ac, tp):
+                            out.append(replace(base, num_microbatches=m, schedule=schedule, stages_per_rank=v,
+                                               activation_checkpointing=ac, data_parallel=mode,
+                                               offload=offload))  # fmt: skip
+        return out
+
+
+def _schedules(p: int, num_blocks: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
+    if p == 1:
+        return [("1f1b", 1)]
+    out = [(s, 1) for s in schedules if s in ("gpipe", "1f1b")]
+    if "interleaved_1f1b" in schedules and 2 * p <= num_blocks:
+        out.append(("interleaved_1f1b", 2))
+    return out
+
+
+def _microbatches(p: int, per_replica: int) -> list[int]:
+    wanted = (1, 2, 4) if p == 1 else (p, 2 * p, 4 * p)
+    return [m for m in wanted if m <= per_replica and per_replica % m == 0]
+
+
+def _offloads(mode: str, recomputed: bool) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = [()]
+    out.append(("parameters",) if mode == "fsdp" else ("optimizer",))
+    if not recomputed:
+        out.append(("activations",))
+    return out

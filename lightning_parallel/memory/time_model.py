@@ -1,0 +1,354 @@
+"""Predict the seconds of one optimizer step of a plan: the schedule simulated, then the step's tail.
+
+Beside the memory model, from the same measurement of the model (:class:`ModelFacts`, with its unit
+times from :mod:`~lightning_parallel.memory.time_probe`) and the links
+(:mod:`~lightning_parallel.memory.links`):
+
+1. **Each stage's forward and backward per micro-batch**: its units' measured lines at the
+   micro-batch's size; in backward, the forward of each recomputed unit once more; with tensor
+   parallelism the all-reduces of each split block (one per row-wise split layer in forward, as many in
+   backward, activation-sized); with offloaded activations, their copy to the host in forward and back
+   in backward.
+2. **The schedule, simulated**: each pipeline rank runs its actions in torch's own order
+   (:func:`~lightning_parallel.memory.schedule.rank_actions`), an action starting when its rank is free
+   and its input has arrived (the previous stage's forward, or the next stage's backward, plus the
+   point-to-point transfer of the boundary's activation bytes when the stages sit on two ranks). The
+   bubble and the stage imbalance come out of the simulation, not from a formula; with accumulation the
+   schedule runs once per batch of the window.
+3. **The step's tail**, after the schedule, not overlapped (this package's ``GradientSync`` runs once
+   after the schedule): the replicas' all-reduce of the gradients (one coalesced message; FSDP2: one
+   reduce-scatter per FSDP2 unit, HSDP an all-reduce of the shard on top; its all-gathers are charged
+   before the first forward), the optimizer step (per element and per tensor, on the device or,
+   offloaded, on the host), ZeRO-1's broadcast of each updated parameter from its owner, and offload's
+   copies (gradients to the host, parameters back). Every collective message pays the latency.
+
+The step time is the last rank's finish. What is not modelled: the Trainer's own per-batch work (the
+same for every plan), the overlap of communication with compute, other jobs on the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_parallel.memory.facts import ModelFacts
+from lightning_parallel.memory.links import Links
+from lightning_parallel.memory.probe import BEFORE
+from lightning_parallel.memory.schedule import Action, rank_actions
+from lightning_parallel.memory.stage_costs import StageCosts, recomputed_units, stage_costs
+from lightning_parallel.memory.time_probe import TimeFacts
+from lightning_parallel.pipeline.plan import stage_rank
+from lightning_parallel.plan.choices import placement
+from lightning_parallel.plan.parallel_plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage's seconds per micro-batch; ``send``: the bytes of its output (and of that output's
+    gradient coming back). ``recompute``, ``tensor_parallel``, ``offload``: shares of forward + backward."""
+
+    index: int
+    forward: float
+    backward: float
+    send: int
+    recompute: float = 0.0
+    tensor_parallel: float = 0.0
+    offload: float = 0.0
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """When each pipeline rank finished its actions, and how long it computed.
+
+    Example::
+
+        sim = simulate(rank_actions("1f1b", 4, 1, 8), lambda a: 1.0 if a.kind == "F" else 2.0)
+        sim.bubble          # 3 / 11: (p - 1) / (m + p - 1) for equal stages
+    """
+
+    finish: tuple[float, ...]
+    busy: tuple[float, ...]
+    waited: tuple[float, ...]  # of the idle time, waiting for a transfer in flight
+    start: tuple[float, ...] = ()
+
+    @property
+    def makespan(self) -> float:
+        return max(self.finish, default=0.0)
+
+    @property
+    def bubble(self) -> float:
+        """The idle share of the busiest rank's schedule (waiting for other ranks), from its start."""
+        r = max(range(len(self.busy)), key=self.busy.__getitem__)
+        span = self.makespan - (self.start[r] if self.start else 0.0)
+        return max(0.0, 1 - self.busy[r] / span) if span > 0 else 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """The busiest rank's compute over the mean rank's (1: balanced stages)."""
+        mean = sum(self.busy) / len(self.busy) if self.busy else 0.0
+        return max(self.busy) / mean if mean else 1.0
+
+
+def simulate(
+    actions: Sequence[Sequence[Action]],
+    duration: Callable[[Action], float],
+    transfer: Callable[[Action], float] | None = None,
+    rank_of: Callable[[int], int] | None = None,
+    start: Sequence[float] | None = None,
+) -> Simulation:
+    """Run each rank's actions in order; an action waits for its rank and for its input.
+
+    Args:
+        actions: per pipeline rank, its compute actions in torch's order.
+        duration: seconds of an action.
+        transfer: seconds for the input of an action to arrive from the rank that produced it
+            (called only when that rank differs; default: free).
+        rank_of: the rank of a stage (default: the rank whose list holds it).
+        start: the time each rank starts (e.g. after an all-gather; default 0).
+
+    Raises:
+        ValueError: the orders deadlock (an action waits for one that can never run).
+
+    Example::
+
+        simulate(rank_actions("gpipe", 2, 1, 4), lambda a: 1.0).makespan      # 10.0 = 2 (m + p - 1)
+    """
+    owner = {a.stage: r for r, acts in enumerate(actions) for a in acts}
+    rank_of = rank_of or owner.__getitem__
+    num_stages = max(owner, default=-1) + 1
+    done: dict[tuple[str, int, int], float] = {}
+    clock = list(start or [0.0] * len(actions))
+    busy, waited = [0.0] * len(actions), [0.0] * len(actions)
+    position = [0] * len(actions)
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(actions):
+            while position[r] < len(acts):
+                a = acts[position[r]]
+                ready = _input_ready(a, done, num_stages, rank_of, r, transfer)
+                if ready is None:
+                    break
+                begin = max(clock[r], ready[0])
+                waited[r] += max(0.0, min(begin, ready[0]) - max(clock[r], ready[1]))
+                seconds = duration(a)
+                clock[r] = begin + seconds
+                busy[r] += seconds
+                done[(a.kind, a.stage, a.microbatch)] = clock[r]
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [acts[position[r]] for r, acts in enumerate(actions) if position[r] < len(acts)]
+            raise ValueError(f"the schedule's orders deadlock at {stuck}")
+    return Simulation(tuple(clock), tuple(busy), tuple(waited), tuple(start or [0.0] * len(actions)))
+
+
+def _input_ready(
+    a: Action,
+    done: dict[tuple[str, int, int], float],
+    num_stages: int,
+    rank_of: Callable[[int], int],
+    rank: int,
+    transfer: Callable[[Action], float] | None,
+) -> tuple[float, float] | None:
+    """``(when the input is here, when its producer finished)``, or None while it is not produced."""
+    if a.kind == "F":
+        source = ("F", a.stage - 1, a.microbatch) if a.stage > 0 else None
+    elif a.kind == "W":
+        source = ("I", a.stage, a.microbatch)
+    elif a.stage == num_stages - 1:
+        source = ("F", a.stage, a.microbatch)
+    else:
+        upstream = ("B", a.stage + 1, a.microbatch)
+        source = upstream if upstream in done else ("I", a.stage + 1, a.microbatch)
+    if source is None:
+        return 0.0, 0.0
+    if source not in done:
+        return None
+    produced = done[source]
+    crossing = source[1] != a.stage and rank_of(source[1]) != rank
+    return (produced + (transfer(a) if crossing and transfer else 0.0)), produced
+
+
+# ---------------------------------------------------------------------------------- a plan's step
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted seconds of one optimizer step, and where they go (on the rank that finishes last).
+
+    ``bubble``: the idle share of the busiest rank's schedule; ``imbalance``: its compute over the mean
+    rank's; ``communication``: seconds of collectives plus the transfers the busiest rank waited for;
+    ``recompute``: recomputed forwards; ``offload``: host copies and the host step's extra over the
+    device's.
+    """
+
+    seconds: float
+    schedule: float
+    bubble: float
+    imbalance: float
+    communication: float
+    recompute: float
+    offload: float
+    optimizer: float
+
+    def describe(self) -> str:
+        return (
+            f"bubble {self.bubble:.0%}, imbalance {self.imbalance:.2f}, communication "
+            f"{self.communication * 1e3:.1f} ms, recomputation {self.recompute * 1e3:.1f} ms, offload "
+            f"{self.offload * 1e3:.1f} ms"
+        )
+
+
+def step_time(
+    facts: ModelFacts, links: Links, plan: ParallelPlan, samples: int, accumulate: int = 1
+) -> StepTime:
+    """Seconds of one optimizer step of ``plan`` with ``samples`` per replica per batch.
+
+    Args:
+        facts: the model, measured with its unit times (``measure_model(..., time_sizes=...)``).
+        links: latency and bandwidth between ranks and to the host.
+        plan: a pipeline plan (``ParallelPlan("pipeline", devices, ...)``).
+        samples: one replica's batch (split into the plan's micro-batches).
+        accumulate: batches per optimizer step (the schedule runs once per batch).
+
+    Raises:
+        ValueError: the facts hold no unit times, or the plan is not a pipeline plan.
+
+    Example::
+
+        step_time(measure_model(model, batch, time_sizes=(2, 8)), links, plan, samples=16).seconds
+    """
+    times = facts.times
+    if times is None:
+        raise ValueError("these facts hold no unit times: measure_model(..., time_sizes=(small, large))")
+    if plan.strategy != "pipeline":
+        raise ValueError(f"the time model takes PipelineStrategy plans, got strategy={plan.strategy!r}")
+    costs = stage_costs(facts, plan, samples)
+    stages = stage_times(facts, times, links, plan, costs, samples)
+    p, style = plan.pipeline_size, placement(plan.schedule)
+    rank_of = {s.index: stage_rank(s.index, p, len(costs), style) for s in stages}
+    actions = rank_actions(plan.schedule, p, plan.stages_per_rank, plan.num_microbatches)
+    gathers = [_gather(facts, links, plan, [c for c in costs if rank_of[c.index] == r]) for r in range(p)]
+    sim = simulate(
+        actions,
+        lambda a: _duration(stages[a.stage], a.kind),
+        lambda a: links.send(stages[a.stage - 1 if a.kind == "F" else a.stage].send),
+        rank_of.__getitem__,
+        gathers,
+    )
+    tails = [_tail(facts, times, links, plan, [c for c in costs if rank_of[c.index] == r]) for r in range(p)]
+    ends = [accumulate * sim.finish[r] + tails[r][0] for r in range(p)]
+    last = max(range(p), key=lambda r: (ends[r], sim.busy[r]))
+    busiest = max(range(p), key=lambda r: sim.busy[r])
+    m = plan.num_microbatches * accumulate
+    mine = [s for s in stages if rank_of[s.index] == busiest]
+    return StepTime(
+        seconds=ends[last],
+        schedule=accumulate * sim.makespan,
+        bubble=sim.bubble,
+        imbalance=sim.imbalance,
+        communication=accumulate * (gathers[busiest] + sim.waited[busiest]) + tails[last][1]
+        + m * sum(s.tensor_parallel for s in mine),
+        recompute=m * sum(s.recompute for s in mine),
+        offload=m * sum(s.offload for s in mine) + tails[last][2],
+        optimizer=tails[last][3],
+    )  # fmt: skip
+
+
+def stage_times(
+    facts: ModelFacts,
+    times: TimeFacts,
+    links: Links,
+    plan: ParallelPlan,
+    costs: list[StageCosts],
+    samples: int,
+) -> list[StageTime]:
+    """Each stage's forward and backward seconds per micro-batch (see the module's point 1)."""
+    mb = samples / plan.num_microbatches
+    recomputed = set(recomputed_units(facts, plan))
+    tp = plan.tensor_parallel_size
+    offloaded = "activations" in plan.offload
+    out = []
+    for c in costs:
+        names = ([BEFORE] if c.index == 0 else []) + c.units
+        forward = sum(times.unit(n).forward.at(mb) for n in names)
+        backward = sum(times.unit(n).backward.at(mb) for n in names)
+        again = sum(times.units[n].forward.at(mb) for n in c.units if n in recomputed and n in times.units)
+        reduces = sum(facts.tp_reduces.get(n, 0) * links.all_reduce(tp, facts.probe.unit(n).outputs.at(mb))
+                      for n in c.units) if tp > 1 else 0.0  # fmt: skip
+        copies = links.copy(c.per_microbatch) if offloaded else 0.0
+        send = facts.probe.unit(c.units[-1]).outputs.at(mb) if c.units else 0
+        out.append(
+            StageTime(c.index, forward + reduces + copies, backward + again + reduces + copies, send,
+                      again, 2 * reduces, 2 * copies)
+        )  # fmt: skip
+    return out
+
+
+def _duration(stage: StageTime, kind: str) -> float:
+    if kind == "F":
+        return stage.forward
+    if kind in ("I", "W"):  # a split backward: half for the input's gradient, half for the weights'
+        return stage.backward / 2
+    return stage.backward
+
+
+def _gather(facts: ModelFacts, links: Links, plan: ParallelPlan, local: list[StageCosts]) -> float:
+    """FSDP2's all-gather of the rank's stages before their first forward (and offload's copy up)."""
+    if plan.data_parallel != "fsdp":
+        return 0.0
+    nbytes = sum(facts.tensors[k].nbytes for k in _keys(local))
+    up = links.copy(nbytes / plan.shard_size) if "parameters" in plan.offload else 0.0
+    return (
+        links.all_gather(plan.shard_size, nbytes)
+        + _more_messages(links, plan.shard_size, _fsdp_units(local))
+        + up
+    )
+
+
+def _tail(
+    facts: ModelFacts, times: TimeFacts, links: Links, plan: ParallelPlan, local: list[StageCosts]
+) -> tuple[float, float, float, float]:
+    """After the schedule: ``(seconds, of which communication, offload, optimizer step)``."""
+    keys = _keys(local)
+    grads = sum(facts.tensors[k].grad for k in keys)
+    params = sum(facts.tensors[k].nbytes for k in keys if facts.tensors[k].grad)
+    elements = sum(facts.tensors[k].numel for k in keys if facts.tensors[k].grad)
+    tensors = sum(1 for k in keys if facts.tensors[k].grad)
+    dp, mode = plan.data_parallel_size, plan.data_parallel
+    offload = 0.0
+    if mode == "fsdp":  # one reduce-scatter (and HSDP all-reduce) per FSDP2 unit
+        shards, replicas, units = plan.shard_size, dp // plan.shard_size, _fsdp_units(local)
+        comm = links.all_gather(shards, grads) + _more_messages(links, shards, units)
+        comm += links.all_reduce(replicas, grads / shards) + 2 * _more_messages(links, replicas, units)
+        elements /= shards
+        if "parameters" in plan.offload:
+            offload += links.copy(grads / shards)
+    else:
+        comm = links.all_reduce(dp, grads)
+        if mode == "zero1":  # ZeroRedundancyOptimizer broadcasts each updated parameter from its owner
+            comm += links.all_gather(dp, params) + _more_messages(links, dp, tensors)
+            elements, tensors = elements / dp, tensors / dp
+        if "optimizer" in plan.offload:
+            offload += links.copy(grads) + links.copy(params)
+    on_host = bool({"optimizer", "parameters"} & set(plan.offload))
+    step = (times.host_step if on_host else times.step).of(elements, tensors)
+    if on_host:
+        offload += max(0.0, step - times.step.of(elements, tensors))
+    return comm + offload + step, comm, offload, step
+
+
+def _fsdp_units(local: list[StageCosts]) -> int:
+    """FSDP2 units of the rank's stages: each layer of a split Sequential, then each stage's root."""
+    return sum(len(c.units) + 1 for c in local)
+
+
+def _more_messages(links: Links, ranks: int, messages: float) -> float:
+    """The latency of ``messages - 1`` more collectives than the one whose bytes are charged."""
+    return max(0.0, messages - 1) * (ranks - 1) * links.collective.latency if ranks > 1 else 0.0
+
+
+def _keys(local: list[StageCosts]) -> list[int]:
+    return list(dict.fromkeys(k for c in local for k in c.param_keys))

@@ -1,0 +1,385 @@
+"""Measure how long each pipeline unit's forward and backward take, and the optimizer step per element.
+
+The time model's counterpart of :mod:`~lightning_parallel.memory.probe`: the same units, the same step
+(``training_step``), timed on this machine at two micro-batch sizes so that each unit gets a straight
+line ``seconds = a + b x samples`` (the intercept is what a micro-batch costs whatever its size:
+Python, kernel launches; the slope what each sample adds). Module hooks time each unit's forward
+(outermost calls only) and backward; what runs between units (a residual add, the loss) is charged
+to the unit before it, or before the first one (:data:`~lightning_parallel.memory.probe.BEFORE`), as
+the memory probe charges its bytes. A unit whose backward a hook cannot see (an embedding fed
+integers: its backward hook fires before its backward runs) takes a share of what the whole backward
+measured beyond the timed units, in proportion to its forward.
+
+The optimizer step is timed by stepping the optimizer's own class over stand-in tensors of two
+shapes (one large tensor, many small ones): seconds per element and per tensor, on the device and,
+where the host is another memory, on the host (what an offloaded step costs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightning_parallel.memory.probe import BEFORE, StepFn, _autocast, default_step
+from lightning_parallel.memory.units import UnitLayout
+from lightning_parallel.techniques.offload.host_optimizer import host_kernel
+
+AFTER = "<after>"  # suffix: time spent outside any unit after this one returned (a residual add, the loss)
+
+
+@dataclass(frozen=True)
+class TimeLine:
+    """Seconds as a function of samples: ``intercept + slope x samples`` (never below zero).
+
+    Example::
+
+        >>> TimeLine(0.001, 0.0005).at(4)
+        0.003
+    """
+
+    intercept: float = 0.0
+    slope: float = 0.0
+
+    def at(self, samples: float) -> float:
+        return max(0.0, self.intercept + self.slope * samples)
+
+    def __add__(self, other: TimeLine) -> TimeLine:
+        return TimeLine(self.intercept + other.intercept, self.slope + other.slope)
+
+
+@dataclass(frozen=True)
+class UnitTime:
+    """One unit's forward and backward seconds per micro-batch, as lines in its samples."""
+
+    forward: TimeLine = field(default_factory=TimeLine)
+    backward: TimeLine = field(default_factory=TimeLine)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """An optimizer step's seconds: ``per_element x elements + per_tensor x tensors``."""
+
+    per_element: float = 0.0
+    per_tensor: float = 0.0
+
+    def of(self, elements: float, tensors: float) -> float:
+        return self.per_element * elements + self.per_tensor * tensors
+
+
+@dataclass
+class TimeFacts:
+    """What :func:`measure_times` found: per unit (its own time and what follows it), the optimizer step.
+
+    Example::
+
+        times = measure_times(model, layout, batch, sizes=(4, 16))
+        times.unit("h.0").forward.at(8)        # seconds of block 0's forward on 8 samples
+    """
+
+    units: dict[str, UnitTime]
+    sizes: tuple[int, ...]
+    step: StepCost  # the optimizer step on the device
+    host_step: StepCost  # the same step on the host (offload)
+    device: str = "cpu"
+
+    def unit(self, name: str) -> UnitTime:
+        """``name``'s time with what runs after it outside any unit (the residual add, the loss)."""
+        own, after = self.units.get(name, UnitTime()), self.units.get(name + AFTER, UnitTime())
+        return UnitTime(own.forward + after.forward, own.backward + after.backward)
+
+
+def measure_times(
+    module: nn.Module,
+    layout: UnitLayout,
+    batch: Any,
+    sizes: tuple[int, ...],
+    optimizers: list[torch.optim.Optimizer] | None = None,
+    step: StepFn = default_step,
+    repeats: int = 3,
+    autocast_dtype: torch.dtype | None = None,
+) -> TimeFacts:
+    """Time ``step`` and its backward on the first ``n`` samples of ``batch`` for each ``n`` in ``sizes``.
+
+    Runs where the module is (the model is left as it was: gradients, buffers, RNG); each size is
+    warmed up once, then the fastest of ``repeats`` runs is kept per unit (other work on the machine
+    only ever adds time), and units of the same structure (a model's blocks) share their mean.
+
+    Raises:
+        ValueError: the module rejects the batch, or the batch has fewer samples than ``max(sizes)``.
+
+    Example::
+
+        times = measure_times(model, find_units(model), (x, y), sizes=(2, 8), optimizers=[adamw])
+    """
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    have = _samples(batch)
+    if have < max(sizes):
+        raise ValueError(
+            f"the batch has {have} samples, the time probe needs {max(sizes)}: pass a larger one"
+        )
+    runs: list[dict[str, tuple[float, float]]] = []
+    for n in sizes:
+        inputs = _slice(batch, n, device)
+        with _autocast(device, autocast_dtype):
+            timings = [_timed_run(module, layout, inputs, step, device) for _ in range(repeats + 1)][1:]
+        runs.append({k: _fastest([t[k] for t in timings if k in t]) for k in timings[0]})
+    runs = [_alike_averaged(r, layout) for r in runs]
+    units = {
+        name: UnitTime(_line(sizes, [r.get(name, (0, 0))[0] for r in runs]),
+                       _line(sizes, [r.get(name, (0, 0))[1] for r in runs]))
+        for name in dict.fromkeys(k for r in runs for k in r)
+    }  # fmt: skip
+    cost = optimizer_step_cost(optimizers or [], device)
+    host = optimizer_step_cost(optimizers or [], torch.device("cpu"), on_host=True)
+    return TimeFacts(units, tuple(sizes), cost, host, device.type)
+
+
+class _Clock:
+    """Per unit: forward seconds (outermost calls) and backward seconds; gaps charged to the unit before."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.forward: dict[str, float] = {}
+        self.backward: dict[str, float] = {}
+        self.untimed: set[str] = set()  # units whose backward the hooks cannot see
+        self.stack: list[str] = []
+        self.mark = 0.0
+        self.last = BEFORE
+        self.started: dict[str, float] = {}
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def charge_gap(self) -> None:
+        """Charge the time since the last mark to what ran outside any unit."""
+        now = self.now()
+        where = self.last if self.last == BEFORE else self.last + AFTER
+        self.forward[where] = self.forward.get(where, 0.0) + now - self.mark
+        self.mark = now
+
+    def enter(self, name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not self.stack:
+                self.charge_gap()
+                if not any(t.requires_grad for t in _tensors((args, kwargs)) if t.is_floating_point()):
+                    self.untimed.add(name)
+            self.stack.append(name)
+
+        return hook
+
+    def leave(self, name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            self.stack.pop()
+            if not self.stack:
+                now = self.now()
+                self.forward[name] = self.forward.get(name, 0.0) + now - self.mark
+                self.mark, self.last = now, name
+
+        return hook
+
+    def backward_start(self, name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            self.started[name] = self.now()
+
+        return hook
+
+    def backward_end(self, name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            start = self.started.pop(name, None)
+            if start is not None:
+                self.backward[name] = self.backward.get(name, 0.0) + self.now() - start
+
+        return hook
+
+    @contextlib.contextmanager
+    def hooks(self, layout: UnitLayout) -> Iterator[None]:
+        handles = []
+        for unit in layout.units:
+            m, name = unit.module, unit.name
+            handles += [
+                m.register_forward_pre_hook(self.enter(name), with_kwargs=True),
+                m.register_forward_hook(self.leave(name), always_call=True),
+                m.register_full_backward_pre_hook(self.backward_start(name)),
+                m.register_full_backward_hook(self.backward_end(name)),
+            ]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "full backward hook ... no inputs require gradients"
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _timed_run(
+    module: nn.Module, layout: UnitLayout, batch: Any, step: StepFn, device: torch.device
+) -> dict[str, tuple[float, float]]:
+    """One forward and backward: ``{unit: (forward s, backward s)}`` (gaps under ``unit + AFTER``)."""
+    clock = _Clock(device)
+    with _preserved(module), clock.hooks(layout):
+        clock.mark = clock.now()
+        loss = _loss(_run(step, module, batch))
+        clock.charge_gap()
+        forward_end = clock.now()
+        loss.backward()
+        total_backward = clock.now() - forward_end
+    timed = {n: b for n, b in clock.backward.items() if n not in clock.untimed}
+    # What the hooks did not see (untimed units, the code between units, the loss) shares the rest
+    # of the measured backward in proportion to its forward.
+    rest = max(0.0, total_backward - sum(timed.values()))
+    others = {n: f for n, f in clock.forward.items() if n not in timed}
+    weight = sum(others.values()) or 1.0
+    backward = timed | {n: rest * f / weight for n, f in others.items()}
+    return {
+        n: (clock.forward.get(n, 0.0), backward.get(n, 0.0)) for n in clock.forward.keys() | backward.keys()
+    }
+
+
+def optimizer_step_cost(
+    optimizers: list[torch.optim.Optimizer],
+    device: torch.device,
+    numel: int = 1 << 18,
+    repeats: int = 3,
+    on_host: bool = False,
+) -> StepCost:
+    """Seconds per element and per tensor of the optimizers' step, timed on stand-ins on ``device``.
+
+    The first optimizer's class and first param group's settings are stepped over one tensor of
+    ``numel`` elements and over 64 tensors of ``numel / 64``: two points, a line. ``on_host``: with the
+    kernel an offloaded step runs on the host (the fastest of fused, foreach and the loop,
+    ``techniques/offload/host_optimizer.py: host_kernel``).
+
+    Example::
+
+        optimizer_step_cost([torch.optim.AdamW(model.parameters())], torch.device("cpu"))
+    """
+    if not optimizers:
+        return StepCost()
+    optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
+    optimizer = getattr(optimizer, "optim", optimizer)  # a ZeroRedundancyOptimizer's local one
+    cls = type(optimizer)
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    accepted = inspect.signature(cls).parameters
+    kwargs = {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "capturable")}
+    if on_host:
+        kwargs |= host_kernel(cls, kwargs)
+    one = _step_seconds(cls, kwargs, [numel], device, repeats)
+    many = _step_seconds(cls, kwargs, [numel // 64] * 64, device, repeats)
+    per_tensor = max(0.0, (many - one) / 63)
+    return StepCost(max(0.0, (one - per_tensor) / numel), per_tensor)
+
+
+def _step_seconds(
+    cls: type, kwargs: dict[str, Any], sizes: list[int], device: torch.device, repeats: int
+) -> float:
+    params = [nn.Parameter(torch.zeros(n, device=device)) for n in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    try:
+        optimizer = cls(params, **kwargs)
+    except Exception:
+        return 0.0  # an optimizer that cannot be built on stand-ins: its step is not charged
+    samples = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[1:])
+
+
+def _loss(out: Any) -> torch.Tensor:
+    if isinstance(out, dict):
+        out = out.get("loss", out)
+    if torch.is_tensor(out) and out.dim() == 0 and out.requires_grad:
+        return out
+    floats = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
+    if not floats:
+        raise ValueError("the step returned no tensor with a gradient: the time probe has nothing to time")
+    return sum(t.float().sum() for t in floats)  # type: ignore[return-value]
+
+
+def _run(step: StepFn, module: nn.Module, batch: Any) -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return step(module, batch)
+    except Exception as err:
+        raise ValueError(
+            f"{type(module).__name__} rejected the time probe's batch: {type(err).__name__}: {err}"
+        ) from err
+
+
+@contextlib.contextmanager
+def _preserved(module: nn.Module) -> Iterator[None]:
+    """The probe leaves the model as it was: gradients, buffers, RNG and train mode."""
+    grads = {p: p.grad for p in module.parameters()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    was_training = module.training
+    module.train()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            yield
+    finally:
+        module.train(was_training)
+        for p, g in grads.items():
+            p.grad = g
+        with torch.no_grad():
+            for n, b in module.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+
+
+def _fastest(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    return min(p[0] for p in pairs), min(p[1] for p in pairs)
+
+
+def _alike_averaged(
+    run: dict[str, tuple[float, float]], layout: UnitLayout
+) -> dict[str, tuple[float, float]]:
+    """Units of one class with the same parameter shapes (the blocks) take their mean time."""
+    groups: dict[tuple, list[str]] = {}
+    for u in layout.units:
+        shapes = tuple(tuple(p.shape) for p in u.module.parameters())
+        groups.setdefault((type(u.module), shapes), []).append(u.name)
+    out = dict(run)
+    for names in groups.values():
+        present = [n for n in names if n in run]
+        if len(present) > 1:
+            mean = tuple(statistics.fmean(run[n][i] for n in present) for i in (0, 1))
+            out.update({n: (mean[0], mean[1]) for n in present})
+    return out
+
+
+def _line(sizes: tuple[int, ...], values: list[float]) -> TimeLine:
+    if len(sizes) == 1 or sizes[0] == sizes[-1]:
+        return TimeLine(0.0, values[0] / sizes[0])
+    slope = (values[-1] - values[0]) / (sizes[-1] - sizes[0])
+    return TimeLine(values[0] - slope * sizes[0], slope)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if torch.is_tensor(t)]
+
+
+def _samples(batch: Any) -> int:
+    return next((int(t.shape[0]) for t in _tensors(batch) if t.dim() > 0), 0)
+
+
+def _slice(batch: Any, n: int, device: torch.device) -> Any:
+    return tree_map(lambda x: x[:n].to(device) if torch.is_tensor(x) and x.dim() > 0 else x, batch)

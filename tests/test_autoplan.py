@@ -1,0 +1,127 @@
+"""PipelineStrategy(plan="auto"): the arguments, the choice with its margin, nothing fits, and one spawned job
+in which the auto-planned run computes exactly what the same plan given by hand computes."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mp_harness import quiet_trainer, spawn_gloo
+from tiny_models import SequentialRegressor, loader
+from torch.utils.data import TensorDataset
+
+from lightning_parallel import GradientAccumulationScheduler, ParallelPlan, PipelineStrategy
+from lightning_parallel.memory.advice import NothingFits, choose
+from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.memory.links import given_links
+from lightning_parallel.memory.planner import Budget, plan_search
+from lightning_parallel.memory.search import Search
+from lightning_parallel.strategies.pipeline import autoplan
+
+LINKS = given_links(bandwidth=10e9, latency=1e-5)
+
+
+def test_plan_auto_takes_its_budgets_and_refuses_what_it_chooses():
+    strategy = PipelineStrategy(plan="auto", memory="24GiB", host_memory=2**30, global_batch_size=64)
+    assert strategy._auto == autoplan.AutoRequest(24 * 2**30, 2**30, 64)
+    kept = PipelineStrategy(plan="auto", memory="1GiB", save_distributed_checkpoint=True)
+    assert kept._auto.kept == {"save_distributed_checkpoint": True}
+    with pytest.raises(
+        ValueError, match=r"plan='auto' chooses num_microbatches, pipeline_size: leave them out"
+    ):
+        PipelineStrategy(plan="auto", pipeline_size=2, num_microbatches=8)
+    with pytest.raises(ValueError, match=r"memory: only for plan='auto': pass plan='auto' too"):
+        PipelineStrategy(memory="24GiB")
+    with pytest.raises(ValueError, match="plan must be 'auto'"):
+        PipelineStrategy(plan="fastest")
+    with pytest.raises(ValueError, match="cannot read the memory size 'lots'"):
+        PipelineStrategy(plan="auto", memory="lots")
+    with pytest.raises(
+        ValueError, match=r"a cpu device does not report: pass memory= \(e.g. PipelineStrategy"
+    ):
+        autoplan.device_memory(torch.device("cpu"))
+    assert '        plan: ``"auto"``: the planner chooses' in PipelineStrategy.__doc__
+
+
+def test_the_global_batch_is_made_up_by_the_accumulation_scheduler():
+    strategy = SimpleNamespace(
+        _auto=autoplan.AutoRequest(2**30, global_batch_size=32), root_device=torch.device("cpu")
+    )
+    trainer = SimpleNamespace(callbacks=[])
+    autoplan.prepare(strategy, trainer)
+    assert [type(c) for c in trainer.callbacks] == [GradientAccumulationScheduler]
+    assert trainer.callbacks[0].global_batch_size == {0: 32}
+    autoplan.prepare(strategy, trainer)  # the same global batch given twice: one scheduler
+    assert len(trainer.callbacks) == 1
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=32.*disagree: give the global batch in one place"
+    ):
+        autoplan.prepare(
+            strategy, SimpleNamespace(callbacks=[GradientAccumulationScheduler(global_batch_size=64)])
+        )
+    no_memory = SimpleNamespace(_auto=autoplan.AutoRequest(), root_device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs the memory of each device"):
+        autoplan.prepare(no_memory, SimpleNamespace(callbacks=[]))
+
+
+@pytest.fixture(scope="module")
+def facts():
+    torch.manual_seed(0)
+    model = SequentialRegressor(d_in=16, hidden=64, depth=6, adam=True)
+    return {1: measure_model(model, (torch.randn(16, 16), torch.randn(16, 4)), time_sizes=(2, 8))}
+
+
+def test_the_choice_is_the_fastest_that_fits_with_the_margin(facts):
+    search = Search(devices=2, global_batch_size=16, offload=False)
+    candidates = plan_search(facts, search, LINKS)
+    fastest = candidates[0]
+    # A budget the fastest plan fills to 95%: over the 90% the margin leaves, so the next one that fits.
+    budget = Budget(int(fastest.peak / 0.95), margin=0.1)
+    chosen = choose(facts, search, budget, LINKS, candidates)
+    assert chosen is not fastest and chosen.peak <= 0.9 * budget.device
+    assert all(c.peak > budget.usable for c in candidates[: candidates.index(chosen)])
+    assert choose(facts, search, Budget(int(fastest.peak / 0.95), margin=0.0), LINKS, candidates) is fastest
+    assert Budget(100, host=50, margin=0.1).usable_host == 45
+
+
+def test_nothing_fits_names_the_smallest_peak_the_miss_and_what_would_fit(facts):
+    search = Search(devices=2, global_batch_size=16, offload=False)
+    candidates = plan_search(facts, search, LINKS)
+    smallest = min(c.peak for c in candidates)
+    with pytest.raises(NothingFits) as caught:
+        choose(facts, search, Budget(int(smallest * 0.8)), LINKS, candidates)
+    message = str(caught.value)
+    assert "no plan fits" in message and "the smallest device peak is" in message and "usable" in message
+    assert "  - 4 devices: smallest peak" in message and "  - a batch of 4 per replica" in message
+    assert "  - offload" in message  # (not in the search: how small it would make the peak)
+
+
+def _job(rank: int, world: int, out_dir: str) -> None:
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
+    records = {}
+    for name in ("auto", "hand"):
+        torch.manual_seed(0)
+        if name == "auto":
+            strategy, callbacks = PipelineStrategy(plan="auto", memory="1GiB", global_batch_size=16), []
+        else:
+            strategy = PipelineStrategy.from_plan(records["plan"])
+            callbacks = [GradientAccumulationScheduler(global_batch_size=16)]
+        trainer = quiet_trainer(devices=world, strategy=strategy, callbacks=callbacks, max_steps=3)
+        model = SequentialRegressor(adam=True, depth=4)
+        trainer.fit(model, loader(data, 4))
+        records[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        records["plan"] = trainer.strategy.parallel_plan
+        records[f"{name}_loss"] = float(trainer.callback_metrics["train_loss"])
+    torch.save(records, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_plan_auto_runs_exactly_the_plan_given_by_hand(tmp_path):
+    for rank, r in enumerate(spawn_gloo(_job, 2, tmp_path)):
+        plan: ParallelPlan = r["plan"]
+        assert plan.strategy == "pipeline" and plan.pipeline_size in (1, 2), plan
+        assert set(r["auto"]) == set(r["hand"]) and r["auto"]
+        for key in r["auto"]:
+            assert torch.equal(r["auto"][key], r["hand"][key]), (rank, plan.code(), key)
+        assert r["auto_loss"] == r["hand_loss"]

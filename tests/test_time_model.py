@@ -1,0 +1,109 @@
+"""The time model without processes: the simulated schedule, the step's terms, the time probe, the links."""
+
+import pytest
+import torch
+from tiny_models import SequentialRegressor
+
+from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.memory.links import Link, fit_link, given_links
+from lightning_parallel.memory.schedule import Action, rank_actions
+from lightning_parallel.memory.time_model import simulate, step_time
+from lightning_parallel.memory.time_probe import TimeLine, optimizer_step_cost
+from lightning_parallel.plan.parallel_plan import ParallelPlan
+
+
+def _forward_one_backward_two(a: Action) -> float:
+    return 1.0 if a.kind == "F" else 2.0
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8)])
+def test_equal_stages_give_the_textbook_bubble(schedule, v, p, m):
+    sim = simulate(rank_actions(schedule, p, v, m), _forward_one_backward_two)
+    assert sim.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+    assert sim.makespan == pytest.approx(3 * (v * m + p - 1))  # (v m + p - 1) slots of F + B
+    assert sim.imbalance == pytest.approx(1.0)
+
+
+def test_a_slower_stage_sets_the_pace_and_transfers_add_up():
+    actions = rank_actions("1f1b", 2, 1, 8)
+    slow = simulate(actions, lambda a: (3.0 if a.stage == 1 else 1.0) * (1 if a.kind == "F" else 2))
+    assert slow.imbalance == pytest.approx(1.5)  # 72 / mean(24, 72)
+    assert slow.makespan == pytest.approx(72 + 3)  # stage 1 never waits after its first input
+    plain = simulate(actions, _forward_one_backward_two)
+    sent = simulate(actions, _forward_one_backward_two, transfer=lambda a: 0.5)
+    # Every crossing of the boundary on the critical path waits half a slot: the first forward and the
+    # last backward at least; the waits show as time spent waiting for a transfer.
+    assert sent.makespan >= plain.makespan + 1.0 and sum(sent.waited) > 0
+    started = simulate(actions, _forward_one_backward_two, start=[2.0, 2.0])
+    assert started.makespan == pytest.approx(plain.makespan + 2.0) and started.bubble == pytest.approx(
+        plain.bubble
+    )
+
+
+def test_split_backwards_and_a_deadlock():
+    zb = simulate(rank_actions("zbv", 2, 2, 4), _forward_one_backward_two)
+    assert zb.bubble < simulate(rank_actions("1f1b", 2, 1, 4), _forward_one_backward_two).bubble
+    stuck = [[Action("B", 0, 0)], [Action("F", 1, 0)]]  # stage 0's backward waits for stage 1's
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate(stuck, _forward_one_backward_two)
+
+
+@pytest.fixture(scope="module")
+def facts():
+    torch.manual_seed(0)
+    model = SequentialRegressor(d_in=16, hidden=64, depth=6, adam=True)
+    return measure_model(model, (torch.randn(16, 16), torch.randn(16, 4)), time_sizes=(2, 8))
+
+
+def test_the_probe_times_every_unit_and_the_optimizer(facts):
+    times = facts.times
+    assert times is not None and times.sizes == (2, 8)
+    for unit in facts.layout.units:
+        t = times.unit(unit.name)
+        assert t.forward.at(8) > 0 and t.backward.at(8) > 0, unit.name
+    blocks = [times.units[u.name].forward for u in facts.layout.units[1:-1]]
+    assert len(set(blocks)) == 1  # units of one structure share their mean
+    assert times.step.per_element > 0 and times.host_step.per_element > 0  # (the host's: its fused kernel)
+    assert TimeLine(1.0, 0.5).at(2) == 2.0 and TimeLine(-1.0, 0.1).at(1) == 0.0
+    cost = optimizer_step_cost(
+        [torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)], torch.device("cpu")
+    )
+    assert cost.per_element >= 0 and optimizer_step_cost([], torch.device("cpu")).of(1e6, 10) == 0
+
+
+def test_the_step_charges_bubble_recomputation_communication_and_offload(facts):
+    fast = given_links(bandwidth=100e9, latency=1e-6, host_bandwidth=50e9)
+    slow = given_links(bandwidth=1e6, latency=1e-3, host_bandwidth=1e6)
+    pp = step_time(facts, fast, ParallelPlan("pipeline", 2, 2, 4), samples=16)
+    assert pp.bubble > 0.1 and pp.seconds > pp.optimizer > 0
+    more = step_time(facts, fast, ParallelPlan("pipeline", 2, 2, 8), samples=16)
+    assert more.bubble < pp.bubble
+    ac = step_time(facts, fast, ParallelPlan("pipeline", 2, 2, 4, activation_checkpointing=True), samples=16)
+    assert ac.recompute > 0 and ac.seconds > pp.seconds and pp.recompute == 0
+    dp_fast = step_time(facts, fast, ParallelPlan("pipeline", 2, 1, 1), samples=8)
+    dp_slow = step_time(facts, slow, ParallelPlan("pipeline", 2, 1, 1), samples=8)
+    grads = sum(t.grad for t in facts.tensors.values())
+    # One all-reduce of every gradient after the schedule: 2 ring steps of half the bytes on 2 ranks.
+    assert dp_slow.communication == pytest.approx(slow.all_reduce(2, grads))
+    assert dp_slow.seconds - dp_fast.seconds == pytest.approx(dp_slow.communication - dp_fast.communication)
+    zero = step_time(facts, slow, ParallelPlan("pipeline", 2, 1, 1, data_parallel="zero1"), samples=8)
+    assert zero.optimizer < dp_slow.optimizer and zero.communication > dp_slow.communication
+    offloaded = step_time(facts, slow, ParallelPlan("pipeline", 2, 1, 1, offload="optimizer"), samples=8)
+    assert offloaded.offload >= 2 * slow.copy(grads) and offloaded.seconds > dp_slow.seconds
+    accumulating = step_time(facts, fast, ParallelPlan("pipeline", 2, 2, 4), samples=16, accumulate=2)
+    assert accumulating.schedule == pytest.approx(2 * pp.schedule)
+    with pytest.raises(ValueError, match="no unit times"):
+        step_time(measure_model(SequentialRegressor(adam=True), (torch.randn(4, 8), torch.randn(4, 4))), fast,
+                  ParallelPlan("pipeline", 2, 2, 2), 4)  # fmt: skip
+
+
+def test_links_fit_two_sizes_and_charge_collectives_as_rings():
+    assert fit_link((1000, 2000), (0.002, 0.003)) == Link(0.001, 1e6)
+    assert fit_link((1000, 2000), (0.003, 0.002)).latency == 0.0  # noise: the larger message's rate
+    links = given_links(bandwidth=1e9, latency=1e-5)
+    assert links.all_reduce(1, 1e9) == 0 and links.send(0) == 0
+    assert links.all_reduce(4, 4e6) == pytest.approx(2 * 3 * (1e-5 + 1e6 / 1e9))
+    assert links.all_gather(4, 4e6) == pytest.approx(links.all_reduce(4, 4e6) / 2)
+    with pytest.raises(ValueError, match="positive bandwidth"):
+        given_links(bandwidth=0)
