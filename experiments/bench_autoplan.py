@@ -117,7 +117,7 @@ def budgets_for(candidates: list[Candidate]) -> dict[str, Budget]:
 
 def chosen(candidates: list[Candidate], budget: Budget, quick: bool) -> list[Candidate]:
     """The top predicted plans that fit (the first is plan="auto"'s choice)."""
-    fits = [c for c in candidates if c.runnable and budget.fits(c)]
+    fits = [c for c in candidates if budget.fits(c)]
     return fits[: 2 if quick else TOP]
 
 

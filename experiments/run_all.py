@@ -60,6 +60,7 @@ EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this ord
     "compile": "bench_compile.py",
     "trace_share": "bench_trace_share.py",
     "offload": "bench_offload.py",
+    "offload_capacity": "offload_capacity.py",
     "autoplan": "bench_autoplan.py",
 }
 

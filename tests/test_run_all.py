@@ -189,6 +189,7 @@ def test_every_number_in_the_block_comes_from_a_csv(run_all, tmp_path):
 
 # The key numbers each table must show: changing any one of these columns must change the table.
 KEY_COLUMNS = {
+    "offload_capacity": ["params_billion", "device_peak_gib_24", "device_peak_gib_80"],
     "offload": ["step_ms", "ratio", "host_share", "host_copies_bytes"],
     "offload_kernels": ["step_ms", "ratio"],
     "memory_validation": ["measured_bytes", "predicted_bytes", "error"],

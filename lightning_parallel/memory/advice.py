@@ -13,7 +13,7 @@ from dataclasses import replace
 from lightning_parallel.memory.estimate import format_bytes
 from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.links import Links
-from lightning_parallel.memory.planner import OFFLOAD_RUNTIME, Budget, Candidate, fastest_fit, plan_search
+from lightning_parallel.memory.planner import Budget, Candidate, fastest_fit, plan_search
 from lightning_parallel.memory.search import Search
 
 
@@ -55,8 +55,7 @@ def nothing_fits(
             f"{search.batch_size or 'equal size'} per replica on {search.devices} devices: use a global "
             f"batch that is a multiple of the batch size x the replicas"
         )
-    runnable = [c for c in candidates if c.runnable] or candidates
-    smallest = min(runnable, key=lambda c: (c.peak, c.host_per_node))
+    smallest = min(candidates, key=lambda c: (c.peak, c.host_per_node))
     over = smallest.peak - budget.usable
     lines = [
         f"no plan fits {budget.describe()}: the smallest device peak is {format_bytes(smallest.peak)} "
@@ -82,9 +81,8 @@ def suggestions(facts: Mapping[int, ModelFacts], search: Search, budget: Budget)
         what = f"a batch of {batch // 2} per replica (accumulating twice as many)"
         out.append(_line(what, facts, halved, budget))
     searched = "recomputation and sharded optimizer state"
-    if not search.offload or not OFFLOAD_RUNTIME:
-        pending = "" if OFFLOAD_RUNTIME else " (the offload runtime is pending: not runnable yet)"
-        out.append(_line("offload" + pending, facts, replace(search, offload=True), budget, True))
+    if not search.offload:
+        out.append(_line("offload", facts, replace(search, offload=True), budget, True))
     else:
         searched = "recomputation, sharded optimizer state and offload"
     out.append(f"{searched} are in the search already; a smaller precision (bf16-mixed) is measured again "
@@ -110,7 +108,7 @@ def _line(
         found = plan_search(facts, search)
     except ValueError as err:
         return f"{what}: not searchable ({err})"
-    found = [c for c in found if c.plan.offload] if any_offload else [c for c in found if c.runnable]
+    found = [c for c in found if c.plan.offload] if any_offload else found
     if not found:
         return f"{what}: no plan divides the batch"
     smallest = min(found, key=lambda c: c.peak)

@@ -12,7 +12,6 @@ that fits with the least time per sample (ties: the smaller peak).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,11 +31,6 @@ from lightning_parallel.plan.parallel_plan import ParallelPlan
 MARGIN = 0.10
 """The safety margin: a plan fits when its predicted peak is at most 90% of the budget (the memory
 model is validated within 15% of torch's meter, mostly within 5%; allocators round up)."""
-
-OFFLOAD_RUNTIME = importlib.util.find_spec("lightning_parallel.techniques.offload") is not None
-"""Whether ``PipelineStrategy(offload=...)`` can run here; until it can, offload rows are sized and
-timed but never chosen."""
-
 
 @dataclass(frozen=True)
 class Budget:
@@ -100,10 +94,6 @@ class Candidate:
     def seconds(self) -> float:
         return self.time.seconds if self.time is not None else float("nan")
 
-    @property
-    def runnable(self) -> bool:
-        return OFFLOAD_RUNTIME or not self.plan.offload
-
     def reason(self) -> str:
         """Peak device and host bytes, and where the time goes."""
         host = f", host {format_bytes(self.host_per_node)} per node" if self.host_per_node else ""
@@ -164,9 +154,9 @@ def host_per_node(estimate: MemoryEstimate, ranks_per_node: int) -> int:
 
 
 def fastest_fit(candidates: list[Candidate], budget: Budget | int) -> Candidate | None:
-    """The first (fastest) runnable candidate that fits ``budget`` (bytes per device, no margin), or None."""
+    """The first (fastest) candidate that fits ``budget`` (bytes per device, no margin), or None."""
     budget = budget if isinstance(budget, Budget) else Budget(budget, margin=0.0)
-    return next((c for c in candidates if c.runnable and budget.fits(c)), None)
+    return next((c for c in candidates if budget.fits(c)), None)
 
 
 def format_plan(candidates: list[Candidate], budget: Budget | int) -> str:
@@ -179,7 +169,7 @@ def format_plan(candidates: list[Candidate], budget: Budget | int) -> str:
     for c in candidates:
         mb = c.batch // c.plan.num_microbatches
         batch = f"{c.batch}" + (f" x{c.accumulate}" if c.accumulate > 1 else "")
-        mark = "<- chosen" if c is best else ("(offload runtime pending)" if not c.runnable else "")
+        mark = "<- chosen" if c is best else ""
         step = f"{c.seconds * 1e3:.1f} ms" if c.time else "-"
         bubble = f"{c.time.bubble:.2f}" if c.time else "-"
         rows.append([c.plan.label(), batch, str(mb), format_bytes(c.peak), format_bytes(c.host_per_node),
@@ -189,7 +179,7 @@ def format_plan(candidates: list[Candidate], budget: Budget | int) -> str:
 
 def format_choice(candidates: list[Candidate], budget: Budget, others: int = 3) -> str:
     """The chosen plan, its ``PipelineStrategy(...)`` line, and the next ``others`` that fit, with why."""
-    fits = [c for c in candidates if c.runnable and budget.fits(c)]
+    fits = [c for c in candidates if budget.fits(c)]
     if not fits:
         return ""
     best = fits[0]

@@ -40,7 +40,6 @@ from lightning_parallel.memory.links import Links, given_links, links_from
 from lightning_parallel.memory.optimizer import optimizers_from
 from lightning_parallel.memory.planner import (
     MARGIN,
-    OFFLOAD_RUNTIME,
     Budget,
     Candidate,
     format_choice,
@@ -210,7 +209,7 @@ def _choose(
     samples = samples_in(batch) or 1
     search = Search(
         strategy.world_size, request.global_batch_size, samples, trainer.precision,
-        tensor_parallel_sizes=_tensor_parallel_sizes(strategy.world_size), offload=OFFLOAD_RUNTIME,
+        tensor_parallel_sizes=_tensor_parallel_sizes(strategy.world_size), offload=True,
         ranks_per_node=trainer.num_devices, offload_parameters=strategy.root_device.type == "cpu",
     )  # fmt: skip
     with LogRecorder().recording(module, samples), _on_device(module, strategy.root_device, budget):

@@ -1,0 +1,197 @@
+"""The planner's answer: the largest Llama-shaped model that trains on a 24 GiB and an 80 GiB device per rank,
+with and without offload, at a few pipeline shapes of one 8-device node.
+
+No training: each model of a ladder of Llama shapes (Llama 2 and 3's widths, depths and heads, a
+32000-token vocabulary; each but the largest also with half as many blocks again, for a finer ladder) is
+built on the meta device and measured once by the memory planner on fake tensors (``measure_for``: its
+units' activations, parameters, gradients and AdamW state in ``bf16-mixed``); every plan the search allows
+at each pipeline size is then sized (``plan_search``), offload rows excluded or included (the optimizer
+state and its step on the host, the activations of the micro-batches in flight on the host; FSDP2's
+parameter offload is searched for a split ``nn.Sequential`` only, not for a traced model). A rung *trains*
+at a device size when some plan of that pipeline size fits it with the planner's 10% margin: its fullest
+rank's device peak at most 90% of the device, and the host bytes its node's 8 ranks keep at most 90% of
+the node's host memory (``HOST_MEMORY``: 1 TiB, a common 8-GPU node).
+
+The samples: 4096 tokens each, a global batch of 16 per optimizer step (accumulated where a replica's batch
+is split further), so the micro-batch is 1 to 4 samples. What the planner's memory model is worth is checked
+elsewhere (``memory_validation.py``: within 15% of MemTracker, offload rows included); on a GPU the device
+column is the prediction to check (``gpu_check.py``).
+
+Writes ``offload_capacity.csv`` (one row per model x pipeline size x offload: the smallest device peak, the
+host bytes of its node, the plan) and ``offload_capacity.png`` (the largest model that trains).
+
+Usage::
+
+    python experiments/offload_capacity.py           # about 2 minutes on 2 cores
+    python experiments/offload_capacity.py --quick   # two small rungs, two pipeline sizes
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import _harness as h
+import torch
+
+from lightning_parallel.memory.estimate import format_bytes
+from lightning_parallel.memory.planner import Budget, Candidate, measure_for, plan_search
+from lightning_parallel.memory.search import Search
+
+DEVICES, GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 16, 4096, 32000
+PIPELINE_SIZES = (1, 2, 4, 8)
+DEVICE_MEMORY = {"24 GiB": 24 * 2**30, "80 GiB": 80 * 2**30}
+HOST_MEMORY = 2**40  # one node's RAM, shared by its 8 ranks
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-shaped decoder: width, blocks, heads, key-value heads, MLP width."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+PUBLISHED = (  # TinyLlama, OpenLLaMA 3B, Llama 2 7B/13B, Code Llama 34B, Llama 2 70B, Llama 3.1 405B's
+    # shapes, with a 32000-token vocabulary throughout
+    Shape("1.1B", 2048, 22, 32, 4, 5632),
+    Shape("3B", 3200, 26, 32, 32, 8640),
+    Shape("7B", 4096, 32, 32, 32, 11008),
+    Shape("13B", 5120, 40, 40, 40, 13824),
+    Shape("34B", 8192, 48, 64, 8, 22016),
+    Shape("70B", 8192, 80, 64, 8, 28672),
+    Shape("405B", 16384, 126, 128, 8, 53248),
+)
+LADDER = tuple(  # each published shape, and (below the largest) the same with half as many blocks again
+    sorted(
+        [
+            *PUBLISHED,
+            *(replace(s, name=f"{s.name} x1.5 depth", layers=s.layers * 3 // 2) for s in PUBLISHED[:-1]),
+        ],
+        key=lambda s: (s.hidden, s.layers),
+    )
+)
+
+
+def build(shape: Shape) -> Any:
+    """The model on the meta device, wrapped so its step is next-token cross-entropy on ``(ids, targets)``."""
+    import hf_decoders  # noqa: F401  (puts the Hugging Face test packages on sys.path)
+    import transformers as tf
+
+    from lightning_parallel.memory.hf import CausalLMStep
+
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate, max_position_embeddings=SEQ_LEN,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return CausalLMStep(tf.LlamaForCausalLM(config))
+
+
+def search(pipeline_size: int | None, offload: bool) -> Search:
+    sizes = None if pipeline_size is None else (pipeline_size,)
+    return Search(DEVICES, GLOBAL_BATCH, precision="bf16-mixed", pipeline_sizes=sizes, offload=offload,
+                  ranks_per_node=DEVICES, offload_parameters=False)  # fmt: skip
+
+
+def smallest(candidates: list[Candidate], budget: Budget) -> Candidate:
+    """The plan the largest-model question needs: one that fits if any does (the smallest device peak among
+    those whose node's host bytes fit), else the smallest peak."""
+    host = budget.usable_host
+    host_ok = [c for c in candidates if host is None or c.host_per_node <= host] or candidates
+    return min(host_ok, key=lambda c: (c.peak, c.host_per_node))
+
+
+def rows_of(shape: Shape, pipeline_sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    model = build(shape)
+    params = sum(p.numel() for p in model.parameters())
+    everything = search(None, True)
+    blocks = shape.layers
+    samples = everything.micro_batch_sizes(blocks)[1]
+    ids = torch.zeros(samples, SEQ_LEN, dtype=torch.long, device="meta")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    t0 = time.perf_counter()
+    facts = measure_for(model, (ids, ids), everything, optimizer)
+    measured_s = time.perf_counter() - t0
+    out = []
+    for p in pipeline_sizes:
+        for offload in (False, True):
+            candidates = plan_search(facts, search(p, offload))
+            if offload:  # the rows that offload something: what offload adds to the ladder
+                candidates = [c for c in candidates if c.plan.offload] or candidates
+            row = {"model": shape.name, "parameters": params, "params_billion": f"{params / 1e9:.2f}",
+                   "hidden": shape.hidden, "layers": shape.layers,
+                   "pipeline_size": p, "data_parallel": DEVICES // p, "offload": "yes" if offload else "no",
+                   "plans": len(candidates), "measure_s": round(measured_s, 1)}  # fmt: skip
+            for label, device in DEVICE_MEMORY.items():
+                budget = Budget(device, HOST_MEMORY, DEVICES)
+                best = smallest(candidates, budget)
+                key = label.split()[0]
+                row |= {f"fits_{key}": budget.fits(best), f"plan_{key}": best.plan.label(),
+                        f"device_peak_{key}": best.peak, f"device_peak_gib_{key}": f"{best.peak / 2**30:.1f}",
+                        f"host_gib_per_node_{key}": f"{best.host_per_node / 2**30:.0f}"}  # fmt: skip
+            out.append(row)
+        print(f"  {shape.name}: pp {p} done", flush=True)
+    return out
+
+
+def largest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per pipeline size x offload x device: the largest rung that trains."""
+    out = []
+    for p, offload in dict.fromkeys((r["pipeline_size"], r["offload"]) for r in rows):
+        mine = [r for r in rows if r["pipeline_size"] == p and r["offload"] == offload]
+        for label in DEVICE_MEMORY:
+            key = label.split()[0]
+            fit = [r for r in mine if r[f"fits_{key}"] in (True, "True")]
+            top = max(fit, key=lambda r: int(r["parameters"])) if fit else None
+            out.append({"pipeline_size": p, "offload": offload, "device": label,
+                        "largest": top["model"] if top else "none",
+                        "parameters": int(top["parameters"]) if top else 0,
+                        "plan": top[f"plan_{key}"] if top else "-"})  # fmt: skip
+    return out
+
+
+def plot(path: Any, rows: list[dict[str, Any]]) -> None:
+    best = largest(rows)
+    fig, axes = h.figure(len(DEVICE_MEMORY), sharey=True)
+    for ax, label in zip(axes, DEVICE_MEMORY, strict=True):
+        sizes = sorted({r["pipeline_size"] for r in best})
+        for i, offload in enumerate(("no", "yes")):
+            ys = [next(r["parameters"] for r in best if r["pipeline_size"] == p and r["offload"] == offload
+                       and r["device"] == label) / 1e9 for p in sizes]  # fmt: skip
+            xs = [j + (i - 0.5) * 0.38 for j in range(len(sizes))]
+            ax.bar(xs, ys, width=0.36, label="with offload" if offload == "yes" else "without offload")
+        ax.set_xticks(range(len(sizes)), [f"pp {p} x dp {DEVICES // p}" for p in sizes])
+        ax.set_yscale("log")
+        ax.set_title(f"{label} per device, {DEVICES} devices")
+        ax.set_ylabel("largest Llama that trains (billion parameters)")
+        ax.legend()
+    fig.suptitle(f"The planner: bf16-mixed AdamW, {SEQ_LEN} tokens x {GLOBAL_BATCH} per step, 10% margin")
+    h.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = h.parser(__doc__, repeats=None).parse_args(argv)
+    h.record_machine("offload_capacity", args.out_dir)
+    h.quiet()
+    ladder = LADDER[:3] if args.quick else LADDER
+    sizes = PIPELINE_SIZES[::2] if args.quick else PIPELINE_SIZES
+    rows = []
+    for shape in ladder:
+        rows += rows_of(shape, sizes)
+    h.write_csv(args.out_dir / "offload_capacity.csv", rows)
+    plot(args.out_dir / "offload_capacity.png", rows)
+    for r in largest(rows):
+        print(f"pp {r['pipeline_size']} x dp {DEVICES // r['pipeline_size']}, {r['device']}, offload "
+              f"{r['offload']}: {r['largest']} ({r['parameters'] / 1e9:.1f} B) {r['plan']}")  # fmt: skip
+    print(f"host memory per node: {format_bytes(HOST_MEMORY)}")
+
+
+if __name__ == "__main__":
+    main()
