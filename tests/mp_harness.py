@@ -37,6 +37,7 @@ __all__ = [
     "load_rank_results",
     "merged_params",
     "merged_records",
+    "describe_processes",
     "processes_with_env",
     "quiet_trainer",
     "reference_loader",
@@ -249,6 +250,21 @@ def processes_with_env(entry: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def describe_processes(pids: list[int]) -> str:
+    """``pid: state, parent, command line`` of each of ``pids``: what a leftover-rank assertion shows."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            out.append(f"{pid}: state {fields[0].decode()}, parent {int(fields[1])}, {command[:300]}")
+        except OSError:
+            out.append(f"{pid}: gone")
+    return "; ".join(out)
 
 
 def _session_helper(pid: str) -> bool:
