@@ -26,6 +26,24 @@ _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "W
 _SESSION_LAUNCH_ENV = {k: os.environ[k] for k in _LAUNCH_VARIABLES if k in os.environ}
 
 
+def pytest_configure(config):
+    """Refuse to run as a rank another process launched: a test started pytest again.
+
+    Lightning's script launcher starts ranks 1.. by running ``sys.argv`` again with ``LOCAL_RANK`` set:
+    a multi-device Trainer in a test process without a launched environment (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``) would start the whole suite again in the background, where it slows every test and
+    its jobs collide with this session's. Ending here fails the test that launched it instead.
+    """
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    if local_rank != "0":
+        pytest.exit(
+            f"pytest was started as local rank {local_rank} by a launcher (Lightning's script launcher runs "
+            f"sys.argv again): a test ran Trainer(devices>1) in a process without RANK, LOCAL_RANK and "
+            f"WORLD_SIZE set. Set them in the test's ranks (mp_harness.spawn_gloo does)",
+            returncode=3,
+        )
+
+
 @pytest.fixture(autouse=True)
 def _isolate_distributed_state():
     """Leave no rank, process group or rendezvous port behind for the next test.

@@ -33,11 +33,11 @@ __all__ = [
     "SpawnDDPStrategy",
     "assert_close_dicts",
     "ddp_spawn",
+    "describe_processes",
     "fit",
     "load_rank_results",
     "merged_params",
     "merged_records",
-    "describe_processes",
     "processes_with_env",
     "quiet_trainer",
     "reference_loader",
@@ -292,6 +292,7 @@ def free_port() -> int:
 def _gloo_entry(rank: int, fn: Any, world: int, port: int, out_dir: str, environ: dict, seed: Any) -> None:
     os.environ.clear()
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
     torch.set_rng_state(seed)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -301,9 +302,13 @@ def _gloo_entry(rank: int, fn: Any, world: int, port: int, out_dir: str, environ
 
 
 def spawn_gloo(fn: Any, world: int, out_dir: str | os.PathLike) -> list[Any]:
-    """Run ``fn(rank, world, out_dir)`` on ``world`` spawned gloo ranks without Lightning.
+    """Run ``fn(rank, world, out_dir)`` on ``world`` spawned gloo ranks, the process group started.
 
-    Each rank saves what the test checks to ``out_dir/rank{R}.pt``; the records come back by rank.
+    Each rank saves what the test checks to ``out_dir/rank{R}.pt``; the records come back by rank. The
+    ranks' environment says how they were launched (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``NODE_RANK``), as torchrun's does: a Trainer in ``fn`` joins this world. Without them Lightning
+    believes it was started alone and starts the other ranks itself by running ``sys.argv`` again:
+    under the suite, a second pytest session in the background.
     """
     args = (fn, world, free_port(), str(out_dir), dict(os.environ), torch.get_rng_state())
     mp.start_processes(_gloo_entry, args=args, nprocs=world, start_method=START_METHOD)
