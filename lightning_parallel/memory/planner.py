@@ -32,6 +32,7 @@ MARGIN = 0.10
 """The safety margin: a plan fits when its predicted peak is at most 90% of the budget (the memory
 model is validated within 15% of torch's meter, mostly within 5%; allocators round up)."""
 
+
 @dataclass(frozen=True)
 class Budget:
     """Bytes per device and per node's host (``None``: not checked), and the safety margin.
