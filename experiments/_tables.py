@@ -353,6 +353,9 @@ def memory_validation(rows: Rows) -> str:
     )
 
 
+HOST_COLUMNS = ("predicted_host_bytes", "measured_host_bytes")
+
+
 def autoplan(rows: Rows) -> str:
     body = []
     for (model, budget), mine in _groups_of(rows, ("model", "budget")).items():
@@ -377,11 +380,13 @@ def autoplan(rows: Rows) -> str:
     detail = [
         [r["model"], r["budget"], r["predicted_rank"], f"`{r['plan']}`", _f(r["predicted_ms"], 1),
          timed_col(r, "measured_ms", 1), _mib(float(r["predicted_peak_bytes"])),
-         _mib(float(r["measured_peak_bytes"])), _f(r["peak_error"], 3)]
+         _mib(float(r["measured_peak_bytes"])), _f(r["peak_error"], 3),
+         *(_mib(float(r[k])) if float(r[k]) else "-" for k in HOST_COLUMNS)]
         for r in rows
     ]  # fmt: skip
     detail_header = ["model", "budget", "predicted rank", "plan", "predicted milliseconds", "measured ms",
-                     "predicted peak MiB", "measured peak MiB (worst rank)", "peak error"]  # fmt: skip
+                     "predicted peak MiB", "measured peak MiB (worst rank)", "peak error",
+                     "predicted host MiB", "measured host MiB (optimizer)"]  # fmt: skip
     models = {r["model"]: r for r in rows}
     within = "; ".join(
         f"{m} {_f(r['spearman_model'], 2)} ({r['plans_model']} plans)" for m, r in models.items()
@@ -392,9 +397,11 @@ def autoplan(rows: Rows) -> str:
         f"{_f(r0['spearman_all'], 2)} over all {r0['plans_all']} plans measured (goal "
         f"{r0['spearman_goal']}); within each model: {within}. Step time: the median of each plan's timed "
         "steps over two passes (the second in reverse order), min-max beside it; the ratio's range pairs "
-        "the extremes. Peaks: MemTracker on one "
-        "step, every rank; fits = the measured peak within the budget on every rank; the goal for the auto "
-        f"choice: a median ratio to the best measured of at most {r0['time_goal']}.\n\n"
+        "the extremes. Peaks: MemTracker on one step, every rank; host and device are one memory here, so "
+        "an offloaded optimizer's host copies, gradient buffers and state (held through the step) are taken "
+        "out of the device peak and shown as the host's (activations offloaded to the host stay in the "
+        "device peak); fits = the measured device peak within the budget on every rank; the goal for the "
+        f"auto choice: a median ratio to the best measured of at most {r0['time_goal']}.\n\n"
         + _table(detail_header, detail)
     )
 

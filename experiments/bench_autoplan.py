@@ -14,7 +14,9 @@ For three models (the main job's GPT ``models.CharLM``, split by tracing; the sa
 3. for each budget the **top six predicted plans that fit** run for real, each as
    ``PipelineStrategy.from_plan(plan)`` under the Trainer, the global batch fixed (each replica's loader
    batch = global / replicas): two warm-up steps, one step measured by ``MemTracker`` (every rank's peak,
-   as ``memory_validation.py`` measures it), then timed steps (barrier, step, barrier). The sequence of
+   as ``memory_validation.py`` measures it; host and device being one memory here, an offloaded
+   optimizer's host copies and state, held through the step, are taken out of it as the host's share),
+   then timed steps (barrier, step, barrier). The sequence of
    plans runs twice, the second time in reverse order, and each plan's step time is the median of its
    timed steps over both passes (min-max beside it).
 
@@ -52,6 +54,7 @@ from lightning_parallel.memory.links import links_from
 from lightning_parallel.memory.planner import Budget, Candidate, measure_for, plan_search
 from lightning_parallel.memory.search import Search
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques.offload.host_optimizer import is_host_stepping
 
 MODELS = ("Sequential CharLM", "GPT (traced)", "HF Llama")
 DIM, DEPTH, SEQ_LEN, GLOBAL_BATCH, DEVICES = 128, 4, 64, 16, 2
@@ -170,7 +173,13 @@ def one_run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     )
     # Every replica reads its own batches (Lightning's sampler): the global batch is GLOBAL_BATCH.
     trainer.fit(build(job["model"]), DataLoader(TensorDataset(x, y), batch_size=per_replica))
-    return {"key": job["key"], "rank": rank, "peak": meter.peak, "times": clock.times[WARMUP + TRACKED :]}
+    # Host and device are one memory here: MemTracker's peak holds an offloaded optimizer's host copies,
+    # gradient buffers and state too, all held through the step; the device's share is the rest.
+    # (Activations offloaded to the host stay in the device's share: their copies come and go.)
+    optimizer = getattr(trainer.optimizers[0], "optim", trainer.optimizers[0])
+    host = sum(optimizer.host_bytes().values()) if is_host_stepping(optimizer) else 0
+    return {"key": job["key"], "rank": rank, "peak": meter.peak - host, "host": host,
+            "times": clock.times[WARMUP + TRACKED :]}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -211,6 +220,7 @@ def rows_for(
                  predicted_ms=round(c.seconds * 1e3, 2), measured_ms=m["ms"], measured_ms_min=m["ms_min"],
                  measured_ms_max=m["ms_max"], steps_timed=m["steps"], predicted_peak_bytes=c.peak,
                  measured_peak_bytes=m["peak"], peak_error=round(c.peak / m["peak"] - 1, 4),
+                 predicted_host_bytes=max(r.host for r in c.estimate.ranks), measured_host_bytes=m["host"],
                  fits_measured=m["peak"] <= budget.device, bubble=round(c.time.bubble, 4),
                  imbalance=round(c.time.imbalance, 4), communication_ms=round(c.time.communication * 1e3, 2),
                  recompute_ms=round(c.time.recompute * 1e3, 2))
@@ -299,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         times = [t * 1e3 for r in runs if r["rank"] == 0 for t in r["times"]]
         s = h.spread(times)
         measured[key] = dict(ms=round(s.median, 2), ms_min=round(s.lo, 2), ms_max=round(s.hi, 2), steps=s.n,
-                             peak=max(r["peak"] for r in runs))  # fmt: skip
+                             peak=max(r["peak"] for r in runs),
+                             host=max(r["host"] for r in runs))  # fmt: skip
     rows = []
     for model, (budgets, picks) in planned.items():
         for name, mine in picks.items():
