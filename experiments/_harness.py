@@ -373,6 +373,9 @@ def quiet_trainer(**kwargs: Any) -> L.Trainer:
 class StepClock(L.Callback):
     """Records when each training step starts and ends (and its loss) inside ``Trainer.fit``.
 
+    With ``barrier=True`` the ranks are lined up before each step starts and after it ends, so every
+    rank times the same step: the job's, not one rank's share of it.
+
     Example::
 
         clock = h.StepClock()
@@ -380,26 +383,35 @@ class StepClock(L.Callback):
         clock.median_step_ms(warmup=3)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, barrier: bool = False) -> None:
+        self.barrier = barrier
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.losses: list[float] = []
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
+        if self.barrier:
+            barrier()
         self.starts.append(time.perf_counter())
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *_: Any
     ) -> None:
+        if self.barrier:
+            barrier()
         self.ends.append(time.perf_counter())
         loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
         self.losses.append(float(loss) if loss is not None else float("nan"))
 
+    def step_seconds(self, warmup: int) -> list[float]:
+        """Each step's seconds from its start to its end, after ``warmup`` steps."""
+        return [e - s for s, e in zip(self.starts[warmup:], self.ends[warmup:])]
+
     def median_step_ms(self, warmup: int) -> float:
         """Median milliseconds from a step's start to its end, after ``warmup`` steps."""
-        return 1e3 * statistics.median(e - s for s, e in zip(self.starts[warmup:], self.ends[warmup:]))
+        return 1e3 * statistics.median(self.step_seconds(warmup))
 
     def cycle_quantile_s(self, warmup: int, q: float = 0.5) -> float:
         """A quantile of the step cycles (start to the next start: data, step, hooks), in seconds.

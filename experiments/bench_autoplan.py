@@ -42,10 +42,8 @@ from typing import Any
 import _harness as h
 import torch
 from _meters import StepMeter
-from lightning.pytorch.callbacks import Callback
 from models import CharLM, SequentialCharLM
 from torch.utils.data import DataLoader, TensorDataset
-from typing_extensions import override
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed.link_timing import time_copy, time_group
@@ -127,26 +125,6 @@ def chosen(candidates: list[Candidate], budget: Budget, quick: bool) -> list[Can
 # ------------------------------------------------------------------------------------------ measuring
 
 
-class Clock(Callback):
-    """Every step's wall time between barriers (the ranks start and end a step together)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._start = 0.0
-
-    @override
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        h.barrier()
-        self._start = time.perf_counter()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        h.barrier()
-        self.times.append(time.perf_counter() - self._start)
-
-
 def links_worker(rank: int, world: int) -> dict[str, Any]:
     timings = time_group()
     return {"timings": timings, "copy": time_copy(1 << 24)}
@@ -164,7 +142,7 @@ def run_worker(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[s
 
 def one_run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     plan: ParallelPlan = job["plan"]
-    clock, meter = Clock(), StepMeter(step=WARMUP)
+    clock, meter = h.StepClock(barrier=True), StepMeter(step=WARMUP)  # the ranks' step, between barriers
     steps = WARMUP + TRACKED + TIMED
     x, y = batch(GLOBAL_BATCH * steps, seed=1)
     per_replica = GLOBAL_BATCH // plan.data_parallel_size
@@ -179,7 +157,7 @@ def one_run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     optimizer = getattr(trainer.optimizers[0], "optim", trainer.optimizers[0])
     host = sum(optimizer.host_bytes().values()) if is_host_stepping(optimizer) else 0
     return {"key": job["key"], "rank": rank, "peak": meter.peak - host, "host": host,
-            "times": clock.times[WARMUP + TRACKED :]}  # fmt: skip
+            "times": clock.step_seconds(WARMUP + TRACKED)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ results

@@ -33,7 +33,6 @@ from typing import Any
 
 import _harness as h
 import torch
-from lightning.pytorch.callbacks import Callback
 from models import SequentialCharLM
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
@@ -65,26 +64,13 @@ def local_bytes(tensors: Any) -> int:
     return total
 
 
-class Probe(Callback):
-    """Parameter, gradient and optimizer bytes before the optimizer steps, and each step's wall time."""
+class Probe(h.StepClock):
+    """Parameter, gradient and optimizer bytes before the optimizer steps, and each step's wall time
+    (between barriers: the ranks' step)."""
 
     def __init__(self) -> None:
+        super().__init__(barrier=True)
         self.ppo = 0
-        self.times: list[float] = []
-        self._start = 0.0
-
-    @override
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        h.barrier()
-        self._start = time.perf_counter()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        h.barrier()
-        if batch_idx > 0:  # the first step builds the schedule and the optimizer state
-            self.times.append(time.perf_counter() - self._start)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -108,11 +94,12 @@ def worker(rank: int, world: int) -> list[dict[str, Any]]:
         trainer = h.quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[probe])
         replicas = world // (2 * kwargs.get("tensor_parallel_size", 1))
         trainer.fit(build(model), DataLoader(data, batch_size=GLOBAL_BATCH // replicas))
-        s = h.spread(probe.times)
+        times = probe.step_seconds(1)  # the first step builds the schedule and the optimizer state
+        s = h.spread(times)
         records.append(
             dict(run=name, model=model, shape=shape, rank=rank, world_size=world, model_dim=DIM,
                  model_depth=DEPTH, global_batch=GLOBAL_BATCH, ppo_bytes=probe.ppo, step_s=s.median,
-                 step_s_min=s.lo, step_s_max=s.hi, steps_timed=len(probe.times))
+                 step_s_min=s.lo, step_s_max=s.hi, steps_timed=len(times))
         )  # fmt: skip
     return records
 
