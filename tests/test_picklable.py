@@ -119,6 +119,21 @@ def test_each_public_object_and_helper_result_comes_back_from_pickle_working(nam
     assert pickle.loads(pickle.dumps(public)) is public  # the class or function itself, by reference
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(plan="auto", memory="1GiB", global_batch_size=16),
+        dict(pipeline_size=2, offload=["optimizer", "activations"]),
+    ],
+    ids=["plan-auto", "offload"],
+)
+def test_the_strategy_with_a_planned_or_offloaded_plan_comes_back_from_pickle(kwargs):
+    original = PipelineStrategy(start_method="spawn", **kwargs)
+    restored = pickle.loads(pickle.dumps(original))
+    assert restored.parallel_plan == original.parallel_plan
+    assert restored._auto == original._auto  # what plan="auto" is asked (budget, global batch), or None
+
+
 # ---------------------------------------------------------------------- a user's lambda, by name
 def _spawn_trainer(**kwargs):
     from mp_harness import quiet_trainer
