@@ -743,11 +743,10 @@ def offload_kernels(rows: Rows) -> str:
 
 def offload_capacity(rows: Rows) -> str:
     def largest(p: str, offload: str, key: str) -> str:
-        mine = [r for r in rows if r["pipeline_size"] == p and r["offload"] == offload]
-        fit = [r for r in mine if r[f"fits_{key}"] == "True"]
-        if not fit:
+        mine = (r for r in rows if r["pipeline_size"] == p and r["offload"] == offload)
+        top = next((r for r in mine if r[f"largest_{key}"] == "True"), None)  # marked by the script
+        if top is None:
             return "none"
-        top = max(fit, key=lambda r: int(r["parameters"]))
         host = top[f"host_gib_per_node_{key}"]
         on_host = f", host {host} GiB per node" if float(host) else ""
         peak = top[f"device_peak_gib_{key}"]

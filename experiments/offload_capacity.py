@@ -141,30 +141,35 @@ def rows_of(shape: Shape, pipeline_sizes: tuple[int, ...]) -> list[dict[str, Any
     return out
 
 
-def largest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per pipeline size x offload x device: the largest rung that trains."""
-    out = []
+def mark_largest(rows: list[dict[str, Any]]) -> None:
+    """Mark (``largest_24``, ``largest_80``) the largest rung that trains per pipeline size x offload x
+    device: the answer, decided here once; the plot, the printout and the results table read the marks."""
     for p, offload in dict.fromkeys((r["pipeline_size"], r["offload"]) for r in rows):
         mine = [r for r in rows if r["pipeline_size"] == p and r["offload"] == offload]
         for label in DEVICE_MEMORY:
             key = label.split()[0]
-            fit = [r for r in mine if r[f"fits_{key}"] in (True, "True")]
-            top = max(fit, key=lambda r: int(r["parameters"])) if fit else None
-            out.append({"pipeline_size": p, "offload": offload, "device": label,
-                        "largest": top["model"] if top else "none",
-                        "parameters": int(top["parameters"]) if top else 0,
-                        "plan": top[f"plan_{key}"] if top else "-"})  # fmt: skip
-    return out
+            fit = [r for r in mine if r[f"fits_{key}"]]
+            top = max(fit, key=lambda r: r["parameters"]) if fit else None
+            for r in mine:
+                r[f"largest_{key}"] = r is top
+
+
+def largest(
+    rows: list[dict[str, Any]], pipeline_size: int, offload: str, label: str
+) -> dict[str, Any] | None:
+    """The marked row of ``pipeline_size`` x ``offload`` at device ``label``, or None (nothing trains)."""
+    key = label.split()[0]
+    mine = (r for r in rows if r["pipeline_size"] == pipeline_size and r["offload"] == offload)
+    return next((r for r in mine if r[f"largest_{key}"]), None)
 
 
 def plot(path: Any, rows: list[dict[str, Any]]) -> None:
-    best = largest(rows)
     fig, axes = h.figure(len(DEVICE_MEMORY), sharey=True)
+    sizes = sorted({r["pipeline_size"] for r in rows})
     for ax, label in zip(axes, DEVICE_MEMORY, strict=True):
-        sizes = sorted({r["pipeline_size"] for r in best})
         for i, offload in enumerate(("no", "yes")):
-            ys = [next(r["parameters"] for r in best if r["pipeline_size"] == p and r["offload"] == offload
-                       and r["device"] == label) / 1e9 for p in sizes]  # fmt: skip
+            tops = [largest(rows, p, offload, label) for p in sizes]
+            ys = [top["parameters"] / 1e9 if top else 0 for top in tops]
             xs = [j + (i - 0.5) * 0.38 for j in range(len(sizes))]
             ax.bar(xs, ys, width=0.36, label="with offload" if offload == "yes" else "without offload")
         ax.set_xticks(range(len(sizes)), [f"pp {p} x dp {DEVICES // p}" for p in sizes])
@@ -185,11 +190,19 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for shape in ladder:
         rows += rows_of(shape, sizes)
+    mark_largest(rows)
     h.write_csv(args.out_dir / "offload_capacity.csv", rows)
     plot(args.out_dir / "offload_capacity.png", rows)
-    for r in largest(rows):
-        print(f"pp {r['pipeline_size']} x dp {DEVICES // r['pipeline_size']}, {r['device']}, offload "
-              f"{r['offload']}: {r['largest']} ({r['parameters'] / 1e9:.1f} B) {r['plan']}")  # fmt: skip
+    for p in sizes:
+        for label in DEVICE_MEMORY:
+            for offload in ("no", "yes"):
+                top = largest(rows, p, offload, label)
+                what = (
+                    f"{top['model']} ({top['parameters'] / 1e9:.1f} B) {top[f'plan_{label.split()[0]}']}"
+                    if top
+                    else "none"
+                )
+                print(f"pp {p} x dp {DEVICES // p}, {label}, offload {offload}: {what}")
     print(f"host memory per node: {format_bytes(HOST_MEMORY)}")
 
 
