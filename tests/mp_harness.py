@@ -33,11 +33,11 @@ __all__ = [
     "SpawnDDPStrategy",
     "assert_close_dicts",
     "ddp_spawn",
-    "describe_processes",
     "fit",
     "load_rank_results",
     "merged_params",
     "merged_records",
+    "process_lines",
     "processes_with_env",
     "quiet_trainer",
     "reference_loader",
@@ -252,8 +252,9 @@ def processes_with_env(entry: str) -> list[int]:
     return pids
 
 
-def describe_processes(pids: list[int]) -> str:
-    """``pid: state, parent, command line`` of each of ``pids``: what a leftover-rank assertion shows."""
+def process_lines(pids: list[int]) -> list[str]:
+    """``pid: state, parent, command line`` of each of ``pids`` still running (one that is gone is left
+    out): what a leftover-rank assertion shows."""
     out = []
     for pid in pids:
         try:
@@ -261,10 +262,10 @@ def describe_processes(pids: list[int]) -> str:
                 fields = f.read().rsplit(b")", 1)[1].split()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            out.append(f"{pid}: state {fields[0].decode()}, parent {int(fields[1])}, {command[:300]}")
         except OSError:
-            out.append(f"{pid}: gone")
-    return "; ".join(out)
+            continue
+        out.append(f"{pid}: state {fields[0].decode()}, parent {int(fields[1])}, {command[:300]}")
+    return out
 
 
 def _session_helper(pid: str) -> bool:

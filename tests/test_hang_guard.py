@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 import torch.distributed as dist
-from mp_harness import processes_with_env, quiet_trainer
+from mp_harness import process_lines, processes_with_env, quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 
 
@@ -49,4 +49,4 @@ def test_deadlocked_test_fails_by_timeout_with_a_message():
     deadline = time.monotonic() + 10  # a killed process may take a moment to be reaped
     while (left := processes_with_env(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert left == [], f"processes of the deadlocked run still alive: {left}"
+    assert left == [], f"processes of the deadlocked run still alive: {process_lines(left)}"

@@ -15,9 +15,9 @@ import pytest
 import torch
 from mp_harness import (
     assert_close_dicts,
-    describe_processes,
     fit,
     load_rank_results,
+    process_lines,
     processes_with_env,
     reference_loader,
 )
@@ -100,4 +100,4 @@ def test_a_failing_rank_ends_a_script_job_with_its_message(tmp_path, fail_rank):
     deadline = time.monotonic() + 20
     while (left := processes_with_env(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert left == [], f"ranks of the failed job still alive: {describe_processes(left)}"
+    assert left == [], f"ranks of the failed job still alive: {process_lines(left)}"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from mp_harness import START_METHOD, ddp_spawn, free_port, processes_with_env, quiet_trainer
+from mp_harness import START_METHOD, ddp_spawn, free_port, process_lines, processes_with_env, quiet_trainer
 from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import HangWatchdog, PipelineStrategy
@@ -259,18 +259,6 @@ def _marker(monkeypatch) -> str:
     return f"LP_WATCHDOG_TEST={value}"
 
 
-def _ranks_with_env(marker: str) -> list[str]:
-    """Command lines of the processes holding ``marker`` (pytest's own multiprocessing helpers aside)."""
-    commands = []
-    for pid in processes_with_env(marker):
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        commands.append(f"{pid}: {command}")
-    return commands
-
-
 def _assert_no_leftovers(marker: str, launched: list | None = None) -> None:
     """No process holding ``marker`` is left, nor any of the ``launched`` processes (a launcher's ranks).
 
@@ -281,7 +269,7 @@ def _assert_no_leftovers(marker: str, launched: list | None = None) -> None:
 
     def left() -> list[str]:
         alive = [f"{p.pid}: rank {i}" for i, p in enumerate(launched or []) if p.is_alive()]
-        return _ranks_with_env(marker) + alive
+        return process_lines(processes_with_env(marker)) + alive
 
     while (still := left()) and time.monotonic() < deadline:
         time.sleep(0.3)
