@@ -35,10 +35,13 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) experiments/train_charlm.py
 
+# The suite on TEST_WORKERS pytest-xdist workers, a file at a time (--dist loadfile: a module's spawned
+# job is set up once), in the order conftest.py gives (the files with slow tests first).
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .

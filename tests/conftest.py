@@ -8,6 +8,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 
+import lightning.fabric.plugins.environments.lightning as _lightning_environment
+import mp_harness
 import pytest
 import torch
 from global_state import changes, snapshot
@@ -19,6 +21,12 @@ torch.set_num_threads(1)
 multiprocessing.set_forkserver_preload(
     ["lightning_parallel", "lightning.pytorch", "mp_harness", "tiny_models"]
 )
+
+# Lightning's launchers take a free port with bind(0), from the kernel's ephemeral range, where gloo's
+# client sockets take theirs: with two pytest workers a port it picked was taken before the job's store
+# bound it (EADDRINUSE). The suite's jobs take theirs from mp_harness.free_port (a range below it, a
+# slice per worker); a job a test starts as a script is given one through STANDALONE_PORT.
+_lightning_environment.find_free_network_port = mp_harness.free_port
 
 # Variables a launcher writes into the main process's environment. A later run that finds them
 # believes it was launched externally, or reuses a port a leftover store still holds (EADDRINUSE).
@@ -42,6 +50,14 @@ def pytest_configure(config):
             f"WORLD_SIZE set. Set them in the test's ranks (mp_harness.spawn_gloo does)",
             returncode=3,
         )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with a ``slow`` test first (in their order), the others after them, each file's tests kept
+    in order: with ``make test``'s workers (pytest-xdist, a file at a time) the long jobs start first and
+    the many short files fill the cores around them, instead of one long job running alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture(autouse=True)

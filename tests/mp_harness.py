@@ -284,10 +284,38 @@ def _session_helper(pid: str) -> bool:
     return parent == os.getpid()
 
 
+# The suite's rendezvous ports come from below the kernel's ephemeral range (32768-60999 by default),
+# where every client socket (gloo opens a mesh of them per job) takes its port: a port picked with
+# bind(0) and released is anyone's until the job's store binds it (EADDRINUSE, seen with two pytest
+# workers side by side). Each xdist worker draws from its own slice, in turn, so two workers never
+# pick the same port and a port is not picked again before thousands of others.
+_PORTS = range(20000, 32000)
+_next_port: list[int] = []
+
+
+def _worker_ports() -> range:
+    """This pytest worker's slice of :data:`_PORTS` (the whole range without xdist)."""
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % count
+    size = len(_PORTS) // count
+    return _PORTS[index * size : (index + 1) * size]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no process listens on, for a job's ``MASTER_PORT`` (see :data:`_PORTS`)."""
+    ports = _worker_ports()
+    if not _next_port:  # a process's first pick: start where another process of this worker would not
+        _next_port.append(os.getpid() * 7919 % len(ports))
+    for _ in range(len(ports)):
+        port = ports[_next_port[0] % len(ports)]
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports}")
 
 
 def _gloo_entry(rank: int, fn: Any, world: int, port: int, out_dir: str, environ: dict, seed: Any) -> None:

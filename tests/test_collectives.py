@@ -1,13 +1,12 @@
 """ScalarReducer, reduce maps and the unpadded evaluation sampler: pure logic, then 2 gloo processes."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from mp_harness import START_METHOD
+from mp_harness import START_METHOD, free_port
 
 from lightning_parallel.data.eval_sampler import EvalDistributedSampler, eval_shard
 from lightning_parallel.distributed.collectives import (
@@ -57,12 +56,6 @@ def test_eval_shards_partition_the_data_set_without_padding():
         eval_shard(10, 2, 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -104,7 +97,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_two_gloo_ranks_reduce_in_one_collective_and_fail_alike(tmp_path):
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method=START_METHOD)
+    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method=START_METHOD)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     first = r0["first"]
     assert first["loss"] == (pytest.approx((1 * 1 + 2 * 3) / 4), (0, 1))

@@ -171,6 +171,7 @@ def _step_losses(records: list[dict]) -> list[float]:
     return steps
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_finetuning_losses_are_token_exact_in_every_axis_and_lengths_are_traced_once(tmp_path):

@@ -183,6 +183,7 @@ def _merged(out_dir: Path, name: str) -> tuple[dict, torch.Tensor, list[dict]]:
     return merged_records(out_dir, name, WORLD)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_step(tmp_path):

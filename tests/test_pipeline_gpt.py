@@ -135,6 +135,7 @@ def test_nanogpt_forward_with_targets_and_its_loss_inside_trains_as_on_one_devic
     _assert_trained_as_on_one_device(records, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_gpt_checkpoint_keeps_the_tie_and_resumes_on_one_device_and_at_another_stage_count(tmp_path):

@@ -152,6 +152,7 @@ def _pipelined_fits(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.save(dataclasses.asdict(tally), f"{out_dir}/exports-rank{rank}.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_hugging_face_families_train_as_on_one_device(tmp_path):

@@ -5,7 +5,6 @@ before the interpreter's finalisation.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import torch
 from mp_harness import (
     assert_close_dicts,
     fit,
+    free_port,
     load_rank_results,
     process_lines,
     processes_with_env,
@@ -24,12 +24,6 @@ from mp_harness import (
 from tiny_models import SequentialRegressor, regression_data
 
 JOB = Path(__file__).parent / "scripts" / "pipeline_job.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun_node(rank: int, port: int, out: Path) -> subprocess.Popen:
@@ -50,7 +44,7 @@ def _env():
 def test_two_torchrun_nodes_on_localhost_match_one_device(tmp_path):
     torch.manual_seed(0)
     ref = fit(SequentialRegressor(), reference_loader(regression_data(), 16), tmp_path / "ref", devices=1)[0]
-    port = _free_port()
+    port = free_port()
     nodes = [_torchrun_node(rank, port, tmp_path / "pp") for rank in (0, 1)]
     try:
         outputs = [node.communicate(timeout=120)[0] for node in nodes]

@@ -230,6 +230,7 @@ def _megatron_collectives() -> dict[str, dict[str, int]]:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):

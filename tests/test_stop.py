@@ -7,7 +7,6 @@ fork, forkserver, the script launcher, torchrun and SLURM's way (each rank start
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from mp_harness import free_port
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed import stop
@@ -26,6 +26,10 @@ from lightning_parallel.strategies.pipeline.stop import check_signal_internals
 JOB = Path(__file__).parent / "scripts" / "stop_job.py"
 STOP_PY = Path(stop.__file__)
 GRACE = 4.0
+# How soon after the signal every process of a stopped job must be gone: the grace period, then the
+# processes' own exit, which takes up to ~12 s on 2 cores shared by seven jobs and another pytest
+# worker. What the bound tells apart is a job that ends from one that hangs (forever, without the guard).
+GONE_WITHIN = GRACE + 25
 
 
 def test_lightning_still_has_the_signal_machinery_we_replace():
@@ -191,14 +195,10 @@ def _processes_by_marker() -> dict[str, list[int]]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(job: Job, out: Path, marker: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LP_STOP_JOB": marker}
+    # the port Lightning's launcher in the job takes (find_free_network_port reads it): one of the suite's
+    env["STANDALONE_PORT"] = str(free_port())
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     method = "popen" if job.start_method in ("torchrun", "slurm") else job.start_method
     command = [str(JOB), "--out", str(out), "--start-method", method, "--grace", str(GRACE)]
@@ -211,7 +211,7 @@ def _start(job: Job, out: Path, marker: str) -> None:
         job.procs = [subprocess.Popen([sys.executable, *command], env=env, **run)]
         return
     slurm = dict(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NODEID="0", SLURM_JOB_NAME="stop_job")
-    slurm.update(SLURM_JOB_ID="4242", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    slurm.update(SLURM_JOB_ID="4242", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     for rank in (0, 1):  # srun starts every task itself
         task = {**env, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}
         job.procs.append(subprocess.Popen([sys.executable, *command], env=task, **run))
@@ -229,6 +229,7 @@ def _signal(job: Job, out: Path) -> None:
     job.signalled = time.monotonic()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_stop_ends_every_process_of_the_job_on_every_launch_path(tmp_path):
@@ -249,7 +250,7 @@ def test_a_stop_ends_every_process_of_the_job_on_every_launch_path(tmp_path):
         time.sleep(0.5)  # the blocked jobs' rank 1 enters its lone barrier
         for job in JOBS:
             _signal(job, outs[job.name])
-        deadline = time.monotonic() + GRACE + 30
+        deadline = time.monotonic() + GONE_WITHIN + 5
         while time.monotonic() < deadline and any(j.gone is None for j in JOBS):
             left = _processes_by_marker()
             for job in JOBS:
@@ -266,9 +267,9 @@ def test_a_stop_ends_every_process_of_the_job_on_every_launch_path(tmp_path):
     for job in JOBS:
         out, log = outs[job.name], (outs[job.name] / "log").read_text()
         statuses = [p.returncode for p in job.procs]
-        if job.gone is None or job.gone > GRACE + 10:
+        if job.gone is None or job.gone > GONE_WITHIN:
             problems.append(
-                f"{job.name}: processes left {job.gone} s after the signal (bound {GRACE + 10} s)"
+                f"{job.name}: processes left {job.gone} s after the signal (bound {GONE_WITHIN} s)"
             )
         if job.status is not None and set(statuses) != {job.status}:
             problems.append(f"{job.name}: exit status {statuses}, expected {job.status}")
