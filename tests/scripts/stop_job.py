@@ -36,16 +36,17 @@ class Job(SequentialRegressor):
             with open(ready + ".tmp", "w") as f:
                 f.write(str(os.getpid()))
             os.replace(ready + ".tmp", ready)
-        # A step that takes a while: the job is training when the signal comes. Past the steps the test
-        # waits for (ready at step 2, the lone barrier at 3) a job only waits for the signal, longer a
-        # step: seven jobs share 2 cores while the last of them starts.
-        time.sleep(0.05 if self.global_step <= 3 else 0.5)
+        # A step that takes a while: the job is training when the signal comes. (Not much longer: after
+        # SIGTERM the ranks agree to stop two batches later, then save, within the 4 s grace period.)
+        time.sleep(0.05)
         return super().training_step(batch, batch_idx)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # Outside the step (where a collective over other stages' ranks is refused): rank 0 never
         # calls it and goes on to the next batch's pipeline receive, so both ranks wait from now on.
         if self.block and self.global_step == 3 and self.global_rank == 1:
+            with open(os.path.join(self.out, "blocked-rank1"), "w"):  # (the test signals after this)
+                pass
             dist.barrier()
 
 
