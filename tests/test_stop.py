@@ -217,6 +217,23 @@ def _start(job: Job, out: Path, marker: str) -> None:
         job.procs.append(subprocess.Popen([sys.executable, *command], env=task, **run))
 
 
+def _wait_for(jobs: list[Job], outs: dict[str, Path], names, what: str, seconds: float) -> None:
+    """Wait until every job's ``out`` holds the files ``names(job)`` (markers its ranks write)."""
+    deadline = time.monotonic() + seconds
+    for job in jobs:
+        out = outs[job.name]
+        while not all((out / name).exists() for name in names(job)):
+            assert time.monotonic() < deadline and job.procs[0].poll() is None, (
+                f"{job.name} did not {what} within {seconds:.0f} s:\n{(out / 'log').read_text()[-3000:]}"
+            )
+            time.sleep(0.2)
+
+
+def _trained(job: Job) -> list[str]:
+    """The markers a job's ranks write once they go on after ``go``."""
+    return ["blocked-rank1"] if job.block else ["training-rank0", "training-rank1"]
+
+
 def _signal(job: Job, out: Path) -> None:
     launcher = job.procs[0]
     if job.target == "launcher":
@@ -241,15 +258,12 @@ def test_a_stop_ends_every_process_of_the_job_on_every_launch_path(tmp_path):
             _start(job, outs[job.name], markers[job.name])
         # Seven jobs start at once on 2 cores (with make test's other worker beside them): the imports of
         # their spawned ranks alone take minutes of CPU. How soon they start is not what this test checks.
-        deadline = time.monotonic() + 300
-        for job in JOBS:  # every job trains (each rank wrote its pid), then every signal goes out at once
-            out = outs[job.name]
-            started = [out / f"ready-rank{r}" for r in (0, 1)] + [out / "blocked-rank1"] * job.block
-            while not all(path.exists() for path in started):
-                assert time.monotonic() < deadline and job.procs[0].poll() is None, (
-                    f"{job.name} did not start training:\n{(out / 'log').read_text()[-3000:]}"
-                )
-                time.sleep(0.2)
+        # A job that has started waits (asleep, not training) until every job has: then all go on at once.
+        _wait_for(JOBS, outs, lambda job: [f"ready-rank{r}" for r in (0, 1)], "start training", 300)
+        for job in JOBS:
+            (outs[job.name] / "go").touch()
+        # every job trains again (or, blocked, sits in its collective), then every signal goes out at once
+        _wait_for(JOBS, outs, _trained, "go on training", 60)
         time.sleep(0.5)  # the blocked jobs' rank 1, past its marker, enters its lone barrier
         for job in JOBS:
             _signal(job, outs[job.name])

@@ -4,10 +4,12 @@ python stop_job.py --out DIR --start-method spawn|fork|forkserver|popen [--block
 torchrun --nproc-per-node 2 stop_job.py --out DIR ...          # torchrun starts both ranks
 SLURM_PROCID=R ... python stop_job.py --out DIR ...             # each rank started as under SLURM
 
-Each rank writes ``ready-rank{R}`` (its pid) once training runs; with ``--block`` rank 1 then calls a
-barrier (after a batch) that rank 0 never calls, so both ranks sit in a communication when the signal
-comes. A
-``Rank0Checkpoint(save_on_exception=True)`` saves when Lightning stops the fit on SIGTERM.
+Each rank writes ``ready-rank{R}`` (its pid) once training runs, then waits (asleep) until the test
+writes ``go``: the jobs that started first do not train, taking the cores, while the others import.
+After ``go`` each rank writes ``training-rank{R}`` at the next batch; with ``--block`` rank 1 instead
+calls a barrier (after the ready batch) that rank 0 never calls, so both ranks sit in a communication
+when the signal comes. A ``Rank0Checkpoint(save_on_exception=True)`` saves when Lightning stops the fit
+on SIGTERM.
 """
 
 import argparse
@@ -31,17 +33,27 @@ class Job(SequentialRegressor):
         self.out, self.block = out, block
 
     def training_step(self, batch, batch_idx):
-        if self.global_step == 2 and batch_idx == 2:
-            ready = os.path.join(self.out, f"ready-rank{self.global_rank}")
-            with open(ready + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.replace(ready + ".tmp", ready)
+        if self.global_step == 3 and batch_idx == 3:
+            self._mark(f"training-rank{self.global_rank}")
         # A step that takes a while: the job is training when the signal comes. (Not much longer: after
         # SIGTERM the ranks agree to stop two batches later, then save, within the 4 s grace period.)
         time.sleep(0.05)
         return super().training_step(batch, batch_idx)
 
+    def _mark(self, name: str) -> None:
+        """Write ``name`` (this process's pid) at once: the test reads it whole or not at all."""
+        path = os.path.join(self.out, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_step == 3 and batch_idx == 2:
+            self._mark(f"ready-rank{self.global_rank}")
+            # After the batch's every communication (in a step, one stage's rank waits for another's):
+            # neither rank waits on the other here.
+            while not os.path.exists(os.path.join(self.out, "go")):
+                time.sleep(0.1)
         # Outside the step (where a collective over other stages' ranks is refused): rank 0 never
         # calls it and goes on to the next batch's pipeline receive, so both ranks wait from now on.
         if self.block and self.global_step == 3 and self.global_rank == 1:
