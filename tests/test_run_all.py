@@ -111,15 +111,16 @@ def _loss_diffs(rows: list[dict[str, str]]) -> list[float]:
     ]
 
 
-def _allowed(results: Path) -> tuple[set[str], list[float]]:
-    """Number tokens of every CSV cell (for dates, versions, names) and every value the block may show."""
+def _allowed(results: Path) -> tuple[set[str], list[tuple[float, ...]]]:
+    """Number tokens of every CSV cell (for dates, versions, names) and every value the block may show,
+    sorted per CSV (each CSV's share is cached: one merged list would be sorted again for every change)."""
     tokens: set[str] = set()
-    values: list[float] = []
+    values: list[tuple[float, ...]] = []
     for path in results.glob("*.csv"):
         file_tokens, file_values = _allowed_in(path.name, path.read_text())
         tokens |= file_tokens
-        values += file_values
-    return tokens, sorted(values)
+        values.append(file_values)
+    return tokens, values
 
 
 @functools.lru_cache(maxsize=256)
@@ -133,16 +134,20 @@ def _allowed_in(name: str, text: str) -> tuple[frozenset[str], tuple[float, ...]
     values = aggregates + [v / 2**20 for v in aggregates]
     if name == "accumulation_equivalence.csv":
         values += _loss_diffs(rows)
-    return frozenset(tokens), tuple(values)
+    return frozenset(tokens), tuple(sorted(values))
 
 
-def _matches(token: str, values: list[float]) -> bool:
+def _matches(token: str, sorted_values: list[tuple[float, ...]]) -> bool:
+    """Whether ``token``, as rounded, is one of the values (each tuple sorted)."""
     x = float(token)
     mantissa, _, exponent = token.lower().partition("e")
     decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
     tol = 0.5 * 10 ** (int(exponent or 0) - decimals) * 1.0001 + 1e-12
-    i = bisect.bisect_left(values, x - tol)
-    return i < len(values) and values[i] <= x + tol
+    for values in sorted_values:
+        i = bisect.bisect_left(values, x - tol)
+        if i < len(values) and values[i] <= x + tol:
+            return True
+    return False
 
 
 def _unexplained_numbers(block: str, results: Path) -> list[str]:
