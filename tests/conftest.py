@@ -53,11 +53,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with a ``slow`` test first (in their order), the others after them, each file's tests kept
-    in order: with ``make test``'s workers (pytest-xdist, a file at a time) the long jobs start first and
-    the many short files fill the cores around them, instead of one long job running alone at the end."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    """Files with a ``slow`` test first, then files with a ``multiprocess`` test, then the others (in
+    their order, each file's tests kept in order): with ``make test``'s workers (pytest-xdist, a file at
+    a time) the long jobs start first and the many short files fill the cores around them, instead of
+    one long job running alone at the end (test_watchdog.py's minute of spawned jobs came last)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    spawning = {item.path for item in items if item.get_closest_marker("multiprocess")}
+    items.sort(key=lambda item: 0 if item.path in slow else 1 if item.path in spawning else 2)
 
 
 @pytest.fixture(autouse=True)

@@ -126,7 +126,7 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         record = GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")
         callbacks = [record, *([SaveAtEpochEnd(f"{out_dir}/{ckpt}")] if first and ckpt else [])]
         trainer = quiet_trainer(
-            devices=world, strategy=PipelineStrategy(num_microbatches=4, **kwargs), callbacks=callbacks,
+            devices=world, strategy=PipelineStrategy(num_microbatches=2, **kwargs), callbacks=callbacks,
             limit_val_batches=2, **{**TRAIN, "max_epochs": epochs},
         )  # fmt: skip
         trainer.fit(
@@ -137,12 +137,12 @@ def _job(rank: int, world: int, out_dir: str) -> None:
     for name, (tied, call, kwargs) in HF_CONFIGS.items():
         dp = world // (kwargs["pipeline_size"] * kwargs["tensor_parallel_size"])
         trainer = quiet_trainer(
-            devices=world, strategy=PipelineStrategy(num_microbatches=4, **kwargs), max_steps=HF_STEPS,
+            devices=world, strategy=PipelineStrategy(num_microbatches=2, **kwargs), max_steps=HF_STEPS,
             callbacks=[GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")],
         )  # fmt: skip
         trainer.fit(_hf_model(name, tied, call), loader(_hf_data(call), 8 // dp))
     trainer = quiet_trainer(
-        devices=world, strategy=PipelineStrategy(num_microbatches=4, pipeline_size=2, tensor_parallel_size=2),
+        devices=world, strategy=PipelineStrategy(num_microbatches=2, pipeline_size=2, tensor_parallel_size=2),
         callbacks=[GatheredRecorder(f"{out_dir}/traced-pp2-tp2-16-mixed-rank{rank}.pt")], **FP16_TRAIN,
         **_fp16(),
     )  # fmt: skip
