@@ -152,12 +152,8 @@ def _pipelined_fits(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.save(dataclasses.asdict(tally), f"{out_dir}/exports-rank{rank}.pt")
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-def test_hugging_face_families_train_as_on_one_device(tmp_path):
-    torch.manual_seed(1)
-    hf_model("llama", tied=True).save_pretrained(tmp_path / "pp" / "pretrained")
+def _references(tmp_path):
+    """The one-device runs: the pretrained Llama's, each case's, each other model's."""
     ref_pretrained = fit(_pretrained(str(tmp_path / "pp")), reference_loader(_data("logits"), 8),
                          tmp_path / "ref" / "pretrained", devices=1, max_steps=STEPS)[0]  # fmt: skip
     refs = {}
@@ -169,9 +165,27 @@ def test_hugging_face_families_train_as_on_one_device(tmp_path):
                   devices=1, max_steps=STEPS)[0]
         for name, _ in OTHERS
     }  # fmt: skip
-    mp.start_processes(
-        _pipelined_fits, args=(2, free_port(), str(tmp_path / "pp")), nprocs=2, start_method=START_METHOD
-    )
+    return ref_pretrained, refs, others
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_hugging_face_families_train_as_on_one_device(tmp_path):
+    torch.manual_seed(1)
+    hf_model("llama", tied=True).save_pretrained(tmp_path / "pp" / "pretrained")
+    # The job runs while this process computes the one-device references: its rank 1 waits while rank 0
+    # exports each fit's programs, and this process would wait for the whole job.
+    job = mp.start_processes(_pipelined_fits, args=(2, free_port(), str(tmp_path / "pp")), nprocs=2,
+                             start_method=START_METHOD, join=False)  # fmt: skip
+    try:
+        ref_pretrained, refs, others = _references(tmp_path)
+        while not job.join(timeout=0.5):  # a rank's failure raises here and ends the other rank
+            pass
+    finally:
+        for process in job.processes:
+            if process.is_alive():
+                process.kill()
     for name, ref in others.items():
         records = load_rank_results(tmp_path / "pp" / name)
         losses = torch.tensor([r["losses"] for r in records]).mean(0)
