@@ -270,11 +270,32 @@ def record_machine(
 # ------------------------------------------------------------------------ multi-process runs
 
 
+_ports_taken: list[int] = []
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now (for the gloo rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nobody listens on right now (for the gloo rendezvous).
+
+    With ``STANDALONE_PORT`` set (Lightning's variable for the port a single-node job rendezvouses on;
+    the test suite sets it), the first free port from it upward, a new one at each call. Without it,
+    one the kernel picks (bind to port 0) from its ephemeral range: there, between this check and the
+    store's bind, the port can become the local port of another job's client socket (EADDRINUSE), which
+    the suite, two jobs at once, would meet now and then.
+    """
+    base = os.environ.get("STANDALONE_PORT")
+    if base is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for port in range(int(base) + len(_ports_taken), int(base) + len(_ports_taken) + 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_taken.append(port)
+        return port
+    raise RuntimeError(f"no free port in the 100 from STANDALONE_PORT={base} on; unset it or pick another")
 
 
 def quiet() -> None:

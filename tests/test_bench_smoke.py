@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from mp_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
@@ -190,13 +191,24 @@ def _collectives_and_fit(rank: int, world: int, scale: float) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_spawn_brings_back_every_rank_of_collectives_and_a_fit(ex):
+def test_spawn_brings_back_every_rank_of_collectives_and_a_fit(ex, monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("STANDALONE_PORT", str(port))  # the harness's port from this worker's range
     results = ex.harness.spawn(_collectives_and_fit, 2, 1.5)
     assert [r["rank"] for r in results] == [0, 1]
     assert [r["sum"] for r in results] == [4.5, 4.5]
     assert [r["steps"] for r in results] == [3, 3]
     # DDP kept the replicas identical: the Trainer joined the harness's process group.
     assert results[0]["weight"].equal(results[1]["weight"])
+
+
+def test_ports_come_from_standalone_port_upward_a_new_one_each_time(ex, monkeypatch):
+    base = free_port()
+    monkeypatch.setenv("STANDALONE_PORT", str(base))
+    first, second = ex.harness.free_port(), ex.harness.free_port()
+    assert base <= first < second < base + 100
+    monkeypatch.delenv("STANDALONE_PORT")
+    assert ex.harness.free_port() > 0  # the kernel's pick
 
 
 # ------------------------------------------------------------------------- the scripts' logic
@@ -342,7 +354,8 @@ def test_train_charlm_shows_its_steps_without_library_warnings_and_writes_its_js
 
 
 def _run(script: str, out_dir: Path, *extra: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # STANDALONE_PORT: the script's rendezvous ports from this worker's range (experiments/_harness.py)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), STANDALONE_PORT=str(free_port()))
     proc = subprocess.run(
         [sys.executable, str(EXPERIMENTS / script), "--quick", "--out-dir", str(out_dir), *extra],
         capture_output=True,

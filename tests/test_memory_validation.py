@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mp_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_memory_validation_quick(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # STANDALONE_PORT: the script's rendezvous ports from this worker's range (experiments/_harness.py)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), STANDALONE_PORT=str(free_port()))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "memory_validation.py"), "--quick", "--out-dir",
          str(tmp_path)],
