@@ -270,7 +270,8 @@ def record_machine(
 # ------------------------------------------------------------------------ multi-process runs
 
 
-_ports_taken: list[int] = []
+# STANDALONE_PORT's value -> where the next search from it starts (past every port already handed out)
+_next_port: dict[str, int] = {}
 
 
 def free_port() -> int:
@@ -287,13 +288,14 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    for port in range(int(base) + len(_ports_taken), int(base) + len(_ports_taken) + 100):
+    start = _next_port.get(base, int(base))
+    for port in range(start, int(base) + 100):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-        _ports_taken.append(port)
+        _next_port[base] = port + 1
         return port
     raise RuntimeError(f"no free port in the 100 from STANDALONE_PORT={base} on; unset it or pick another")
 

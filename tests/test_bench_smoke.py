@@ -16,6 +16,7 @@ import importlib
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -205,8 +206,11 @@ def test_spawn_brings_back_every_rank_of_collectives_and_a_fit(ex, monkeypatch):
 def test_ports_come_from_standalone_port_upward_a_new_one_each_time(ex, monkeypatch):
     base = free_port()
     monkeypatch.setenv("STANDALONE_PORT", str(base))
-    first, second = ex.harness.free_port(), ex.harness.free_port()
-    assert base <= first < second < base + 100
+    with socket.socket() as taken:  # the first port is in use: both picks lie past it, each its own
+        taken.bind(("127.0.0.1", base))
+        taken.listen()
+        first, second = ex.harness.free_port(), ex.harness.free_port()
+    assert base < first < second < base + 100
     monkeypatch.delenv("STANDALONE_PORT")
     assert ex.harness.free_port() > 0  # the kernel's pick
 
