@@ -318,6 +318,28 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {ports}")
 
 
+def script_env(root: str | os.PathLike) -> dict[str, str]:
+    """The environment for an experiment script a test runs: one thread, the repository importable, and
+    ``STANDALONE_PORT`` from this worker's range (experiments/_harness.py takes its ports from there)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root), STANDALONE_PORT=str(free_port()))
+
+
+def kill_jobs(jobs: list[mp.ProcessContext]) -> None:
+    """Kill every process of ``jobs`` still alive."""
+    for process in (p for job in jobs for p in job.processes if p.is_alive()):
+        process.kill()
+
+
+def join_jobs(jobs: list[mp.ProcessContext]) -> None:
+    """Wait for every job started with ``join=False``; a rank's failure raises here, and ends the other
+    jobs' ranks too."""
+    try:
+        while not all([job.join(timeout=0.2) for job in jobs]):  # (a list: every job polled each time)
+            pass
+    finally:
+        kill_jobs(jobs)
+
+
 def _gloo_entry(rank: int, fn: Any, world: int, port: int, out_dir: str, environ: dict, seed: Any) -> None:
     os.environ.clear()
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

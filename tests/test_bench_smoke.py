@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from mp_harness import free_port
+from mp_harness import free_port, script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
@@ -339,7 +339,7 @@ def test_train_charlm_shows_its_steps_without_library_warnings_and_writes_its_js
     cmd += ["--max-steps", "3", "--val-every", "3", "--dim", "16", "--depth", "1", "--seq-len", "16"]
     cmd += ["--global-batch-size", "4", "--text-bytes", "40000", "--out", str(tmp_path / "run")]
     cmd += ["--summary", str(summary)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = script_env(ROOT)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(summary.read_text())
@@ -358,8 +358,7 @@ def test_train_charlm_shows_its_steps_without_library_warnings_and_writes_its_js
 
 
 def _run(script: str, out_dir: Path, *extra: str) -> str:
-    # STANDALONE_PORT: the script's rendezvous ports from this worker's range (experiments/_harness.py)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), STANDALONE_PORT=str(free_port()))
+    env = script_env(ROOT)
     proc = subprocess.run(
         [sys.executable, str(EXPERIMENTS / script), "--quick", "--out-dir", str(out_dir), *extra],
         capture_output=True,

@@ -6,13 +6,12 @@ peaks drop or the run fails.
 """
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from mp_harness import free_port
+from mp_harness import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,8 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_memory_validation_quick(tmp_path):
-    # STANDALONE_PORT: the script's rendezvous ports from this worker's range (experiments/_harness.py)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), STANDALONE_PORT=str(free_port()))
+    env = script_env(ROOT)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "memory_validation.py"), "--quick", "--out-dir",
          str(tmp_path)],

@@ -32,6 +32,8 @@ from mp_harness import (
     assert_close_dicts,
     fit,
     free_port,
+    join_jobs,
+    kill_jobs,
     load_rank_results,
     merged_params,
     quiet_trainer,
@@ -190,20 +192,6 @@ def _start_job(cases: dict[str, Case], world: int, out_dir) -> mp.ProcessContext
                               start_method=START_METHOD, join=False)  # fmt: skip
 
 
-def _join(jobs: list[mp.ProcessContext]) -> None:
-    """Wait for every job; a rank's failure raises here, and ends the other jobs' ranks too."""
-    try:
-        while not all([job.join(timeout=0.2) for job in jobs]):  # (a list: every job polled each time)
-            pass
-    finally:
-        _kill(jobs)
-
-
-def _kill(jobs: list[mp.ProcessContext]) -> None:
-    for process in (p for job in jobs for p in job.processes if p.is_alive()):
-        process.kill()
-
-
 def _check(name: str, case: Case, ref: dict, out_dir) -> list[dict]:
     # bf16-mixed: a compiled graph rounds to bf16 (8 significant bits: a relative step of 2**-8 = 0.4%)
     # where its ops and decompositions do, not always where eager does (inductor keeps a fused kernel's
@@ -245,9 +233,9 @@ def test_compiled_stages_train_validate_and_predict_as_one_eager_process(tmp_pat
             for name, case in cases.items():
                 refs[name], models[name] = _reference(name, case, tmp_path, replicas)
     except BaseException:
-        _kill(jobs)
+        kill_jobs(jobs)
         raise
-    _join(jobs)
+    join_jobs(jobs)
     for cases, out_dir in ((CASES_2, tmp_path / "pp2"), (CASES_4, tmp_path / "pp2dp2")):
         for name, case in cases.items():
             _check(name, case, refs[name], out_dir)

@@ -26,6 +26,8 @@ from mp_harness import (
     assert_close_dicts,
     fit,
     free_port,
+    join_jobs,
+    kill_jobs,
     load_rank_results,
     merged_params,
     quiet_trainer,
@@ -180,12 +182,10 @@ def test_hugging_face_families_train_as_on_one_device(tmp_path):
                              start_method=START_METHOD, join=False)  # fmt: skip
     try:
         ref_pretrained, refs, others = _references(tmp_path)
-        while not job.join(timeout=0.5):  # a rank's failure raises here and ends the other rank
-            pass
-    finally:
-        for process in job.processes:
-            if process.is_alive():
-                process.kill()
+    except BaseException:
+        kill_jobs([job])
+        raise
+    join_jobs([job])
     for name, ref in others.items():
         records = load_rank_results(tmp_path / "pp" / name)
         losses = torch.tensor([r["losses"] for r in records]).mean(0)
