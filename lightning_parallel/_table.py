@@ -15,7 +15,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: s
         -----  ------
         0      0-3
     """
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     line = "  ".join(f"{{:{align}{w}}}" for w in widths)
     out = [line.format(*headers), line.format(*("-" * w for w in widths))]
     out += [line.format(*r) for r in rows]

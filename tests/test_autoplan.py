@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from mp_harness import quiet_trainer, spawn_gloo
-from tiny_models import SequentialRegressor, loader
+from tiny_models import FlatRegressor, SequentialRegressor, loader
 from torch.utils.data import TensorDataset
 
 from lightning_parallel import GradientAccumulationScheduler, ParallelPlan, PipelineStrategy
@@ -94,24 +95,48 @@ def test_nothing_fits_names_the_smallest_peak_the_miss_and_what_would_fit(facts)
     assert "no plan fits" in message and "the smallest device peak is" in message and "usable" in message
     assert "  - 4 devices: smallest peak" in message and "  - a batch of 4 per replica" in message
     assert "  - offload" in message  # (not in the search: how small it would make the peak)
+    # No plan at all: what cannot be split, and the nearest global batches that can be.
+    unsplit = (
+        r"no plan splits the global batch \(7\) over 2 devices \(pp 1x2: 7 is not a multiple .*e\.g\. 6 or 8$"
+    )
+    with pytest.raises(NothingFits, match=unsplit):
+        choose(facts, Search(devices=2, global_batch_size=7), Budget(2**30), LINKS)
+
+
+class _PlanSeen(Callback):
+    """What a user's hook reads of the running plan: its label and its code (both need its devices)."""
+
+    def __init__(self, records: dict, key: str) -> None:
+        self.records, self.key = records, key
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        plan = trainer.strategy.parallel_plan
+        self.records[self.key] = (plan.label(), plan.code())
+
+
+MODELS = {"sequential": lambda: SequentialRegressor(adam=True, depth=4), "flat": FlatRegressor}
+"""A model the pipeline can split, and one it cannot (run whole: the search offers pipeline_size=1)."""
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
     records = {}
-    for name in ("auto", "hand"):
-        torch.manual_seed(0)
-        if name == "auto":
-            strategy, callbacks = PipelineStrategy(plan="auto", memory="1GiB", global_batch_size=16), []
-        else:
-            strategy = PipelineStrategy.from_plan(records["plan"])
-            callbacks = [GradientAccumulationScheduler(global_batch_size=16)]
-        trainer = quiet_trainer(devices=world, strategy=strategy, callbacks=callbacks, max_steps=3)
-        model = SequentialRegressor(adam=True, depth=4)
-        trainer.fit(model, loader(data, 4))
-        records[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        records["plan"] = trainer.strategy.parallel_plan
-        records[f"{name}_loss"] = float(trainer.callback_metrics["train_loss"])
+    for model_name, make in MODELS.items():
+        for name in ("auto", "hand"):
+            key = f"{model_name}_{name}"
+            torch.manual_seed(0)
+            if name == "auto":
+                strategy, callbacks = PipelineStrategy(plan="auto", memory="1GiB", global_batch_size=16), []
+            else:
+                strategy = PipelineStrategy.from_plan(records[f"{model_name}_plan"])
+                callbacks = [GradientAccumulationScheduler(global_batch_size=16)]
+            callbacks.append(_PlanSeen(records, f"{key}_seen"))
+            trainer = quiet_trainer(devices=world, strategy=strategy, callbacks=callbacks, max_steps=3)
+            model = make()
+            trainer.fit(model, loader(data, 4))
+            records[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            records[f"{model_name}_plan"] = trainer.strategy.parallel_plan
+            records[f"{key}_loss"] = float(trainer.callback_metrics["train_loss"])
     torch.save(records, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -119,9 +144,16 @@ def _job(rank: int, world: int, out_dir: str) -> None:
 @pytest.mark.timeout(240)
 def test_plan_auto_runs_exactly_the_plan_given_by_hand(tmp_path):
     for rank, r in enumerate(spawn_gloo(_job, 2, tmp_path)):
-        plan: ParallelPlan = r["plan"]
-        assert plan.strategy == "pipeline" and plan.pipeline_size in (1, 2), plan
-        assert set(r["auto"]) == set(r["hand"]) and r["auto"]
-        for key in r["auto"]:
-            assert torch.equal(r["auto"][key], r["hand"][key]), (rank, plan.code(), key)
-        assert r["auto_loss"] == r["hand_loss"]
+        for model_name in MODELS:
+            plan: ParallelPlan = r[f"{model_name}_plan"]
+            auto, hand = r[f"{model_name}_auto"], r[f"{model_name}_hand"]
+            assert plan.strategy == "pipeline" and plan.pipeline_size in (1, 2), plan
+            assert set(auto) == set(hand) and auto
+            for key in auto:
+                assert torch.equal(auto[key], hand[key]), (rank, plan.code(), key)
+            assert r[f"{model_name}_auto_loss"] == r[f"{model_name}_hand_loss"]
+            # The running plan knows its devices: a hook can log what ran, chosen or given by hand.
+            assert plan.devices == 2 and r[f"{model_name}_auto_seen"] == (plan.label(), plan.code())
+            assert r[f"{model_name}_hand_seen"] == r[f"{model_name}_auto_seen"], rank
+        # A model with nothing to split is still planned: pipeline_size=1 (replicas, ZeRO-1, offload).
+        assert r["flat_plan"].pipeline_size == 1 and r["flat_plan"].data_parallel_size == 2

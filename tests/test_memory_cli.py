@@ -40,6 +40,19 @@ MODEL = textwrap.dedent(
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters())
+
+
+    class FlatLM(nn.Module):  # no Sequential, no ModuleList: nothing to split, run whole
+        def __init__(self, dim=16):
+            super().__init__()
+            self.embed, self.mix, self.head = nn.Embedding(64, dim), nn.Linear(dim, dim), nn.Linear(dim, 64)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.head(torch.tanh(self.mix(self.embed(x)))).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
     """
 )
 
@@ -120,6 +133,13 @@ def test_the_arguments_mean_what_plan_auto_takes():
         (["--batch", "cplx:16"], "unknown dtype 'cplx'"),
         (["--batch", "long:16", "long:16", "--memory", "lots"], "cannot read the memory size 'lots'"),
         (["--batch", "long:16", "long:16", "--optimizer", "Adamm"], "torch.optim has no optimizer 'Adamm'"),
+        # (a traceback from the empty table before: one line naming what cannot be split, and the fix)
+        (
+            ["--batch", "long:16", "long:16", "--global-batch-size", "7"],
+            r"^error: no plan splits the global batch \(7\) over 2 devices \(pp 1x2: 7 is not a multiple "
+            r"of its 2 replicas; pp 2x1: 7 per replica cannot make 2, 4 or 8 equal micro-batches\): use a "
+            r"global batch of e\.g\. 6 or 8$",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_error(model_file, capsys, extra, match):
@@ -138,6 +158,36 @@ def test_a_model_without_units_and_a_missing_model(capsys):
     assert "Linear has no pipeline units" in capsys.readouterr().err
     assert main(["no_such.module:Model", "--batch", "long:4", "--devices", "1", "--memory", "1GiB"]) == 2
     assert "cannot import 'no_such.module'" in capsys.readouterr().err
+
+
+def test_a_model_with_nothing_to_split_gets_the_plans_that_need_no_split(model_file, capsys):
+    flat = model_file.replace(":TinyLM", ":FlatLM")
+    code = main([flat, "--batch", "long:16", "long:16", "--global-batch-size", "16", "--devices", "2",
+                 "--memory", "1GiB", "--rows", "0", *GIVEN_LINKS])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "FlatLM: 2,384 parameters, no pipeline units (no top-level nn.Sequential holding every " in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("pp ")]
+    assert rows and all(ln.startswith("pp 1x2 1f1b ") for ln in rows), rows  # replicas, ZeRO-1, offload
+    assert any("+zero" in ln for ln in rows) and any("+ac" in ln for ln in rows)
+    line = re.search(r"^    (PipelineStrategy\(.*\))$", out, re.M).group(1)
+    assert eval(line, {"PipelineStrategy": PipelineStrategy}).parallel_plan.pipeline_size == 1
+
+
+def test_a_model_on_the_meta_device_gets_the_most_frugal_plan_and_is_told_so(model_file, capsys):
+    code = main([model_file, "--meta", "--batch", "long:16", "long:16", "--global-batch-size", "16",
+                 "--devices", "2", "--memory", "1GiB", "--rows", "0", *GIVEN_LINKS])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # Untimed (no time estimate without running the units), so said on the timing line and on the choice.
+    assert "not timed (a model on the meta device): plans ranked by their device peak, so the chosen one " \
+           "is the most frugal that fits, not the fastest" in out  # fmt: skip
+    chosen = re.search(r"^chosen: (.+?) \(not timed: the most frugal plan that fits \(the smallest device "
+                       r"peak\), not the fastest; device peak ([\d.]+ [KMG]?i?B)", out, re.M)  # fmt: skip
+    assert chosen, out[-2000:]
+    fits = [re.split(r"\s{2,}", ln) for ln in out.splitlines() if ln.startswith("pp ") and "  yes  " in ln]
+    assert fits[0][0] == chosen.group(1) and fits[0][-1] == "<- chosen"
+    assert parse_bytes(chosen.group(2)) == min(parse_bytes(row[3]) for row in fits)
 
 
 def test_parse_bytes():
@@ -175,7 +225,7 @@ def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys)
     out = capsys.readouterr().out
     assert code == 0, out
     assert "4 pipeline units (blocks `model.model.layers`)" in out and "pp 2x1 1f1b m=8" in out
-    assert "not timed (a model on the meta device): plans ranked by their peak" in out
+    assert "not timed (a model on the meta device): plans ranked by their device peak" in out
     assert "tp=" not in out
     # Tensor-parallel shapes too, each measured on one tp rank's local model (its split weights halved).
     code = main(["lightning_parallel.memory.hf:causal_lm", "--init", f"config={tmp_path}", "--meta",

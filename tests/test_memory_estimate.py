@@ -96,6 +96,47 @@ def test_a_model_without_units_is_refused():
         find_units(nn.Linear(2, 2))
 
 
+class _Layers(nn.Module):
+    """Three layers, called in order: in a top-level Sequential (``whole=False``) or as attributes."""
+
+    def __init__(self, whole: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)]
+        if whole:
+            self.fc1, self.act, self.fc2 = layers
+        else:
+            self.layers = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.layers(x) if hasattr(self, "layers") else self.fc2(self.act(self.fc1(x)))
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_a_model_with_nothing_to_split_is_sized_whole_on_one_stage():
+    layout = find_units(_Layers(whole=True))
+    assert (layout.kind, layout.max_stages) == ("whole", 1)
+    assert [u.name for u in layout.units] == ["fc1", "act", "fc2"]
+    assert "no pipeline units" in layout.describe() and "pipeline_size=1 plans only" in layout.describe()
+    batch = (torch.randn(16, 8), torch.randn(16, 4))
+    # Sized as the same layers in a Sequential on one stage: replicas, ZeRO-1 with recomputation, offload.
+    for strategy in (PipelineStrategy(pipeline_size=1, num_microbatches=2),
+                     PipelineStrategy(pipeline_size=1, data_parallel="zero1", activation_checkpointing=True),
+                     PipelineStrategy(pipeline_size=1, offload="optimizer")):  # fmt: skip
+        whole = estimate_memory(_Layers(whole=True), batch, devices=2, strategy=strategy)
+        split = estimate_memory(_Layers(whole=False), batch, devices=2, strategy=strategy)
+        assert [dataclasses.astuple(r) for r in whole.ranks] == [dataclasses.astuple(r) for r in split.ranks]
+    with pytest.raises(
+        ValueError, match=r"2 pipeline stages .* no pipeline units .*: use pipeline_size=1, or"
+    ):
+        estimate_memory(_Layers(whole=True), batch, devices=2, strategy=PipelineStrategy(pipeline_size=2))
+
+
 # ------------------------------------------------------------------------------------------ probe
 
 

@@ -19,6 +19,9 @@ def test_a_pipeline_size_that_does_not_divide_the_world_is_refused_with_choices(
         ValueError, match=r"pipeline_size \(4\) does not divide devices x nodes \(6\).*4 or 8"
     ):
         RankLayout.for_world(6, 4)
+    # Fewer devices than one pipeline: two distinct examples (they read "3 or 3" for 2 devices).
+    with pytest.raises(ValueError, match=r"use a multiple of 3 devices \(e\.g\. 3 or 6\)"):
+        RankLayout.for_world(2, 3)
 
 
 def test_one_rank_needs_no_process_group():

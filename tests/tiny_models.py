@@ -68,6 +68,28 @@ class SequentialRegressor(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class FlatRegressor(L.LightningModule):
+    """An MLP in two named layers, no ``nn.Sequential`` and no ``nn.ModuleList``: nothing a pipeline can
+    split, so ``PipelineStrategy(pipeline_size=1)`` runs it whole on each rank."""
+
+    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4, lr: float = 0.01):
+        super().__init__()
+        self.lr = lr
+        self.fc1, self.fc2 = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
 class TokenModel(L.LightningModule):
     """A tiny token model (embedding -> MLP blocks -> head) on (batch, time) ids: shapes may vary."""
 

@@ -5,8 +5,9 @@
 
 The model is ``file.py:Class`` or ``package.module:Class`` (any callable returning an ``nn.Module``),
 built with the ``--init`` keyword arguments (on the meta device with ``--meta``, for models too large
-for this machine: then sized, not timed). ``--batch`` gives the tensors of one sample as
-``dtype:shape`` (integers are zeros, floating tensors random), the training step sees them as a tuple;
+for this machine: then sized, not timed, and the plan chosen is the most frugal that fits, not the
+fastest). ``--batch`` gives the tensors of one sample as ``dtype:shape`` (integers are zeros,
+floating tensors random), the training step sees them as a tuple;
 without it the module's ``example_input_array`` is fed to ``forward`` (no loss). Prints one table of
 the ``PipelineStrategy`` plans (pipeline shapes x schedules x micro-batches x recomputation x
 data-parallel modes x offload), each rank's device peak and each node's host bytes against
@@ -156,7 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency", default="0us", help="link latency with --bandwidth, e.g. 10us")
     p.add_argument("--host-bandwidth", help="device<->host copy rate, e.g. 20GB/s (default: measured here)")
     p.add_argument("--rows", type=int, default=25, help="table rows to print (0: all; default 25)")
-    p.add_argument("--meta", action="store_true", help="build the model on the meta device (large models)")
+    p.add_argument("--meta", action="store_true", help="build the model on the meta device (large models): "
+                   "sized, not timed; the plan chosen is then the most frugal that fits")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -218,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         search, budget = search_of(args)
         model, optimizer = build(args)
-        blocks = len(find_units(model).blocks())
-        batch = probe_batch(args, model, search.micro_batch_sizes(blocks)[1])
+        layout = find_units(model)
+        unsplit = search.split_error(layout.max_stages)
+        if unsplit:
+            raise ValueError(unsplit)
+        batch = probe_batch(args, model, search.micro_batch_sizes(layout.max_stages)[1])
         step = {} if args.batch else {"step": lambda module, b: module(b)}
         facts = measure_for(model, batch, search, optimizer, **step)
         links = links_of(args)
@@ -230,9 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     first = facts[search.tensor_parallel_sizes[0]]
     params = sum(t.numel for t in first.tensors.values())
     print(
-        f"{args.model}: {params:,} parameters, {blocks} pipeline units ({first.layout.kind} "
-        f"`{first.layout.container}`); global batch {args.global_batch_size}, {args.devices} devices, "
-        f"{args.precision}; budget {budget.describe()}"
+        f"{args.model}: {params:,} parameters, {first.layout.describe()}; global batch "
+        f"{args.global_batch_size}, {args.devices} devices, {args.precision}; budget {budget.describe()}"
     )
     print(_timing_line(first, links) + "\n")
     shown = candidates if args.rows <= 0 else candidates[: args.rows]
@@ -251,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _timing_line(facts: Any, links: Links) -> str:
     if facts.times is None:
-        return "not timed (a model on the meta device): plans ranked by their peak"
+        return (
+            "not timed (a model on the meta device): plans ranked by their device peak, so the chosen one "
+            "is the most frugal that fits, not the fastest (run without --meta where the model fits this "
+            "machine to rank by time)"
+        )
     small, large = facts.times.sizes[0], facts.times.sizes[-1]
     where = f"units timed here ({facts.times.device}) at micro-batches of {small} and {large}"
     return f"step times: {where}; {links.describe()}"

@@ -50,11 +50,8 @@ def nothing_fits(
 ) -> str:
     """The message of :class:`NothingFits`."""
     if not candidates:
-        return (
-            f"no plan splits the global batch ({search.global_batch_size}) into whole batches of "
-            f"{search.batch_size or 'equal size'} per replica on {search.devices} devices: use a global "
-            f"batch that is a multiple of the batch size x the replicas"
-        )
+        stages = max(f.layout.max_stages for f in facts.values())
+        return search.split_error(stages) or f"the search on {search.devices} devices has no plan to size"
     smallest = min(candidates, key=lambda c: (c.peak, c.host_per_node))
     over = smallest.peak - budget.usable
     lines = [

@@ -7,7 +7,8 @@ simulated with the unit times measured on this machine, the collectives and copi
 from one measurement of the model. A plan **fits** when its fullest rank's device peak is within the
 device budget less a safety margin (:data:`MARGIN`), and the host bytes of the ranks of one node
 (they share its memory) are within the host budget less the same margin. The chosen plan is the one
-that fits with the least time per sample (ties: the smaller peak).
+that fits with the least time per sample (ties: the smaller peak); a model on the meta device is not
+timed, and its chosen plan is the most frugal that fits (the smallest peak), not a fast one.
 """
 
 from __future__ import annotations
@@ -178,8 +179,15 @@ def format_plan(candidates: list[Candidate], budget: Budget | int) -> str:
     return format_table(headers, rows)
 
 
+FRUGAL = "not timed: the most frugal plan that fits (the smallest device peak), not the fastest"
+"""Why an untimed choice (a model on the meta device) is what it is: ranked by peak, not by time."""
+
+
 def format_choice(candidates: list[Candidate], budget: Budget, others: int = 3) -> str:
-    """The chosen plan, its ``PipelineStrategy(...)`` line, and the next ``others`` that fit, with why."""
+    """The chosen plan, its ``PipelineStrategy(...)`` line, and the next ``others`` that fit, with why.
+
+    Untimed plans (a model on the meta device) are ranked by their peak: the choice says it is the most
+    frugal that fits, which leans to recomputation and offload, not a fast one."""
     fits = [c for c in candidates if budget.fits(c)]
     if not fits:
         return ""
@@ -192,7 +200,7 @@ def format_choice(candidates: list[Candidate], budget: Budget, others: int = 3) 
 
 
 def _seconds(c: Candidate) -> str:
-    return f"{c.seconds * 1e3:.1f} ms per step" if c.time else "not timed"
+    return f"{c.seconds * 1e3:.1f} ms per step" if c.time else FRUGAL
 
 
 def measure_for(
@@ -209,8 +217,7 @@ def measure_for(
 
         facts = measure_for(model, batch, Search(devices=2, global_batch_size=16))
     """
-    blocks = len(find_units(module).blocks())
-    sizes = search.micro_batch_sizes(blocks)
+    sizes = search.micro_batch_sizes(find_units(module).max_stages)
     return {
         tp: measure_model(module, batch, search.precision, optimizer, step, tp, time_sizes=sizes)
         for tp in search.tensor_parallel_sizes
@@ -231,7 +238,7 @@ def plan_search(
     for tp in search.tensor_parallel_sizes:
         f = facts[tp]
         sequential = f.layout.kind == "sequential"  # FSDP2 shards the stages of a split Sequential
-        out += rank_plans(f, search.plans(len(f.layout.blocks()), tp, fsdp=sequential), search, links)
+        out += rank_plans(f, search.plans(f.layout.max_stages, tp, fsdp=sequential), search, links)
     return ranked(out)
 
 

@@ -18,6 +18,7 @@ replicas' batches add up to, and plans are compared by time per sample.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from lightning_parallel.plan.parallel_plan import ParallelPlan
@@ -96,7 +97,39 @@ class Search:
         Raises:
             ValueError: a requested pipeline size does not divide the devices or exceeds the blocks.
         """
-        tp = tensor_parallel_size
+        out = []
+        for base in self._shapes(num_blocks, tensor_parallel_size):
+            found = self.batches(base)
+            if found is not None:
+                out += self._variants(base, num_blocks, found[0], fsdp)
+        return out
+
+    def split_error(self, num_blocks: int) -> str | None:
+        """Why no plan of the search splits the global batch over the devices, with the nearest global
+        batches that split (None: some plan does). Each pipeline shape says what it lacks.
+
+        Example::
+
+            >>> print(Search(devices=2, global_batch_size=7).split_error(num_blocks=4))
+            no plan splits the global batch (7) over 2 devices (pp 1x2: 7 is not a multiple of its 2
+            replicas; pp 2x1: 7 per replica cannot make 2, 4 or 8 equal micro-batches): use a global
+            batch of e.g. 6 or 8
+        """
+        if self._splits(num_blocks):
+            return None
+        why = "; ".join(dict.fromkeys(self._lacks(base) for base in self._bases(num_blocks)))
+        near = self._nearest_global_batches(num_blocks)
+        fix = (f"use a global batch of e.g. {near[0]} or {near[1]}" if near else
+               "use a batch per replica that the micro-batches divide, and a global batch that is a "
+               "multiple of it x the replicas")  # fmt: skip
+        per = f" and a batch of {self.batch_size} per replica" if self.batch_size is not None else ""
+        return (
+            f"no plan splits the global batch ({self.global_batch_size}){per} over {self.devices} devices"
+            + (f" ({why})" if why else "") + f": {fix}"
+        )  # fmt: skip
+
+    def _shapes(self, num_blocks: int, tp: int) -> list[ParallelPlan]:
+        """The pipeline shapes (no variants yet) at tensor-parallel size ``tp``."""
         if tp < 1 or self.devices % tp:
             raise ValueError(f"tensor-parallel size {tp} does not divide the devices ({self.devices})")
         ranks = self.devices // tp
@@ -110,15 +143,46 @@ class Search:
                     f"pipeline size {p} does not fit: it must divide the devices ({self.devices}) and be at "
                     f"most the number of blocks ({num_blocks})"
                 )
-        out = []
-        for p in sizes:
-            base = ParallelPlan(
-                "pipeline", self.devices, p, tensor_parallel_size=tp, precision=self.precision
-            )
+        return [ParallelPlan("pipeline", self.devices, p, tensor_parallel_size=tp, precision=self.precision)
+                for p in sizes]  # fmt: skip
+
+    def _bases(self, num_blocks: int) -> list[ParallelPlan]:
+        """The pipeline shapes at every tensor-parallel size of the search."""
+        return [base for tp in self.tensor_parallel_sizes for base in self._shapes(num_blocks, tp)]
+
+    def _splits(self, num_blocks: int) -> bool:
+        """Whether some shape makes whole batches of its replicas and equal micro-batches of them."""
+        for base in self._bases(num_blocks):
             found = self.batches(base)
-            if found is not None:
-                out += self._variants(base, num_blocks, found[0], fsdp)
-        return out
+            if found is not None and _microbatches(base.pipeline_size, found[0]):
+                return True
+        return False
+
+    def _lacks(self, base: ParallelPlan) -> str:
+        """What ``base`` misses: whole batches for its replicas, or equal micro-batches of one."""
+        p, dp, tp = base.pipeline_size, base.data_parallel_size, base.tensor_parallel_size
+        shape = f"pp {p}x{dp}" + (f" tp={tp}" if tp > 1 else "")
+        found = self.batches(base)
+        if found is None:
+            of = f"its {dp} replicas" if dp > 1 else "1 replica"
+            of += f" x {self.batch_size}" if self.batch_size is not None else ""
+            return f"{shape}: {self.global_batch_size} is not a multiple of {of}"
+        m = (1, 2, 4) if p == 1 else (p, 2 * p, 4 * p)
+        return f"{shape}: {found[0]} per replica cannot make {m[0]}, {m[1]} or {m[2]} equal micro-batches"
+
+    def _nearest_global_batches(self, num_blocks: int) -> tuple[int, int] | None:
+        """The nearest global batch below the given one that splits and the nearest above (or the two
+        nearest above), or None (some pipeline sizes only, none splits the batch)."""
+        given = self.global_batch_size or 1
+        end = 2 * given + 4 * self.devices * (self.batch_size or 1)  # past two multiples of the replicas
+
+        def splits(g: int) -> bool:
+            return replace(self, global_batch_size=g)._splits(num_blocks)
+
+        below = next(([g] for g in range(given - 1, 0, -1) if splits(g)), [])
+        above = list(itertools.islice((g for g in range(given + 1, end) if splits(g)), 2 - len(below)))
+        found = below + above
+        return (found[0], found[1]) if len(found) == 2 else None
 
     def micro_batch_sizes(self, num_blocks: int) -> tuple[int, int]:
         """The smallest and the largest micro-batch of the search's plans (what the time probe measures).

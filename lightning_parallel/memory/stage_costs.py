@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.probe import BEFORE, UnitActivations
-from lightning_parallel.memory.units import Unit, partition
+from lightning_parallel.memory.units import NOT_SPLIT, WHOLE, Unit, UnitLayout, partition
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.techniques import recompute
 
@@ -46,19 +46,33 @@ def stage_costs(facts: ModelFacts, config: ParallelPlan, samples: int | None = N
         costs = stage_costs(measure_model(model, batch), ParallelPlan("pipeline", 2, 2, 4))
     """
     n_stages = config.num_stages
-    blocks = facts.layout.blocks()
-    if n_stages > len(blocks):
-        raise ValueError(
-            f"{n_stages} pipeline stages (pipeline_size {config.pipeline_size} x stages_per_rank "
-            f"{config.stages_per_rank}) but the model has {len(blocks)} "
-            f"{'layers' if facts.layout.kind == 'sequential' else 'blocks'} in `{facts.layout.container}`: "
-            f"use at most {len(blocks)} stages"
-        )
+    _check_stages(facts.layout, config)
     counts = partition(facts.layout, n_stages, config.partition)
     per_stage = facts.layout.stage_units(counts)
     chosen = set(recomputed_units(facts, config))
     mb = (samples or facts.samples) / config.num_microbatches
     return [_one(facts, s, units, chosen, mb, config) for s, units in enumerate(per_stage)]
+
+
+def _check_stages(layout: UnitLayout, config: ParallelPlan) -> None:
+    """The model has at least as many blocks as ``config`` has stages (one, for a model run whole)."""
+    n_stages = config.num_stages
+    if n_stages <= layout.max_stages:
+        return
+    stages = (
+        f"{n_stages} pipeline stages (pipeline_size {config.pipeline_size} x stages_per_rank "
+        f"{config.stages_per_rank})"
+    )
+    if layout.kind == WHOLE:
+        raise ValueError(
+            f"{stages} but the model has no pipeline units ({NOT_SPLIT}): use pipeline_size=1, or hold "
+            f"its layers in a top-level nn.Sequential (or its blocks in an nn.ModuleList) to split it"
+        )
+    raise ValueError(
+        f"{stages} but the model has {layout.max_stages} "
+        f"{'layers' if layout.kind == 'sequential' else 'blocks'} in `{layout.container}`: "
+        f"use at most {layout.max_stages} stages"
+    )
 
 
 def recomputed_units(facts: ModelFacts, config: ParallelPlan) -> list[str]:

@@ -1,6 +1,6 @@
 """The pipeline units of a module: what a pipeline stage holds, found by the splits' own finders.
 
-Two shapes are recognised, as ``PipelineStrategy`` recognises them:
+Two shapes can be split, as ``PipelineStrategy`` recognises them:
 
 - **a top-level ``nn.Sequential``** (the Sequential path's ``find_sequential``; or the module itself is
   one): its layers are the units, named by their path (``"layers.3"``);
@@ -9,6 +9,10 @@ Two shapes are recognised, as ``PipelineStrategy`` recognises them:
   blocks (``"h.0"``, ``"h.1"``, ...); the modules called before the first block (embeddings) go to stage
   0, those called after the last block (final norm, head) to the last stage. A weight tied between
   them (embedding and head) is held by both stages.
+
+A module of neither shape cannot be split, but ``PipelineStrategy(pipeline_size=1)`` still runs it
+whole on each rank (replicas, ZeRO-1, offload: its traced path needs no blocks for one stage): its
+top-level children are then its units (``kind="whole"``), all on the one stage.
 
 Call order comes from forward hooks during the probe forward (:mod:`lightning_parallel.memory.probe`).
 """
@@ -25,6 +29,8 @@ from lightning_parallel.pipeline.partition import check_explicit, partition_bala
 from lightning_parallel.sources.sequential.split import check_parameters_inside, find_sequential
 
 PRE, BLOCK, POST = "pre", "block", "post"
+WHOLE = "whole"
+NOT_SPLIT = "no top-level nn.Sequential holding every parameter, no nn.ModuleList of blocks"
 
 
 @dataclass
@@ -46,13 +52,24 @@ class UnitLayout:
         layout.blocks()                        # the units a partition spreads over the stages
     """
 
-    kind: str  # "sequential" or "blocks"
+    kind: str  # "sequential", "blocks", or "whole" (no split: the top-level children, one stage)
     container: str
     units: list[Unit]
     loose: list[nn.Parameter] = field(default_factory=list)
 
     def blocks(self) -> list[Unit]:
         return [u for u in self.units if u.role == BLOCK]
+
+    @property
+    def max_stages(self) -> int:
+        """The most stages the module can be cut into: its blocks, or 1 for a module run whole."""
+        return 1 if self.kind == WHOLE else len(self.blocks())
+
+    def describe(self) -> str:
+        """``"4 pipeline units (blocks `h`)"``, or what a module run whole is."""
+        if self.kind == WHOLE:
+            return f"no pipeline units ({NOT_SPLIT}): pipeline_size=1 plans only"
+        return f"{len(self.blocks())} pipeline units ({self.kind} `{self.container}`)"
 
     def stage_units(self, counts: Sequence[int]) -> list[list[Unit]]:
         """The units of each stage for ``counts`` blocks per stage (extras on the first/last stage)."""
@@ -66,10 +83,12 @@ class UnitLayout:
 
 
 def find_units(module: nn.Module, module_name: str | None = None) -> UnitLayout:
-    """The pipeline units of ``module`` (extras of a GPT-shaped one are ordered by :func:`order_extras`).
+    """The pipeline units of ``module`` (extras of a GPT-shaped one are ordered by :func:`order_extras`);
+    a module of neither shape is run whole: its top-level children are its units, on one stage.
 
     Raises:
-        ValueError: the module has neither a Sequential holding every parameter nor a list of blocks.
+        ValueError: a top-level Sequential that does not hold every parameter; a module with neither a
+            Sequential, nor a list of blocks, nor any submodule.
 
     Example::
 
@@ -87,16 +106,25 @@ def find_units(module: nn.Module, module_name: str | None = None) -> UnitLayout:
     try:
         name, children = find_block_list(module)
     except ValueError:
-        raise ValueError(
-            f"{type(module).__name__} has no pipeline units: put its layers in one top-level nn.Sequential "
-            f"(every parameter inside it), or its repeated blocks in an nn.ModuleList (GPT-style)"
-        ) from None
+        return _whole(module)
     blocks = module.get_submodule(name)
     units = [Unit(f"{name}.{child}", blocks.get_submodule(child)) for child in children]
     extras = [Unit(n, m, role="") for n, m in _side_modules(module, name)]
     owned = {id(p) for u in units + extras for p in u.module.parameters()}
     loose = [p for p in module.parameters() if id(p) not in owned]
     return UnitLayout("blocks", name, extras + units, loose)
+
+
+def _whole(module: nn.Module) -> UnitLayout:
+    """A module no pipeline can split, run on one stage: its top-level children are the units."""
+    units = [Unit(n, m) for n, m in module.named_children()]
+    if not units:
+        raise ValueError(
+            f"{type(module).__name__} has no pipeline units: put its layers in one top-level nn.Sequential "
+            f"(every parameter inside it), or its repeated blocks in an nn.ModuleList (GPT-style)"
+        )
+    owned = {id(p) for u in units for p in u.module.parameters()}
+    return UnitLayout(WHOLE, "", units, [p for p in module.parameters() if id(p) not in owned])
 
 
 def order_extras(layout: UnitLayout, first_call: dict[str, int]) -> None:

@@ -89,11 +89,11 @@ class RankLayout:
         group = pp_size * tp_size
         if world_size % group:
             lower = world_size - world_size % group
+            near = (lower, lower + group) if lower else (group, 2 * group)  # the two nearest multiples
             what = "pipeline_size" if tp_size == 1 else "pipeline_size x tensor_parallel_size"
             sizes = f"{pp_size}" if tp_size == 1 else f"{pp_size} x {tp_size} = {group}"
             raise ValueError(
                 f"{what} ({sizes}) does not divide devices x nodes ({world_size}): use a multiple "
-                f"of {group} devices (e.g. {max(lower, group)} or {lower + group}), or change "
-                f"{what}"
+                f"of {group} devices (e.g. {near[0]} or {near[1]}), or change {what}"
             )
         return cls(pp_size, world_size // group, dp_shard_size, tp_size)

@@ -188,7 +188,7 @@ def decide(strategy: Any, trainer: pl.Trainer) -> None:
     with torch.random.fork_rng(devices=_rng_devices(strategy.root_device)):
         plan, report = decide_on(0, lambda: _choose(strategy, trainer, budget, links, request))
     rank_zero_info(report)
-    strategy.parallel_plan = plan
+    strategy.parallel_plan = plan.for_devices(strategy.world_size)  # label() and code() work in a hook
     strategy._mesh = build_mesh(strategy.root_device.type, strategy.layout)
 
 

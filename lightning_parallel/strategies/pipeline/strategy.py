@@ -262,6 +262,8 @@ class PipelineStrategy(
             backend = offload.process_group_backend(self.root_device.type, self._process_group_backend)
             self._process_group_backend = backend
         super().setup_environment()
+        if self._auto is None:  # the plan that runs knows its devices (plan="auto": the choice's, at setup)
+            self.parallel_plan = self.parallel_plan.for_devices(self.world_size)
         if self._stop_guard is None:
             guard, launched = start_rank_guard(self, self.stop_grace_period)
             self._stop_guard = guard if launched else None
