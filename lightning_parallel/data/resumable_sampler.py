@@ -26,14 +26,18 @@ class ResumableDistributedSampler(DistributedSampler):
 
     Unlike PyTorch's sampler it needs no process group at construction: unless given,
     ``num_replicas`` and ``rank`` are read from the process group when the sampler is used (1 and 0
-    without one). A strategy whose data-parallel size is not the world size (pipeline) should pass
-    them, from ``trainer.strategy.distributed_sampler_kwargs``. Because it is a
-    ``DistributedSampler``, Lightning keeps it instead of injecting its own.
+    without one: the world, which under DDP is the data-parallel replicas). Under
+    :class:`~lightning_parallel.PipelineStrategy`, whose replicas are fewer than its ranks (every
+    stage of a replica reads the same samples), the strategy sets them to its data-parallel layout
+    (``trainer.strategy.distributed_sampler_kwargs``) when Lightning prepares the loader: nothing to
+    pass. Because it is a ``DistributedSampler``, Lightning keeps it instead of injecting its own.
 
     Args:
         dataset: a map-style dataset (``len`` is required).
-        num_replicas: data-parallel replicas (default 1 until configured).
-        rank: this replica's index (default 0 until configured).
+        num_replicas: data-parallel replicas (default: the process group's size, 1 without one; the
+            strategy's replicas under ``PipelineStrategy``).
+        rank: this replica's index (default: the process group's rank, 0 without one; the strategy's
+            replica index under ``PipelineStrategy``).
         shuffle: shuffle each epoch with ``seed + epoch`` (as ``DistributedSampler``).
         seed: the base seed; must be the same on every replica.
         drop_last: drop the tail instead of padding it to a multiple of ``num_replicas``.
@@ -42,6 +46,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
         loader = DataLoader(dataset, batch_size=32, sampler=ResumableDistributedSampler(dataset))
         trainer = L.Trainer(devices=8, callbacks=[Rank0Checkpoint(every_n_train_steps=500)])
+        # the same loader under PipelineStrategy(pipeline_size=2): split over the 4 replicas, not the 8 ranks
     """
 
     @checks_options
@@ -80,6 +85,11 @@ class ResumableDistributedSampler(DistributedSampler):
                 "0 <= rank < num_replicas"
             )
         self._explicit = (num_replicas, rank)
+
+    @property
+    def distributed_given(self) -> bool:
+        """Whether ``num_replicas``/``rank`` were given (or set), rather than read from the process group."""
+        return self._explicit is not None
 
     def _replicas_and_rank(self) -> tuple[int, int]:
         if self._explicit is not None:

@@ -4,8 +4,9 @@ Lightning glue only: the order of set-up, and Lightning's hooks mapped onto the 
 nothing of Lightning: the plan (:mod:`lightning_parallel.plan`), the split and the schedules
 (:mod:`lightning_parallel.pipeline` and the stage sources), the techniques
 (:mod:`lightning_parallel.techniques`), the gradient synchronisation (:mod:`lightning_parallel.grads`).
-Its other Lightning hooks are mixins, one concern each: the stop path (``stop.py``), collectives in a
-step (``collectives.py``), checkpoints (``checkpointing.py``) and the release at exit (``release.py``).
+Its other Lightning hooks are mixins, one concern each: the stop path (``stop.py``), collectives in a step
+(``collectives.py``), the data a replica reads (``same_data.py``), checkpoints (``checkpointing.py``) and
+the release at exit (``release.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, check_
 from lightning_parallel.grads.item_weights import ItemCount
 from lightning_parallel.grads.sync import GradientSync
 from lightning_parallel.pipeline.mesh import PipelineMesh
-from lightning_parallel.pipeline.microbatches import check_feeds
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.plan.checks import Selection
 from lightning_parallel.plan.layout import RankLayout
@@ -52,6 +52,7 @@ from lightning_parallel.strategies.pipeline.refusals import (
     refuse_unsupported_callbacks,
 )
 from lightning_parallel.strategies.pipeline.release import ReleaseAtExit
+from lightning_parallel.strategies.pipeline.same_data import SameData
 from lightning_parallel.strategies.pipeline.step import run_step
 from lightning_parallel.strategies.pipeline.step_results import count_predict_batches
 from lightning_parallel.strategies.pipeline.stop import (
@@ -66,7 +67,7 @@ from lightning_parallel.timeline.recorder import Timeline, span_of
 
 
 class PipelineStrategy(
-    StopHooks, StepCollectives, MetaInit, ReleaseAtExit, PipelineCheckpointHooks, DDPStrategy
+    StopHooks, StepCollectives, SameData, MetaInit, ReleaseAtExit, PipelineCheckpointHooks, DDPStrategy
 ):
     """Pipeline (x data) parallel training of an ordinary LightningModule on ``torch.distributed.pipelining``.
 
@@ -177,7 +178,6 @@ class PipelineStrategy(
         self._stop_agreement = StopAgreement()
         self.parts: PipelineParts | None = None
         self._mesh: PipelineMesh | None = None
-        self._first_batch_checked = False
         self._item_count: ItemCount | None = None
         self._compile_watch: CompileWatch | None = None
         self._sync: GradientSync | None = None  # the optimizer step's gradient synchronisation
@@ -337,10 +337,8 @@ class PipelineStrategy(
 
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], train: bool) -> Any:
         assert self.parts is not None
-        if train and not self._first_batch_checked:
-            # Later batches may be short (an epoch's last); the first one shows the configured size.
-            self._first_batch_checked = True
-            check_feeds(args[0], self.parallel_plan.num_microbatches)
+        if train:
+            self._check_training_batch(args)  # the first ones: the same on a replica's ranks, micro-batches
         if self._compile_watch is None:
             return run_step(self.parts, self.lightning_module, step_name, args, train)
         with self._compile_watch.reporting(f"this {step_name} (batch {args[1] if len(args) > 1 else '?'})"):
