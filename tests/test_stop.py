@@ -2,7 +2,8 @@
 
 The mechanics (distributed/stop.py) run in tiny processes that load only that file; the launch paths run
 one real 2-rank PipelineStrategy job each (tests/scripts/stop_job.py), all at once in one test: spawn,
-fork, forkserver, the script launcher, torchrun and SLURM's way (each rank started on its own).
+fork, forkserver, the script launcher (strategies/pipeline/script_launcher.py), torchrun and SLURM's way
+(each rank started on its own).
 """
 
 import os
@@ -146,11 +147,12 @@ class Job:
 
     name: str
     start_method: str  # spawn, fork, forkserver, popen, torchrun, slurm
-    target: str  # "launcher", "job" (every process), "rank 1"
+    target: str  # "launcher", "job" (every process: Ctrl-C in a terminal, `timeout`), "rank 1"
     signum: int = signal.SIGTERM
     block: bool = False  # the ranks sit in a collective when the signal comes
+    slow: str = "last"  # the stage whose rank is slow (the other one waits for it in a pipeline receive)
     status: int | None = 143  # the launcher's (rank 0's) exit status; None: not ours to say (torchrun)
-    saves: bool = False  # Lightning's own SIGTERM handling ran: the save_on_exception checkpoint exists
+    saves: bool = False  # Lightning's own stop handling ran: the save_on_exception checkpoint exists
     says: str = ""  # in the output
     procs: list = field(default_factory=list)
     signalled: float = 0.0
@@ -160,10 +162,11 @@ class Job:
 JOBS = [
     Job("spawn: SIGTERM to every process (the issue's case)", "spawn", "job"),
     Job(
-        "fork: SIGINT to the launcher (Lightning's KeyboardInterrupt path)",
+        "fork: SIGINT to the launcher (Lightning's KeyboardInterrupt path), first stage slow",
         "fork",
         "launcher",
         signal.SIGINT,
+        slow="first",
         status=1,
     ),
     Job("fork: SIGTERM to rank 1 alone", "fork", "rank 1"),
@@ -175,7 +178,20 @@ JOBS = [
         says=f"rank 1: still running {GRACE:g} s after SIGTERM (main thread at distributed_c10d.py",
     ),
     Job("script launcher: SIGTERM to every process", "popen", "job", saves=True),
+    # Ctrl-C: Python raised KeyboardInterrupt in the slow rank alone, which went on to its save while its
+    # peer waited for it in a pipeline receive, until the grace period ended both (status 130, no save).
+    # Each slow stage once (the first also in the fork job above; the agreement is tested alone below).
+    Job("script launcher: Ctrl-C, last stage slow", "popen", "job", signal.SIGINT, status=1, saves=True),
     Job("torchrun: SIGTERM to every process", "torchrun", "job", status=None, saves=True),
+    Job(
+        "torchrun: Ctrl-C, first stage slow",
+        "torchrun",
+        "job",
+        signal.SIGINT,
+        slow="first",
+        status=None,
+        saves=True,
+    ),
     Job("SLURM: SIGTERM to every rank", "slurm", "job", saves=True, says="Bypassing SIGTERM"),
 ]
 
@@ -202,7 +218,7 @@ def _start(job: Job, out: Path, marker: str) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     method = "popen" if job.start_method in ("torchrun", "slurm") else job.start_method
     command = [str(JOB), "--out", str(out), "--start-method", method, "--grace", str(GRACE)]
-    command += ["--block"] if job.block else []
+    command += ["--slow", job.slow, *(["--block"] if job.block else [])]
     log = open(out / "log", "w")  # noqa: SIM115 (the job's processes write it after this returns)
     run = dict(stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=out)
     if job.start_method == "torchrun":
@@ -295,17 +311,21 @@ def test_a_stop_ends_every_process_of_the_job_on_every_launch_path(tmp_path):
         if job.saves:
             saved = list((out / "ckpt").glob("*.ckpt")) if (out / "ckpt").exists() else []
             if len(saved) != 1 or not atomic.verify_checkpoint(str(saved[0])).ok:
-                problems.append(f"{job.name}: no verified checkpoint saved on SIGTERM: {saved}")
+                problems.append(f"{job.name}: no verified checkpoint saved on the stop signal: {saved}")
         if problems and problems[-1].startswith(job.name):
             problems.append(f"--- {job.name} output:\n{log[-2500:]}")
     assert not problems, "\n".join(problems)
     print({job.name: round(job.gone or -1, 1) for job in JOBS})
 
 
-class _Signalled:
-    """A stop guard that has seen a signal (what StopAgreement reads of the real one)."""
+class _Guard:
+    """What a StopAgreement and its SIGINT handler use of a rank's stop guard (its first signal, noted)."""
 
-    signum = signal.SIGTERM
+    def __init__(self, signum: int | None = None) -> None:
+        self.signum = signum
+
+    def note(self, signum: int) -> None:
+        self.signum = self.signum or signum
 
 
 class _Trainer:
@@ -315,28 +335,97 @@ class _Trainer:
         self._signal_connector = type("Connector", (), {"received_sigterm": False})()
 
 
+def _returning(guard: _Guard):
+    """A stand-in for ``current_guard``: this rank's guard has seen a signal."""
+    return lambda: guard
+
+
+# Which rank is signalled, with what, after batch ``at``'s agreement was posted; 5 batches, then finish.
+AGREEMENTS = {
+    "SIGTERM to rank 1": ({1: signal.SIGTERM}, 2),
+    "SIGINT to rank 1": ({1: signal.SIGINT}, 2),
+    "SIGINT to rank 0, SIGTERM to rank 1": ({0: signal.SIGINT, 1: signal.SIGTERM}, 2),
+    "SIGINT to rank 0 in the last batch but one": ({0: signal.SIGINT}, 3),
+}
+
+
 def _agreement_worker(rank: int, world: int, out_dir: str) -> None:
-    """Rank 1 is signalled during batch 2, after its agreement was posted: batch 3 posts it, and every
-    rank's flag rises at batch 4's start (read a batch after it was posted), none earlier."""
+    """Each case: the signal arrives after batch ``at``'s agreement was posted; batch ``at + 1`` posts it,
+    and every rank acts at batch ``at + 2``'s start (read a batch after it was posted), none earlier:
+    Lightning's stop flag rises (SIGTERM), or a StopInterrupt is raised (SIGINT), in ``finish`` if
+    training ends first."""
     import torch
 
     from lightning_parallel.strategies.pipeline import stop as strategy_stop
 
-    agreement, trainer, raised_at = strategy_stop.StopAgreement(), _Trainer(), None
-    for batch in range(5):
-        agreement.at_batch(trainer)
-        if trainer._signal_connector.received_sigterm and raised_at is None:
-            raised_at = batch
-        if rank == 1 and batch == 2:  # the signal arrives after this batch's agreement was posted
-            strategy_stop.current_guard = lambda: _Signalled()
-    torch.save({"raised_at": raised_at, "last": agreement.finish()}, f"{out_dir}/rank{rank}.pt")
+    results = {}
+    for case, (signals, at) in AGREEMENTS.items():
+        strategy_stop.current_guard = lambda: None
+        agreement, trainer = strategy_stop.StopAgreement(), _Trainer()
+        result = {"flag_at": None, "interrupted_at": None, "agreed": None}
+        try:
+            for batch in range(5):
+                result["interrupted_at"] = batch
+                agreement.at_batch(trainer)
+                if trainer._signal_connector.received_sigterm and result["flag_at"] is None:
+                    result["flag_at"] = batch
+                if rank in signals and batch == at:
+                    strategy_stop.current_guard = _returning(_Guard(signals[rank]))
+            result["interrupted_at"] = "finish"
+            result["agreed"] = agreement.finish()
+            result["interrupted_at"] = None
+        except strategy_stop.StopInterrupt:
+            result["agreed"] = agreement.signum
+        results[case] = result
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_every_rank_raises_the_stop_flag_in_the_same_batch_read_a_batch_after_it_was_posted(tmp_path):
+def test_every_rank_stops_in_the_same_batch_read_a_batch_after_it_was_posted(tmp_path):
     from mp_harness import spawn_gloo
 
     ranks = spawn_gloo(_agreement_worker, 2, tmp_path)
-    assert [r["raised_at"] for r in ranks] == [4, 4]  # posted at batch 3 (rank 1's flag), read at 4
-    assert [r["last"] for r in ranks] == [True, True]
+    for case, result in ranks[0].items():
+        assert ranks[1][case] == result, f"{case}: the ranks disagree: {ranks[0][case]} {ranks[1][case]}"
+    term, sigint = signal.SIGTERM, signal.SIGINT
+    assert ranks[0] == {
+        # posted at batch 3 (rank 1's signal), read at 4: Lightning's flag rises, it stops the batch's end
+        "SIGTERM to rank 1": {"flag_at": 4, "interrupted_at": None, "agreed": term},
+        # ... or every rank raises Lightning's KeyboardInterrupt there, before the batch's pipeline
+        "SIGINT to rank 1": {"flag_at": None, "interrupted_at": 4, "agreed": sigint},
+        # two signals: the highest (SIGTERM) on every rank
+        "SIGINT to rank 0, SIGTERM to rank 1": {"flag_at": 4, "interrupted_at": None, "agreed": term},
+        # posted in the last batch: read as training ends
+        "SIGINT to rank 0 in the last batch but one": {
+            "flag_at": None,
+            "interrupted_at": "finish",
+            "agreed": sigint,
+        },
+    }
+
+
+def test_while_fitting_sigint_is_noted_for_the_agreement_and_given_back_to_python_after(monkeypatch):
+    """A Ctrl-C while fitting is noted, not raised where it lands; after training Python's handler is back,
+    and a Ctrl-C that came too late for a vote is raised then (no process group: nothing to agree on)."""
+    from lightning_parallel.strategies.pipeline import stop as strategy_stop
+
+    guard, trainer = _Guard(), type("Trainer", (), {"local_rank": 0})()
+    monkeypatch.setattr(strategy_stop, "current_guard", lambda: guard)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        agreement = strategy_stop.StopAgreement()
+        agreement.start(trainer)
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # what a Ctrl-C runs now: no KeyboardInterrupt
+        assert guard.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            agreement.finish()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # a handler of the user's stays theirs
+        users = lambda *args: None  # noqa: E731
+        signal.signal(signal.SIGINT, users)
+        agreement.start(trainer)
+        assert signal.getsignal(signal.SIGINT) is users
+        assert agreement.release() is False
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -121,10 +121,11 @@ def decide_on(src: int, fn: Callable[[], T], group: Any | None = None) -> T:
 
 
 class PostedVote:
-    """Whether any rank of ``group`` raised its flag: posted now (asynchronously), read later.
+    """The highest flag (or code) any rank of ``group`` posted: posted now (asynchronously), read later.
 
     Off the critical path: every rank posts it at the same point (a MAX all-reduce of one number) and
     reads it at a later point, by when every rank has long joined it, so no rank waits for the slowest.
+    A flag (``True``/``False``) reads back as 1 or 0; a code (a signal's number) as the highest posted.
 
     Example::
 
@@ -134,17 +135,17 @@ class PostedVote:
             stop()
     """
 
-    def __init__(self, flag: bool, group: Any | None = None) -> None:
-        self._flag = torch.tensor([1 if flag else 0], device=collective_device(group))
+    def __init__(self, value: bool | int, group: Any | None = None) -> None:
+        self._flag = torch.tensor([int(value)], device=collective_device(group))
         self._work = None
         if world_size(group) > 1:
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
-    def result(self) -> bool:
-        """Wait for the vote (every rank posted it) and return whether any rank's flag was raised."""
+    def result(self) -> int:
+        """Wait for the vote (every rank posted it); the highest value posted (0: no flag raised)."""
         if self._work is not None:
             self._work.wait()
-        return bool(int(self._flag.item()))
+        return int(self._flag.item())
 
 
 @contextmanager

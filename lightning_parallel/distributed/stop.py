@@ -47,6 +47,7 @@ __all__ = [
     "die_with_parent",
     "exit_status",
     "forwarding_stop_signals",
+    "stop_received",
     "stopped_status",
 ]
 
@@ -60,6 +61,7 @@ LAUNCHER_PID_ENV = "LIGHTNING_PARALLEL_LAUNCHER_PID"
 _LAUNCHER_MARGIN = 2.0  # the launcher waits this much past ``grace``: a rank's own exit (and report) first
 _PR_SET_PDEATHSIG = 1
 _guard: StopGuard | None = None
+_received: int | None = None  # the first stop signal a guard of this process noted (it stays)
 
 
 def exit_status(signum: int) -> int:
@@ -108,6 +110,17 @@ def check_grace(grace: float | timedelta, owner: str) -> float:
 def current_guard() -> StopGuard | None:
     """The guard started in this process, if any (one per process)."""
     return _guard
+
+
+def stop_received() -> int | None:
+    """The stop signal this process was told to stop by (a guard noted it, also one stopped since), or None.
+
+    Example::
+
+        if stop_received() is None:       # a rank that ended is a failure, not part of a stop
+            end_the_job()
+    """
+    return _received
 
 
 def die_with_parent(parent: int, signum: int = signal.SIGTERM) -> bool:
@@ -224,10 +237,13 @@ class StopGuard:
 
     def note(self, signum: int) -> None:
         """A stop signal arrived (the wakeup socket, or a handler that saw it first): arm the deadline."""
+        global _received
         with self._lock:
             if self.signum is not None:
                 return
             self.signum = int(signum)
+            if _received is None:
+                _received = self.signum
         self._spawn(self._deadline, "deadline", keep=True)
 
     # --------------------------------------------------------------------------------- threads

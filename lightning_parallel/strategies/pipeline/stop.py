@@ -15,9 +15,15 @@ different batches (one in the ``on_exception`` save, the other in the next step)
 keeps its other work without the collective (:func:`keep_lightning_sigterm_handling`), and while
 fitting the flag is raised on every rank at once, in the same training batch, once any rank was told
 to stop (:class:`StopAgreement`, one all-reduce of one number per batch, read a batch later so no
-rank waits for it; it replaces Lightning's own per-batch broadcast of rank 0's flag). The private pieces of
-Lightning's signal machinery this reads are here only (checked against 2.6.6 by
-:func:`check_signal_internals`).
+rank waits for it; it replaces Lightning's own per-batch broadcast of rank 0's flag).
+
+SIGINT (Ctrl-C) takes Lightning's KeyboardInterrupt path, agreed the same way. Python raises
+``KeyboardInterrupt`` wherever a rank's main thread is when the signal lands: a pipeline rank outside a
+communication (the slow stage's) went on to ``on_exception`` (a ``save_on_exception`` checkpoint, a
+collective) while its peer sat in a point-to-point wait for it, until the grace period ended both.
+While fitting, SIGINT is noted instead (:func:`defer_interrupts`) and every rank raises
+:class:`StopInterrupt`, a ``KeyboardInterrupt``, in the same batch. The private pieces of Lightning's
+signal machinery this reads are here only (checked against 2.6.6 by :func:`check_signal_internals`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import threading
 from types import FrameType
 from typing import Any
 
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import (
@@ -47,8 +54,9 @@ from lightning_parallel.distributed.stop import LAUNCHER_PID_ENV, StopGuard, cur
 __all__ = [
     "StopAgreement",
     "StopHooks",
-    "StoppingScriptLauncher",
+    "StopInterrupt",
     "check_signal_internals",
+    "defer_interrupts",
     "keep_lightning_sigterm_handling",
     "mark_stopped_exit",
     "replace_lightning_stop_broadcast",
@@ -57,22 +65,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts
-
-
-class StoppingScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher, whose ranks know rank 0 started them: they die with it.
-
-    Rank 0 starts ranks 1.. by running the script again (``_call_children_scripts``, private to
-    Lightning 2.6.6; ``tests/test_stop.py`` checks it); their environment then names rank 0's pid.
-    """
-
-    @override
-    def _call_children_scripts(self) -> None:
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-        try:
-            super()._call_children_scripts()
-        finally:
-            os.environ.pop(LAUNCHER_PID_ENV, None)
 
 
 def start_rank_guard(strategy: Any, grace: float) -> tuple[StopGuard | None, bool]:
@@ -98,23 +90,41 @@ def start_rank_guard(strategy: Any, grace: float) -> tuple[StopGuard | None, boo
     return StopGuard(grace, name, launcher, on_hard_exit).start(), True
 
 
-def mark_stopped_exit(exception: BaseException) -> None:
-    """Give Lightning's ``SIGTERMException`` (exit status 0) the status of a stopped process, 128 + signal."""
+def mark_stopped_exit(exception: BaseException, signum: int | None = None) -> None:
+    """Give Lightning's ``SIGTERMException`` (exit status 0) the status of a stopped process, 128 + signal.
+
+    The signal is ``signum`` (the one the ranks agreed on), else the one this rank's guard saw first.
+    """
     if isinstance(exception, SIGTERMException) and not exception.code:
         guard = current_guard()
-        signum = guard.signum if guard is not None and guard.signum is not None else signal.SIGTERM
+        if not signum:
+            signum = guard.signum if guard is not None and guard.signum is not None else signal.SIGTERM
         exception.code = exit_status(signum)
 
 
+class StopInterrupt(KeyboardInterrupt):
+    """The ``KeyboardInterrupt`` every rank raises in the same training batch after a SIGINT to any rank.
+
+    Lightning takes it for a Ctrl-C (its ``except KeyboardInterrupt``): ``on_exception`` hooks run on
+    every rank together, and the main process exits with status 1. See :class:`StopAgreement`.
+
+    Example::
+
+        raise StopInterrupt("SIGINT: every rank stops at batch 12")
+    """
+
+
 class StopAgreement:
-    """Every rank, once per training batch: raise Lightning's stop flag everywhere if one rank was stopped.
+    """Every rank, once per training batch: stop every rank in the same batch if one rank was stopped.
 
     One vote (:class:`~lightning_parallel.distributed.agree.PostedVote`) per batch, off the critical
     path: posted at the start of a batch and read at the start of the next one, by when every rank has
     long joined it (each posts it at the same point of the same batch). A stop signal is seen one batch
-    after it arrived, on every rank in the same batch; Lightning then stops every rank at the end of
-    that batch. The local flag is the guard's: its thread saw the signal even if the Python handler has
-    not run yet.
+    after it arrived, on every rank in the same batch. After SIGTERM Lightning's stop flag rises there
+    and Lightning stops every rank at the end of that batch; after SIGINT every rank raises
+    :class:`StopInterrupt` there (SIGINT only noted while fitting: :meth:`start`). Each rank votes the
+    signal its guard saw (its thread saw it even if the Python handler has not run yet); the highest
+    wins, so a SIGTERM to any rank stops the job the SIGTERM way.
 
     It also stands in for Lightning's own per-batch broadcast of rank 0's SIGTERM flag (see
     :func:`replace_lightning_stop_broadcast`), so a batch pays for one collective of one number.
@@ -122,28 +132,105 @@ class StopAgreement:
     Example::
 
         agreement = StopAgreement()
+        agreement.start(trainer)          # when training starts: SIGINT noted, not raised
         agreement.at_batch(trainer)       # in training_step, before the pipeline runs
         agreement.finish()                # once training ends: the last one posted is waited for
     """
 
     def __init__(self) -> None:
         self._pending: PostedVote | None = None
+        self._deferring = False
+        self.signum = 0
+        """The stop signal every rank agreed on (0: none yet)."""
+
+    def start(self, trainer: Any) -> None:
+        """Note SIGINT for the agreement instead of raising it where it lands, until :meth:`release`."""
+        self.signum = 0
+        self._deferring = self._deferring or defer_interrupts(trainer.local_rank)
 
     def at_batch(self, trainer: Any) -> None:
         if world_size() < 2:
             return
-        if self._take():
+        signum = self._take()
+        if signum:
+            self._agreed(signum)
+            if signum == signal.SIGINT:
+                raise StopInterrupt("SIGINT: every rank of the job stops at this training batch")
             _set_received_sigterm(trainer)
         guard = current_guard()
-        self._pending = PostedVote(guard is not None and guard.signum is not None)
+        self._pending = PostedVote(_seen(guard))
 
-    def finish(self) -> bool:
-        """Wait for the agreement posted last (every rank posted it); whether it said stop."""
-        return self._take()
+    def finish(self) -> int:
+        """Wait for the agreement posted last (every rank posted it) and give SIGINT back to Python.
 
-    def _take(self) -> bool:
+        Returns the signal it agreed on (0: none); SIGINT raises :class:`StopInterrupt` on every rank.
+        A SIGINT that came too late for a vote is raised on its rank, as Python would have.
+        """
+        signum = self._take()
+        deferred = self.release()
+        if signum == signal.SIGINT:
+            self._agreed(signum)
+            raise StopInterrupt("SIGINT: every rank stops as training ends")
+        guard = current_guard()
+        if deferred and not signum and guard is not None and guard.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        return signum
+
+    def release(self) -> bool:
+        """Give SIGINT back to Python (KeyboardInterrupt) if :meth:`start` took it; whether it had."""
+        deferring, self._deferring = self._deferring, False
+        if deferring and isinstance(signal.getsignal(signal.SIGINT), _InterruptNoter):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        return deferring
+
+    def _agreed(self, signum: int) -> None:
+        self.signum = signum
+        guard = current_guard()
+        if guard is not None:  # a rank a peer's signal stops is held to the grace period too
+            guard.note(signum)
+
+    def _take(self) -> int:
         pending, self._pending = self._pending, None
-        return pending is not None and pending.result()
+        return pending.result() if pending is not None else 0
+
+
+def _seen(guard: StopGuard | None) -> int:
+    """The stop signal this rank's guard saw (0: none)."""
+    return 0 if guard is None or guard.signum is None else guard.signum
+
+
+class _InterruptNoter:
+    """SIGINT while fitting: noted in this rank's stop guard for :class:`StopAgreement`, not raised here."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        guard = current_guard()
+        if guard is None:
+            raise KeyboardInterrupt  # no agreement without the guard: Python's own handling
+        guard.note(signum)
+        log.info(rank_prefixed_message(f"Received SIGINT: {signum}, every rank stops at a batch", self.rank))
+
+
+def defer_interrupts(rank: int) -> bool:
+    """SIGINT noted in this rank's stop guard instead of raised as ``KeyboardInterrupt`` where it lands.
+
+    Only in the main thread, with a stop guard running (:class:`StopAgreement` reads it), and in place
+    of Python's own handler (a handler of the user's, or an ignored SIGINT, stays). Returns whether it
+    took SIGINT over; :meth:`StopAgreement.release` gives it back.
+
+    Example::
+
+        if defer_interrupts(trainer.local_rank):    # when training starts
+            ...                                      # a Ctrl-C now stops every rank at one batch
+    """
+    if threading.current_thread() is not threading.main_thread() or current_guard() is None:
+        return False
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return False
+    signal.signal(signal.SIGINT, _InterruptNoter(rank))
+    return True
 
 
 class StopHooks:
@@ -160,12 +247,14 @@ class StopHooks:
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)  # type: ignore[misc]
-        mark_stopped_exit(exception)  # a stop ends with 128 + the signal, not Lightning's status 0
+        # a stop ends with 128 + the signal, not Lightning's status 0
+        mark_stopped_exit(exception, self._stop_agreement.signum)
         # Under the script launcher the ranks this process started may be blocked on it in a
         # point-to-point receive (with NCCL until the process-group timeout): end them now, so
         # the job stops with this rank's error. Lightning does the same on KeyboardInterrupt. A
-        # stop signal stops them at the same batch as this rank (their own hooks still run).
-        stopped = isinstance(exception, SIGTERMException)
+        # stop signal stops them at the same batch as this rank (their own hooks still run; on
+        # a StopInterrupt Lightning ends them once this rank's teardown is done).
+        stopped = isinstance(exception, SIGTERMException | StopInterrupt)
         if isinstance(self.launcher, _SubprocessScriptLauncher) and not stopped:
             self.launcher.kill(_get_sigkill_signal())
 
@@ -174,6 +263,7 @@ class StopHooks:
         super().on_train_start()  # type: ignore[misc]
         keep_lightning_sigterm_handling(self.lightning_module.trainer)
         replace_lightning_stop_broadcast(self.lightning_module.trainer)
+        self._stop_agreement.start(self.lightning_module.trainer)
 
     @override
     def on_train_end(self) -> None:
@@ -198,6 +288,7 @@ class StopHooks:
     @override
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
+        self._stop_agreement.release()  # (after an exception: on_train_end did not run)
         guard, self._stop_guard = self._stop_guard, None
         if guard is not None:
             guard.stop()  # a deadline a stop signal armed stays armed
@@ -283,6 +374,8 @@ def check_signal_internals() -> list[str]:
             problems.append(f"_SignalConnector.{name}")
     if not callable(getattr(_SubprocessScriptLauncher, "_call_children_scripts", None)):
         problems.append("_SubprocessScriptLauncher._call_children_scripts")
+    if not callable(getattr(_ChildProcessObserver, "_run", None)):
+        problems.append("_ChildProcessObserver._run")
     if not callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None)):
         problems.append("_TrainingEpochLoop._broadcast_sigterm_tensor")
     connector = _SignalConnector(trainer=None)  # type: ignore[arg-type]

@@ -53,14 +53,10 @@ from lightning_parallel.strategies.pipeline.refusals import (
 )
 from lightning_parallel.strategies.pipeline.release import ReleaseAtExit
 from lightning_parallel.strategies.pipeline.same_data import SameData
+from lightning_parallel.strategies.pipeline.script_launcher import StoppingScriptLauncher
 from lightning_parallel.strategies.pipeline.step import run_step
 from lightning_parallel.strategies.pipeline.step_results import count_predict_batches
-from lightning_parallel.strategies.pipeline.stop import (
-    StopAgreement,
-    StopHooks,
-    StoppingScriptLauncher,
-    start_rank_guard,
-)
+from lightning_parallel.strategies.pipeline.stop import StopAgreement, StopHooks, start_rank_guard
 from lightning_parallel.techniques.compile import CompileWatch
 from lightning_parallel.techniques.offload import apply as offload
 from lightning_parallel.timeline.recorder import Timeline, span_of
@@ -96,7 +92,8 @@ class PipelineStrategy(
             whole job: Lightning stops every rank at the next batch (``on_exception`` hooks run, e.g.
             a ``ModelCheckpoint(save_on_exception=True)`` save), a rank still running after this long
             (blocked in a collective) exits hard, and the exit status is 128 + the signal (143 for
-            SIGTERM). Ranks die with the process that launched them.
+            SIGTERM; SIGINT, Ctrl-C, takes Lightning's KeyboardInterrupt path: status 1). Ranks die with
+            the process that launched them.
         num_stages: deprecated name of ``pipeline_size``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's ``DDPStrategy``. Its other options act
