@@ -154,8 +154,8 @@ def test_the_step_s_sync_scales_to_the_token_mean_of_its_window():
     from lightning_parallel.grads.item_weights import ItemWindow
     from lightning_parallel.grads.sync import GradientSync
     from lightning_parallel.grads.tied import SharedReplicas
-    from lightning_parallel.pipeline.mesh import build_mesh
-    from lightning_parallel.plan.layout import RankLayout
+    from lightning_parallel.layout.mesh import build_mesh
+    from lightning_parallel.layout.ranks import RankLayout
 
     module = torch.nn.Linear(3, 2)
     for p in module.parameters():

@@ -8,8 +8,8 @@ tests/test_pipeline_tensor.py run them. Here: the user's function, the roots ret
 import pytest
 from torch import nn
 
-from lightning_parallel.pipeline.mesh import build_mesh
-from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.layout.mesh import build_mesh
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.sequential.stages import SequentialStages
 from lightning_parallel.techniques.parallelize import parallelize

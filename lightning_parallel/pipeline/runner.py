@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleGPipe, ScheduleZBVZeroBubble
 
+from lightning_parallel.layout.choices import is_multi_stage, schedule_class
 from lightning_parallel.pipeline._v_forward import VForwardOnly
 from lightning_parallel.pipeline.microbatches import first_microbatch
 from lightning_parallel.pipeline.stage_source import StageSource
-from lightning_parallel.plan.choices import is_multi_stage, schedule_class
 
 
 class PipelineRunner:
@@ -31,7 +31,7 @@ class PipelineRunner:
             :class:`~lightning_parallel.pipeline.stage_source.StageSource` (the Sequential's or the
             traced forward's): its stages for each new shape, and what runs around their steps.
         num_stages: stages in the whole pipeline.
-        schedule: a name from :data:`~lightning_parallel.plan.choices.SCHEDULES`.
+        schedule: a name from :data:`~lightning_parallel.layout.choices.SCHEDULES`.
         num_microbatches: micro-batches per batch (fewer for a batch it does not divide).
 
     Example::

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from lightning_parallel._options import unknown_option_error
-from lightning_parallel.plan.choices import (
+from lightning_parallel.layout.choices import (
     DATA_PARALLEL,
     OFFLOAD_TARGETS,
     PARTITION_METHODS,

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from lightning_parallel._options import checks_options
+from lightning_parallel.layout.choices import PRECISIONS, STRATEGIES, V_SCHEDULES, schedule_class
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.plan.checks import (
     CompileOptions,
     Selection,
@@ -30,8 +32,6 @@ from lightning_parallel.plan.checks import (
     checked_split_points,
     checked_stages_per_rank,
 )
-from lightning_parallel.plan.choices import PRECISIONS, STRATEGIES, V_SCHEDULES, schedule_class
-from lightning_parallel.plan.layout import RankLayout
 
 # What the Trainer decides, not the strategy: a plan carries them for the planner only.
 TRAINER_FIELDS = ("strategy", "devices", "precision", "accumulate_grad_batches")

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.layout.mesh import PipelineMesh
 from lightning_parallel.pipeline.stage_source import StageSource
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.techniques import compile as compiling

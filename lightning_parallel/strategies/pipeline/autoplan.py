@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.agree import decide_on
 from lightning_parallel.distributed.link_timing import time_copy, time_group
+from lightning_parallel.layout.mesh import PipelineMesh, build_mesh
 from lightning_parallel.memory.advice import choose
 from lightning_parallel.memory.links import Links, given_links, links_from
 from lightning_parallel.memory.optimizer import optimizers_from
@@ -49,7 +50,6 @@ from lightning_parallel.memory.planner import (
 )
 from lightning_parallel.memory.quantities import host_memory, parse_bytes
 from lightning_parallel.memory.search import Search
-from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh
 from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.call_input import first_batch

@@ -28,11 +28,11 @@ from lightning_parallel._options import checks_options
 from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, check_grace
 from lightning_parallel.grads.item_weights import ItemCount
 from lightning_parallel.grads.sync import GradientSync
-from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.layout.mesh import PipelineMesh
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.pipeline.microbatches import check_feeds
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.plan.checks import Selection
-from lightning_parallel.plan.layout import RankLayout
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 from lightning_parallel.strategies.pipeline import autoplan
