@@ -13,6 +13,7 @@ import lightning_parallel
 PACKAGE = Path(lightning_parallel.__file__).parent
 GROUND_FLOOR = (
     "layout",
+    "optim",
     "plan",
     "pipeline",
     "sources",

@@ -28,7 +28,7 @@ Worked around or relied on, without a canary, and why:
   test fails loudly (``_torch_hooks.py``, ``_v_forward.py``'s runtime, ``mesh.py``'s ``_flatten``,
   ``torch.utils._pytree``, ``_fsdp_internals.py``, ``memory/schedule.py``'s stand-in stages,
   ``_CustomReducer``, ``Pipe._from_traced``, ``InterpreterModule._run_with_interpreter`` (speed),
-  ``GradScaler``'s per-optimizer state, ``zero.py``'s scheduler retargeting, ``CompileWatch``'s reading of
+  ``GradScaler``'s per-optimizer state, ``sharded.py``'s scheduler retargeting, ``CompileWatch``'s reading of
   dynamo's log): not faults.
 * Designs, not workarounds: dynamic sizes in traced stages (``symbolic_sizes.py``: ``pipeline()`` exports
   static shapes only, by design), manual ``PipelineStage`` for traced stages, ``distributed.py``'s own
