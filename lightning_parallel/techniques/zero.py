@@ -1,26 +1,82 @@
 """ZeRO-1 inside the pipeline: a stage's optimizer state sharded over the replicas of that stage.
 
-Entry points: :func:`apply` (the optimizers of this rank's stages, right after they are built) and
-:func:`memory` (the optimizer-state bytes on the fullest replica: the planner's).
+The technique (:data:`TECHNIQUE`, ``data_parallel="zero1"``): its refusal, its label, its variant in the
+search and its transform of the optimizers (right after they are built: each wrapped over this stage's
+replicas, :func:`~lightning_parallel.optim.sharded.shard_optimizer_state`); and :func:`memory` (the
+optimizer-state bytes on the fullest replica: the planner's).
 
 Each data-parallel replica of a stage holds the full parameters and (after the gradient
 all-reduce) the full gradients, but torch's ``ZeroRedundancyOptimizer`` keeps the optimizer state
 of only its share of the parameters, steps that share, and broadcasts the updated parameters to
-the other replicas. The optimizer state per rank falls as 1 / replicas.
-
-Checkpoints stay whole (:func:`~lightning_parallel.optim.sharded.consolidate`); the wrapping itself is
-``optim/sharded.py``'s, which offload's host-stepping ZeRO-1 builds on too.
+the other replicas. The optimizer state per rank falls as 1 / replicas. Checkpoints stay whole
+(:func:`~lightning_parallel.optim.sharded.consolidate`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_parallel.optim.sharded import shard_optimizer_state
+from lightning_parallel.techniques.contract import Job, SearchOptions, Technique
+
+
+class Zero(Technique):
+    """ZeRO-1 (``data_parallel="zero1"``): the optimizer state sharded over each stage's replicas.
+
+    Example::
+
+        ParallelPlan(devices=4, pipeline_size=2, data_parallel="zero1").label()   # 'pp 2x2 1f1b m=4 +zero'
+    """
+
+    name = "zero"
+
+    def check(self, plan: Any) -> None:
+        # torch workaround: no upstream issue found
+        #   canary: test_zero_redundancy_optimizer_steps_dtensor_parameters
+        size = plan.tensor_parallel_size
+        if size > 1 and plan.data_parallel == "zero1":
+            raise ValueError(
+                f"tensor_parallel_size={size} with data_parallel='zero1' is not supported: torch's "
+                f"ZeroRedundancyOptimizer broadcasts plain tensors, not the DTensor slices of split weights. "
+                f"Use data_parallel='fsdp' (shards parameters, gradients and optimizer state) or 'replicate'"
+            )
+
+    def label(self, plan: Any) -> str:
+        return " +zero" if plan.data_parallel == "zero1" else ""
+
+    def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
+        yield {}
+        if plan.data_parallel == "replicate" and plan.data_parallel_size > 1:
+            yield {"data_parallel": "zero1"}
+
+    def optimizers(self, optimizers: list[torch.optim.Optimizer], job: Job) -> list[torch.optim.Optimizer]:
+        if job.plan.data_parallel != "zero1":
+            return optimizers
+        if "optimizer" not in job.plan.offload:  # (offloaded: its host step shards itself)
+            optimizers = apply(optimizers, job.schedulers, job.mesh.dp_group)
+        job.info(f"PipelineStrategy: optimizer state sharded over {job.mesh.dp_size} replica(s)")
+        return optimizers
+
+
+TECHNIQUE = Zero()
+
+
+def apply(
+    optimizers: list[torch.optim.Optimizer], schedulers: Iterable[Any], group: dist.ProcessGroup | None
+) -> list[torch.optim.Optimizer]:
+    """Each optimizer as a ZeroRedundancyOptimizer over this stage's replicas ``group`` (right after
+    creation); the LR ``schedulers`` follow the new optimizers. One replica: the optimizers unchanged.
+
+    Example::
+
+        optimizers = zero.apply(optimizers, [c.scheduler for c in scheduler_configs], mesh.dp_group)
+    """
+    schedulers = list(schedulers)
+    return [shard_optimizer_state(o, group, schedulers) for o in optimizers]
 
 
 def shard_sizes(group_numels: Sequence[Sequence[int]], world_size: int) -> list[int]:
@@ -61,20 +117,6 @@ def shard_owners(group_numels: Sequence[Sequence[int]], world_size: int) -> list
             sizes[rank] += int(numels[i])
         owners.append(group_owners)
     return owners
-
-
-def apply(
-    optimizers: list[torch.optim.Optimizer], schedulers: Iterable[Any], group: dist.ProcessGroup | None
-) -> list[torch.optim.Optimizer]:
-    """Each optimizer as a ZeroRedundancyOptimizer over this stage's replicas ``group`` (right after
-    creation); the LR ``schedulers`` follow the new optimizers. One replica: the optimizers unchanged.
-
-    Example::
-
-        optimizers = zero.apply(optimizers, [c.scheduler for c in scheduler_configs], mesh.dp_group)
-    """
-    schedulers = list(schedulers)
-    return [shard_optimizer_state(o, group, schedulers) for o in optimizers]
 
 
 def memory(groups: Sequence[Sequence[tuple[int, int]]], replicas: int) -> int:
