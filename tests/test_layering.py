@@ -100,8 +100,8 @@ def _package(module: str) -> str:
 
 
 def test_no_two_packages_import_each_other():
-    """The floors are packages too: the plan below the pipeline's runtime below the techniques below the
-    stage sources below the planner, ..."""
+    """The floors are packages too: the layout below the pipeline's runtime below the techniques below the
+    plan (ParallelPlan folds TECHNIQUES) below the stage sources below the planner, ..."""
     graph: dict[str, set[str]] = {}
     for module, deps in _graph().items():
         here = _package(module)
