@@ -88,7 +88,8 @@ class HostShare(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.at_end = _host_seconds(trainer)
         optimizer = trainer.optimizers[0]
-        hooks = trainer.strategy.parts.runner.saving
+        contexts = trainer.strategy.parts.runner.step_contexts
+        hooks = next((c for c in contexts if isinstance(c, ActivationOffload)), None)
         self.held = optimizer.host_bytes() if is_host_stepping(optimizer) else {}
         if isinstance(hooks, ActivationOffload):
             self.held["activations_peak"] = hooks.peak_bytes

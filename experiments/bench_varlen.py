@@ -193,8 +193,8 @@ def sequential_costs(args: dict[str, Any]) -> tuple[list[float], list[float], fl
     new length on fake tensors (its first two shapes), the one export at its third, per length after."""
     from models import SequentialCharLM
 
+    from lightning_parallel.layout.ranks import RankLayout
     from lightning_parallel.pipeline.plan import make_plan
-    from lightning_parallel.plan.layout import RankLayout
     from lightning_parallel.sources.sequential.split import stage_descriptions, stage_twins
     from lightning_parallel.sources.sequential.stages import SequentialStages
 

@@ -55,8 +55,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
 from lightning_parallel.memory.facts import measure_model
+from lightning_parallel.optim.sharded import local_state_bytes
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.techniques.zero import local_state_bytes
 
 TOLERANCE = 0.15
 

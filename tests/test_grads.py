@@ -154,8 +154,9 @@ def test_the_step_s_sync_scales_to_the_token_mean_of_its_window():
     from lightning_parallel.grads.item_weights import ItemWindow
     from lightning_parallel.grads.sync import GradientSync
     from lightning_parallel.grads.tied import SharedReplicas
-    from lightning_parallel.pipeline.mesh import build_mesh
-    from lightning_parallel.plan.layout import RankLayout
+    from lightning_parallel.layout.mesh import build_mesh
+    from lightning_parallel.layout.ranks import RankLayout
+    from lightning_parallel.techniques.replicas import Average
 
     module = torch.nn.Linear(3, 2)
     for p in module.parameters():
@@ -164,7 +165,7 @@ def test_the_step_s_sync_scales_to_the_token_mean_of_its_window():
     window = ItemWindow()
     window.add_batch(6.0, None)  # the window's first batch: 6 items, the losses' reference
     window.add_batch(2.0, None)  # a second batch of 2: the step's mean is over 8
-    GradientSync(module, [], shared, None, 1, window)()
+    GradientSync(module, shared, [Average(module, None)], 1, window)()
     assert torch.equal(module.weight.grad, torch.full((2, 3), 6 / 8))
-    GradientSync(module, [], shared, None, 1)()  # sample-weighted: nothing to scale, one replica
+    GradientSync(module, shared, [Average(module, None)], 1)()  # sample-weighted: nothing to scale
     assert torch.equal(module.weight.grad, torch.full((2, 3), 6 / 8))

@@ -235,8 +235,9 @@ def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys)
     out = capsys.readouterr().out
     assert code == 0, out
     rows = {ln.split("  ")[0]: ln for ln in out.splitlines() if ln.startswith(("ddp", "pp "))}
-    assert "pp 2x1 1f1b m=4 tp=2" in rows and "pp 1x2 1f1b m=4 +zero tp=2" not in rows, sorted(rows)
-    assert "pp 2x1 1f1b m=4 +zero tp=2" not in rows  # ZeRO-1 does not take split weights
+    assert "pp 2x1 1f1b m=4 tp=2" in rows and "pp 2x2 1f1b m=4 +zero" in rows, sorted(rows)
+    assert "pp 1x2 1f1b m=4 tp=2 +zero" not in rows  # ZeRO-1 does not take split weights
+    assert "pp 1x2 1f1b m=4 tp=2" in rows
     with pytest.raises(SystemExit):
         main(["lightning_parallel.memory.hf:causal_lm", "--devices", "4", "--memory", "1GiB",
               "--tensor-parallel-sizes", "two"])  # fmt: skip

@@ -2,8 +2,8 @@
 
 import pytest
 
-from lightning_parallel.pipeline.mesh import build_mesh
-from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.layout.mesh import build_mesh
+from lightning_parallel.layout.ranks import RankLayout
 
 
 def test_layout_puts_the_replicas_of_a_pipeline_rank_next_to_each_other():

@@ -1,4 +1,4 @@
-"""Offload (techniques/offload/, its entry points in techniques/offload/apply.py): the optimizer step,
+"""Offload (techniques/offload/, the technique in techniques/offload/technique.py): the optimizer step,
 FSDP2's shards and the activations on the host.
 
 Pure tests first (the host-stepping optimizer against the plain one, the host kernel, the activation
@@ -263,7 +263,8 @@ class Record(GatheredRecorder):
     def extra(self, trainer, pl_module):
         optimizer = trainer.optimizers[0]
         inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1's shard
-        hooks = trainer.strategy.parts.runner.saving
+        contexts = trainer.strategy.parts.runner.step_contexts
+        hooks = next((c for c in contexts if isinstance(c, ActivationOffload)), None)
         frozen = {p for n, p in pl_module.named_parameters() if n.startswith("layers.0.")}
         return {
             "host_stepping": is_host_stepping(optimizer),

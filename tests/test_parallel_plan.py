@@ -1,6 +1,6 @@
 """The one plan value: made and checked once, what the strategy runs and what the planner returns.
 
-Covers plan/parallel_plan.py, plan/checks.py, plan/choices.py, plan/layout.py and
+Covers plan/parallel_plan.py, plan/checks.py, layout/choices.py, layout/ranks.py and
 strategies/pipeline/options.py (the strategy's options mapped onto the plan). Pure: no process group.
 """
 
@@ -10,8 +10,8 @@ import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_parallel import ParallelPlan, PipelineStrategy
+from lightning_parallel.layout.choices import DATA_PARALLEL, SCHEDULES, placement, schedule_class
 from lightning_parallel.memory.planner import candidate_plans
-from lightning_parallel.plan.choices import DATA_PARALLEL, SCHEDULES, placement, schedule_class
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
 
 

@@ -1,20 +1,29 @@
-"""techniques/parallelize.py: the techniques on a Sequential's stage modules, in torchtitan's order (one
-process, no mesh).
+"""The techniques' stage transforms (techniques/__init__.py's transform_stages, folding TECHNIQUES) on a
+Sequential's stage modules, in torchtitan's order (one process, no mesh); techniques/user_function.py
+and techniques/tensor_parallel/technique.py through it.
 
 Its FSDP2 and tensor-parallel steps need a process group: tests/test_pipeline_fsdp.py and
 tests/test_pipeline_tensor.py run them. Here: the user's function, the roots returned, and the errors.
 """
 
 import pytest
+import torch
 from torch import nn
 
-from lightning_parallel.pipeline.mesh import build_mesh
-from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.layout.mesh import build_mesh
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.sequential.stages import SequentialStages
-from lightning_parallel.techniques.parallelize import parallelize
+from lightning_parallel.techniques import transform_stages
+from lightning_parallel.techniques.contract import Job
 
 MESH = build_mesh("cpu", RankLayout(1, 1))  # one process: no device mesh
+
+
+def parallelize(stages, plan, mesh, module, tensor_plan=None):
+    """The stage transforms of ``plan``'s techniques; (the FSDP2 roots, the log's lines)."""
+    notes = transform_stages(Job(plan, mesh, torch.device("cpu"), stages, module, tensor_plan=tensor_plan))
+    return stages.sharded(), notes
 
 
 def _stages():
@@ -32,15 +41,15 @@ def test_replicas_and_zero1_leave_the_stages_as_they_are_and_run_the_users_funct
         return module if len(seen) == 1 else None  # either is allowed
 
     plan = ParallelPlan(data_parallel=data_parallel, parallelize_fn=parallelize_fn)
-    done = parallelize(stages, plan, MESH, nn.Module())
-    assert done.roots == [] and seen == [(stages.modules[0], None), (stages.modules[1], None)]
-    assert all(s.touched for s in stages.modules) and done.notes == []
+    roots, notes = parallelize(stages, plan, MESH, nn.Module())
+    assert roots == [] and seen == [(stages.modules[0], None), (stages.modules[1], None)]
+    assert all(s.touched for s in stages.modules) and notes == []
 
 
 def test_compile_is_applied_to_the_stages_and_said_in_words():
     stages = _stages()
-    done = parallelize(stages, ParallelPlan(compile={"backend": "eager"}), MESH, nn.Module())
-    assert done.notes == [
+    _, notes = parallelize(stages, ParallelPlan(compile={"backend": "eager"}), MESH, nn.Module())
+    assert notes == [
         "each stage compiles its layers in place (torch.compile, {'dynamic': True, 'backend': 'eager'})"
     ]
 

@@ -43,8 +43,12 @@ from tiny_models import SequentialGPT, TinyGPT, loader, token_data
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed.dtensors import full_tensors
-from lightning_parallel.plan.checks import checked_compile_options
-from lightning_parallel.techniques.compile import CompileWatch, compile_in_place, is_compiled
+from lightning_parallel.techniques.compile import (
+    CompileWatch,
+    checked_compile_options,
+    compile_in_place,
+    is_compiled,
+)
 from lightning_parallel.techniques.fsdp import FSDPModule
 
 VAL = token_data(8, seed=1)

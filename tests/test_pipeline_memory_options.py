@@ -15,8 +15,8 @@ from mp_harness import (
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.optim.sharded import is_sharded, local_state_bytes
 from lightning_parallel.techniques.recompute import is_checkpointed
-from lightning_parallel.techniques.zero import is_sharded, local_state_bytes
 
 # 48 samples, global batch 16: 3 optimizer steps per epoch, so an epoch boundary is a clean resume point.
 N_SAMPLES, GLOBAL_BATCH = 48, 16

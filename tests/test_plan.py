@@ -4,8 +4,8 @@ Covers _table.py (format_table: columns padded to the widest cell, the rule unde
 plan's table.
 """
 
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.pipeline.plan import describe_layers, describe_paths, make_plan
-from lightning_parallel.plan.layout import RankLayout
 
 
 def test_stage_table_names_stages_ranks_contents_and_parameters():

@@ -6,8 +6,8 @@ from mp_harness import spawn_gloo
 from torch import nn
 
 from lightning_parallel.grads.tied import SharedParameter, SharedReplicas, find_shared
-from lightning_parallel.pipeline.mesh import build_mesh
-from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.layout.mesh import build_mesh
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.sources.twin import alias_table, retie
 
 

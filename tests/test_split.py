@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.pipeline.plan import make_plan
-from lightning_parallel.plan.layout import RankLayout
 from lightning_parallel.sources.materialize import materialize
 from lightning_parallel.sources.sequential.call import PipelinedSequential
 from lightning_parallel.sources.sequential.split import (

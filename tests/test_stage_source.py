@@ -25,6 +25,7 @@ def test_the_protocol_names_what_the_runner_and_the_techniques_call():
     assert set(MEMBERS) == {
         "needs_example", "shapes_given", "build", "output_merge_spec", "merging", "step_context",
         "activate", "recompute", "use_stage_class", "split_tensors", "run_user_function", "compile", "shard",
+        "sharded",
     }  # fmt: skip
 
 
@@ -52,3 +53,4 @@ def test_a_sequential_source_answers_the_runners_calls():
     assert seen == []  # an Identity stage module has no layers to wrap
     source.use_stage_class(nn.Module)
     assert source.stage_cls is nn.Module
+    assert source.sharded() == [] and source.shard(None) == []  # nothing sharded: no FSDP2 root

@@ -16,7 +16,7 @@ the fault, and the files (by name: folders move) and functions that work around 
 
 Worked around or relied on, without a canary, and why:
 
-* ``checks.py`` (``check_compile``): compiling tensor-parallel blocks recursed without end in
+* ``compile.py`` (``check_compile``): compiling tensor-parallel blocks recursed without end in
   AOTAutograd at 2 tensor-parallel ranks; on one rank it compiles fine, and a canary with two ranks and a
   compile costs tens of seconds on 2 CPU cores. No upstream issue found.
 * ``launcher.py`` (``os._exit`` at the end of a worker) and ``strategy.py`` (``_release_process_groups``
@@ -28,7 +28,7 @@ Worked around or relied on, without a canary, and why:
   test fails loudly (``_torch_hooks.py``, ``_v_forward.py``'s runtime, ``mesh.py``'s ``_flatten``,
   ``torch.utils._pytree``, ``_fsdp_internals.py``, ``memory/schedule.py``'s stand-in stages,
   ``_CustomReducer``, ``Pipe._from_traced``, ``InterpreterModule._run_with_interpreter`` (speed),
-  ``GradScaler``'s per-optimizer state, ``zero.py``'s scheduler retargeting, ``CompileWatch``'s reading of
+  ``GradScaler``'s per-optimizer state, ``sharded.py``'s scheduler retargeting, ``CompileWatch``'s reading of
   dynamo's log): not faults.
 * Designs, not workarounds: dynamic sizes in traced stages (``symbolic_sizes.py``: ``pipeline()`` exports
   static shapes only, by design), manual ``PipelineStage`` for traced stages, ``distributed.py``'s own
@@ -337,7 +337,7 @@ def test_torch_runs_a_forward_only_step_of_adjacent_stages_on_one_rank(one_rank)
     raises=RuntimeError,
     reason="https://github.com/pytorch/pytorch/issues/161904: torch refuses compiled stages under the "
     "schedules that split each backward (ZBV, DualPipeV, interleaved zero bubble); worked around by "
-    "checks.py (check_compile), which also refuses blocks compiled in place: the weight pass reruns their "
+    "compile.py (check_compile), which also refuses blocks compiled in place: the weight pass reruns their "
     "fused backward (wrong gradients measured): re-measure that before deleting it",
 )
 def test_torch_split_backward_schedules_take_compiled_stages(one_rank):
@@ -433,7 +433,7 @@ def test_dtensor_implicit_replication_nests(one_rank):
     raises=NotImplementedError,
     reason="no upstream issue found (searched 'ZeroRedundancyOptimizer DTensor parameters broadcast sharding "
     "strategy' on 2026-12-03): ZeroRedundancyOptimizer broadcasts plain tensors and cannot step DTensor "
-    "parameters; worked around by checks.py (check_tensor_parallel refuses zero1 with tensor parallelism)",
+    "parameters; worked around by zero.py (Zero.check refuses zero1 with tensor parallelism)",
 )
 def test_zero_redundancy_optimizer_steps_dtensor_parameters(one_rank):
     from torch.distributed.optim import ZeroRedundancyOptimizer

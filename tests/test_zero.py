@@ -1,4 +1,5 @@
-"""ZeRO-1 mechanics (techniques/zero.py) without Lightning: exact steps, whole state on replica 0, reload."""
+"""ZeRO-1 mechanics (optim/sharded.py, techniques/zero.py) without Lightning: exact steps, whole state on
+replica 0, reload."""
 
 import copy
 import warnings
@@ -10,13 +11,8 @@ from mp_harness import spawn_gloo
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from lightning_parallel.techniques.zero import (
-    consolidate,
-    is_sharded,
-    local_state_bytes,
-    shard_optimizer_state,
-    shard_sizes,
-)
+from lightning_parallel.optim.sharded import consolidate, is_sharded, local_state_bytes, shard_optimizer_state
+from lightning_parallel.techniques.zero import shard_sizes
 
 STEPS = 3
 

@@ -4,7 +4,8 @@
 megabytes of a traced program have no business there, and the GPU of a rank may be busy or full.
 :func:`host_group` gives the group itself when its backend runs CPU tensors (gloo, or a default group
 initialised with both ``cpu:gloo`` and ``cuda:nccl``), else a gloo group over the same ranks, made
-once. Pure PyTorch (no Lightning import).
+once; :func:`process_group_backend` is the backend a job whose host tensors meet collectives starts its
+process group with (a host backend beside the device's). Pure PyTorch (no Lightning import).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from lightning_parallel.distributed.agree import distributed_ready
 
-__all__ = ["host_group", "runs_cpu_tensors"]
+__all__ = ["host_group", "process_group_backend", "runs_cpu_tensors"]
 
 _twins: dict[Any, Any] = {}  # a group that cannot run CPU tensors -> its gloo twin
 
@@ -44,3 +45,22 @@ def host_group(group: Any | None = None) -> Any | None:
         ranks = dist.get_process_group_ranks(key)
         _twins[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
     return _twins[key]
+
+
+def process_group_backend(device_type: str, given: str | None) -> str | None:
+    """The job's backend with a host backend beside the device's, for a job whose host tensors meet
+    collectives (FSDP2's offloaded gradients, which clipping and the fp16 overflow check reduce):
+    ``"cuda:nccl,cpu:gloo"``, as torchtitan does. A CPU job, or a backend that names a host one already,
+    is left as given.
+
+    Example::
+
+        >>> process_group_backend("cuda", None), process_group_backend("cuda", "nccl")
+        ('cuda:nccl,cpu:gloo', 'cuda:nccl,cpu:gloo')
+        >>> process_group_backend("cpu", None) is None
+        True
+    """
+    if device_type == "cpu" or (given is not None and ("cpu:" in given or given == "gloo")):
+        return given
+    device_backend = given or {"cuda": "nccl", "xpu": "xccl", "hpu": "hccl"}.get(device_type, "nccl")
+    return f"{device_type}:{device_backend},cpu:gloo"

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.distributed.tensors import all_reduce_coalesced, broadcast_coalesced, new_subgroups
-from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.layout.mesh import PipelineMesh
 from lightning_parallel.pipeline.plan import stage_rank
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.distributed.link_timing import time_copy, time_loopback
+from lightning_parallel.layout.choices import PRECISIONS
 from lightning_parallel.memory.advice import NothingFits, choose
 from lightning_parallel.memory.links import Links, given_links, links_from
 from lightning_parallel.memory.planner import (
@@ -46,7 +47,6 @@ from lightning_parallel.memory.planner import (
 from lightning_parallel.memory.quantities import host_memory, parse_bytes, parse_rate, parse_seconds
 from lightning_parallel.memory.search import SEARCHED_SCHEDULES, Search
 from lightning_parallel.memory.units import find_units
-from lightning_parallel.plan.choices import PRECISIONS
 
 __all__ = ["main", "parse_bytes"]
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from lightning_parallel._table import format_bytes, format_table
+from lightning_parallel.layout.choices import placement
 from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.precision import LOSS_SCALER_BYTES
 from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
@@ -46,7 +47,6 @@ from lightning_parallel.memory.resolve import resolve
 from lightning_parallel.memory.schedule import Action, peak_in_flight, rank_actions
 from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.plan import stage_rank
-from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.techniques import fsdp, zero
 from lightning_parallel.techniques.compile import MEMORY_NOTE

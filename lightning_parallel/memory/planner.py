@@ -142,7 +142,7 @@ def host_per_node(estimate: MemoryEstimate, ranks_per_node: int) -> int:
     """The host bytes of the fullest node: the ranks of one node share its memory.
 
     Global ranks fill the nodes in order (``ranks_per_node`` each); a rank holds its pipeline rank's
-    offloaded bytes (:class:`~lightning_parallel.plan.layout.RankLayout` places pipeline ranks outermost).
+    offloaded bytes (:class:`~lightning_parallel.layout.ranks.RankLayout` places pipeline ranks outermost).
     """
     plan = estimate.plan
     if plan.strategy != "pipeline" or not any(r.host for r in estimate.ranks):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_parallel.plan.choices import SCHEDULES
+from lightning_parallel.layout.choices import SCHEDULES
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 

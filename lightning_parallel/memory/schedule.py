@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleGPipe
 
-from lightning_parallel.plan.choices import is_multi_stage, schedule_class
+from lightning_parallel.layout.choices import is_multi_stage, schedule_class
 
 COMPUTE = ("F", "B", "I", "W")
 

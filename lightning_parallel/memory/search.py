@@ -1,12 +1,13 @@
 """Which configurations the planner tries: the plans a device count, a model and a batch allow.
 
 A :class:`Search` says what is given (the devices, the global batch, one replica's batch) and which
-options to try; :meth:`Search.plans` lists the ``PipelineStrategy`` plans: every pipeline size that
-divides the devices (``pipeline_size=1``: pure data parallelism through the strategy), the searched
-schedules, micro-batches in {p, 2p, 4p} (1, 2, 4 for p = 1), with and without recomputation, each
-data-parallel mode (replicas, ZeRO-1, FSDP2 for a split ``nn.Sequential``), tensor-parallel sizes,
-and each offload the plan allows (the optimizer for replicas and ZeRO-1, the parameters for FSDP2,
-the activations of a plan without recomputation).
+options to try; :meth:`Search.plans` lists the ``PipelineStrategy`` plans: the core's (every pipeline
+size that divides the devices, ``pipeline_size=1`` being pure data parallelism through the strategy;
+the searched schedules; micro-batches in {p, 2p, 4p}, or 1, 2, 4 for p = 1), then each technique's
+variants on top of them in the list's order (``Technique.variants``: with and without recomputation,
+FSDP2 for a split ``nn.Sequential``, ZeRO-1, each offload), keeping the plans the plan's own checks
+accept (what cannot combine is refused there, once). Tensor-parallel sizes are tried one call each
+(each is measured on its own local model).
 
 **The global batch.** A replica's dataloader yields one batch per step; a plan with ``d`` replicas sees
 ``d`` of them, and ``accumulate = global / (batch x d)`` batches make one optimizer step (as
@@ -19,12 +20,29 @@ replicas' batches add up to, and plans are compared by time per sample.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques import TECHNIQUES, searched_fields
+from lightning_parallel.techniques.contract import SearchOptions
 
 SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 """The schedules the search tries (the zero-bubble ones are run by hand: their memory is modelled too)."""
+
+CORE_SEARCHED = (
+    "pipeline_size",
+    "num_microbatches",
+    "schedule",
+    "stages_per_rank",
+    "data_parallel",
+    "partition",
+)
+"""The plan's own fields the search decides (``partition``: left at its default)."""
+
+SEARCHED_FIELDS = CORE_SEARCHED + searched_fields()
+"""Every plan field the search decides: the core's and the techniques' (``Technique.searched``)."""
 
 
 @dataclass(frozen=True)
@@ -97,12 +115,17 @@ class Search:
         Raises:
             ValueError: a requested pipeline size does not divide the devices or exceeds the blocks.
         """
-        out = []
-        for base in self._shapes(num_blocks, tensor_parallel_size):
-            found = self.batches(base)
-            if found is not None:
-                out += self._variants(base, num_blocks, found[0], fsdp)
-        return out
+        plans = [
+            replace(base, num_microbatches=m, schedule=schedule, stages_per_rank=v)
+            for base in self._shapes(num_blocks, tensor_parallel_size)
+            if (found := self.batches(base)) is not None
+            for schedule, v in _schedules(base.pipeline_size, num_blocks, self.schedules)
+            for m in _microbatches(base.pipeline_size, found[0])
+        ]  # the core's: pipeline shapes x schedules x micro-batches
+        options = SearchOptions(self.offload, self.offload_parameters, shardable=fsdp)
+        for technique in TECHNIQUES:
+            plans = _accepted((plan, o) for plan in plans for o in technique.variants(plan, options))
+        return plans
 
     def split_error(self, num_blocks: int) -> str | None:
         """Why no plan of the search splits the global batch over the devices, with the nearest global
@@ -202,26 +225,6 @@ class Search:
             return (1, 1)
         return min(sizes), max(sizes)
 
-    def _offloads(self, mode: str, recomputed: bool, tp: int) -> list[tuple[str, ...]]:
-        if not self.offload or tp > 1:
-            return [()]
-        out = [o for o in _offloads(mode, recomputed) if self.offload_parameters or "parameters" not in o]
-        return out
-
-    def _variants(self, base: ParallelPlan, num_blocks: int, batch: int, fsdp: bool) -> list[ParallelPlan]:
-        """``base``'s schedules x micro-batches x recomputation x data-parallel modes x offloads."""
-        p, tp, out = base.pipeline_size, base.tensor_parallel_size, []
-        modes = ("replicate", *(["zero1"] if tp == 1 else []), *(["fsdp"] if fsdp else []))
-        for schedule, v in _schedules(p, num_blocks, self.schedules):
-            for m in _microbatches(p, batch):
-                for ac in (False, True):
-                    for mode in modes if base.data_parallel_size > 1 else ("replicate",):
-                        for offload in self._offloads(mode, ac, tp):
-                            out.append(replace(base, num_microbatches=m, schedule=schedule, stages_per_rank=v,
-                                               activation_checkpointing=ac, data_parallel=mode,
-                                               offload=offload))  # fmt: skip
-        return out
-
 
 def _schedules(p: int, num_blocks: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
     if p == 1:
@@ -237,9 +240,16 @@ def _microbatches(p: int, per_replica: int) -> list[int]:
     return [m for m in wanted if m <= per_replica and per_replica % m == 0]
 
 
-def _offloads(mode: str, recomputed: bool) -> list[tuple[str, ...]]:
-    out: list[tuple[str, ...]] = [()]
-    out.append(("parameters",) if mode == "fsdp" else ("optimizer",))
-    if not recomputed:
-        out.append(("activations",))
+def _accepted(tried: Iterable[tuple[ParallelPlan, dict[str, Any]]]) -> list[ParallelPlan]:
+    """Each plan with its options, where the plan's checks accept them, once each, in order."""
+    out, seen = [], set()
+    for plan, options in tried:
+        try:
+            varied = replace(plan, **options) if options else plan
+        except (ValueError, TypeError):  # the plan refuses the combination (with the reason, for a user)
+            continue
+        key = repr(varied)
+        if key not in seen:
+            seen.add(key)
+            out.append(varied)
     return out

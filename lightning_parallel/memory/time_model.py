@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_parallel.layout.choices import placement
 from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.links import Links
 from lightning_parallel.memory.probe import BEFORE
@@ -38,7 +39,6 @@ from lightning_parallel.memory.schedule import Action, rank_actions
 from lightning_parallel.memory.stage_costs import StageCosts, recomputed_units, stage_costs
 from lightning_parallel.memory.time_probe import TimeFacts
 from lightning_parallel.pipeline.plan import stage_rank
-from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_parallel._table import format_bytes, format_table
-from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.layout.ranks import RankLayout
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleGPipe, ScheduleZBVZeroBubble
 
+from lightning_parallel.layout.choices import is_multi_stage, schedule_class
 from lightning_parallel.pipeline._v_forward import VForwardOnly
 from lightning_parallel.pipeline.microbatches import first_microbatch
 from lightning_parallel.pipeline.stage_source import StageSource
-from lightning_parallel.plan.choices import is_multi_stage, schedule_class
 
 
 class PipelineRunner:
@@ -31,7 +31,7 @@ class PipelineRunner:
             :class:`~lightning_parallel.pipeline.stage_source.StageSource` (the Sequential's or the
             traced forward's): its stages for each new shape, and what runs around their steps.
         num_stages: stages in the whole pipeline.
-        schedule: a name from :data:`~lightning_parallel.plan.choices.SCHEDULES`.
+        schedule: a name from :data:`~lightning_parallel.layout.choices.SCHEDULES`.
         num_microbatches: micro-batches per batch (fewer for a batch it does not divide).
 
     Example::
@@ -54,9 +54,12 @@ class PipelineRunner:
         self._loss_fn: Callable[[Any, int], torch.Tensor] | None = None
         self._metadata_call_pending = False
         self._seen: list[int] = []
-        # Where a training step's saved tensors go: left where they are, or hooks that move them
-        # (offload's ActivationOffload); entered around every training schedule step.
-        self.saving: AbstractContextManager[Any] = contextlib.nullcontext()
+        # The techniques' contexts around every training schedule step (offload's saved-tensor hooks).
+        self.step_contexts: tuple[AbstractContextManager[Any], ...] = ()
+
+    def use_step_contexts(self, contexts: Sequence[AbstractContextManager[Any]]) -> None:
+        """Enter ``contexts`` (in order, each reused step after step) around every training schedule step."""
+        self.step_contexts = tuple(contexts)
 
     def needs_input(self, key: Hashable, num_microbatches: int, train: bool) -> bool:
         """Whether this rank needs the pipelined call's input (to feed the schedule, or to build one)."""
@@ -92,7 +95,9 @@ class PipelineRunner:
             # The step's outputs reach the user's step through loss_fn, one micro-batch at a time: not
             # asking for them merged lets the last stage free each output at its backward (and a
             # forward that returns a scalar loss beside its logits, as nanoGPT's does, needs no merge).
-            with self.stages.step_context(), self.saving:
+            with self.stages.step_context(), contextlib.ExitStack() as around:
+                for context in self.step_contexts:
+                    around.enter_context(context)
                 schedule.step(*(args if self.has_first else ()), target=target, return_outputs=False)
         finally:
             self._loss_fn = None

@@ -135,3 +135,8 @@ class StageSource(Protocol):
         ``offload_policy`` (None: its default, on the device); the stage modules that are FSDP roots (a
         stage its user's ``parallelize_fn`` sharded included)."""
         ...
+
+    def sharded(self) -> list[nn.Module]:
+        """The stage modules that are FSDP2 roots now (they reduce their own gradients), as
+        :meth:`shard` returned them."""
+        ...

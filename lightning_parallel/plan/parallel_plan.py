@@ -15,23 +15,18 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from lightning_parallel._options import checks_options
+from lightning_parallel.layout.choices import PRECISIONS, STRATEGIES, V_SCHEDULES, schedule_class
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.plan.checks import (
-    CompileOptions,
-    Selection,
-    check_compile,
-    check_offload,
     check_positive_int,
-    check_selection,
-    check_tensor_parallel,
-    checked_compile_options,
     checked_data_parallel,
-    checked_offload,
     checked_partition,
     checked_split_points,
     checked_stages_per_rank,
 )
-from lightning_parallel.plan.choices import PRECISIONS, STRATEGIES, V_SCHEDULES, schedule_class
-from lightning_parallel.plan.layout import RankLayout
+from lightning_parallel.techniques import TECHNIQUES
+from lightning_parallel.techniques.compile import CompileOptions
+from lightning_parallel.techniques.recompute import Selection
 
 # What the Trainer decides, not the strategy: a plan carries them for the planner only.
 TRAINER_FIELDS = ("strategy", "devices", "precision", "accumulate_grad_batches")
@@ -153,6 +148,9 @@ class ParallelPlan:
     save_distributed_checkpoint: bool = False
 
     def __post_init__(self) -> None:
+        # The plan's own settings, then each technique's in the list's order: their canonical values (each
+        # may read the settings before it), then what cannot go together; then the plan's shape (split
+        # points, stages per rank, devices). A technique's refusal names its own fix, so it comes first.
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"strategy must be one of {', '.join(STRATEGIES)} (or a PipelineStrategy), got "
@@ -169,27 +167,13 @@ class ParallelPlan:
         self._set("schedule", self.schedule.lower() if isinstance(self.schedule, str) else self.schedule)
         schedule_class(self.schedule)  # (an unknown name: the list of schedules)
         self._set("partition", checked_partition(self.partition))
-        check_selection(self.activation_checkpointing)
-        if isinstance(self.activation_checkpointing, list):
-            self._set("activation_checkpointing", tuple(self.activation_checkpointing))
-        checked_data_parallel(self.data_parallel, self.data_parallel_shard_size)
-        check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_plan, self.data_parallel)
-        if self.tensor_parallel_plan is not None:
-            self._set("tensor_parallel_plan", dict(self.tensor_parallel_plan))
-        self._set("compile", checked_compile_options(self.compile))
-        self._set("offload", checked_offload(self.offload, self.data_parallel))
-        if self.offload_pin_memory is not None and not isinstance(self.offload_pin_memory, bool):
-            raise TypeError(
-                f"offload_pin_memory must be True, False or None, got {self.offload_pin_memory!r}"
-            )
-        check_compile(self.compile, self.schedule, self.tensor_parallel_size)
-        check_offload(self.offload, self.tensor_parallel_size, self.parallelize_fn)
+        checked_data_parallel(self.data_parallel)
+        for technique in TECHNIQUES:
+            for name, value in technique.normalized(self).items():
+                self._set(name, value)
+        for technique in TECHNIQUES:
+            technique.check(self)
         self._set("split_points", checked_split_points(self.split_points, self.partition, self.module_name))
-        if self.parallelize_fn is not None and not callable(self.parallelize_fn):
-            raise TypeError(
-                f"parallelize_fn must be a callable (stage_module, device_mesh) -> None, got "
-                f"{self.parallelize_fn!r}"
-            )
         if not isinstance(self.save_distributed_checkpoint, bool):
             raise TypeError(
                 "save_distributed_checkpoint must be True (a torch.distributed.checkpoint directory, each "
@@ -199,47 +183,27 @@ class ParallelPlan:
         if self.strategy == "pipeline":
             self._set("stages_per_rank", checked_stages_per_rank(self.schedule, self.stages_per_rank))
         else:
-            self._check_whole_model()
-        if self.devices is not None:
+            self._whole_model()
+        if self.devices is not None and self.strategy == "pipeline":
             self._check_devices(self.devices)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # normalising a frozen value, once, in __post_init__
 
-    def _check_whole_model(self) -> None:
-        """DDP and one device: one stage, no pipeline or tensor-parallel sizes."""
+    def _whole_model(self) -> None:
+        """DDP and one device: one stage (the techniques refuse what needs a pipeline)."""
         if self.strategy == "single_device" and self.devices not in (None, 1):
             raise ValueError(
                 f"strategy='single_device' runs on one device, got devices={self.devices}: use 'ddp' "
                 "(or 'auto') for several"
             )
-        if self.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 is modelled for strategy='pipeline' only")
-        if self.data_parallel == "fsdp":
-            raise ValueError(
-                f"data_parallel='fsdp' shards the stages of a pipeline, but strategy={self.strategy!r}: use "
-                f"strategy='pipeline' (pipeline_size=1 for FSDP alone)"
-            )
-        if self.offload:
-            raise ValueError(
-                f"offload runs under PipelineStrategy, but strategy={self.strategy!r}: use "
-                f"strategy='pipeline' (pipeline_size=1 for one device or pure data parallelism)"
-            )
         for name, value in (("pipeline_size", 1), ("num_microbatches", 1), ("stages_per_rank", 1)):
             self._set(name, value)
 
     def _check_devices(self, devices: int) -> None:
-        if self.strategy != "pipeline":
-            return
         if self.pipeline_size is None:
             self._set("pipeline_size", devices // self.tensor_parallel_size or 1)
-        layout = RankLayout.for_world(devices, self.pipeline_size, 1, self.tensor_parallel_size)
-        shards = self.data_parallel_shard_size
-        if shards is not None and layout.dp_size % shards:
-            raise ValueError(
-                f"data_parallel_shard_size ({shards}) does not divide the {layout.dp_size} data-parallel "
-                f"ranks of each stage: use a divisor of {layout.dp_size}"
-            )
+        RankLayout.for_world(devices, self.pipeline_size, 1, self.tensor_parallel_size)
 
     # ------------------------------------------------------------------------- derived sizes
     def for_devices(self, devices: int, precision: str | None = None) -> ParallelPlan:
@@ -315,18 +279,8 @@ class ParallelPlan:
         if self.strategy == "ddp":
             return f"ddp x{self.devices}"
         v = f" v={self.stages_per_rank}" if (self.stages_per_rank or 1) > 1 else ""
-        flags = " +ac" if self.activation_checkpointing else ""
-        flags += " +zero" if self.shard_optimizer_state else ""
-        if self.data_parallel == "fsdp":
-            replicas = self.data_parallel_size // self.shard_size
-            flags += f" +hsdp {replicas}x{self.shard_size}" if replicas > 1 else " +fsdp"
-        flags += f" tp={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
-        flags += " +compile" if self.compiled else ""
-        if self.offload:
-            short = {"optimizer": "opt", "parameters": "param", "activations": "act"}
-            shown = [short[t] for t in self.offload if t != "optimizer" or "parameters" not in self.offload]
-            flags += f" +offload {','.join(shown)}"
         shape = f"{self._pipeline_ranks}x{self.data_parallel_size}"
+        flags = "".join(technique.label(self) for technique in TECHNIQUES)
         return f"pp {shape} {self.schedule}{v} m={self.num_microbatches}{flags}"
 
     def strategy_arguments(self) -> dict[str, Any]:

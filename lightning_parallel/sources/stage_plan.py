@@ -9,9 +9,9 @@ from torch import nn
 
 from lightning_parallel.distributed.agree import decide_on
 from lightning_parallel.grads.tied import find_shared
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.pipeline.partition import check_explicit, partition_balanced, partition_uniform
 from lightning_parallel.pipeline.plan import StagePlan, make_plan
-from lightning_parallel.plan.layout import RankLayout
 from lightning_parallel.techniques.fsdp import shard_bytes
 
 

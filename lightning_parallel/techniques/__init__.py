@@ -1,13 +1,75 @@
-"""One module per technique, each with the same two entry points.
+"""The techniques, one module each, and THE ordered list every composer folds.
 
-* ``apply(...)``: put the technique on this rank's stages (or, for a sharded optimizer state, on the
-  stages' optimizers), reading its setting from the plan
-  (:class:`~lightning_parallel.plan.parallel_plan.ParallelPlan`);
-* ``memory(...)``: what the technique does to a stage's memory, composed by the planner
-  (:mod:`lightning_parallel.memory`), so what is modelled sits beside what is applied.
-
-The order they are applied in is torchtitan's (:mod:`~lightning_parallel.techniques.parallelize`):
-split first, then recomputation, tensor parallelism, a user's ``parallelize_fn``, ``torch.compile``,
-and data-parallel sharding (FSDP2) last; a sharded optimizer state (ZeRO-1) wraps the optimizers
-once they exist.
+Each module defines one :class:`~lightning_parallel.techniques.contract.Technique` subclass and one
+instance of it: its plan fields' canonical values and refusals, its part of a plan's label, the variants
+the planner's search tries, what the job needs before its process group, its transform of this rank's
+stages and of the optimizers, a context around each training step and the gradient reductions of the
+optimizer step. :data:`TECHNIQUES` applies them top to bottom, in torchtitan's order (split first; then
+what changes a stage's computation, then data-parallel sharding, then where the state lives), and
+``ParallelPlan``, the search, the set-up and the gradient sync loop over it; the functions below are
+those folds that need nothing but the list. A technique never imports another.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_parallel.techniques import compile as compiling
+from lightning_parallel.techniques import fsdp, recompute, replicas, user_function, zero
+from lightning_parallel.techniques.contract import Environment, Job, Technique
+from lightning_parallel.techniques.offload import technique as offload
+from lightning_parallel.techniques.tensor_parallel import technique as tensor_parallel
+
+TECHNIQUES: tuple[Technique, ...] = (
+    recompute.TECHNIQUE,  # activation_checkpointing
+    tensor_parallel.TECHNIQUE,  # tensor_parallel_size, tensor_parallel_plan
+    user_function.TECHNIQUE,  # parallelize_fn
+    compiling.TECHNIQUE,  # compile
+    fsdp.TECHNIQUE,  # data_parallel="fsdp", data_parallel_shard_size
+    zero.TECHNIQUE,  # data_parallel="zero1"
+    replicas.TECHNIQUE,  # data_parallel="replicate" (and ZeRO-1's replicas): the replicas' all-reduce
+    offload.TECHNIQUE,  # offload, offload_pin_memory
+)
+"""Every technique, in the order they apply (read top to bottom)."""
+
+
+def environment(plan: Any, device: torch.device) -> Environment:
+    """What the job needs before its process group exists, from every technique in turn.
+
+    Raises:
+        ValueError: what this device cannot do (a technique's refusal, with the fix).
+
+    Example::
+
+        env = environment(ParallelPlan(offload="parameters", data_parallel="fsdp"), torch.device("cuda", 0))
+        env.host_backend, env.parameters_on_host      # (why, in words), True
+    """
+    env = Environment(device)
+    for technique in TECHNIQUES:
+        technique.environment(plan, env)
+    return env
+
+
+def transform_stages(job: Job) -> list[str]:
+    """Each technique's transform of this rank's stages, in the list's order (every rank calls it: tensor
+    parallelism and FSDP2 are collective over their mesh dimensions); the lines for the log.
+
+    Example::
+
+        for note in transform_stages(job):
+            rank_zero_info(f"PipelineStrategy: {note}")
+    """
+    return [note for technique in TECHNIQUES if (note := technique.stages(job.stages, job))]
+
+
+def searched_fields() -> tuple[str, ...]:
+    """The plan fields some technique's variants decide (the planner's search, beside its core).
+
+    Example::
+
+        >>> "offload" in searched_fields()
+        True
+    """
+    return tuple(name for technique in TECHNIQUES for name in technique.searched)

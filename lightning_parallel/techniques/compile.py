@@ -20,8 +20,7 @@ and a compiled block is one node there (its whole fused backward, weight gradien
 weight pass runs that backward again (no time saved); compiled in place, the Sequential GPT of the
 tests trained under ZBV came out with weights up to 0.38 off one process's after four AdamW steps.
 torch refuses ``OptimizedModule`` stages there itself (``_check_torch_compile_compatibility``,
-pytorch#161904); the plan refuses compiled stages there with the reason
-(:func:`~lightning_parallel.plan.checks.check_compile`).
+pytorch#161904); the plan refuses compiled stages there with the reason (:meth:`Compile.check`).
 
 Compiled with dynamic sizes (``dynamic=True``) unless told otherwise: one program then serves every
 sequence length and micro-batch size, as one traced program does. :class:`CompileWatch` times the
@@ -35,13 +34,21 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_parallel.plan.checks import CompileOptions
+from lightning_parallel._options import unknown_option_error
+from lightning_parallel.layout.choices import SPLIT_BACKWARD_SCHEDULES
+from lightning_parallel.techniques.contract import Job, Technique
+
+CompileOptions = dict[str, Any]
+"""torch.compile's keywords for each stage's blocks."""
+
+COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable", "recompile_limit")
+"""torch.compile's keywords a stage takes (``model`` is the stage's own module)."""
 
 MEMORY_NOTE = (
     "compiled stages: activations modelled as eager saves them (measured on the eager model); inductor's "
@@ -49,6 +56,98 @@ MEMORY_NOTE = (
 )
 """What compiling does to the planner's memory model (its ``memory`` entry point): nothing measured, an
 estimate from above; the planner prints this note under a compiled plan's table."""
+
+
+class Compile(Technique):
+    """``compile=``: each stage's blocks (or traced programs) compiled in place after the split.
+
+    Example::
+
+        ParallelPlan(compile=True).compile        # {'dynamic': True}
+    """
+
+    name, fields, searched = "compile", ("compile",), ("compile",)  # (the search leaves it off)
+
+    def normalized(self, plan: Any) -> dict[str, Any]:
+        return {"compile": checked_compile_options(plan.compile)}
+
+    def check(self, plan: Any) -> None:
+        check_compile(plan.compile, plan.schedule, plan.tensor_parallel_size)
+
+    def label(self, plan: Any) -> str:
+        return " +compile" if plan.compile is not None else ""
+
+    def stages(self, view: Any, job: Job) -> str | None:
+        return apply(view, job.plan.compile) if job.plan.compile is not None else None
+
+
+TECHNIQUE = Compile()
+
+
+def checked_compile_options(value: Any) -> CompileOptions | None:
+    """``compile=`` as the stages take it: ``None`` (off), or the keywords for ``torch.compile``.
+
+    ``True`` is torch.compile's defaults with ``dynamic=True``; a dict is torch.compile's keywords
+    (``{"mode": "max-autotune-no-cudagraphs"}``, ``{"backend": "aot_eager"}``), ``dynamic`` defaulting
+    to True there too.
+
+    Raises:
+        TypeError: neither a bool nor a dict, or a key that torch.compile does not take (naming the
+            closest one).
+
+    Example::
+
+        >>> checked_compile_options(True)
+        {'dynamic': True}
+        >>> checked_compile_options({"mode": "max-autotune-no-cudagraphs"})["mode"]
+        'max-autotune-no-cudagraphs'
+        >>> checked_compile_options(False) is None
+        True
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {"dynamic": True}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"compile must be True, False or a dict of torch.compile's options (e.g. {{'mode': "
+            f"'max-autotune-no-cudagraphs'}}), got {type(value).__name__}"
+        )
+    for key in value:
+        if key not in COMPILE_KEYS:
+            raise unknown_option_error("PipelineStrategy(compile={...})", str(key), COMPILE_KEYS)
+    return {"dynamic": True, **value}
+
+
+def check_compile(options: CompileOptions | None, schedule: str, tensor_parallel_size: int) -> None:
+    """Refuse compiled stages where torch 2.13 cannot run them (see this module's docstring).
+
+    Raises:
+        ValueError: a schedule that splits each backward, or tensor-parallel stages.
+
+    Example::
+
+        >>> check_compile({"dynamic": True}, "1f1b", 1)     # fine
+        >>> check_compile(None, "zbv", 2)                   # fine: nothing compiled
+    """
+    if options is None:
+        return
+    # torch workaround: https://github.com/pytorch/pytorch/issues/161904
+    #   canary: test_torch_split_backward_schedules_take_compiled_stages
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"compile with schedule={schedule!r} is not supported: that schedule splits each backward "
+            f"into an input and a weight pass, and a compiled block's backward is one fused function "
+            f"(torch 2.13 refuses compiled stages there, pytorch#161904; in place its weight pass reruns "
+            f"it and gave wrong gradients). Use compile with '1f1b', 'gpipe', 'interleaved_1f1b' or "
+            f"'looped_bfs', or compile=False with {schedule!r}"
+        )
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"compile with tensor_parallel_size={tensor_parallel_size} is not supported: torch 2.13 fails to "
+            f"compile blocks whose weights are tensor-parallel DTensors (AOTAutograd's tracing recurses "
+            f"without end). Use compile with tensor_parallel_size=1, or tensor parallelism without compile"
+        )
 
 
 def apply(stages: Any, options: CompileOptions) -> str:

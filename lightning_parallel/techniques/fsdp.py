@@ -1,7 +1,9 @@
 """FSDP2 inside pipeline stages: each stage's parameters sharded over its data-parallel ranks (ZeRO-3).
 
-Entry points: :func:`shard_stage` (apply, per stage module) and :func:`memory` (what it does to a
-stage's bytes: the planner's).
+The technique (:data:`TECHNIQUE`, ``data_parallel="fsdp"``, ``data_parallel_shard_size``): its settings
+checked, its label, its variant in the search, its transform of the stages (:func:`apply`; per stage
+module :func:`shard_stage`) and its gradient reduction (:class:`ReduceScatter`); and :func:`memory`
+(what it does to a stage's bytes: the planner's).
 
 As torchtitan does: ``fully_shard`` on each block (a child of the stage that holds parameters), then
 on the stage root, with ``reshard_after_forward=False`` (under a pipeline a stage runs forward once
@@ -16,25 +18,101 @@ as the all-reduce of plain replicas does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.techniques._fsdp_internals import finish_backward
-from lightning_parallel.techniques.offload.apply import fsdp_policy, pins
+from lightning_parallel.techniques.contract import Job, Reduction, SearchOptions, Technique
 
 
-def apply(stages: Any, plan: Any, mesh: Any) -> list[nn.Module]:
+class Fsdp(Technique):
+    """FSDP2 (``data_parallel="fsdp"``): each stage sharded over its data-parallel ranks, HSDP with a
+    ``data_parallel_shard_size`` below them.
+
+    Example::
+
+        ParallelPlan(devices=8, pipeline_size=2, data_parallel="fsdp", data_parallel_shard_size=2).label()
+        # 'pp 2x4 1f1b m=4 +hsdp 2x2'
+    """
+
+    name, fields, searched = "fsdp", ("data_parallel_shard_size",), ("data_parallel_shard_size",)
+
+    def normalized(self, plan: Any) -> dict[str, Any]:
+        shards = plan.data_parallel_shard_size
+        if shards is not None:
+            if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+                raise ValueError(f"data_parallel_shard_size must be a positive int, got {shards!r}")
+            if plan.data_parallel != "fsdp":
+                raise ValueError(
+                    f"data_parallel_shard_size={shards} shards stages with FSDP2, but data_parallel="
+                    f"{plan.data_parallel!r}: use data_parallel='fsdp', or drop data_parallel_shard_size"
+                )
+        return {}
+
+    def check(self, plan: Any) -> None:
+        if plan.data_parallel != "fsdp":
+            return
+        if plan.strategy != "pipeline":
+            raise ValueError(
+                f"data_parallel='fsdp' shards the stages of a pipeline, but strategy={plan.strategy!r}: use "
+                f"strategy='pipeline' (pipeline_size=1 for FSDP alone)"
+            )
+        if plan.devices is not None:  # the rank grid refuses a shard size that does not divide the replicas
+            plan.layout()
+
+    def label(self, plan: Any) -> str:
+        if plan.data_parallel != "fsdp":
+            return ""
+        replicas = plan.data_parallel_size // plan.shard_size
+        return f" +hsdp {replicas}x{plan.shard_size}" if replicas > 1 else " +fsdp"
+
+    def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
+        yield {}
+        if search.shardable and plan.data_parallel == "replicate" and plan.data_parallel_size > 1:
+            yield {"data_parallel": "fsdp"}
+
+    def stages(self, view: Any, job: Job) -> str | None:
+        return describe(job.mesh) if apply(view, job.plan, job.mesh, job.pin_memory) else None
+
+    def reductions(self, job: Job) -> list[Reduction]:
+        roots = job.stages.sharded()  # (a stage a user's parallelize_fn sharded too)
+        return [ReduceScatter(roots)] if roots else []
+
+
+TECHNIQUE = Fsdp()
+
+
+class ReduceScatter(Reduction):
+    """The FSDP2 roots' gradients reduce-scattered once per optimizer step (the whole window's), before
+    the tied weights' replicas sum their shards.
+
+    Example::
+
+        ReduceScatter(roots)(finished=())
+    """
+
+    before_tied_sum = True
+
+    def __init__(self, roots: Sequence[FSDPModule]) -> None:
+        self.roots = list(roots)
+        self.params = [p for root in self.roots for p in root.parameters()]
+
+    def __call__(self, finished: Collection[torch.Tensor]) -> None:
+        reduce_gradients(self.roots)
+
+
+def apply(stages: Any, plan: Any, mesh: Any, pin_memory: bool = False) -> list[nn.Module]:
     """Shard this rank's stages with FSDP2 when the plan says ``data_parallel="fsdp"`` (their shards on
-    the host with ``offload="parameters"``); the stage modules that are FSDP roots (also those a user's
-    ``parallelize_fn`` made roots), whose gradients are then reduced once per optimizer step
-    (:class:`DeferredReduceStage`).
+    the host with ``offload="parameters"``, page-locked with ``pin_memory``); the stage modules that are
+    FSDP roots (also those a user's ``parallelize_fn`` made roots), whose gradients are then reduced
+    once per optimizer step (:class:`DeferredReduceStage`).
 
     Raises:
         ValueError: FSDP2 without a process group (no device mesh).
@@ -49,10 +127,8 @@ def apply(stages: Any, plan: Any, mesh: Any) -> list[nn.Module]:
             'under a Trainer with the pipeline strategy, or use data_parallel="replicate"'
         )
     sharding = plan.data_parallel == "fsdp"
-    policy = None
-    if sharding:
-        device = torch.device(mesh.device_mesh.device_type)
-        policy = fsdp_policy(plan, pins(plan.offload_pin_memory, device))
+    # FSDP2's offload (offload="parameters"): the shards, their gradients and the optimizer state on the host.
+    policy = CPUOffloadPolicy(pin_memory=pin_memory) if sharding and "parameters" in plan.offload else None
     roots = stages.shard(mesh.data_parallel_mesh() if sharding else None, policy)
     if roots:
         stages.use_stage_class(DeferredReduceStage)

@@ -1,7 +1,9 @@
 """Activation checkpointing of a stage's units: recompute each selected unit's forward in backward.
 
-Entry points: :func:`apply` (this rank's stages, now or as each is prepared) and :func:`memory` (what a
-stage keeps per micro-batch with the selected units recomputed: the planner's).
+The technique (:data:`TECHNIQUE`, ``activation_checkpointing=``): its setting checked, its label, its
+variant in the search, and its transform of this rank's stages (:func:`apply`, now or as each is
+prepared); and :func:`memory` (what a stage keeps per micro-batch with the selected units recomputed:
+the planner's).
 
 A *unit* is a named submodule a stage calls: a layer of the split ``nn.Sequential`` (``"layers.3"``)
 or a block the traced stage graph calls (``"h.2"``). Wrapping replaces the unit's ``forward`` on
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +25,64 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel.pipeline.stage_source import StageSource, UnitNaming
-from lightning_parallel.plan.checks import Selection, check_selection
+from lightning_parallel.techniques.contract import Job, SearchOptions, Technique
 
 Units = Sequence[tuple[str, nn.Module]]
+
+Selection = bool | Callable[[str, nn.Module], bool] | Sequence[str]
+"""Which units recompute: ``True`` (all), ``False``, a list of unit names or ``(name, module) -> bool``."""
+
+
+class Recompute(Technique):
+    """Recomputation (``activation_checkpointing=``): the selected units' forward again in backward.
+
+    Example::
+
+        ParallelPlan(activation_checkpointing=["h.1"]).activation_checkpointing   # ('h.1',)
+    """
+
+    name, fields, searched = "recompute", ("activation_checkpointing",), ("activation_checkpointing",)
+
+    def normalized(self, plan: Any) -> dict[str, Any]:
+        select = plan.activation_checkpointing
+        check_selection(select)
+        return {"activation_checkpointing": tuple(select)} if isinstance(select, list) else {}
+
+    def label(self, plan: Any) -> str:
+        return " +ac" if plan.activation_checkpointing else ""
+
+    def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
+        yield {}
+        if plan.activation_checkpointing is False:
+            yield {"activation_checkpointing": True}
+
+    def stages(self, view: Any, job: Job) -> str | None:
+        if job.plan.activation_checkpointing is False:
+            return None
+        every_unit = [view.naming.prefix + u for stage in job.table.stages for u in stage.units]
+        apply(view, job.plan.activation_checkpointing, every_unit)
+        return None
+
+
+TECHNIQUE = Recompute()
+
+
+def check_selection(select: Any) -> None:
+    """Raise a TypeError unless ``select`` is a bool, a callable or a list of names.
+
+    Example::
+
+        check_selection(["layers.1", "layers.2"])   # fine
+    """
+    if isinstance(select, bool) or callable(select):
+        return
+    names_ok = isinstance(select, Sequence) and all(isinstance(n, str) for n in select)
+    if isinstance(select, str) or not names_ok:
+        raise TypeError(
+            f"activation_checkpointing must be True/False, a callable (name, module) -> bool or a list of "
+            f"unit names, got {select!r}"
+        )
+
 
 # Marks a wrapped forward; its value is the forward the unit had before.
 _ORIGINAL = "_lightning_parallel_original_forward"

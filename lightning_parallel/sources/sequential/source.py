@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
-from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.layout.choices import placement
+from lightning_parallel.layout.mesh import PipelineMesh
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming
-from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.profile import layer_times
 from lightning_parallel.sources.sequential.split import (

@@ -152,7 +152,7 @@ class SequentialStages:
         """The layers of this rank's stages (what activation checkpointing may wrap)."""
         return [(name, layer) for m in self.modules for name, layer in m.named_children()]
 
-    # --- the techniques, on this rank's stage modules (techniques/parallelize.py calls them in order)
+    # --- the techniques, on this rank's stage modules (in techniques/__init__.py's order)
     def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
         names = [[self.naming.prefix + child for child in m._modules] for m in self.modules]
         apply_plan(self.modules, names, plan, mesh)
@@ -178,4 +178,7 @@ class SequentialStages:
         for module in self.modules:
             if mesh is not None and not isinstance(module, FSDPModule):  # (a user-sharded one is left to it)
                 shard_stage(module, mesh, offload_policy=offload_policy)
+        return self.sharded()
+
+    def sharded(self) -> list[nn.Module]:
         return [m for m in self.modules if isinstance(m, FSDPModule)]

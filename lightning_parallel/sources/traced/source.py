@@ -19,15 +19,15 @@ from torch import nn
 
 from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.agree import failing_together
+from lightning_parallel.layout.choices import placement
+from lightning_parallel.layout.mesh import PipelineMesh
 from lightning_parallel.pipeline.blocks import find_block_list
-from lightning_parallel.pipeline.mesh import PipelineMesh
 from lightning_parallel.pipeline.microbatches import first_microbatch, microbatch_count
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
 from lightning_parallel.pipeline.proxy import CapturedInput
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming
-from lightning_parallel.plan.choices import placement
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.materialize import materialize
 from lightning_parallel.sources.profile import block_times

@@ -24,7 +24,6 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomRedu
 
 from lightning_parallel.pipeline.blocks import find_block_list
 from lightning_parallel.pipeline.stage_source import UnitNaming
-from lightning_parallel.plan.checks import CompileOptions
 from lightning_parallel.sources.stage_shapes import StageShapes
 from lightning_parallel.sources.traced.call_binding import CallBinding
 from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, ours, step
@@ -39,7 +38,7 @@ from lightning_parallel.sources.traced.tensor_parallel import (
 )
 from lightning_parallel.sources.traced.trace import trace
 from lightning_parallel.sources.twin import to_meta
-from lightning_parallel.techniques.compile import OwnInputs, compile_in_place
+from lightning_parallel.techniques.compile import CompileOptions, OwnInputs, compile_in_place
 from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
 
 
@@ -251,8 +250,8 @@ class TracedStages:
         finally:
             self._merge_weights = None
 
-    # --- the techniques (techniques/parallelize.py calls them in order): set up now, used as each
-    # stage's program is prepared
+    # --- the techniques (their stage transforms, in techniques/__init__.py's order): set up now, used as
+    # each stage's program is prepared
     def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
         """Split this rank's held modules with ``plan``'s styles and run the stages' graphs on DTensors
         over the tensor-parallel ``mesh`` (see sources/traced/tensor_parallel.py)."""
@@ -274,6 +273,9 @@ class TracedStages:
             return []
         self.root = ShardedTracedStage(self.module, self.tensor_parallel_mesh)
         return [shard_traced_stage(self.root, mesh, offload_policy)]
+
+    def sharded(self) -> list[nn.Module]:
+        return [self.root] if self.root is not None else []
 
     def step_context(self) -> Any:
         """Around each schedule step (tensor-parallel stages mix plain tensors and DTensors in backward)."""

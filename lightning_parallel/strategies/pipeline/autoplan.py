@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.agree import decide_on
 from lightning_parallel.distributed.link_timing import time_copy, time_group
+from lightning_parallel.layout.mesh import PipelineMesh, build_mesh
 from lightning_parallel.memory.advice import choose
 from lightning_parallel.memory.links import Links, given_links, links_from
 from lightning_parallel.memory.optimizer import optimizers_from
@@ -48,19 +49,16 @@ from lightning_parallel.memory.planner import (
     plan_search,
 )
 from lightning_parallel.memory.quantities import host_memory, parse_bytes
-from lightning_parallel.memory.search import Search
-from lightning_parallel.pipeline.mesh import PipelineMesh, build_mesh
+from lightning_parallel.memory.search import SEARCHED_FIELDS, Search
 from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
 
 AUTO = "auto"
-SEARCHED = (
-    "pipeline_size", "num_microbatches", "schedule", "stages_per_rank", "activation_checkpointing",
-    "data_parallel", "data_parallel_shard_size", "tensor_parallel_size", "offload", "compile", "partition",
-)  # fmt: skip
-"""Plan options the search decides (or, for ``compile`` and ``partition``, leaves at their default)."""
+SEARCHED = SEARCHED_FIELDS
+"""Plan options the search decides (or, for ``compile`` and ``partition``, leaves at their default): the
+plan's core ones and each technique's (``Technique.searched``)."""
 
 AUTO_ARGUMENT_DOCS = """\
         plan: ``"auto"``: the planner chooses the plan (the options above that it searches are then

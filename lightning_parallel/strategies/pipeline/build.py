@@ -26,7 +26,7 @@ from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.grads.held import HeldGradients
 from lightning_parallel.grads.item_weights import ItemCount
 from lightning_parallel.grads.tied import SharedReplicas, find_shared
-from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.layout.mesh import PipelineMesh
 from lightning_parallel.pipeline.metrics import StageMetrics
 from lightning_parallel.pipeline.plan import StagePlan
 from lightning_parallel.pipeline.proxy import PipelinedCall

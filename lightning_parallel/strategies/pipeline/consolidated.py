@@ -16,8 +16,8 @@ from torch import nn
 from lightning_parallel.distributed.agree import distributed_ready
 from lightning_parallel.distributed.collectives import gather_object_to
 from lightning_parallel.distributed.dtensors import distribute_like, full_tensors
+from lightning_parallel.optim.sharded import consolidate
 from lightning_parallel.pipeline import state as stage_state
-from lightning_parallel.techniques.zero import consolidate
 
 if TYPE_CHECKING:
     from lightning_parallel.strategies.pipeline.build import PipelineParts

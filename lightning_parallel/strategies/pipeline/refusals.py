@@ -8,31 +8,22 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_parallel.distributed.agree import reduces_host_tensors
-from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques.contract import Environment
 
 
-def refuse_offload(plan: ParallelPlan, device: torch.device) -> None:
-    """What offload cannot do on this job (the plan refused what it cannot do anywhere): say why and the fix.
+def refuse_environment(env: Environment, device: torch.device) -> None:
+    """What the techniques need of the job (``env``, folded from the plan) that its process group cannot
+    give (the plan refused what they cannot do anywhere): say why and the fix.
 
     Raises:
-        ValueError: pinned memory asked for without an accelerator; FSDP2's offload on an accelerator whose
-            process group has no host backend (its host gradients would reach NCCL).
+        ValueError: a host backend needed on an accelerator whose process group has none (host tensors
+            would reach NCCL).
     """
-    if not plan.offload:
-        return
-    if plan.offload_pin_memory and device.type == "cpu":
+    if env.host_backend and device.type != "cpu" and not reduces_host_tensors():
         raise ValueError(
-            "offload_pin_memory=True page-locks the host copies so an accelerator copies them "
-            "asynchronously, but the stages run on the CPU (accelerator='cpu'; a CPU-only torch build "
-            "cannot pin memory at all): drop offload_pin_memory (by default it pins on an accelerator only)"
-        )
-    if "parameters" in plan.offload and device.type != "cpu" and not reduces_host_tensors():
-        raise ValueError(
-            f"offload='parameters' keeps FSDP2's gradients on the host, and clipping and the fp16 overflow "
-            f"check reduce them there, but this job's process group has no host backend (only "
-            f"{device.type}'s): let "
-            f"PipelineStrategy start the process group (it adds 'cpu:gloo'), or start it yourself with "
-            f"backend='{device.type}:nccl,cpu:gloo'"
+            f"{env.host_backend}, but this job's process group has no host backend (only "
+            f"{device.type}'s): let PipelineStrategy start the process group (it adds 'cpu:gloo'), or start "
+            f"it yourself with backend='{device.type}:nccl,cpu:gloo'"
         )
 
 

@@ -18,12 +18,13 @@ import torch.distributed as dist
 class ReleaseAtExit:
     """A mixin of ``PipelineStrategy``: registers, once, the release of its pipeline at exit.
 
-    Reads the strategy's ``parts``, ``_mesh`` and ``_compile_watch``. Example: ``self._register_release()``
-    once the pipeline is built.
+    Reads the strategy's ``parts``, ``_mesh``, ``_job`` and ``_compile_watch``. Example:
+    ``self._register_release()`` once the pipeline is built.
     """
 
     parts: Any
     _mesh: Any
+    _job: Any
     _compile_watch: Any
     _release_registered: bool = False
 
@@ -38,7 +39,7 @@ class ReleaseAtExit:
             self.parts.runner.clear()
         if self._compile_watch is not None:
             self._compile_watch.stop()
-        self.parts = self._mesh = None
+        self.parts = self._mesh = self._job = None  # (the job holds the mesh and the stages too)
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -15,7 +15,7 @@ from lightning_parallel.distributed.collectives import (
     send_object,
 )
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
-from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.layout.mesh import PipelineMesh
 from lightning_parallel.pipeline.metrics import StageMetrics, replay_step_value
 from lightning_parallel.pipeline.predictions import interleave_replicas
 from lightning_parallel.pipeline.step_logs import LoggedMetric

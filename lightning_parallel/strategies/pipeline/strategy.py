@@ -26,13 +26,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_parallel._options import checks_options
+from lightning_parallel.distributed.host_group import process_group_backend
 from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, check_grace
 from lightning_parallel.grads.item_weights import ItemCount
 from lightning_parallel.grads.sync import GradientSync
-from lightning_parallel.pipeline.mesh import PipelineMesh
+from lightning_parallel.layout.mesh import PipelineMesh
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.pipeline.plan import StagePlan
-from lightning_parallel.plan.checks import Selection
-from lightning_parallel.plan.layout import RankLayout
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.launcher import PipelineMultiProcessingLauncher
 from lightning_parallel.strategies.pipeline import autoplan
@@ -58,7 +58,8 @@ from lightning_parallel.strategies.pipeline.step import run_step
 from lightning_parallel.strategies.pipeline.step_results import count_predict_batches
 from lightning_parallel.strategies.pipeline.stop import StopAgreement, StopHooks, start_rank_guard
 from lightning_parallel.techniques.compile import CompileWatch
-from lightning_parallel.techniques.offload import apply as offload
+from lightning_parallel.techniques.contract import Job, buffers_to
+from lightning_parallel.techniques.recompute import Selection
 from lightning_parallel.timeline.recorder import Timeline, span_of
 
 
@@ -178,6 +179,7 @@ class PipelineStrategy(
         self._item_count: ItemCount | None = None
         self._compile_watch: CompileWatch | None = None
         self._sync: GradientSync | None = None  # the optimizer step's gradient synchronisation
+        self._job: Job | None = None  # this rank's job as the techniques saw it at set-up
 
     # ----------------------------------------------------------------------------------- layout
     @classmethod
@@ -255,8 +257,8 @@ class PipelineStrategy(
     def setup_environment(self) -> None:
         if self._lightning_module is not None and self._lightning_module._trainer is not None:
             refuse_unsupported_callbacks(self._lightning_module.trainer)  # before the callbacks' own setup
-        if "parameters" in self.parallel_plan.offload:  # FSDP2's host gradients are reduced on the host
-            backend = offload.process_group_backend(self.root_device.type, self._process_group_backend)
+        if pipeline_setup.environment_of(self).host_backend:  # host tensors meet collectives
+            backend = process_group_backend(self.root_device.type, self._process_group_backend)
             self._process_group_backend = backend
         super().setup_environment()
         if self._auto is None:  # the plan that runs knows its devices (plan="auto": the choice's, at setup)
@@ -282,15 +284,15 @@ class PipelineStrategy(
         self.precision_plugin.convert_module(self.parts.twin)  # (in place, as for the model)
         self.model_to_device()
         if first:
-            self._sync, self._compile_watch = pipeline_setup.parallelize(self, self.parts, tensors)
+            self._job, self._sync, self._compile_watch = pipeline_setup.parallelize(self, self.parts, tensors)
         if fitting:
-            pipeline_setup.prepare_optimizers(self, trainer, self.parts)
+            pipeline_setup.prepare_optimizers(self, trainer, self.parts, self._job)
         self.setup_precision_plugin()
 
     @override
     def model_to_device(self) -> None:
-        if "parameters" in self.parallel_plan.offload:  # FSDP2 keeps the (sharded) parameters on the host
-            offload.buffers_to(self.model, self.root_device)
+        if pipeline_setup.environment_of(self).parameters_on_host:  # (FSDP2's host shards)
+            buffers_to(self.model, self.root_device)
         else:
             super().model_to_device()
 

@@ -2,10 +2,9 @@
 
 One setting of the plan (``offload=``, :class:`~lightning_parallel.plan.parallel_plan.ParallelPlan`):
 
-* ``apply.py`` - the entry points the strategy calls where what they act on is made: the optimizers
-  (:func:`~lightning_parallel.techniques.offload.apply.apply`), FSDP2's policy for each stage
-  (``fsdp_policy``), the runner's training steps (``apply_activations``), and the process group's host
-  backend;
+* ``technique.py`` - the technique (:data:`~lightning_parallel.techniques.offload.technique.TECHNIQUE`):
+  its settings and refusals, what the job needs (a host backend beside the device's, FSDP2's parameters
+  left on the host), its transform of the optimizers and its context around each training step;
 * ``host_optimizer.py`` - the user's optimizer class made host-stepping (plain replicas and ZeRO-1), and
   the fastest host kernel of a step;
 * ``activations.py`` - saved-tensor hooks that keep the micro-batches' activations on the host;

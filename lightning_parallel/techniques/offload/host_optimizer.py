@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel.techniques import zero
+from lightning_parallel.optim.sharded import is_sharded, retarget_scheduler, shard_optimizer_state
 
 HOST = torch.device("cpu")
 
@@ -289,7 +289,7 @@ def host_step(optimizer: torch.optim.Optimizer, group: Any, shard: bool, pin_mem
     """
     if is_host_stepping(optimizer):
         return optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer) or zero.is_sharded(optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer) or is_sharded(optimizer):
         raise TypeError(
             f"offload='optimizer' rebuilds the optimizer configure_optimizers returns on the host, but got a "
             f"{type(optimizer).__name__}: return a torch.optim.Optimizer (PipelineStrategy shards it itself "
@@ -308,14 +308,14 @@ def host_step(optimizer: torch.optim.Optimizer, group: Any, shard: bool, pin_mem
         )
     cls = host_stepping(type(optimizer), pin_memory)
     if shard:
-        sharded = zero.shard_optimizer_state(optimizer, group, schedulers, optimizer_class=cls)
+        sharded = shard_optimizer_state(optimizer, group, schedulers, optimizer_class=cls)
         if sharded is not optimizer:
             return sharded
     defaults = accepted_defaults(type(optimizer), optimizer.defaults)
     rebuilt = cls([dict(g) for g in optimizer.param_groups], **defaults)
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is optimizer:
-            zero.retarget_scheduler(scheduler, rebuilt)
+            retarget_scheduler(scheduler, rebuilt)
     return rebuilt
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_parallel.plan.layout import MESH_DIMS, RankLayout
+from lightning_parallel.layout.ranks import MESH_DIMS, RankLayout
 
 
 @dataclass

@@ -12,7 +12,7 @@ Vocabulary used throughout the package:
 * a **tensor-parallel rank** (``tp_rank``) holds a slice of each split weight of its stage; the
   ``tp_size`` tensor-parallel ranks of one (pipeline, data-parallel) coordinate see the same data.
 
-The torch ``DeviceMesh`` built from a layout (:func:`lightning_parallel.pipeline.mesh.build_mesh`) has
+The torch ``DeviceMesh`` built from a layout (:func:`lightning_parallel.layout.mesh.build_mesh`) has
 the named dimensions of :data:`MESH_DIMS`.
 """
 

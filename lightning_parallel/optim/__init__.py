@@ -1,0 +1,2 @@
+"""Optimizers as the techniques build them, one floor below the techniques: ``sharded`` (an optimizer's
+state sharded over the replicas of a stage, torch's ``ZeroRedundancyOptimizer``). Pure PyTorch."""

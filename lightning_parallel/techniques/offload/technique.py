@@ -1,0 +1,208 @@
+"""Offload as a technique (``offload=``, ``offload_pin_memory``): its settings checked, its refusals, its
+label and variants, what the job needs (a host backend, parameters left on the host), and its transforms.
+
+* the optimizers, right after ``configure_optimizers`` (:meth:`Offload.optimizers`). Plain replicas and
+  ZeRO-1: each is rebuilt as the user's class made host-stepping (``host_optimizer.py``): it keeps the
+  user's param groups (the device parameters, which clipping, loss scaling and LR schedulers read and
+  write) and steps a copy of itself over host copies of the trainable parameters; the gradients reach
+  the host once per optimizer step, the updated parameters return once. ZeRO-1 builds its shard's
+  optimizer from that class. FSDP2 stages (``offload="parameters"``): the user's optimizer holds FSDP2's
+  host shards already (FSDP2 reads ``plan.offload`` itself); its step runs the fastest host kernel;
+* each training step (:meth:`Offload.step_context`): the saved activations on the host
+  (``activations.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from lightning_parallel._options import unknown_option_error
+from lightning_parallel.layout.choices import OFFLOAD_TARGETS
+from lightning_parallel.techniques.contract import Environment, Job, SearchOptions, Technique
+from lightning_parallel.techniques.offload.activations import ActivationOffload
+from lightning_parallel.techniques.offload.host_optimizer import host_step, use_host_kernels
+
+SHORT = {"optimizer": "opt", "parameters": "param", "activations": "act"}
+"""Each target's name in a plan's label."""
+
+
+class Offload(Technique):
+    """``offload=``: the optimizer state and its step, FSDP2's shards, or the saved activations, on the host.
+
+    Example::
+
+        ParallelPlan(devices=2, pipeline_size=2, offload="optimizer").label()
+        # 'pp 2x1 1f1b m=4 +offload opt'
+    """
+
+    name, fields, searched = "offload", ("offload", "offload_pin_memory"), ("offload",)
+
+    def normalized(self, plan: Any) -> dict[str, Any]:
+        if plan.offload_pin_memory is not None and not isinstance(plan.offload_pin_memory, bool):
+            raise TypeError(
+                f"offload_pin_memory must be True, False or None, got {plan.offload_pin_memory!r}"
+            )
+        return {"offload": checked_offload(plan.offload, plan.data_parallel)}
+
+    def check(self, plan: Any) -> None:
+        if plan.offload and plan.strategy != "pipeline":
+            raise ValueError(
+                f"offload runs under PipelineStrategy, but strategy={plan.strategy!r}: use "
+                f"strategy='pipeline' (pipeline_size=1 for one device or pure data parallelism)"
+            )
+        check_offload(plan.offload, plan.tensor_parallel_size, plan.parallelize_fn)
+
+    def label(self, plan: Any) -> str:
+        if not plan.offload:
+            return ""
+        shown = [SHORT[t] for t in plan.offload if t != "optimizer" or "parameters" not in plan.offload]
+        return f" +offload {','.join(shown)}"
+
+    def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
+        yield {}
+        if not search.offload or plan.offload:
+            return
+        yield {"offload": ("optimizer",)}  # (replicas and ZeRO-1)
+        if search.offload_parameters:
+            yield {"offload": ("parameters",)}  # (FSDP2)
+        if not plan.activation_checkpointing:  # (recomputed: little left to move)
+            yield {"offload": ("activations",)}
+
+    def environment(self, plan: Any, env: Environment) -> None:
+        if not plan.offload:
+            return
+        if plan.offload_pin_memory and env.device.type == "cpu":
+            raise ValueError(
+                "offload_pin_memory=True page-locks the host copies so an accelerator copies them "
+                "asynchronously, but the stages run on the CPU (accelerator='cpu'; a CPU-only torch build "
+                "cannot pin memory at all): drop offload_pin_memory (by default it pins on an accelerator "
+                "only)"
+            )
+        if "parameters" in plan.offload:
+            env.host_backend = (
+                "offload='parameters' keeps FSDP2's gradients on the host, and clipping and the fp16 "
+                "overflow check reduce them there"
+            )
+            env.parameters_on_host = True
+
+    def optimizers(self, optimizers: list[torch.optim.Optimizer], job: Job) -> list[torch.optim.Optimizer]:
+        if not job.plan.offload:
+            return optimizers
+        job.info(f"PipelineStrategy: {describe(job.plan.offload, job.pin_memory)}")
+        return apply(optimizers, job.schedulers, job.plan, job.mesh.dp_group, job.pin_memory)
+
+    def step_context(self, job: Job) -> ActivationOffload | None:
+        return ActivationOffload(job.pin_memory) if "activations" in job.plan.offload else None
+
+
+TECHNIQUE = Offload()
+
+
+def checked_offload(offload: Any, data_parallel: str) -> tuple[str, ...]:
+    """What lives on the host, as a sorted tuple of :data:`OFFLOAD_TARGETS` (a name or a list of names).
+
+    ``"parameters"`` is FSDP2's offload, which takes the optimizer state with it (all or nothing): it
+    implies ``"optimizer"`` and needs ``data_parallel="fsdp"``; an FSDP2 stage cannot offload its
+    optimizer state alone.
+
+    Example::
+
+        >>> checked_offload("optimizer", "replicate")
+        ('optimizer',)
+        >>> checked_offload(["parameters"], "fsdp")
+        ('optimizer', 'parameters')
+    """
+    if offload is None or offload is False:
+        return ()
+    names = (offload,) if isinstance(offload, str) else offload
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"offload must be one of {', '.join(map(repr, OFFLOAD_TARGETS))} or a list of them, got "
+            f"{offload!r}"
+        )
+    for name in names:
+        if name not in OFFLOAD_TARGETS:
+            raise unknown_option_error("PipelineStrategy(offload=...)", name, OFFLOAD_TARGETS)
+    chosen = set(names) | ({"optimizer"} if "parameters" in names else set())
+    if "parameters" in chosen and data_parallel != "fsdp":
+        raise ValueError(
+            f"offload='parameters' is FSDP2's offload of each stage's sharded parameters and gradients, but "
+            f"data_parallel={data_parallel!r}: use data_parallel='fsdp', or offload='optimizer' (the "
+            f"optimizer state and its step on the host)"
+        )
+    if data_parallel == "fsdp" and "optimizer" in chosen and "parameters" not in chosen:
+        raise ValueError(
+            "data_parallel='fsdp' offloads the optimizer state only together with the sharded parameters "
+            "and gradients (FSDP2's CPUOffloadPolicy is all or nothing, pytorch#187615): pass "
+            "offload='parameters', or use data_parallel='replicate' or 'zero1' with offload='optimizer'"
+        )
+    return tuple(sorted(chosen))
+
+
+def check_offload(offload: tuple[str, ...], tensor_parallel_size: int, parallelize_fn: Any) -> None:
+    """Refuse offload where it is not supported yet, with the reason and the fix.
+
+    Raises:
+        ValueError: offload with tensor-parallel stages; FSDP2's offload with a ``parallelize_fn``.
+
+    Example::
+
+        >>> check_offload(("optimizer",), 1, None)          # fine
+    """
+    if offload and tensor_parallel_size > 1:
+        raise ValueError(
+            f"offload={list(offload)} with tensor_parallel_size={tensor_parallel_size} is not supported yet: "
+            f"the host copies and their checkpoints are written for whole tensors, not tensor-parallel "
+            f"DTensor slices, and FSDP2's offload of 2-D shards is untested here. Use tensor_parallel_size=1 "
+            f"(data_parallel='fsdp' with offload='parameters' shards each stage over all its ranks instead), "
+            f"or drop offload"
+        )
+    if "parameters" in offload and parallelize_fn is not None:
+        raise ValueError(
+            "offload='parameters' with a parallelize_fn is not supported: a stage your function shards "
+            "with fully_shard would keep its shards on the device (PipelineStrategy gives FSDP2's "
+            "CPUOffloadPolicy to the stages it shards itself). Drop parallelize_fn and let "
+            "data_parallel='fsdp' shard the stages, or pass offload_policy=CPUOffloadPolicy() to your "
+            "own fully_shard and drop offload='parameters'"
+        )
+
+
+def describe(offload: Sequence[str], pin_memory: bool) -> str:
+    """What is on the host, in words (the log's line).
+
+    Example::
+
+        >>> describe(("optimizer",), False)
+        'on the host (not pinned): the optimizer state and its step'
+    """
+    what = {
+        "parameters": "FSDP2's sharded parameters and gradients",
+        "optimizer": "the optimizer state and its step",
+        "activations": "the activations of the micro-batches in flight",
+    }
+    shown = [what[t] for t in ("parameters", "optimizer", "activations") if t in offload]
+    return f"on the host ({'pinned' if pin_memory else 'not pinned'}): {'; '.join(shown)}"
+
+
+def apply(optimizers: Sequence[torch.optim.Optimizer], schedulers: Iterable[Any], plan: Any, group: Any,
+          pin_memory: bool) -> list[torch.optim.Optimizer]:  # fmt: skip
+    """The optimizers as the plan's offload puts them (right after ``configure_optimizers``): unchanged
+    without ``"optimizer"``; FSDP2 stages: their own, stepping with the host kernel; replicas and ZeRO-1
+    (``group``: the stage's replicas): rebuilt host-stepping (:func:`host_step`).
+
+    Example::
+
+        optimizers = offload.apply(optimizers, [c.scheduler for c in configs], plan, mesh.dp_group, False)
+    """
+    if "optimizer" not in plan.offload:
+        return list(optimizers)
+    if plan.data_parallel == "fsdp":
+        for optimizer in optimizers:
+            use_host_kernels(optimizer)
+        return list(optimizers)
+    schedulers = list(schedulers)
+    shard = plan.data_parallel == "zero1"
+    return [host_step(o, group, shard, pin_memory, schedulers) for o in optimizers]

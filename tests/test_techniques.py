@@ -1,0 +1,151 @@
+"""The technique contract (techniques/contract.py) and the one ordered list (techniques/__init__.py), pure.
+
+What every composer relies on: the list's order, each plan field owned once (by the plan's core or by one
+technique), no technique importing another (or the plan, the sources, the strategies, Lightning), the
+defaults leaving everything as it is, the folds (labels in the list's order, the environment, the
+fields the search decides) and the optimizer step's sync (grads/sync.py) running the techniques'
+reductions around the tied weights' sum.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.grads.sync import GradientSync
+from lightning_parallel.memory.search import SEARCHED_FIELDS
+from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.strategies.pipeline.autoplan import SEARCHED
+from lightning_parallel.techniques import TECHNIQUES, environment, searched_fields
+from lightning_parallel.techniques.contract import Job, Reduction, SearchOptions, Technique
+
+TECHNIQUES_DIR = Path(__file__).resolve().parents[1] / "lightning_parallel" / "techniques"
+CORE_FIELDS = {
+    "strategy", "devices", "pipeline_size", "num_microbatches", "schedule", "stages_per_rank", "partition",
+    "data_parallel", "precision", "accumulate_grad_batches", "module_name", "split_points",
+    "save_distributed_checkpoint",
+}  # fmt: skip
+
+
+def test_the_list_is_torchtitan_s_order():
+    names = [t.name for t in TECHNIQUES]
+    assert names == [
+        "recompute", "tensor_parallel", "user_function", "compile", "fsdp", "zero", "replicas", "offload",
+    ]  # fmt: skip
+
+
+def test_every_plan_field_is_owned_once_by_the_core_or_by_one_technique():
+    owned = [name for t in TECHNIQUES for name in t.fields]
+    assert len(owned) == len(set(owned)), owned
+    assert set(owned).isdisjoint(CORE_FIELDS)
+    assert set(owned) | CORE_FIELDS == {f.name for f in fields(ParallelPlan)}
+    for technique in TECHNIQUES:
+        assert set(technique.searched) <= set(technique.fields), technique.name
+
+
+def _unit(path: Path) -> str:
+    """The technique a file of techniques/ belongs to (its module, or its folder)."""
+    return (
+        path.relative_to(TECHNIQUES_DIR).parts[0].removesuffix(".py").lstrip("_").removesuffix("_internals")
+    )
+
+
+def test_no_technique_imports_another_nor_the_floors_above():
+    shared = {"contract", ""}  # the contract, and the package's list
+    offending = []
+    for path in sorted(TECHNIQUES_DIR.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == TECHNIQUES_DIR:
+            continue  # the list imports every technique
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            module = node.module
+            names = (
+                [f"{module}.{a.name}" for a in node.names]
+                if module == "lightning_parallel.techniques"
+                else [module]
+            )
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "lightning" or parts[1:2] in (
+                    ["plan"],
+                    ["sources"],
+                    ["strategies"],
+                    ["memory"],
+                ):
+                    offending.append(f"{path.name} imports {name}")
+                elif parts[1:2] == ["techniques"]:
+                    other = parts[2].lstrip("_").removesuffix("_internals") if len(parts) > 2 else ""
+                    if other not in shared and other != _unit(path):
+                        offending.append(f"{path.relative_to(TECHNIQUES_DIR)} imports {name}")
+    assert not offending, offending
+
+
+def test_a_technique_s_defaults_leave_everything_as_it_is():
+    plan, base = ParallelPlan(devices=2, pipeline_size=2), Technique()
+    job = Job(plan, None, torch.device("cpu"), None, nn.Module())
+    optimizers = [torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)]
+    assert base.normalized(plan) == {} and base.check(plan) is None and base.label(plan) == ""
+    assert list(base.variants(plan, SearchOptions())) == [{}]
+    assert base.stages(None, job) is None and base.optimizers(optimizers, job) is optimizers
+    assert base.step_context(job) is None and base.reductions(job) == []
+
+
+def test_labels_follow_the_list_s_order():
+    plan = ParallelPlan(devices=8, pipeline_size=2, tensor_parallel_size=2, data_parallel="fsdp",
+                        activation_checkpointing=True)  # fmt: skip
+    assert plan.label() == "pp 2x2 1f1b m=4 +ac tp=2 +fsdp"
+    plan = ParallelPlan(devices=4, pipeline_size=2, data_parallel="zero1", compile=True, offload="optimizer")
+    assert plan.label() == "pp 2x2 1f1b m=4 +compile +zero +offload opt"
+
+
+def test_the_environment_is_what_the_techniques_need_before_the_process_group():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert environment(ParallelPlan(offload="optimizer"), cuda).host_backend is None
+    env = environment(ParallelPlan(data_parallel="fsdp", offload="parameters"), cuda)
+    assert env.parameters_on_host and env.host_backend.startswith("offload='parameters' keeps FSDP2's")
+    with pytest.raises(ValueError, match=r"offload_pin_memory=True page-locks .* drop offload_pin_memory"):
+        environment(ParallelPlan(offload="optimizer", offload_pin_memory=True), cpu)
+    job = Job(ParallelPlan(offload="optimizer"), None, cuda, None, nn.Module())
+    assert job.pin_memory and not Job(job.plan, None, cpu, None, nn.Module()).pin_memory
+
+
+def test_plan_auto_is_refused_the_fields_the_search_decides():
+    assert SEARCHED == SEARCHED_FIELDS
+    assert set(SEARCHED) == {
+        "pipeline_size", "num_microbatches", "schedule", "stages_per_rank", "activation_checkpointing",
+        "data_parallel", "data_parallel_shard_size", "tensor_parallel_size", "offload", "compile",
+        "partition",
+    }  # fmt: skip
+    assert set(searched_fields()) <= set(SEARCHED)
+
+
+class _Shared:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def sum_gradients(self) -> None:
+        self.calls.append(("tied", ()))
+
+
+class _Recorded(Reduction):
+    def __init__(self, name: str, calls: list, params=(), before_tied_sum=False) -> None:
+        self.name, self.calls, self.params, self.before_tied_sum = name, calls, list(params), before_tied_sum
+
+    def __call__(self, finished) -> None:
+        self.calls.append((self.name, tuple(finished)))
+
+
+def test_the_sync_runs_shard_reductions_then_the_tied_sum_then_the_others_each_told_what_is_finished():
+    calls: list = []
+    module = nn.Linear(2, 2)
+    weight, bias = module.weight, module.bias
+    shards = _Recorded("shards", calls, [weight], before_tied_sum=True)
+    first, second = _Recorded("first", calls, [bias]), _Recorded("second", calls)
+    GradientSync(module, _Shared(calls), [first, shards, second], replicas=1)()
+    assert calls == [("shards", ()), ("tied", ()), ("first", (weight,)), ("second", (weight, bias))]
