@@ -1,4 +1,5 @@
-"""Zero-bubble and V-shaped schedules against one device (both split paths), the V placement, the timeline.
+"""Zero-bubble and V-shaped schedules against one device (both split paths), the V placement, the timeline,
+and the multi-stage schedules with every stage on one rank (pipeline_size=1), validation between epochs.
 
 The multi-process configurations share one spawned job of 2 gloo ranks: each rank runs several Trainers
 in turn on the process group the job set up (as under torchrun), so the imports are paid once.
@@ -33,6 +34,13 @@ CONFIGS = {
     "dualpipev": dict(schedule="dualpipev"),
     "interleaved_zero_bubble": dict(schedule="interleaved_zero_bubble", stages_per_rank=2),
 }
+# pipeline_size=1: two replicas, each rank holding both stages (a stage and the next on one rank). Each
+# epoch's validation (forward-only) runs between training batches: training after it must go on as on
+# one device (torch 2.13's own forward-only step fails there; the V placement's fix covers it).
+ONE_RANK = {
+    f"one-rank-{s}": dict(pipeline_size=1, stages_per_rank=2, schedule=s)
+    for s in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+}
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
@@ -51,6 +59,18 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         if rank == 0:
             torch.save(strategy.plan, Path(out_dir) / f"{name}-plan.pt")
             torch.save(timeline.records, Path(out_dir) / f"{name}-timeline.pt")
+    for name, cfg in ONE_RANK.items():
+        torch.manual_seed(0)
+        strategy = PipelineStrategy(num_microbatches=4, **cfg)
+        trainer = quiet_trainer(
+            devices=world, strategy=strategy, callbacks=[RankRecorder(Path(out_dir) / name)], **TRAIN
+        )
+        # Each replica half of the global batch (and of the validation set) under Lightning's sampler.
+        trainer.fit(
+            SequentialRegressor(),
+            loader(data, GLOBAL_BATCH // world),
+            loader(regression_data(16), 8 // world),
+        )
     # The traced path (a GPT whose head is tied to its embedding: both on rank 0 under V) runs the V
     # schedules too: its stages are manual PipelineStages.
     for name in TRACED_V:
@@ -92,6 +112,8 @@ def test_zero_bubble_and_v_schedules_match_one_device(tmp_path):
     assert offsets[0] == 0 and abs(offsets[1]) < 5_000_000, offsets  # within 5 ms of the one clock
     for name in CONFIGS:
         _assert_as_on_one_device(tmp_path / name, ref, name)
+    for name in ONE_RANK:
+        _assert_replicas_as_on_one_device(tmp_path / name, ref, name)
     # V placement: rank 0 holds the first and the last stage, rank 1 the two middle ones.
     plan = torch.load(tmp_path / "zbv-plan.pt", weights_only=False)
     assert [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]
@@ -110,6 +132,17 @@ def _assert_as_on_one_device(run_dir: Path, ref: dict, name: str) -> None:
     losses = torch.tensor([r["losses"] for r in records]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name)
     val_loss = records[0]["callback_metrics"]["val_loss"]
+    assert val_loss == pytest.approx(ref["callback_metrics"]["val_loss"], rel=1e-5), name
+
+
+def _assert_replicas_as_on_one_device(run_dir: Path, ref: dict, name: str) -> None:
+    """Each replica's weights, the replicas' mean losses and validation loss equal one device's."""
+    records = [torch.load(run_dir / f"fit-rank{r}.pt") for r in range(WORLD)]
+    for r in records:
+        assert_close_dicts(r["params"], ref["params"], rtol=1e-5, atol=1e-6)
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name)
+    val_loss = sum(r["callback_metrics"]["val_loss"] for r in records) / WORLD  # halves of equal size
     assert val_loss == pytest.approx(ref["callback_metrics"]["val_loss"], rel=1e-5), name
 
 
