@@ -1,4 +1,5 @@
-"""Zero-bubble and V-shaped schedules against one device (both split paths), the V placement, the timeline.
+"""Zero-bubble and V-shaped schedules against one device (both split paths), the V placement, the timeline,
+and the multi-stage schedules with every stage on one rank (pipeline_size=1), validation between epochs.
 
 The multi-process configurations share one spawned job of 2 gloo ranks: each rank runs several Trainers
 in turn on the process group the job set up (as under torchrun), so the imports are paid once.
@@ -9,7 +10,10 @@ Covers callbacks/timeline.py (PipelineTimeline recording chosen steps on every r
 import json
 import os
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +21,10 @@ from mp_harness import RankRecorder, assert_close_dicts, fit, quiet_trainer, ref
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy, PipelineTimeline
+from lightning_parallel.callbacks import timeline as timeline_callback
 from lightning_parallel.distributed.clock import clock_offsets
 from lightning_parallel.pipeline.plan import stage_rank
+from lightning_parallel.timeline.recorder import Timeline
 from lightning_parallel.timeline.report import by_step, summarize
 
 # 58 samples, global batch 16: the epoch ends on a batch of 10, which num_microbatches=4 does not divide
@@ -33,6 +39,38 @@ CONFIGS = {
     "dualpipev": dict(schedule="dualpipev"),
     "interleaved_zero_bubble": dict(schedule="interleaved_zero_bubble", stages_per_rank=2),
 }
+# pipeline_size=1: two replicas, each rank holding both stages (a stage and the next on one rank). Each
+# epoch's validation (forward-only) runs between training batches: training after it must go on as on
+# one device (torch 2.13's own forward-only step fails there; the V placement's fix covers it).
+ONE_RANK = {
+    f"one-rank-{s}": dict(pipeline_size=1, stages_per_rank=2, schedule=s)
+    for s in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+}
+
+
+@contextmanager
+def _writes_timed() -> Iterator[list[tuple[int, int]]]:
+    """When PipelineTimeline writes its files: (start, end) of each write, on the timeline's clock."""
+    writes: list[tuple[int, int]] = []
+    originals = {name: getattr(timeline_callback, name) for name in ("write_gantt", "write_trace")}
+
+    def timed(original: Callable[..., Any]) -> Callable[..., Any]:
+        def write(*args: Any, **kwargs: Any) -> Any:
+            start = Timeline.now()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                writes.append((start, Timeline.now()))
+
+        return write
+
+    try:
+        for name, original in originals.items():
+            setattr(timeline_callback, name, timed(original))
+        yield writes
+    finally:
+        for name, original in originals.items():
+            setattr(timeline_callback, name, original)
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
@@ -41,16 +79,30 @@ def _job(rank: int, world: int, out_dir: str) -> None:
     for name, cfg in CONFIGS.items():
         torch.manual_seed(0)
         strategy = PipelineStrategy(pipeline_size=2, num_microbatches=4, **cfg)
-        # Recorded batches 2 and 5 (4 batches an epoch: 5 is the second epoch's second): the numbers
-        # must not change, the timeline is checked below.
-        timeline = PipelineTimeline(steps=[2, 5], dirpath=Path(out_dir) / name / "timeline")
+        # Recorded batches 6 and 7, one after the other (4 batches an epoch: 7 is the second epoch's
+        # last, the short one; 8 is recorded too, but never runs: the records are reported when
+        # training ends): the numbers must not change, the timeline is checked below.
+        timeline = PipelineTimeline(steps=[6, 7, 8], dirpath=Path(out_dir) / name / "timeline")
         callbacks = [RankRecorder(Path(out_dir) / name), timeline]
         trainer = quiet_trainer(devices=world, strategy=strategy, callbacks=callbacks, **TRAIN)
         # Validation runs forward-only: under a V placement, VForwardOnly (torch's V schedules cannot).
-        trainer.fit(SequentialRegressor(), loader(data, GLOBAL_BATCH), loader(regression_data(16), 8))
+        with _writes_timed() as writes:
+            trainer.fit(SequentialRegressor(), loader(data, GLOBAL_BATCH), loader(regression_data(16), 8))
         if rank == 0:
             torch.save(strategy.plan, Path(out_dir) / f"{name}-plan.pt")
-            torch.save(timeline.records, Path(out_dir) / f"{name}-timeline.pt")
+            torch.save((timeline.records, writes), Path(out_dir) / f"{name}-timeline.pt")
+    for name, cfg in ONE_RANK.items():
+        torch.manual_seed(0)
+        strategy = PipelineStrategy(num_microbatches=4, **cfg)
+        trainer = quiet_trainer(
+            devices=world, strategy=strategy, callbacks=[RankRecorder(Path(out_dir) / name)], **TRAIN
+        )
+        # Each replica half of the global batch (and of the validation set) under Lightning's sampler.
+        trainer.fit(
+            SequentialRegressor(),
+            loader(data, GLOBAL_BATCH // world),
+            loader(regression_data(16), 8 // world),
+        )
     # The traced path (a GPT whose head is tied to its embedding: both on rank 0 under V) runs the V
     # schedules too: its stages are manual PipelineStages.
     for name in TRACED_V:
@@ -92,6 +144,8 @@ def test_zero_bubble_and_v_schedules_match_one_device(tmp_path):
     assert offsets[0] == 0 and abs(offsets[1]) < 5_000_000, offsets  # within 5 ms of the one clock
     for name in CONFIGS:
         _assert_as_on_one_device(tmp_path / name, ref, name)
+    for name in ONE_RANK:
+        _assert_replicas_as_on_one_device(tmp_path / name, ref, name)
     # V placement: rank 0 holds the first and the last stage, rank 1 the two middle ones.
     plan = torch.load(tmp_path / "zbv-plan.pt", weights_only=False)
     assert [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]
@@ -113,10 +167,29 @@ def _assert_as_on_one_device(run_dir: Path, ref: dict, name: str) -> None:
     assert val_loss == pytest.approx(ref["callback_metrics"]["val_loss"], rel=1e-5), name
 
 
+def _assert_replicas_as_on_one_device(run_dir: Path, ref: dict, name: str) -> None:
+    """Each replica's weights, the replicas' mean losses and validation loss equal one device's."""
+    records = [torch.load(run_dir / f"fit-rank{r}.pt") for r in range(WORLD)]
+    for r in records:
+        assert_close_dicts(r["params"], ref["params"], rtol=1e-5, atol=1e-6)
+    losses = torch.tensor([r["losses"] for r in records]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=name)
+    val_loss = sum(r["callback_metrics"]["val_loss"] for r in records) / WORLD  # halves of equal size
+    assert val_loss == pytest.approx(ref["callback_metrics"]["val_loss"], rel=1e-5), name
+
+
 def _check_timeline(out: Path, name: str) -> None:
-    records = torch.load(out / f"{name}-timeline.pt", weights_only=False)
-    assert sorted((r.step, r.rank) for r in records) == [(2, 0), (2, 1), (5, 0), (5, 1)], name
+    records, writes = torch.load(out / f"{name}-timeline.pt", weights_only=False)
+    assert sorted((r.step, r.rank) for r in records) == [(6, 0), (6, 1), (7, 0), (7, 1)], name
+    # Rank 0 writes the files (after a gather) when the recorded run is over, never while a rank runs
+    # a recorded batch: before, batch 6's chart held rank 0 back while rank 1 began batch 7, which
+    # then read as rank 1's communication wait.
+    for r in records:
+        for start, end in writes:
+            assert end <= r.begin or start >= r.end, (name, r.step, r.rank, "written in a recorded batch")
+    assert len(writes) == 3, writes  # two charts, one trace
     for step, step_records in by_step(records).items():
+        m = 2 if step == 7 else 4  # the short batch of 10 runs 2 micro-batches
         # Every stage ran the forward and the backward of every micro-batch once: B, or I then W.
         seen = Counter(
             (e.name, e.args["stage"], e.args["mb"])
@@ -127,7 +200,7 @@ def _check_timeline(out: Path, name: str) -> None:
         split = name != "1f1b" and any(k[0] == "W" for k in seen)
         assert (name in ("zbv", "interleaved_zero_bubble")) <= split, (name, seen)
         for stage in range(2 if name == "1f1b" else 4):
-            for mb in range(4):
+            for mb in range(m):
                 assert seen[("F", stage, mb)] == 1, (name, stage, mb)
                 assert seen[("B", stage, mb)] + min(seen[("I", stage, mb)], seen[("W", stage, mb)]) == 1
         # One clock: a stage's forward of a micro-batch starts after the previous stage's forward of it.
@@ -142,8 +215,8 @@ def _check_timeline(out: Path, name: str) -> None:
                 assert begin >= start[(stage - 1, mb)][1] - 200_000, (name, stage, mb)  # 0.2 ms slack
         names = {e.name for r in step_records for e in r.events}
         assert {"loss_fn", "log broadcast", "p2p post", "p2p wait"} <= names, names
-        # Batch 5 ends an accumulation window (batches 4 and 5), batch 2 does not.
-        assert ({"gradient sync", "optimizer step"} <= names) == (step == 5), (step, names)
+        # Batch 7 ends an accumulation window (batches 6 and 7), batch 6 does not.
+        assert ({"gradient sync", "optimizer step"} <= names) == (step == 7), (step, names)
         summary = summarize(step_records)
         assert summary.ideal is not None and 0 < summary.ideal <= summary.window, name
         assert summary.compute > 0 and summary.bubble >= 0 and summary.comm_wait >= 0

@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_parallel._options import checks_options
 from lightning_parallel.timeline.recorder import StepRecord, Timeline
@@ -28,7 +29,10 @@ class PipelineTimeline(Callback):
     recorded batch global rank 0 prints one line (compute, bubble against the schedule's ideal,
     communication wait and other, as shares of the ranks' time) and writes ``step_<N>.png`` (a
     Gantt chart); ``trace.json`` (Chrome / Perfetto: one track per rank) holds every recorded
-    batch. Nothing is wrapped or timed in the batches not recorded.
+    batch. Nothing is wrapped or timed in the batches not recorded. The records are gathered, and
+    the lines and files written, after the last batch of each run of consecutive recorded batches
+    (or when training ends): that work delays the next batch on rank 0, so it never precedes a
+    recorded one.
 
     Args:
         steps: the training batches to record, counted from 0 over the whole fit (the global step
@@ -40,7 +44,8 @@ class PipelineTimeline(Callback):
 
         trainer = L.Trainer(devices=2, strategy=PipelineStrategy(num_microbatches=8),
                             callbacks=[PipelineTimeline(steps=[5, 6], dirpath="timeline")])
-        trainer.fit(model)     # prints "pipeline timeline step 5 (1f1b p=2 m=8): 41.2 ms, compute 61%, ..."
+        trainer.fit(model)     # after batch 6: "pipeline timeline step 5 (1f1b p=2 m=8): 41.2 ms, ...",
+                               # then the same line for step 6
     """
 
     @checks_options
@@ -57,6 +62,7 @@ class PipelineTimeline(Callback):
         self._batches = 0
         self._timeline: Timeline | None = None
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lightning_parallel.strategies.pipeline.strategy import PipelineStrategy
 
@@ -69,26 +75,44 @@ class PipelineTimeline(Callback):
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "pipeline_timeline"
 
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timeline = None
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         parts = trainer.strategy.parts
         if self._batches in self.steps and parts is not None:
-            indices = [s.index for s in parts.plan.local_stages(parts.mesh.pp_rank)]
-            label = f"stage{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
-            if parts.mesh.dp_size > 1:
-                label += f", replica {parts.mesh.dp_rank}"
-            self._timeline = parts.timeline = Timeline(label, parts.mesh.dp_rank)
+            if self._timeline is None:
+                indices = [s.index for s in parts.plan.local_stages(parts.mesh.pp_rank)]
+                label = f"stage{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
+                if parts.mesh.dp_size > 1:
+                    label += f", replica {parts.mesh.dp_rank}"
+                self._timeline = Timeline(label, parts.mesh.dp_rank)
+            parts.timeline = self._timeline
             self._timeline.begin_step(self._batches)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         self._batches += 1
-        timeline, self._timeline = self._timeline, None
-        if timeline is None:
+        if self._timeline is None or not self._timeline.recording:
             return
-        timeline.end_step()
+        self._timeline.end_step()
         trainer.strategy.parts.timeline = None
-        records = timeline.gather(
-            trainer.strategy.root_device
-        )  # a collective over every rank; None except on rank 0
+        # The gather (a collective) and rank 0's writing hold rank 0 back while the other ranks start
+        # the next batch: not before a recorded batch, which would count it as their waiting.
+        if self._batches not in self.steps:
+            self._report(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._timeline is not None and self._timeline.unreported:  # the fit ended in a recorded run
+            self._report(trainer)
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        """Gather the finished records (every rank), then on global rank 0 print and write them."""
+        assert self._timeline is not None
+        records = self._timeline.gather(trainer.strategy.root_device)  # None except on rank 0
         if records is None:
             return
         self.records += records

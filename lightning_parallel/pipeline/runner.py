@@ -50,6 +50,8 @@ class PipelineRunner:
         self.num_microbatches = num_microbatches
         self.has_first = 0 in self.stage_indices
         self.has_last = num_stages - 1 in self.stage_indices
+        # Under a loop placement only pipeline_size=1 puts a stage and the next on one rank (on every rank).
+        self._adjacent_here = any(s + 1 in self.stage_indices for s in self.stage_indices)
         self._cache: OrderedDict[Hashable, Any] = OrderedDict()
         self._loss_fn: Callable[[Any, int], torch.Tensor] | None = None
         self._metadata_call_pending = False
@@ -156,8 +158,10 @@ class PipelineRunner:
         if cls is ScheduleDualPipeV and num_microbatches < self.num_stages:
             # DualPipeV needs a micro-batch per stage; a short batch runs ZBV on the same V placement.
             cls = ScheduleZBVZeroBubble
-        if not train and cls in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
-            # torch's V schedules always run their backward actions.
+        if not train and (cls in (ScheduleZBVZeroBubble, ScheduleDualPipeV) or self._adjacent_here):
+            # torch's V schedules always run their backward actions, and torch's forward-only step of
+            # any multi-stage schedule fails where two adjacent stages share a rank (every stage on one
+            # rank at pipeline_size=1, where the loop and the V placements are the same).
             # torch workaround: no upstream issue found
             #   canary: test_torch_runs_a_forward_only_step_of_adjacent_stages_on_one_rank
             cls = VForwardOnly

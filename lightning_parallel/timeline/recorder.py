@@ -84,6 +84,11 @@ class Timeline:
     def recording(self) -> bool:
         return self._step is not None
 
+    @property
+    def unreported(self) -> bool:
+        """Whether steps have finished since the last :meth:`gather`."""
+        return bool(self._finished)
+
     def begin_step(self, step: int) -> None:
         self._step, self.events = (step, self.now()), []
 
