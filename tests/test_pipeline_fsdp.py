@@ -88,13 +88,13 @@ CONFIGS = {
 }  # fmt: skip
 
 # A GPT (embeddings, blocks, ln_f, head tied to the token embedding) in one Sequential: one epoch of
-# 3 batches of 8 (windows [0, 1] and [2]), each config from the same initial weights.
+# 3 batches of 8 (windows [0, 1] and [2]), each config from the same initial weights. Under HSDP its
+# head is untied, with a bias, and the step writes into its output in place (InPlaceLogitsGPT).
 GPT_SAMPLES, GPT_BATCH = 24, 8
 GPT_TRAIN = dict(max_epochs=1, gradient_clip_val=0.5, accumulate_grad_batches=2)
 GPT_CONFIGS = {
     "gpt-fsdp-2x2": (dict(pipeline_size=2, data_parallel="fsdp", num_microbatches=2), ONE_EPOCH),
-    "gpt-fsdp-2x2-inplace": (dict(pipeline_size=2, data_parallel="fsdp", num_microbatches=2), ONE_EPOCH),
-    "gpt-hsdp-1x2x2": (
+    "gpt-hsdp-1x2x2-inplace": (
         dict(pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2, num_microbatches=2),
         ONE_EPOCH,
     ),

@@ -76,7 +76,7 @@ def quiet_view_output_warning() -> None:
     with ``reshard_after_forward=False``, so their parameters stay gathered from the first forward to
     the end of backward, and the end of each step's backward is driven by :class:`DeferredReduceStage`
     and :func:`reduce_gradients`, not by the hook. Training with in-place ops on the head's output
-    equals the same run without FSDP2 (``tests/test_pipeline_fsdp.py``, the ``gpt-fsdp-2x2-inplace``
+    equals one device (``tests/test_pipeline_fsdp.py``, the ``gpt-hsdp-1x2x2-inplace``
     run). The filter is the process's: it is set only where the package itself shards the stages
     (``data_parallel="fsdp"``), not for a module a user's ``parallelize_fn`` shards.
 
