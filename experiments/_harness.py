@@ -57,8 +57,10 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import version
@@ -70,6 +72,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _repeats import MIN_REPEATS, Spread, compare, interleave, order, per_repeat_ratios, spread, verdict
+from torch.multiprocessing.spawn import ProcessException
 from typing_extensions import override
 
 HERE = Path(__file__).resolve().parent
@@ -80,6 +83,7 @@ MACHINE_FIELDS = ["experiment", "date", "load_avg_1min", "cpu_model", "cores", "
 __all__ = [  # the method, re-exported: a script needs only ``import _harness as h``
     "MIN_REPEATS",
     "RESULTS",
+    "ChildFailed",
     "Spread",
     "StepClock",
     "add_model_args",
@@ -95,6 +99,7 @@ __all__ = [  # the method, re-exported: a script needs only ``import _harness as
     "quiet_trainer",
     "read_csv",
     "record_machine",
+    "run_child",
     "save_figure",
     "spawn",
     "spread",
@@ -309,6 +314,12 @@ def quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
+class ChildFailed(RuntimeError):
+    """A script's child failed: a rank of :func:`spawn` (the message holds the traceback of each rank
+    that raised) or a process of :func:`run_child` (its command, exit code, and the end of its stderr
+    and stdout)."""
+
+
 def _rank_entry(
     rank: int, target: Callable, world: int, port: int, out_dir: str, args: tuple, environ: dict
 ) -> None:
@@ -329,11 +340,24 @@ def _rank_entry(
     quiet()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = target(rank, world, *args)
+        try:
+            result = target(rank, world, *args)
+        except BaseException:
+            # The traceback for spawn()'s error: torch reports whichever rank it saw die first, often a
+            # bystander whose collective broke when the failing rank exited, not the failing rank.
+            Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
+            raise
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _rank_errors(out_dir: str, target: Callable, world: int) -> str:
+    """The tracebacks the ranks' ``target`` raised, the first one raised first ('' if none did)."""
+    files = sorted(Path(out_dir).glob("rank*.error"), key=lambda f: f.stat().st_mtime_ns)
+    name = getattr(target, "__name__", target)
+    return "".join(f"--- rank {f.stem[4:]} of {world} raised in {name} ---\n{f.read_text()}" for f in files)
 
 
 # What the forkserver imports before forking the ranks. Not "__main__": CPython before 3.13.8 never
@@ -353,7 +377,8 @@ def spawn(target: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     Inside ``target`` a ``Trainer(accelerator="cpu", devices=world, strategy=...)`` joins these processes
     instead of launching its own. ``target`` must be a module-level function and return plain data
     (numbers, strings, lists, dicts, tensors): a class defined in a script would not unpickle here.
-    A failure on any rank ends every rank and raises here.
+    A failure on any rank ends every rank and raises here: :class:`ChildFailed` with the traceback of
+    each rank whose ``target`` raised, the first one first.
 
     Example::
 
@@ -365,8 +390,34 @@ def spawn(target: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     mp.set_forkserver_preload(PRELOAD)  # (read when the server starts: at the script's first spawn)
     with tempfile.TemporaryDirectory(prefix="lp-experiment-") as tmp:
         entry_args = (target, world, free_port(), tmp, args, dict(os.environ))
-        mp.start_processes(_rank_entry, entry_args, nprocs=world, start_method="forkserver")
+        try:
+            mp.start_processes(_rank_entry, entry_args, nprocs=world, start_method="forkserver")
+        except ProcessException as err:
+            raised = _rank_errors(tmp, target, world)
+            if not raised:  # a rank died without raising (a signal, os._exit): torch's message says how
+                raise
+            raise ChildFailed(f"a rank of {world} failed; first the one that raised first\n{raised}") from err
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def run_child(cmd: Sequence[str], env: Mapping[str, str] | None = None, tail: int = 6000) -> str:
+    """Run ``cmd`` to its end and return its stdout; if it fails, raise :class:`ChildFailed` with the
+    last ``tail`` characters of its stderr and stdout in the message (a bare ``CalledProcessError``
+    names the command only, and the child's traceback is lost).
+
+    Example::
+
+        out = h.run_child([sys.executable, "-c", CHILD, directory], env={**os.environ, "X": "1"})
+    """
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=None if env is None else dict(env))
+    if proc.returncode:
+        shown = " ".join(str(c) if len(str(c)) < 200 else "<...>" for c in cmd)  # (a -c program: elided)
+        raise ChildFailed(
+            f"child process failed with exit code {proc.returncode}: {shown}\n"
+            f"--- its stderr (last {tail} characters) ---\n{proc.stderr[-tail:]}"
+            f"--- its stdout (last {tail} characters) ---\n{proc.stdout[-tail:]}"
+        )
+    return proc.stdout
 
 
 def barrier() -> None:

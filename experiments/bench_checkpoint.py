@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", default=None, help="where to write the benchmark checkpoints (default: here)")
     args = p.parse_args(argv)
     if args.quick:
-        args.size_mb, args.kills, args.kill_size_mb = 20, 2, 5
+        args.size_mb, args.kills, args.kill_size_mb, args.repeats = 4, 1, 2, 1
     h.quiet()
     h.record_machine("checkpoint", args.out_dir)
     directory = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir or os.getcwd())

@@ -27,7 +27,7 @@ Byte counts do not depend on the machine's load: one run each. Writes ``fsdp_mem
 Usage::
 
     python experiments/bench_fsdp_memory.py            # ~2 minutes on 2 quiet cores
-    python experiments/bench_fsdp_memory.py --quick    # width 128, 4 blocks: to check that it runs
+    python experiments/bench_fsdp_memory.py --quick    # width 32, 2 blocks: to check that it runs
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     h.record_machine("fsdp_memory", args.out_dir)
     h.quiet()
     start = time.perf_counter()
-    shape = (128, 4) if args.quick else (DIM, DEPTH)
+    shape = (32, 2) if args.quick else (DIM, DEPTH)
     rows = [r for ranks in h.spawn(worker, WORLD, shape) for r in ranks]
     for r in rows:
         r.update(ppo_bytes=r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"], model_dim=shape[0],

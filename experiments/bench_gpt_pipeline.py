@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args(argv)
     if args.quick:
-        args.repeats, args.steps, args.dim = 2, 3, 32
+        args.repeats, args.warmup, args.steps, args.dim, args.depth = 1, 1, 1, 32, 2
+        args.seq_len, args.batch_size = 16, 8
     h.quiet()
     h.record_machine("gpt_pipeline", args.out_dir)
     cfg = {k: v for k, v in vars(args).items() if k != "out_dir"}

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.depth < 2:
         p.error(f"--depth ({args.depth}) must be at least 2: the pipeline splits the layers in two halves")
     if args.quick:
-        args.repeats, args.steps, args.dim = 2, 3, 32
+        args.repeats, args.warmup, args.steps, args.dim, args.depth = 1, 1, 1, 32, 2
+        args.seq_len, args.batch_size = 16, 8
     h.quiet()
     h.record_machine("hf_pipeline", args.out_dir)
     cfg = {k: v for k, v in vars(args).items() if k != "out_dir"}

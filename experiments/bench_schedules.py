@@ -24,6 +24,7 @@ Gantt chart of one recorded 1F1B step and of one ZBV step (``timeline_1f1b.png``
 Usage::
 
     python experiments/bench_schedules.py             # about 2 minutes on 2 idle cores
+    python experiments/bench_schedules.py --quick     # a tiny model, one step each: checks that it runs
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Bench:
     steps: int = 5  # timed, not recorded
     recorded: int = 2  # recorded with the timeline, after the timed ones
     repeats: int = h.MIN_REPEATS
+    memory_steps: int = 3  # of the extra run per schedule that counts activation bytes
 
 
 class _Meter(Callback):
@@ -116,8 +118,8 @@ def run_schedule(cfg: Config, bench: Bench, schedule: str, tmp: str, gantt: Path
     return out
 
 
-def memory_run(cfg: Config, schedule: str) -> int:
-    """Peak activation bytes on this rank over 3 steps."""
+def memory_run(cfg: Config, schedule: str, steps: int) -> int:
+    """Peak activation bytes on this rank over ``steps`` steps."""
     meter = _Meter()
     spr = SCHEDULES[schedule]
     strategy = PipelineStrategy(
@@ -125,9 +127,9 @@ def memory_run(cfg: Config, schedule: str) -> int:
         **({"stages_per_rank": spr} if spr else {}),
     )  # fmt: skip
     trainer = h.quiet_trainer(
-        devices=P, strategy=strategy, max_steps=3, limit_val_batches=0, callbacks=[meter]
+        devices=P, strategy=strategy, max_steps=steps, limit_val_batches=0, callbacks=[meter]
     )
-    trainer.fit(build_model(cfg), train_dataloaders=loader(cfg, 3))
+    trainer.fit(build_model(cfg), train_dataloaders=loader(cfg, steps))
     assert meter.meter is not None
     return meter.meter.peak
 
@@ -147,7 +149,7 @@ def worker(rank: int, world: int, cfg: Config, bench: Bench, out_dir: Path) -> d
     for s in SCHEDULES:
         variants[s] = lambda s=s: run_schedule(cfg, bench, s, tmp, once(s))
     samples = h.interleave(variants, bench.repeats, before_each=h.barrier)
-    memory = {s: memory_run(cfg, s) for s in SCHEDULES}
+    memory = {s: memory_run(cfg, s, bench.memory_steps) for s in SCHEDULES}
     shutil.rmtree(tmp, ignore_errors=True)
     return dict(samples=samples, memory=memory)
 
@@ -185,7 +187,7 @@ def rows_of(cfg: Config, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def plot(path: Path, rows: list[dict[str, Any]], repeats: int) -> None:
+def plot(path: Path, rows: list[dict[str, Any]], repeats: int, cfg: Config) -> None:
     fig, (left, right) = h.figure(2)
     names = [r["schedule"] for r in rows]
     bottom = [0.0] * len(rows)
@@ -208,8 +210,8 @@ def plot(path: Path, rows: list[dict[str, Any]], repeats: int) -> None:
     right.legend(fontsize=8)
     for ax in (left, right):
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.suptitle(f"CharLM dim 128, 4 blocks, p={P}, m={M}, 2 CPU processes (gloo); medians of {repeats} "
-                 "interleaved repeats, bars: min-max", fontsize=8)  # fmt: skip
+    fig.suptitle(f"CharLM dim {cfg.dim}, {cfg.depth} blocks, p={P}, m={M}, 2 CPU processes (gloo); "
+                 f"medians of {repeats} interleaved repeats, bars: min-max", fontsize=8)  # fmt: skip
     h.save_figure(fig, path)
 
 
@@ -231,10 +233,13 @@ def main(argv: list[str] | None = None) -> None:
     h.record_machine("schedules", args.out_dir)
     h.quiet()
     cfg, bench = Config(), Bench(repeats=args.repeats)
+    if args.quick:  # width 32, 2 blocks, 16 bytes x 8 samples; one step of each kind, one repeat
+        cfg = Config(dim=32, depth=2, seq_len=16, batch_size=8, warmup=1)
+        bench = Bench(warmup=1, steps=1, recorded=1, repeats=1, memory_steps=1)
     ranks = h.spawn(worker, P, cfg, bench, args.out_dir)
     rows = rows_of(cfg, ranks)
     h.write_csv(args.out_dir / "schedules.csv", rows, COLUMNS)
-    plot(args.out_dir / "schedules.png", rows, bench.repeats)
+    plot(args.out_dir / "schedules.png", rows, bench.repeats, cfg)
     for r in rows:
         print(
             {

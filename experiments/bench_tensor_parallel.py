@@ -23,7 +23,8 @@ and ``tensor_parallel.png`` under ``--out-dir``.
 
 Usage::
 
-    python experiments/bench_tensor_parallel.py     # ~3 minutes on 2 cores
+    python experiments/bench_tensor_parallel.py            # ~3 minutes on 2 cores
+    python experiments/bench_tensor_parallel.py --quick    # the Sequential model, width 32, 2 blocks, 2 steps
 """
 
 from __future__ import annotations
@@ -42,16 +43,20 @@ from lightning_parallel import PipelineStrategy
 SHAPES = {"pp 2 x dp 2": dict(pipeline_size=2), "pp 2 x tp 2": dict(pipeline_size=2, tensor_parallel_size=2)}
 MODELS = ("Sequential", "HF Llama (traced)")
 RUNS = [f"{model}: {shape}" for model in MODELS for shape in SHAPES]
-DIM, DEPTH, SEQ_LEN, GLOBAL_BATCH, STEPS = 256, 4, 64, 16, 6
+SIZE = dict(dim=256, depth=4, seq_len=64, global_batch=16, steps=6)
+# --quick: checks that it runs, on the Sequential model only (the suite's tensor-parallel job trains a
+# Hugging Face Llama at pp 2 x tp 2: tests/test_pipeline_tensor.py)
+QUICK_SIZE = dict(dim=32, depth=2, seq_len=16, global_batch=8, steps=2)
 
 
-def build(model: str) -> Any:
+def build(model: str, size: dict[str, int]) -> Any:
     torch.manual_seed(0)
+    dim, depth, seq_len = size["dim"], size["depth"], size["seq_len"]
     if model == "Sequential":
-        return SequentialCharLM(dim=DIM, depth=DEPTH, seq_len=SEQ_LEN, split_qkv=True)
+        return SequentialCharLM(dim=dim, depth=depth, seq_len=seq_len, split_qkv=True)
     from hf_decoders import HFDecoderLM
 
-    return HFDecoderLM("llama", dim=DIM, depth=DEPTH, seq_len=SEQ_LEN)
+    return HFDecoderLM("llama", dim=dim, depth=depth, seq_len=seq_len)
 
 
 def local_bytes(tensors: Any) -> int:
@@ -81,24 +86,25 @@ class Probe(h.StepClock):
         self.ppo = local_bytes(params) + local_bytes(p.grad for p in params) + local_bytes(state)
 
 
-def worker(rank: int, world: int) -> list[dict[str, Any]]:
+def worker(rank: int, world: int, size: dict[str, int], runs: list[str]) -> list[dict[str, Any]]:
     records = []
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (GLOBAL_BATCH * STEPS, SEQ_LEN + 1), generator=g)
+    global_batch, steps = size["global_batch"], size["steps"]
+    x = torch.randint(0, 256, (global_batch * steps, size["seq_len"] + 1), generator=g)
     data = TensorDataset(x[:, :-1], x[:, 1:])
-    for name in RUNS:
+    for name in runs:
         model, shape = name.split(": ")
         kwargs = SHAPES[shape]
         probe = Probe()
         strategy = PipelineStrategy(num_microbatches=4, **kwargs)
-        trainer = h.quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[probe])
+        trainer = h.quiet_trainer(devices=world, strategy=strategy, max_steps=steps, callbacks=[probe])
         replicas = world // (2 * kwargs.get("tensor_parallel_size", 1))
-        trainer.fit(build(model), DataLoader(data, batch_size=GLOBAL_BATCH // replicas))
+        trainer.fit(build(model, size), DataLoader(data, batch_size=global_batch // replicas))
         times = probe.step_seconds(1)  # the first step builds the schedule and the optimizer state
         s = h.spread(times)
         records.append(
-            dict(run=name, model=model, shape=shape, rank=rank, world_size=world, model_dim=DIM,
-                 model_depth=DEPTH, global_batch=GLOBAL_BATCH, ppo_bytes=probe.ppo, step_s=s.median,
+            dict(run=name, model=model, shape=shape, rank=rank, world_size=world, model_dim=size["dim"],
+                 model_depth=size["depth"], global_batch=global_batch, ppo_bytes=probe.ppo, step_s=s.median,
                  step_s_min=s.lo, step_s_max=s.hi, steps_timed=len(times))
         )  # fmt: skip
     return records
@@ -134,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     h.record_machine("tensor_parallel", args.out_dir)
     h.quiet()
     start = time.perf_counter()
-    rows = [r for records in h.spawn(worker, 4) for r in records]
+    runs = [r for r in RUNS if r.startswith("Sequential")] if args.quick else RUNS
+    rows = [r for records in h.spawn(worker, 4, QUICK_SIZE if args.quick else SIZE, runs) for r in records]
     rows.sort(key=lambda r: (RUNS.index(r["run"]), r["rank"]))
     base = {(r["model"], r["rank"]): r for r in rows if r["shape"] == "pp 2 x dp 2"}
     for r in rows:  # each model against its own replicas

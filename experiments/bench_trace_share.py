@@ -181,7 +181,10 @@ def transport(name: str, args: dict[str, Any]) -> dict[str, float]:
         CallBinding.of("model", (), {"input_ids": batch}) if name == "llama" else (None, (batch,))
     )
     example = to_meta(first_microbatch(tensors, args["microbatches"]))
-    points = ["model.model.layers.4"] if name == "llama" else ["h.2"]
+    # the middle block: a two-stage split, as the fits' pipeline of two makes
+    points = (
+        [f"model.model.layers.{args['depth'] // 2}"] if name == "llama" else [f"h.{args['gpt_depth'] // 2}"]
+    )
     capture, before = _Capture(), dataclasses.replace(tally)
     trace(twin, example, points, True, binding, share=capture)
     exported = unpack(capture.sent, twin, torch.device("cpu"))
@@ -245,7 +248,16 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.models = list(MODELS)
     if args.quick:
-        args.repeats, args.dim, args.ranks = 1, 32, [2]
+        # the GPT only (tests/test_trace_share.py shares a Hugging Face Llama's program)
+        args.repeats, args.dim, args.depth, args.gpt_depth, args.ranks, args.models = (
+            1,
+            32,
+            2,
+            2,
+            [2],
+            ["gpt"],
+        )
+        args.seq_len, args.batch_size, args.microbatches = 16, 8, 2
     h.quiet()
     h.record_machine("trace_share", args.out_dir)
     cfg = {k: v for k, v in vars(args).items() if k != "out_dir"}

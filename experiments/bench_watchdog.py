@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calls", type=int, default=2000)
     args = p.parse_args(argv)
     if args.quick:
-        args.repeats, args.steps, args.dim, args.calls = 2, 3, 32, 200
+        args.repeats, args.warmup, args.steps, args.dim, args.calls = 1, 1, 2, 32, 100
+        args.depth, args.seq_len, args.batch_size = 2, 16, 8
     h.quiet()
     h.record_machine("watchdog", args.out_dir)
     cfg = {k: v for k, v in vars(args).items() if k != "out_dir"}

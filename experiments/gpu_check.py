@@ -15,6 +15,7 @@ peak (``torch.cuda.max_memory_allocated``) beside the planner's device column fo
 
     python experiments/gpu_check.py                  # all visible GPUs
     python experiments/gpu_check.py --accelerator cpu --devices 1
+    python experiments/gpu_check.py --quick --accelerator cpu --devices 1   # tiny: checks that it runs
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def train(strategy, devices: int, args: argparse.Namespace) -> tuple[dict[str, t
     )  # fmt: skip
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    data = FixedOrderText(seq_len=64, batch_size=args.batch_size, max_bytes=500_000)
+    data = FixedOrderText(seq_len=64, batch_size=args.batch_size, max_bytes=args.text_bytes)
     start = time.perf_counter()
     trainer.fit(model, data)
     seconds = time.perf_counter() - start
@@ -68,15 +69,18 @@ def train(strategy, devices: int, args: argparse.Namespace) -> tuple[dict[str, t
     return {k: v.detach().float().cpu() for k, v in state.items()}, args.steps * args.batch_size / seconds
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = h.parser(__doc__, repeats=None)  # (--out-dir: it writes no file)
     p.add_argument("--accelerator", default="gpu")
     p.add_argument("--devices", type=int, default=torch.cuda.device_count() or 1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--depth", type=int, default=8)
-    args = p.parse_args()
+    p.add_argument("--text-bytes", type=int, default=500_000)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.batch_size, args.dim, args.depth, args.text_bytes = 2, 4, 32, 1, 20_000
     schedule = "1f1b"
     pipe = PipelineStrategy(pipeline_size=args.devices, schedule=schedule)
     pipelined, pipe_rate = train(pipe, args.devices, args)

@@ -13,13 +13,13 @@ Writes ``hf_pretrained_memory.csv`` and ``hf_pretrained_memory.png``. Byte count
 each. Usage::
 
     python experiments/hf_pretrained_memory.py            # ~1-2 minutes on 2 cores
+    python experiments/hf_pretrained_memory.py --quick    # a 2-block Llama of width 32, one process: it runs
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,49 +28,57 @@ import _harness as h
 
 SIZE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
             num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+# --quick: the same code on a Llama of 2 blocks and width 32 (~20k parameters): checks that it runs.
+QUICK_SIZE = SIZE | dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 
 CHILD = r"""
 import json, sys, torch
 import hf_decoders  # puts .hf_packages on the path where make test installed transformers
 import transformers as tf
 from lightning_parallel import load_pretrained
-from lightning_parallel.grads.tied import alias_table
+from lightning_parallel.sources.twin import alias_table
 from lightning_parallel.sources.materialize import materialize
 from lightning_parallel.sources.traced.split import keep_only
 
-directory, variant = sys.argv[1], sys.argv[2]
+directory, variants = sys.argv[1], sys.argv[2:]
 def peak():  # VmHWM: this process's resident high-water mark (ru_maxrss would keep the parent's over exec)
     line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024
 
-before = peak()
-if variant == "whole":
-    model = tf.AutoModelForCausalLM.from_pretrained(directory)
-else:
-    stage = int(variant)
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(directory))
-    aliases = alias_table(model)
-    load_pretrained(model, directory)
-    n = model.config.num_hidden_layers
-    mine = range(n // 2) if stage == 0 else range(n // 2, n)
-    blocks = tuple(f"model.layers.{i}." for i in mine)
-    ends = ("model.embed_tokens.",) if stage == 0 else ("model.norm.", "lm_head.")
-    keep = {k for k in model.state_dict() if k.startswith(blocks + ends)} | {"model.rotary_emb.inv_freq"}
-    keep_only(model, keep)
-    materialize(model, torch.device("cpu"), aliases)
-# Touch every tensor: transformers may leave weights memory-mapped from the file, resident only once read.
-checksum = sum(float(t.float().sum()) for t in model.state_dict().values())
-held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-print(json.dumps({"held_bytes": held, "peak_rss_above_imports_bytes": peak() - before}))
+for variant in variants:  # (one per process, but under --quick: there the peaks are not the point)
+    before = peak()
+    if variant == "whole":
+        model = tf.AutoModelForCausalLM.from_pretrained(directory)
+    else:
+        stage = int(variant)
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(directory))
+        aliases = alias_table(model)
+        load_pretrained(model, directory)
+        n = model.config.num_hidden_layers
+        mine = range(n // 2) if stage == 0 else range(n // 2, n)
+        blocks = tuple(f"model.layers.{i}." for i in mine)
+        ends = ("model.embed_tokens.",) if stage == 0 else ("model.norm.", "lm_head.")
+        keep = {k for k in model.state_dict() if k.startswith(blocks + ends)} | {"model.rotary_emb.inv_freq"}
+        keep_only(model, keep)
+        materialize(model, torch.device("cpu"), aliases)
+    # Touch every tensor: transformers may leave weights memory-mapped from the file, resident once read.
+    checksum = sum(float(t.float().sum()) for t in model.state_dict().values())
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(json.dumps({"held_bytes": held, "peak_rss_above_imports_bytes": peak() - before}))
 """
+VARIANTS = {"whole": "whole model", "0": "stage 0 of 2", "1": "stage 1 of 2"}
 
 
-def measure(directory: Path, variant: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(directory), variant], capture_output=True,
-                         text=True, check=True, env=env)  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def measure(directory: Path, variants: list[str]) -> list[dict]:
+    """Each variant's bytes held and peak, measured in one fresh process for ``variants``."""
+    # The child imports this folder's hf_decoders and the package (from PYTHONPATH as the script has it).
+    path = os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    out = h.run_child(
+        [sys.executable, "-c", CHILD, str(directory), *variants], env={**os.environ, "PYTHONPATH": path}
+    )
+    return [json.loads(line) for line in out.strip().splitlines()[-len(variants) :]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,20 +93,26 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**SIZE)).save_pretrained(tmp)
-        for variant, label in (("whole", "whole model"), ("0", "stage 0 of 2"), ("1", "stage 1 of 2")):
-            got = measure(Path(tmp), variant)
-            rows.append({"variant": label, "held_mib": got["held_bytes"] / 2**20,
-                         "peak_rss_mib": got["peak_rss_above_imports_bytes"] / 2**20})  # fmt: skip
+        size = QUICK_SIZE if args.quick else SIZE
+        model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**size))
+        millions = sum(p.numel() for p in model.parameters()) / 1e6
+        model.save_pretrained(tmp)
+        del model
+        # A fresh process per variant: a peak is a process's. --quick runs them in one (the imports once).
+        runs = [list(VARIANTS)] if args.quick else [[v] for v in VARIANTS]
+        got = [g for variants in runs for g in measure(Path(tmp), variants)]
+        for label, g in zip(VARIANTS.values(), got, strict=True):
+            rows.append({"variant": label, "held_mib": g["held_bytes"] / 2**20,
+                         "peak_rss_mib": g["peak_rss_above_imports_bytes"] / 2**20})  # fmt: skip
     whole = rows[0]["peak_rss_mib"]
     for row in rows:
-        row["peak_ratio_to_whole"] = row["peak_rss_mib"] / whole
+        row["peak_ratio_to_whole"] = row["peak_rss_mib"] / whole if whole else float("nan")
     h.write_csv(args.out_dir / "hf_pretrained_memory.csv", rows)
     fig, ax = h.figure()
     ax.bar([r["variant"] for r in rows], [r["peak_rss_mib"] for r in rows], label="peak RSS above imports")
     ax.bar([r["variant"] for r in rows], [r["held_mib"] for r in rows], width=0.4, label="tensors held")
     ax.set_ylabel("MiB")
-    ax.set_title("loading a 124M-parameter Llama: whole vs one stage per rank")
+    ax.set_title(f"loading a {millions:.3g}M-parameter Llama: whole vs one stage per rank")
     ax.legend()
     h.save_figure(fig, args.out_dir / "hf_pretrained_memory.png")
     for row in rows:

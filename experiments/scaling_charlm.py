@@ -88,6 +88,7 @@ def command(run: Run, args: argparse.Namespace, out: Path) -> list[str]:
         "--warmup-steps=0",  # what its recorded results ran with, whatever the demo's defaults become
         f"--seed={args.seed}",
         f"--out={out}",
+        *([f"--text-bytes={args.text_bytes}"] if args.text_bytes else []),
         f"--summary={out / 'summary.json'}",
     ]
 
@@ -105,10 +106,11 @@ def execute(run: Run, args: argparse.Namespace, workdir: Path) -> dict[str, Any]
     threads = threads_for(run, args.threads)
     cmd = command(run, args, out)
     start = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if "STANDALONE_PORT" in env:  # a port of the harness's range, past those it has handed out, per run
+        env["STANDALONE_PORT"] = str(h.free_port())
     with open(out / "output.log", "w") as log:
-        code = subprocess.run(
-            cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, stdout=log, stderr=log
-        ).returncode
+        code = subprocess.run(cmd, env=env, stdout=log, stderr=log).returncode
     wall = time.perf_counter() - start
     if code:
         tail = (out / "output.log").read_text()[-3000:]
@@ -216,6 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sample (default 64)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text-bytes", type=int, help="bytes of stdlib source (default: train_charlm.py's)")
     p.add_argument(
         "--threads",
         default="1",
@@ -230,7 +233,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.threads != "auto" and not args.threads.isdigit():
         p.error(f"--threads ({args.threads}) must be 'auto' or a positive integer")
     if args.quick:
-        args.max_steps, args.dim, args.depth = 10, 32, 1
+        # 2 blocks: the pipeline run's 2 stages each need one; 10 steps: train_charlm.py logs every 10
+        args.max_steps, args.dim, args.depth, args.repeats = 10, 32, 2, 1
+        args.global_batch_size, args.seq_len, args.microbatches, args.text_bytes = 8, 16, 2, 40_000
     return args
 
 

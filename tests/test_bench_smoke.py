@@ -3,10 +3,14 @@
 - The method of every timing (``experiments/_repeats.py``): interleaving order, samples, per-repeat
   ratios, medians and ranges, and docs/results.md's wording ("within noise").
 - The harness (``experiments/_harness.py``): CSV and PNG writing, the machine record, spawn-and-collect
-  (plain collectives and a Lightning fit on 2 processes, every rank's result back through files).
-- The scripts' row building from synthetic samples, ``train_charlm.py``'s JSON summary, and the two
-  pipeline benchmarks end to end at ``--quick`` (values that hold whatever the machine's speed: the
-  hand loop and the Trainer compute the same losses; a pipeline rank holds a fraction of DDP's bytes).
+  (plain collectives and a Lightning fit on 2 processes, every rank's result back through files), and
+  a failed child's own traceback in the error (a rank of ``spawn``, a process of ``run_child``).
+- The scripts' row building from synthetic samples, ``train_charlm.py``'s JSON summary, and every
+  script's ``--quick`` run end to end, all in one process (``tests/scripts/experiments_quick.py``; a
+  script the suite does not run fails ``test_every_experiment_script_runs_in_the_suite``), with values
+  that hold whatever the machine's speed where a script has them (the hand loop and the Trainer
+  compute the same losses; a pipeline rank holds a fraction of DDP's bytes; gpu_check's runs equal
+  one device's).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import importlib
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -203,6 +208,36 @@ def test_spawn_brings_back_every_rank_of_collectives_and_a_fit(ex, monkeypatch):
     assert results[0]["weight"].equal(results[1]["weight"])
 
 
+def _fails_on_rank_one(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one's own error")
+    dist.barrier()  # rank 0 waits here: its collective breaks when rank 1 is gone
+    return rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_spawn_raises_the_traceback_of_the_rank_that_failed_not_of_a_bystander(ex, monkeypatch):
+    monkeypatch.setenv("STANDALONE_PORT", str(free_port()))
+    with pytest.raises(ex.harness.ChildFailed) as raised:
+        ex.harness.spawn(_fails_on_rank_one, 2)
+    message = str(raised.value)
+    first = message.index("--- rank 1 of 2 raised in _fails_on_rank_one ---\nTraceback")
+    assert message.index("ValueError: rank one's own error") > first
+    assert "rank 0 of 2" not in message[:first]  # (rank 0's broken barrier, if it got to raise, comes after)
+
+
+def test_run_child_raises_with_the_end_of_the_child_s_stderr_and_stdout(ex):
+    code = "import sys; print('what it printed'); sys.exit('the reason it gave')"
+    with pytest.raises(ex.harness.ChildFailed) as raised:
+        ex.harness.run_child([sys.executable, "-c", code])
+    message = str(raised.value)
+    assert "exit code 1" in message and "the reason it gave" in message and "what it printed" in message
+    assert ex.harness.run_child([sys.executable, "-c", "print('fine')"]) == "fine\n"
+
+
 def test_ports_come_from_standalone_port_upward_a_new_one_each_time(ex, monkeypatch):
     base = free_port()
     monkeypatch.setenv("STANDALONE_PORT", str(base))
@@ -354,28 +389,115 @@ def test_train_charlm_shows_its_steps_without_library_warnings_and_writes_its_js
     assert "LeafSpec" not in shown and "FutureWarning" not in shown
 
 
-# ------------------------------------------------------------------- pipeline scripts, end to end
+# ------------------------------------------------------------- every script's --quick, end to end
+
+# Every experiment script's --quick run, in ONE process (tests/scripts/experiments_quick.py): the imports
+# and the forkserver its ranks fork from are paid once, not once per script. The arguments beside
+# --quick: bench_pipeline's two repeats (its order alternates), gpu_check on this CPU, scaling_charlm's
+# runs (each a train_charlm.py process of its own).
+QUICK = {
+    "accumulation_equivalence": [],
+    "bench_autoplan": [],
+    "bench_checkpoint": [],
+    "bench_compile": [],
+    "bench_dcp_faults": [],
+    "bench_fsdp_memory": [],
+    "bench_gpt_pipeline": [],
+    "bench_hf_pipeline": [],
+    "bench_metric_sync": [],
+    "bench_offload": [],
+    "bench_pipeline": ["--repeats", "2"],
+    "bench_pipeline_memory": [],
+    "bench_schedules": [],
+    "bench_tensor_parallel": [],
+    "bench_trace_share": [],
+    "bench_varlen": [],
+    "bench_watchdog": [],
+    "eight_way_fsdp": [],
+    "gpu_check": ["--accelerator", "cpu", "--devices", "1"],
+    "hf_pretrained_memory": [],
+    "offload_capacity": [],
+    # (the 2 x DDP run too would start two more interpreters: ~15 s of CPU, for DDP, which Lightning tests)
+    "scaling_charlm": ["--runs", "single", "pipeline"],
+}
+# The scripts run elsewhere in the suite, and where.
+ELSEWHERE = {
+    "memory_validation": "tests/test_memory_validation.py (--quick)",
+    "train_charlm": "test_train_charlm_shows_its_steps_without_library_warnings_and_writes_its_json_summary",
+    "run_all": "tests/test_run_all.py (--skip-run)",
+}
+# They write nothing: eight_way_fsdp's rank 0 asserts that every rank holds the stage table's bytes (its
+# failure fails the run), gpu_check prints its differences from one device (checked below).
+NO_FILES = {"eight_way_fsdp", "gpu_check"}
 
 
-def _run(script: str, out_dir: Path, *extra: str) -> str:
-    env = script_env(ROOT)
-    proc = subprocess.run(
-        [sys.executable, str(EXPERIMENTS / script), "--quick", "--out-dir", str(out_dir), *extra],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env=env,
-        cwd=ROOT,
+def test_every_experiment_script_runs_in_the_suite():
+    helpers = {"models", "hf_decoders"}  # (as tests/test_module_map.py tells scripts from helpers)
+    scripts = {
+        p.stem for p in EXPERIMENTS.glob("*.py") if not p.name.startswith("_") and p.stem not in helpers
+    }
+    assert scripts == set(QUICK) | set(ELSEWHERE), (
+        f"not run by the suite: {sorted(scripts - set(QUICK) - set(ELSEWHERE))}; gone: "
+        f"{sorted(set(QUICK) | set(ELSEWHERE) - scripts)}. Give a new script a --quick path (tiny: a step or "
+        "two of a tiny model) and add it to QUICK"
     )
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc.stdout
 
 
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[Path, dict]:
+    """Every QUICK script run; its output folder and the runner's summary (seconds, error)."""
+    out = tmp_path_factory.mktemp("quick")
+    summary = out / "summary.json"
+    cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "experiments_quick.py"), str(out), str(summary)]
+    cmd += [" ".join([name, *extra]) for name, extra in QUICK.items()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env=script_env(ROOT), cwd=ROOT)
+    assert proc.returncode == 0 and summary.exists(), (
+        f"the runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
+    return out, json.loads(summary.read_text())
+
+
+@pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(175)
-def test_bench_pipeline_quick(tmp_path):
-    stdout = _run("bench_pipeline.py", tmp_path, "--repeats", "2")
-    overhead = _rows(tmp_path / "pipeline_overhead.csv")
+@pytest.mark.timeout(900)  # (the first one runs the whole group: the fixture)
+@pytest.mark.parametrize("script", list(QUICK))
+def test_quick_run(quick, script):
+    out, summary = quick
+    assert script in summary, f"{script} did not run: the runner stopped before it"
+    assert summary[script]["error"] is None, f"{script} --quick failed:\n{summary[script]['error']}"
+    printed = (out / script / "stdout.txt").read_text()
+    if script in NO_FILES:
+        return
+    tables = sorted((out / script).glob("*.csv"))
+    assert tables, f"{script} wrote no CSV; it printed:\n{printed[-2000:]}"
+    assert all(_rows(t) for t in tables), [t.name for t in tables if not _rows(t)]
+
+
+def test_gpu_check_quick_matches_one_device(quick):
+    out, summary = quick
+    assert summary["gpu_check"]["error"] is None, summary["gpu_check"]["error"]
+    diffs = re.findall(
+        r"max \|param diff\| vs one device = ([0-9.e+-]+)", (out / "gpu_check" / "stdout.txt").read_text()
+    )
+    assert len(diffs) == 3 and all(float(d) < 1e-4 for d in diffs), diffs  # the pipeline, then two offloads
+
+
+def test_hf_pretrained_memory_quick_holds_half_the_model_per_stage(quick):
+    out, _ = quick
+    rows = {
+        r["variant"]: float(r["held_mib"])
+        for r in _rows(out / "hf_pretrained_memory" / "hf_pretrained_memory.csv")
+    }
+    whole = rows.pop("whole model")
+    assert set(rows) == {"stage 0 of 2", "stage 1 of 2"} and all(
+        0.3 * whole < v < 0.7 * whole for v in rows.values()
+    )
+
+
+def test_bench_pipeline_quick(quick):
+    out, _ = quick
+    out, stdout = out / "bench_pipeline", (out / "bench_pipeline" / "stdout.txt").read_text()
+    overhead = _rows(out / "pipeline_overhead.csv")
     assert [r["first"] for r in overhead] == ["hand", "trainer"]  # the order alternates
     for row in overhead:
         hand, trainer = float(row["hand_samples_per_s"]), float(row["trainer_samples_per_s"])
@@ -384,7 +506,7 @@ def test_bench_pipeline_quick(tmp_path):
         # Same weights, same batches, same schedule: the hand loop and the Trainer train identically.
         assert float(row["max_loss_diff"]) < 1e-4
 
-    sweep = _rows(tmp_path / "pipeline_microbatches.csv")
+    sweep = _rows(out / "pipeline_microbatches.csv")
     kinds = {(r["kind"], r["schedule"], int(r["num_microbatches"])) for r in sweep}
     for m in (1, 4, 16):
         assert {("pipeline", "gpipe", m), ("pipeline", "1f1b", m), ("single", "-", m)} <= kinds
@@ -395,16 +517,15 @@ def test_bench_pipeline_quick(tmp_path):
         assert math.isclose(float(r["ideal_bubble_efficiency"]), m / (m + 1), rel_tol=1e-3)
         if r["kind"] == "pipeline":
             assert 0 < float(r["efficiency_min"]) <= float(r["efficiency"]) <= float(r["efficiency_max"]) < 10
-    assert (tmp_path / "pipeline_microbatches.png").stat().st_size > 10_000
+    assert (out / "pipeline_microbatches.png").stat().st_size > 10_000
     assert "parallelism" in stdout
-    assert [r["experiment"] for r in _rows(tmp_path / "machine.csv")] == ["pipeline"]
+    assert [r["experiment"] for r in _rows(out / "machine.csv")] == ["pipeline"]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(175)
-def test_bench_pipeline_memory_quick(tmp_path):
-    _run("bench_pipeline_memory.py", tmp_path)
-    rows = _rows(tmp_path / "pipeline_memory.csv")
+def test_bench_pipeline_memory_quick(quick):
+    out, _ = quick
+    out = out / "bench_pipeline_memory"
+    rows = _rows(out / "pipeline_memory.csv")
     runs = {r["run"]: [x for x in rows if x["run"] == r["run"]] for r in rows}
     assert [(v[0]["strategy"], int(v[0]["world_size"])) for v in runs.values()] == [
         ("ddp", 2),
@@ -434,4 +555,4 @@ def test_bench_pipeline_memory_quick(tmp_path):
             assert sum(int(r["local_params"]) for r in ranks) == int(ranks[0]["model_params"])
             p = int(ranks[0]["world_size"])
             assert max(float(r["ppo_vs_ddp"]) for r in ranks) < 1.5 / p
-    assert (tmp_path / "pipeline_memory.png").stat().st_size > 10_000
+    assert (out / "pipeline_memory.png").stat().st_size > 10_000

@@ -10,6 +10,8 @@ traced configurations' one FSDP root per stage) and techniques/recompute.py's re
 """
 
 import os
+import re
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,12 +88,13 @@ CONFIGS = {
 }  # fmt: skip
 
 # A GPT (embeddings, blocks, ln_f, head tied to the token embedding) in one Sequential: one epoch of
-# 3 batches of 8 (windows [0, 1] and [2]), each config from the same initial weights.
+# 3 batches of 8 (windows [0, 1] and [2]), each config from the same initial weights. Under HSDP its
+# head is untied, with a bias, and the step writes into its output in place (InPlaceLogitsGPT).
 GPT_SAMPLES, GPT_BATCH = 24, 8
 GPT_TRAIN = dict(max_epochs=1, gradient_clip_val=0.5, accumulate_grad_batches=2)
 GPT_CONFIGS = {
     "gpt-fsdp-2x2": (dict(pipeline_size=2, data_parallel="fsdp", num_microbatches=2), ONE_EPOCH),
-    "gpt-hsdp-1x2x2": (
+    "gpt-hsdp-1x2x2-inplace": (
         dict(pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2, num_microbatches=2),
         ONE_EPOCH,
     ),
@@ -111,9 +114,29 @@ TRACED_CONFIGS = {
 }
 
 
-def _gpt() -> SequentialGPT:
+class InPlaceLogitsGPT(SequentialGPT):
+    """A head with a bias (untied): on a 3-D input it returns a view, on which FSDP2 warns that an
+    in-place op drops its pre-backward hook (``fsdp.quiet_view_output_warning``); and the step writes
+    into that view in place."""
+
+    def __init__(self):
+        super().__init__()
+        head = self.layers[-1]
+        self.layers[-1] = torch.nn.Linear(head.in_features, head.out_features)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        logits.mul_(0.5)
+        logits[..., 0] = -5.0
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+
+def _gpt(inplace: bool = False) -> SequentialGPT:
     torch.manual_seed(0)
-    return SequentialGPT(tied=True)
+    return InPlaceLogitsGPT() if inplace else SequentialGPT(tied=True)
 
 
 @contextmanager
@@ -159,8 +182,15 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         trainer = quiet_trainer(
             devices=world, strategy=PipelineStrategy(**kwargs), callbacks=[record], **GPT_TRAIN
         )
-        with _reductions_recorded(f"{out_dir}/{name}-reductions-rank{rank}.pt"):
-            trainer.fit(_gpt(), loader(gpt_data, GPT_BATCH // dp))
+        model = _gpt(inplace=name.endswith("-inplace"))
+        with (
+            _reductions_recorded(f"{out_dir}/{name}-reductions-rank{rank}.pt"),
+            warnings.catch_warnings(record=True) as shown,
+        ):
+            warnings.simplefilter("always")
+            trainer.fit(model, loader(gpt_data, GPT_BATCH // dp))
+        views = [str(w.message) for w in shown if re.match(fsdp.VIEW_OUTPUT_WARNING, str(w.message))]
+        torch.save(views, f"{out_dir}/{name}-view-warnings-rank{rank}.pt")
     for name, kwargs in TRACED_CONFIGS.items():
         dp = world // kwargs["pipeline_size"]
         torch.manual_seed(0)
@@ -197,6 +227,10 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
     gpt_ref = fit(
         _gpt(), reference_loader(token_data(GPT_SAMPLES), GPT_BATCH), tmp_path / "gpt-ref", **GPT_TRAIN
     )[0]
+    gpt_inplace_ref = fit(
+        _gpt(inplace=True), reference_loader(token_data(GPT_SAMPLES), GPT_BATCH), tmp_path / "gpt-ip-ref",
+        **GPT_TRAIN,
+    )[0]  # fmt: skip
     torch.manual_seed(0)
     traced_ref = fit(
         TinyGPT(), reference_loader(TRACED_DATA, 8), tmp_path / "traced-ref",
@@ -218,13 +252,19 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
         assert torch.load(tmp_path / f"{name}-reductions-rank0.pt") == reductions, name
     for name, (_, reductions) in GPT_CONFIGS.items():
         params, losses, records = _merged(tmp_path, name)
-        assert_close_dicts(params, gpt_ref["params"], rtol=1e-5, atol=1e-6)
+        # In-place ops on the head's output view (which FSDP2 warns about) leave the result exact: the
+        # stages stay gathered for the whole step, and the package ends backward itself.
+        ref_run = gpt_inplace_ref if name.endswith("-inplace") else gpt_ref
+        assert_close_dicts(params, ref_run["params"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(
-            losses, torch.tensor(gpt_ref["losses"]), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            losses, torch.tensor(ref_run["losses"]), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
         )
+        # ... and FSDP2's warning about that view is filtered where the package shards (every rank).
+        for rank in range(WORLD):
+            assert torch.load(tmp_path / f"{name}-view-warnings-rank{rank}.pt") == [], (name, rank)
         assert torch.load(tmp_path / f"{name}-reductions-rank0.pt") == reductions, name
         # Every stage parameter of every rank is a DTensor sharded over the stage's data-parallel ranks.
-        placement = "(Shard(dim=0),)" if name == "gpt-fsdp-2x2" else "(Replicate(), Shard(dim=0))"
+        placement = "(Shard(dim=0),)" if name.startswith("gpt-fsdp-2x2") else "(Replicate(), Shard(dim=0))"
         for r in records:
             assert r["held"] and {(t, p) for t, p, _ in r["held"].values()} == {("DTensor", placement)}, (
                 name,
@@ -245,6 +285,24 @@ def test_fsdp_hsdp_and_interleaved_stages_match_one_device_reducing_once_per_ste
     _, _, records = _merged(tmp_path, "hsdp-1x2x2")
     held = records[3]["held"]["layers.4.weight"]
     assert held == ("DTensor", "(Replicate(), Shard(dim=0))", (2, 32)), held
+
+
+def test_fsdp2_warns_of_a_view_output_as_the_filter_expects_and_the_filter_quiets_it(one_rank):
+    """torch 2.13's FSDP2 warns at each forward whose output is a view (nn.Linear on a 3-D input gives
+    one); fsdp.VIEW_OUTPUT_WARNING matches that warning, and quiet_view_output_warning() filters it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    head = fully_shard(torch.nn.Linear(4, 3), mesh=init_device_mesh("cpu", (1,)))
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        head(x)
+        fsdp.quiet_view_output_warning()
+        head(x)
+    views = [str(w.message) for w in shown if re.match(fsdp.VIEW_OUTPUT_WARNING, str(w.message))]
+    assert len(views) == 1, [str(w.message) for w in shown]  # the first forward's only
+    assert "FSDPLinear" in views[0]
 
 
 def test_data_parallel_options_are_checked():

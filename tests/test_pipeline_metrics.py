@@ -14,6 +14,7 @@ import csv
 import glob
 import inspect
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from metric_models import CLASSES, MetricClassifier, MetricGPT, MetricTPGPT, class_data
 from mp_harness import quiet_trainer, reference_loader, spawn_gloo
-from tiny_models import loader, token_data
+from tiny_models import SequentialRegressor, loader, regression_data, token_data
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
@@ -183,7 +184,43 @@ def _job(rank: int, world: int, out_dir: str) -> None:
     torch.manual_seed(0)
     trainer = _trainer(out, "collectives", PipelineStrategy(pipeline_size=2, num_microbatches=2))
     trainer.fit(StepCollectives(), loader(TRAIN, 8), loader(VAL, 5))
+    for name, pipeline_size in ADVICE_RUNS.items():
+        _advice_run(out, name, pipeline_size, rank)
     torch.save({}, out / f"rank{rank}.pt")
+
+
+# Lightning's advice to log epoch values with sync_dist=True (rank 0 gives it): one replica of 4 stages,
+# where every rank logs the last stage's value, and 2 replicas of 2 stages, whose values differ.
+ADVICE_RUNS = {"advice_pp4": 4, "advice_pp2_dp2": 2}
+ADVICE = "when logging on epoch level in distributed setting"
+
+
+class PlainEpochLog(SequentialRegressor):
+    """Logs its validation loss without sync_dist, under a name of its own (Lightning gives each name's
+    advice once per process)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.log_name = name
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log(self.log_name, F.mse_loss(self(x), y))
+
+
+def _advice_run(out: Path, name: str, pipeline_size: int, rank: int | None) -> None:
+    """Validate a plain MLP; ``rank`` None: on one device. Saves the advice given and the value logged."""
+    torch.manual_seed(0)
+    model, dp = PlainEpochLog(name), WORLD // pipeline_size
+    strategy = (
+        PipelineStrategy(pipeline_size=pipeline_size, num_microbatches=2) if rank is not None else "auto"
+    )
+    trainer = quiet_trainer(devices=WORLD if rank is not None else 1, strategy=strategy)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        trainer.validate(model, loader(regression_data(16), 8 // dp if rank is not None else 8))
+    advice = [str(w.message) for w in shown if ADVICE in str(w.message)]
+    torch.save((advice, float(trainer.callback_metrics[name])), out / f"{name}-rank{rank or 0}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +231,22 @@ def runs(tmp_path_factory) -> Path:
             _run(out, f"{name}-ref", model_cls, None)
     spawn_gloo(_job, WORLD, out)
     return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_lightning_advises_sync_dist_only_where_the_replicas_values_differ(runs, tmp_path):
+    """One replica: every rank logs the last stage's value (the strategy logs it as synced, over the
+    replica group of one rank), which is one device's, and Lightning gives no advice. Two replicas:
+    each logs its own half's value, and Lightning advises sync_dist=True, rightly."""
+    one_replica, two_replicas = ADVICE_RUNS
+    _advice_run(tmp_path, one_replica, 1, None)
+    _, reference = torch.load(tmp_path / f"{one_replica}-rank0.pt")
+    for rank in range(WORLD):
+        advice, value = torch.load(runs / f"{one_replica}-rank{rank}.pt")
+        assert advice == [] and value == pytest.approx(reference, rel=1e-6), (rank, advice, value)
+    advice, _ = torch.load(runs / f"{two_replicas}-rank0.pt")
+    assert len(advice) == 1 and f"self.log({two_replicas!r}, ..., sync_dist=True)" in advice[0], advice
 
 
 def _rows(out: Path, name: str) -> dict[tuple[int, str], float]:

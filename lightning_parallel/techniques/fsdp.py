@@ -18,6 +18,7 @@ as the all-reduce of plain replicas does.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,10 +130,38 @@ def apply(stages: Any, plan: Any, mesh: Any, pin_memory: bool = False) -> list[n
     sharding = plan.data_parallel == "fsdp"
     # FSDP2's offload (offload="parameters"): the shards, their gradients and the optimizer state on the host.
     policy = CPUOffloadPolicy(pin_memory=pin_memory) if sharding and "parameters" in plan.offload else None
+    if sharding:
+        quiet_view_output_warning()
     roots = stages.shard(mesh.data_parallel_mesh() if sharding else None, policy)
     if roots:
         stages.use_stage_class(DeferredReduceStage)
     return roots
+
+
+VIEW_OUTPUT_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+"""The start of the warning torch 2.13's FSDP2 gives for every forward whose output is a view."""
+
+
+def quiet_view_output_warning() -> None:
+    """Filter FSDP2's view-output warning (:data:`VIEW_OUTPUT_WARNING`) in this process: harmless here.
+
+    FSDP2 warns at every forward whose output is a view, because an in-place op on that view would
+    drop the pre-backward hook that all-gathers the parameters again for backward. An ``nn.Linear`` on
+    a 3-D input returns a view (its matmul's output reshaped), so a language model's last stage warns
+    twice on every rank that holds it (the head, and the stage module that returns its output) whether
+    or not anything writes to it. Under this package the hook has nothing to do: the stages are sharded
+    with ``reshard_after_forward=False``, so their parameters stay gathered from the first forward to
+    the end of backward, and the end of each step's backward is driven by :class:`DeferredReduceStage`
+    and :func:`reduce_gradients`, not by the hook. Training with in-place ops on the head's output
+    equals one device (``tests/test_pipeline_fsdp.py``, the ``gpt-hsdp-1x2x2-inplace``
+    run). The filter is the process's: it is set only where the package itself shards the stages
+    (``data_parallel="fsdp"``), not for a module a user's ``parallelize_fn`` shards.
+
+    Example::
+
+        quiet_view_output_warning()   # before the stages first run forward; adding it again adds nothing
+    """
+    warnings.filterwarnings("ignore", message=VIEW_OUTPUT_WARNING, category=UserWarning)
 
 
 def describe(mesh: Any) -> str:

@@ -39,7 +39,10 @@ class StepCollectives:
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return super().reduce(tensor, group=self._step_group(group), reduce_op=reduce_op)  # type: ignore[misc]
+        group = self._step_group(group)
+        if group is not None and group is not dist.group.WORLD and dist.get_world_size(group) == 1:
+            return tensor  # any reduction over one rank is the value itself (a replica group of one rank)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

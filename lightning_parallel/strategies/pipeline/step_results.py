@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_parallel.distributed.collectives import (
     all_gather_objects,
@@ -108,7 +109,14 @@ def replay_logs(
 
     A logged Metric is logged as this rank's copy of it (the module's attribute at its path), carrying
     the last stage's step value; its ``compute()`` returns the last stage's value (``metrics``).
+
+    A value logged without ``sync_dist``: with one replica (a data-parallel group of one rank) every
+    rank logs the same value, the last stage's, so it is synced already; it is logged as such
+    (``sync_dist=True`` over that group, whose reduction is the value itself: no collective), and
+    Lightning does not advise ``sync_dist=True`` for it at the epoch's end. With several replicas
+    their values differ, and the advice stands.
     """
+    one_replica = dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) == 1
     for name, value, kwargs in logs:
         if isinstance(value, LoggedMetric):
             metric = module.get_submodule(value.path)
@@ -122,4 +130,6 @@ def replay_logs(
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
             # Every stage holds the same values: reduce over the replicas only.
             kwargs = {**kwargs, "sync_dist_group": dp_group}
+        elif one_replica and not kwargs.get("sync_dist"):
+            kwargs = {**kwargs, "sync_dist": True, "sync_dist_group": dp_group}
         module.log(name, value, **kwargs)
