@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.distributed.agree import collective_device
 
-__all__ = ["pass_group_labels", "shift_across_shards", "shifts_labels"]
+__all__ = ["group_labels", "pass_group_labels", "shift_across_shards", "shifts_labels"]
 
 # Hugging Face heads whose loss shifts ``labels`` (transformers' ``ForCausalLMLoss``).
 _SHIFTING = ("ForCausalLM", "ForConditionalGeneration")
@@ -59,12 +59,46 @@ def shifts_labels(module: nn.Module) -> bool:
     return getattr(base() if callable(base) else module, "loss_type", None) in _SHIFTING
 
 
+def group_labels(
+    kwargs: dict[str, Any], group: Any, over_group: bool = True, ignore_index: int = -100
+) -> dict[str, Any]:
+    """A causal LM call's keywords with the group's view of its ``labels=``: ``shift_labels`` (shifted
+    across the shards, :func:`shift_across_shards`) and ``num_items_in_batch``, unless given.
+
+    ``over_group``: the count is the group's labelled tokens (one more all-reduce), so the loss is this
+    shard's sum over it and the group's losses add up to one device's mean; otherwise it is this shard's
+    own count, at least 1, so the loss is the shard's mean, or 0 (not NaN) on a shard without a labelled
+    token, for a caller that weights each shard by its count itself (``ItemWindow``). A call without
+    ``labels`` is returned as it is. Collectives: every rank of the group calls it alike.
+
+    Example::
+
+        kwargs = group_labels({"input_ids": ids_shard, "labels": labels_shard}, sp_group)
+        hf_model(**kwargs).loss   # summed over the group: the mean over every labelled token
+    """
+    labels = kwargs.get("labels")
+    if labels is None:
+        return kwargs
+    shifted = kwargs.get("shift_labels")
+    if shifted is None:
+        shifted = shift_across_shards(labels, group, ignore_index)
+    items = kwargs.get("num_items_in_batch")
+    if items is None:
+        items = (shifted != ignore_index).sum()
+        if over_group:
+            items = items.to(collective_device(group))
+            dist.all_reduce(items, group=group)
+        else:
+            items = items.clamp(min=1)
+    return {**kwargs, "shift_labels": shifted, "num_items_in_batch": items}
+
+
 def pass_group_labels(module: nn.Module, group: Any, ignore_index: int = -100) -> RemovableHandle:
-    """Give each ``labels=`` call of a Hugging Face causal LM the group's view of its labels: the labels
-    shifted across the shards (``shift_labels``, :func:`shift_across_shards`) and the group's count of
-    labelled tokens (``num_items_in_batch``), unless the call passes its own. Its loss is then this
-    shard's sum over the group's count: summed over the group, one device's mean, and a shard without
-    a labelled token adds 0, not NaN. Two small collectives in each such call.
+    """Give each ``labels=`` call of a Hugging Face causal LM its :func:`group_labels` (over the group).
+
+    Its loss is then this shard's sum over the group's labelled tokens: summed over the group, one
+    device's mean, and a shard without a labelled token adds 0, not NaN. Two small collectives in
+    each such call.
 
     Returns:
         The hook's handle: ``.remove()`` undoes it.
@@ -84,16 +118,6 @@ def pass_group_labels(module: nn.Module, group: Any, ignore_index: int = -100) -
         )
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        labels = kwargs.get("labels")
-        if labels is None:
-            return args, kwargs
-        shifted = kwargs.get("shift_labels")
-        if shifted is None:
-            shifted = shift_across_shards(labels, group, ignore_index)
-        items = kwargs.get("num_items_in_batch")
-        if items is None:
-            items = (shifted != ignore_index).sum().to(collective_device(group))
-            dist.all_reduce(items, group=group)
-        return args, {**kwargs, "shift_labels": shifted, "num_items_in_batch": items}
+        return args, group_labels(kwargs, group, over_group=True, ignore_index=ignore_index)
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)

@@ -32,7 +32,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["arange_bounds", "offset_positions", "pass_position_ids", "takes_position_ids"]
+__all__ = [
+    "arange_bounds",
+    "offset_positions",
+    "pass_position_ids",
+    "shard_position_ids",
+    "takes_position_ids",
+]
 
 _ARGUMENTS = ("start", "end", "step")
 
@@ -95,11 +101,22 @@ def takes_position_ids(module: nn.Module) -> bool:
     return "position_ids" in inspect.signature(module.forward).parameters
 
 
-def pass_position_ids(module: nn.Module, index: int, seq_dim: int = 1) -> RemovableHandle:
-    """Give each call of ``module`` the ``position_ids`` of shard ``index`` unless it passes its own.
+def shard_position_ids(tokens: torch.Tensor, index: int, seq_dim: int = 1) -> torch.Tensor:
+    """The ``position_ids`` of shard ``index`` whose tokens are ``tokens``: ``(1, t)``, from ``index*t``.
 
-    The shard's length is read from the call's ``input_ids`` (or ``inputs_embeds``, or its first
-    positional tensor) on ``seq_dim``; the positions are ``index*t .. index*t + t-1``, shaped ``(1, t)``.
+    Example::
+
+        >>> shard_position_ids(torch.zeros(2, 3), index=1).tolist()
+        [[3, 4, 5]]
+    """
+    t = tokens.shape[seq_dim]
+    return torch.arange(index * t, (index + 1) * t, device=tokens.device).unsqueeze(0)
+
+
+def pass_position_ids(module: nn.Module, index: int, seq_dim: int = 1) -> RemovableHandle:
+    """Give each call of ``module`` shard ``index``'s :func:`shard_position_ids`, unless it passes some.
+
+    The shard's tokens are the call's ``input_ids`` (or ``inputs_embeds``, or its first positional tensor).
 
     Returns:
         The hook's handle: ``.remove()`` undoes it.
@@ -112,7 +129,6 @@ def pass_position_ids(module: nn.Module, index: int, seq_dim: int = 1) -> Remova
         handle = pass_position_ids(hf_model, index=dist.get_rank(sp_group))
         hf_model(input_ids=shard_ids, labels=shard_labels)   # positions of the shard, not 0..t-1
     """
-
     if not takes_position_ids(module):
         raise ValueError(
             f"{type(module).__name__}.forward takes no position_ids: its positions are offset where it "
@@ -128,8 +144,6 @@ def pass_position_ids(module: nn.Module, index: int, seq_dim: int = 1) -> Remova
             tokens = next((a for a in args if torch.is_tensor(a)), None)
         if tokens is None:
             return args, kwargs
-        t = tokens.shape[seq_dim]
-        positions = torch.arange(index * t, (index + 1) * t, device=tokens.device).unsqueeze(0)
-        return args, {**kwargs, "position_ids": positions}
+        return args, {**kwargs, "position_ids": shard_position_ids(tokens, index, seq_dim)}
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
