@@ -67,8 +67,8 @@ def group_labels(
 
     ``over_group``: the count is the group's labelled tokens (one more all-reduce), so the loss is this
     shard's sum over it and the group's losses add up to one device's mean; otherwise it is this shard's
-    own count, at least 1, so the loss is the shard's mean, or 0 (not NaN) on a shard without a labelled
-    token, for a caller that weights each shard by its count itself (``ItemWindow``). A call without
+    own count, at least 1, so the loss is the shard's mean, or 0 (not NaN) on a shard without a
+    labelled token, for a caller that weights each shard by its count itself (``ItemWindow``). A call without
     ``labels`` is returned as it is. Collectives: every rank of the group calls it alike.
 
     Example::

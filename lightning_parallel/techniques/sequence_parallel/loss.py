@@ -10,10 +10,11 @@ would not be exact: the counts are what make it so. Under ``PipelineStrategy`` t
 replicas (items summed over data x sequence ranks, gradients averaged over them, then scaled by
 ``reference x ranks / items``).
 
-A mean over a shard with no labelled token (a long prompt can fill the first shard) is ``0/0``: its
-gradients are NaN whatever weight multiplies it. A Hugging Face model is given the group's count instead
-(:func:`~.labels.pass_group_labels`: its loss is then the shard's sum over ``N``); a loss of one's own
-should be a sum over the group's count too, or skipped on such a shard.
+A mean over a shard with no labelled token (a long prompt can fill the first shard) is ``0/0``: NaN as
+a value, though its gradients are zeros (``F.cross_entropy``, torch 2.13, checked on the CPU), so a sum
+over the group of the weighted values is NaN. A Hugging Face model is given a count instead
+(:func:`~.labels.group_labels`: the loss is then a sum over it, 0 on such a shard); the pipeline's
+``weighted_mean`` already skips a value of weight 0.
 """
 
 from __future__ import annotations
