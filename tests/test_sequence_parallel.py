@@ -1,8 +1,8 @@
 """techniques/sequence_parallel/'s decisions, without processes: heads, shards, masks, positions, labels.
 
 The exchanges and the attention against one device are in test_sequence_parallel_exact.py (gloo ranks).
-Covers techniques/sequence_parallel/heads.py, shards.py, masks.py, positions.py, labels.py and graph.py
-(the nodes a rewrite finds in an exported program).
+Covers techniques/sequence_parallel/heads.py, shards.py, masks.py, positions.py, labels.py, graph.py
+(the nodes a rewrite finds in an exported program) and eager.py's reading of torch's mode stack.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
+from lightning_parallel.techniques.sequence_parallel.eager import is_on
 from lightning_parallel.techniques.sequence_parallel.graph import (
     Rewritten,
     ShardPositions,
@@ -201,3 +204,28 @@ def test_the_rewrite_finds_attention_nodes_and_the_sequence_arange_only():
     square = torch.export.export(_Attention(), (torch.randn(4, 4, 8),)).module()
     with pytest.raises(ValueError, match="4 samples and 4 tokens a shard"):
         rewrite_stage(square, group=None, tokens=4)
+
+
+# ------------------------------------------------------------------------------------------- eager
+
+
+def test_a_function_mode_is_off_in_a_checkpoint_recomputation_and_is_on_says_so():
+    """What eager.py relies on (torch 2.13): a mode entered around backward() is not on in a block's
+    recomputation, so the recomputed forward enters it itself; and is_on reads torch's private stack."""
+    seen = []
+
+    class Probe(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    probe = Probe()
+
+    def block(x):
+        seen.append(is_on(probe))
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    with probe:
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert seen == [True, False]  # forward in it; recomputation, though inside the with, not
+    assert not is_on(probe)

@@ -12,6 +12,7 @@ the outputs gathered in token order. On 4 ranks: attention alone, and the GPT.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 from pathlib import Path
@@ -175,13 +176,15 @@ def _gpt_case(world: int, heads: int, traced: bool = False, recompute: bool = Fa
         mode = SequenceParallelMode(group, tokens=xs.shape[1])
         undo = run_forwards_in(mode, model)
         forward = model
-    logits = forward(xs)
-    if not traced:
-        mode.check_found("TinyGPT")
-        out["offsets"] = mode.offsets
-    items = (ys != -100).sum()
-    loss = F.cross_entropy(logits.flatten(0, 1), ys.flatten()) * token_weight(items, group)
-    loss.backward()  # (autograd runs it with no function mode on: a recomputed block enters it again)
+    # Recomputed: forward and backward inside the mode too, which autograd leaves off in backward anyway.
+    with mode if recompute else contextlib.nullcontext():
+        logits = forward(xs)
+        if not traced:
+            mode.check_found("TinyGPT")
+            out["offsets"] = mode.offsets
+        items = (ys != -100).sum()
+        loss = F.cross_entropy(logits.flatten(0, 1), ys.flatten()) * token_weight(items, group)
+        loss.backward()  # (with no function mode on: a recomputed block's forward enters it again)
     if not traced:
         undo()
     grads = {n: p.grad for n, p in model.named_parameters()}

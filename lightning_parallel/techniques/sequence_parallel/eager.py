@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from lightning_parallel.techniques.sequence_parallel.attention import ulysses_attention
 from lightning_parallel.techniques.sequence_parallel.positions import (
@@ -50,7 +50,7 @@ from lightning_parallel.techniques.sequence_parallel.positions import (
     offset_positions,
 )
 
-__all__ = ["SequenceParallelMode", "run_forwards_in", "sequence_parallel"]
+__all__ = ["SequenceParallelMode", "is_on", "run_forwards_in", "sequence_parallel"]
 
 _ATTENTION = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 _ARANGE = (
@@ -82,21 +82,9 @@ class SequenceParallelMode(TorchFunctionMode):
         self.index = dist.get_rank(group)
         self.attention_calls = 0
         self.offsets = 0
-        self.depth = 0  # entered how many times, nested (the outermost pushes the mode)
-        self._suspended = False
-
-    def __enter__(self) -> SequenceParallelMode:
-        self.depth += 1
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.depth -= 1
-        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self._suspended:
-            return func(*args, **kwargs)
         if func in _ATTENTION:
             self.attention_calls += 1
             return ulysses_attention(*args, **kwargs, group=self.group)
@@ -106,15 +94,6 @@ class SequenceParallelMode(TorchFunctionMode):
             self.offsets += 1
             return offset_positions(result, self.index)
         return result
-
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """Torch as it is while this runs (a loss computed on the shard's outputs, not in the model)."""
-        before, self._suspended = self._suspended, True
-        try:
-            yield
-        finally:
-            self._suspended = before
 
     def check_found(self, what: str) -> None:
         """Refuse a forward of ``what`` that called no SDPA: its attention ran on the shard alone.
@@ -164,7 +143,7 @@ def run_forwards_in(mode: SequenceParallelMode, module: nn.Module) -> Callable[[
 def _entering(mode: SequenceParallelMode, forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if mode.depth:
+        if is_on(mode):  # (entered twice, it would split an attention twice)
             return forward(*args, **kwargs)
         with mode:
             return forward(*args, **kwargs)
@@ -172,14 +151,29 @@ def _entering(mode: SequenceParallelMode, forward: Callable[..., Any]) -> Callab
     return run
 
 
+def is_on(mode: TorchFunctionMode) -> bool:
+    """Whether ``mode`` is on in this thread now.
+
+    Asked of torch's stack, not counted: the autograd engine runs backward, and a checkpoint's
+    recomputation in it, with no function mode on, whatever was entered around ``backward()``.
+    torch 2.13 has no public way to ask (``_get_current_function_mode_stack`` is private; a test of
+    test_sequence_parallel.py fails if it goes).
+    """
+    return any(m is mode for m in _get_current_function_mode_stack())
+
+
 @contextlib.contextmanager
 def sequence_parallel(group: Any, tokens: int, positions: bool = True) -> Iterator[SequenceParallelMode]:
-    """Enter a :class:`SequenceParallelMode` (the forward and the backward of a sharded batch run in it).
+    """Enter a :class:`SequenceParallelMode` around the forward of a sharded batch.
+
+    Its backward needs no mode (the exchanges' backward is their own), except where a block is
+    recomputed there: then use :func:`run_forwards_in`.
 
     Example::
 
         with sequence_parallel(group, tokens=ids.shape[1]) as mode:
-            model(ids).sum().backward()
+            loss = model(ids).sum()
+        loss.backward()
     """
     with SequenceParallelMode(group, tokens, positions) as mode:
         yield mode
