@@ -26,6 +26,7 @@ import torch
 from tiny_models import SequentialRegressor, TinyGPT
 from tiny_tp_models import SplitQkvGPT
 
+from lightning_parallel.memory import estimate, time_model
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import ModelFacts, measure_model
 from lightning_parallel.memory.links import Link, Links
@@ -33,6 +34,8 @@ from lightning_parallel.memory.probe import BEFORE
 from lightning_parallel.memory.time_model import step_time
 from lightning_parallel.memory.time_probe import AFTER, StepCost, TimeFacts, TimeLine, UnitTime
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques import TECHNIQUES
+from lightning_parallel.techniques.contract import MemoryLedger, Technique, TimeLedger
 
 PINS = Path(__file__).with_name("planner_fold_pins.json")
 LINKS = Links(Link(2e-5, 3e9), Link(1.5e-5, 1.7e9), Link(3e-6, 2.3e8))
@@ -180,6 +183,33 @@ def test_the_cases_cover_every_technique():
 @pytest.mark.parametrize(("name", "facts", "plan", "samples", "accumulate"), CASES, ids=[c[0] for c in CASES])
 def test_the_planner_s_numbers_are_the_pinned_ones(pins, name, facts, plan, samples, accumulate):
     _close(_numbers(facts, plan, samples, accumulate), pins[name], name)
+
+
+class _Disk(Technique):
+    """A stand-in for a technique the planner has never seen: the optimizer state on disk, read back and
+    written out around each optimizer step."""
+
+    def memory(self, ledger: MemoryLedger) -> None:
+        state = ledger.device["optimizer"]
+        ledger.device["optimizer"] -= state
+        ledger.disk["optimizer"] = state
+
+    def time(self, ledger: TimeLedger) -> None:
+        ledger.tail["offload"] += 2 * ledger.links.copy(1e6)
+
+
+def test_a_new_technique_is_folded_without_a_change_to_the_planner(monkeypatch):
+    facts, plan = _facts("mlp"), P("pipeline", 2, 2, 4)
+    plain, plain_time = predict(facts, plan), step_time(facts, LINKS, plan, 16)
+    for module in (estimate, time_model):
+        monkeypatch.setattr(module, "TECHNIQUES", (*TECHNIQUES, _Disk()))
+    est, timed = predict(facts, plan), step_time(facts, LINKS, plan, 16)
+    for before, after in zip(plain.ranks, est.ranks):
+        assert (after.optimizer, after.disk) == (0, before.optimizer)
+        assert after.peak == before.peak - before.optimizer and after.host == 0
+    assert est.disk == plain.ranks[0].optimizer and "disk" in est.format_table().splitlines()[1]
+    assert timed.offload == pytest.approx(2 * LINKS.copy(1e6))
+    assert timed.seconds == pytest.approx(plain_time.seconds + 2 * LINKS.copy(1e6))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
