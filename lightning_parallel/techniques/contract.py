@@ -119,17 +119,18 @@ class SearchOptions:
     Args:
         offload: try offloading to the host.
         offload_parameters: with ``offload``, FSDP2's offload of the shards too.
-        shardable: FSDP2 can shard the model's stages (a split ``nn.Sequential``).
+        layout: how the measured model's units are laid out (``UnitLayout.kind``: ``"sequential"``, a
+            split ``nn.Sequential``; ``"blocks"``; ``"whole"``; ``""``: not said).
 
     Example::
 
-        >>> SearchOptions(shardable=True).offload
+        >>> SearchOptions(layout="sequential").offload
         True
     """
 
     offload: bool = True
     offload_parameters: bool = True
-    shardable: bool = False
+    layout: str = ""
 
 
 @dataclass

@@ -83,7 +83,12 @@ class Fsdp(Technique):
 
     def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
         yield {}
-        if search.shardable and plan.data_parallel == "replicate" and plan.data_parallel_size > 1:
+        # (the planner models FSDP2's units as the layers of a split nn.Sequential: it tries no other)
+        if (
+            search.layout == "sequential"
+            and plan.data_parallel == "replicate"
+            and plan.data_parallel_size > 1
+        ):
             yield {"data_parallel": "fsdp"}
 
     def stages(self, view: Any, job: Job) -> str | None:
