@@ -2,8 +2,8 @@
 
 The model of a step (what is alive when):
 
-- **persistent**: parameters, the optimizer state (a 1/replicas share with ZeRO; under 16-mixed
-  with the GradScaler's 16 bytes), the gradients
+- **persistent**: parameters, the optimizer state (under 16-mixed with the GradScaler's 16 bytes),
+  the gradients
   already there (DDP: the previous step's, which Lightning zeroes only after ``training_step``, so
   they live through the forward; the pipeline runs its whole schedule inside ``training_step`` and
   releases them before it, except inside an accumulation window, where it adds into them), and the
@@ -12,8 +12,7 @@ The model of a step (what is alive when):
   buffers (one per micro-batch for the stage input and for the gradient of its output);
 - **per micro-batch in flight** (a forward done, its backward not yet): what the stage's units save
   for backward (measured, see :mod:`~lightning_parallel.memory.probe`), the stage output it keeps
-  for its backward (until that micro-batch's backward, on the last stage too). With recomputation a
-  unit keeps only its input, and one unit at a time is recomputed in backward;
+  for its backward (until that micro-batch's backward, on the last stage too);
 - **at a stage's first backward**: its new gradients; during any backward a transient of gradient
   tensors (twice the stage's largest saved tensor plus its output, a documented approximation);
 - **the optimizer step**: parameters + gradients + state, plus a gradient-sized flat buffer for
@@ -23,7 +22,8 @@ The model of a step (what is alive when):
   the walk): each moves the bytes it changes between the columns (FSDP2 keeps a shard of the
   parameters and of the state and gathers the stage for the step, ZeRO-1 a share of the state, offload
   moves state or activations to the host, ...), and may leave a note for the table (compile). What one
-  micro-batch costs a stage is theirs too, before (``Technique.stage_costs``: recomputation, see
+  micro-batch costs a stage is theirs too, before (``Technique.stage_costs``: with recomputation a
+  unit keeps only its input, and one unit at a time is recomputed in backward; see
   :mod:`~lightning_parallel.memory.stage_costs`).
 
 The micro-batches in flight come from walking torch's own schedule order (plain data, see
