@@ -42,7 +42,7 @@ from torch import nn
 
 from lightning_parallel._options import unknown_option_error
 from lightning_parallel.layout.choices import SPLIT_BACKWARD_SCHEDULES
-from lightning_parallel.techniques.contract import Job, Technique
+from lightning_parallel.techniques.contract import Job, MemoryLedger, Technique
 
 CompileOptions = dict[str, Any]
 """torch.compile's keywords for each stage's blocks."""
@@ -54,7 +54,7 @@ MEMORY_NOTE = (
     "compiled stages: activations modelled as eager saves them (measured on the eager model); inductor's "
     "fused kernels usually save fewer, so read the peaks as an estimate from above"
 )
-"""What compiling does to the planner's memory model (its ``memory`` entry point): nothing measured, an
+"""What compiling does to the planner's memory model (:meth:`Compile.memory`): nothing measured, an
 estimate from above; the planner prints this note under a compiled plan's table."""
 
 
@@ -79,6 +79,11 @@ class Compile(Technique):
 
     def stages(self, view: Any, job: Job) -> str | None:
         return apply(view, job.plan.compile) if job.plan.compile is not None else None
+
+    def memory(self, ledger: MemoryLedger) -> None:
+        """Nothing moved: the activations are measured on the eager model (:data:`MEMORY_NOTE`)."""
+        if ledger.plan.compile is not None:
+            ledger.notes.append(MEMORY_NOTE)
 
 
 TECHNIQUE = Compile()

@@ -2,8 +2,9 @@
 
 The technique (:data:`TECHNIQUE`, ``data_parallel="fsdp"``, ``data_parallel_shard_size``): its settings
 checked, its label, its variant in the search, its transform of the stages (:func:`apply`; per stage
-module :func:`shard_stage`) and its gradient reduction (:class:`ReduceScatter`); and :func:`memory`
-(what it does to a stage's bytes: the planner's).
+module :func:`shard_stage`) and its gradient reduction (:class:`ReduceScatter`); for the planner, what
+it does to a rank's bytes (:func:`memory`, :meth:`Fsdp.memory`) and to its step's time (the all-gather
+before the first forward, the reduce-scatter after the schedule: :meth:`Fsdp.time`).
 
 As torchtitan does: ``fully_shard`` on each block (a child of the stage that holds parameters), then
 on the stage root, with ``reshard_after_forward=False`` (under a pipeline a stage runs forward once
@@ -30,7 +31,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.techniques._fsdp_internals import finish_backward
-from lightning_parallel.techniques.contract import Job, Reduction, SearchOptions, Technique
+from lightning_parallel.techniques.contract import (
+    Job,
+    MemoryLedger,
+    Reduction,
+    SearchOptions,
+    Technique,
+    TimeLedger,
+)
 
 
 class Fsdp(Technique):
@@ -76,7 +84,12 @@ class Fsdp(Technique):
 
     def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
         yield {}
-        if search.shardable and plan.data_parallel == "replicate" and plan.data_parallel_size > 1:
+        # (the planner models FSDP2's units as the layers of a split nn.Sequential: it tries no other)
+        if (
+            search.layout == "sequential"
+            and plan.data_parallel == "replicate"
+            and plan.data_parallel_size > 1
+        ):
             yield {"data_parallel": "fsdp"}
 
     def stages(self, view: Any, job: Job) -> str | None:
@@ -85,6 +98,43 @@ class Fsdp(Technique):
     def reductions(self, job: Job) -> list[Reduction]:
         roots = job.stages.sharded()  # (a stage a user's parallelize_fn sharded too)
         return [ReduceScatter(roots)] if roots else []
+
+    def memory(self, ledger: MemoryLedger) -> None:
+        """The rank's shard of its stages' parameters, and the whole stages gathered for the step
+        (:class:`ShardedBytes`); the shard of the optimizer state; the gradients it keeps after the
+        reduce-scatter a shard too (its unsharded ones stay in the ``gradients`` column until then)."""
+        plan = ledger.plan
+        if plan.data_parallel != "fsdp":
+            return
+        tensors = [ledger.facts.tensors[k] for k in ledger.keys]
+        sharded = memory([(t.rows, t.nbytes) for t in tensors], plan.shard_size)
+        ledger.device["parameters"] -= sharded.gathered - sharded.shard
+        ledger.device["gathered"] += sharded.gathered
+        # The state of each parameter's shard (whole rows; per-tensor state such as Adam's ``step`` stays
+        # whole), in place of the whole parameter's.
+        ledger.device["optimizer"] -= ledger.facts.state_of(ledger.keys) - state_bytes(
+            tensors, plan.shard_size
+        )
+        ledger.reduced_gradients = memory([(t.rows, t.grad) for t in tensors], plan.shard_size).shard
+
+    def time(self, ledger: TimeLedger) -> None:
+        """Before the first forward, the all-gather of the rank's stages (one per FSDP2 unit: each layer of
+        a split Sequential, then each stage's root); after the schedule, one reduce-scatter per unit (HSDP:
+        an all-reduce of the shard over the replicas on top); the optimizer steps the shard."""
+        plan, links = ledger.plan, ledger.links
+        if plan.data_parallel != "fsdp":
+            return
+        shards, replicas = plan.shard_size, plan.data_parallel_size // plan.shard_size
+        units = sum(len(c.units) + 1 for c in ledger.stages)
+        nbytes = sum(ledger.facts.tensors[k].nbytes for k in ledger.keys)
+        ledger.start += links.all_gather(shards, nbytes) + links.more_messages(shards, units)
+        grads = ledger.unreduced
+        ledger.tail["communication"] += links.all_gather(shards, grads) + links.more_messages(shards, units)
+        ledger.tail["communication"] += links.all_reduce(replicas, grads / shards) + 2 * links.more_messages(
+            replicas, units
+        )
+        ledger.unreduced = 0.0
+        ledger.step_elements /= shards
 
 
 TECHNIQUE = Fsdp()
@@ -280,6 +330,23 @@ class ShardedBytes:
 
     shard: int
     gathered: int
+
+
+def state_bytes(tensors: Sequence[Any], shards: int) -> int:
+    """The optimizer state of the fullest shard of each tensor (the planner's ``Tensor``: ``numel``,
+    ``rows``, ``state``), per-tensor state such as Adam's ``step`` whole.
+
+    Example::
+
+        state_bytes([facts.tensors[k] for k in keys], 2)
+    """
+    out = 0
+    for t in tensors:
+        if t.state:
+            out += t.state.of(
+                round(t.numel * (shard_rows(t.rows, shards) / t.rows)) if shards > 1 else t.numel
+            )
+    return out
 
 
 def memory(tensors: Sequence[tuple[int, int]], shards: int) -> ShardedBytes:

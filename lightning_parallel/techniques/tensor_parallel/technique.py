@@ -1,13 +1,15 @@
 """Tensor parallelism as a technique (``tensor_parallel_size``, ``tensor_parallel_plan``): its settings
-checked, its label, and its transform of this rank's stages (the plan the stage source resolved on the
-unsplit module, carried out by ``apply.py``)."""
+checked, its label, its transform of this rank's stages (the plan the stage source resolved on the
+unsplit module, carried out by ``apply.py``), and its time in the planner (the activation all-reduces).
+Its memory in the planner is the measurement's: the planner measures one tensor-parallel rank's local
+model (``memory.py``), whose bytes are the rank's."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_parallel.techniques.contract import Job, Technique
+from lightning_parallel.techniques.contract import Job, Technique, TimeLedger
 from lightning_parallel.techniques.tensor_parallel.apply import apply
 
 
@@ -52,6 +54,20 @@ class TensorParallel(Technique):
         if job.tensor_plan is None:
             return None
         return apply(view, job.tensor_plan, job.mesh.device_mesh, job.module)
+
+    def time(self, ledger: TimeLedger) -> None:
+        """The all-reduces of each split block: one per row-wise split layer in forward, as many in
+        backward, each of the unit's output (activation-sized), over the tensor-parallel ranks."""
+        tp, facts, mb = ledger.plan.tensor_parallel_size, ledger.facts, ledger.micro_batch
+        if tp == 1:
+            return
+        for c in ledger.stages:
+            outputs = [facts.probe.unit(n).outputs.at(mb) for n in c.units]
+            reduces = sum(facts.tp_reduces.get(n, 0) * ledger.links.all_reduce(tp, nbytes)
+                          for n, nbytes in zip(c.units, outputs))  # fmt: skip
+            ledger.forward[c.index] += reduces
+            ledger.backward[c.index] += reduces
+            ledger.share(c.index, "communication", 2 * reduces)
 
 
 TECHNIQUE = TensorParallel()
