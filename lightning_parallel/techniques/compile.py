@@ -30,7 +30,6 @@ a stage silently runs eagerly) into this package's warning with the fix.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import time
@@ -159,26 +158,6 @@ def apply(stages: Any, options: CompileOptions) -> str:
         compile.apply(runner.stages, {"dynamic": True})
     """
     return stages.compile(options)
-
-
-def block_type(layers: Sequence[nn.Module]) -> type | None:
-    """The class of the repeated blocks among ``layers`` (the most frequent class), None if none repeats.
-
-    Read on the whole Sequential before the split, so every stage compiles the same kind of layer.
-
-    Example::
-
-        >>> seq = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.LayerNorm(2))
-        >>> block_type(list(seq)).__name__
-        'Linear'
-        >>> block_type([nn.Linear(2, 2), nn.ReLU()]) is None
-        True
-    """
-    counts = collections.Counter(type(m) for m in layers)
-    if not counts:
-        return None
-    cls, count = counts.most_common(1)[0]
-    return cls if count > 1 else None
 
 
 def compile_in_place(

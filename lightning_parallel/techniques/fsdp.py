@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_parallel.pipeline.plan import shard_rows
 from lightning_parallel.techniques._fsdp_internals import finish_backward
 from lightning_parallel.techniques.contract import Job, Reduction, SearchOptions, Technique
 
@@ -211,33 +212,6 @@ class DeferredReduceStage(PipelineStage):
             finish_backward(self.submod, reduce=False)
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
-
-
-def shard_rows(rows: int, shards: int) -> int:
-    """Rows of dim 0 on the fullest of ``shards`` FSDP2 shards (FSDP2 pads to equal whole rows).
-
-    Example::
-
-        >>> shard_rows(13, 2)
-        7
-    """
-    return -(-rows // shards)
-
-
-def shard_bytes(shape: Sequence[int], element_size: int, shards: int) -> int:
-    """Bytes of the fullest of ``shards`` FSDP2 shards of a tensor: whole rows of dim 0, rounded up.
-
-    Example::
-
-        >>> shard_bytes((13, 8), 4, 2)   # 7 of the 13 rows
-        224
-    """
-    if not shape:
-        return element_size
-    per_row = element_size
-    for d in shape[1:]:
-        per_row *= d
-    return shard_rows(shape[0], shards) * per_row
 
 
 @dataclass(frozen=True)

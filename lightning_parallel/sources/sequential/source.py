@@ -11,6 +11,7 @@ from torch import nn
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.layout.choices import placement
 from lightning_parallel.layout.mesh import PipelineMesh
+from lightning_parallel.pipeline.blocks import block_type
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
@@ -28,7 +29,6 @@ from lightning_parallel.sources.sequential.split import (
 from lightning_parallel.sources.sequential.stages import SequentialStages
 from lightning_parallel.sources.split_result import SplitResult
 from lightning_parallel.sources.stage_plan import measured, stage_plan, units_per_stage
-from lightning_parallel.techniques.compile import block_type
 from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, default_plan, user_plan
 
 
