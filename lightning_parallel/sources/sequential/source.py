@@ -29,6 +29,7 @@ from lightning_parallel.sources.sequential.split import (
 from lightning_parallel.sources.sequential.stages import SequentialStages
 from lightning_parallel.sources.split_result import SplitResult
 from lightning_parallel.sources.stage_plan import measured, stage_plan, units_per_stage
+from lightning_parallel.sources.twin import alias_table
 from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, default_plan, user_plan
 
 
@@ -65,7 +66,8 @@ class SequentialSource:
     ) -> SplitResult:
         """Plan the stages and keep this rank's layers (every rank calls it: errors are raised by all)."""
         name, seq = self.name, self.seq
-        blocks = block_type(list(seq)) if plan.compile is not None else None  # (before the split)
+        blocks = block_type(list(seq))  # (before the split: every stage compiles the same class)
+        aliases = alias_table(module)
         num_stages = mesh.pp_size * plan.stages_per_rank
         with failing_together():
             check_parameters_inside(module, name)
@@ -93,7 +95,16 @@ class SequentialSource:
             twins = stage_twins(seq, stages_plan)  # (before the split drops the other stages' layers)
             proxy, modules, indices = split_sequential(module, name, seq, stages_plan, mesh.pp_rank, device)
         stages = SequentialStages(
-            modules, indices, stages_plan.num_stages, device, mesh.pp_group, twins, warn, self.naming, blocks
+            modules,
+            indices,
+            stages_plan.num_stages,
+            device,
+            mesh.pp_group,
+            twins,
+            warn,
+            self.naming,
+            blocks,
+            aliases,
         )
         runner = PipelineRunner(stages, stages_plan.num_stages, plan.schedule, plan.num_microbatches)
         # (the strategy gives the twins the precision it gives the model)

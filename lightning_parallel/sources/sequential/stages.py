@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_parallel.pipeline.stage_source import UnitNaming
+from lightning_parallel.pipeline.stage_source import PreparedStage, UnitNaming
 from lightning_parallel.sources.export import export_for_pipeline
 from lightning_parallel.sources.sequential.split import StageModule
 from lightning_parallel.sources.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
@@ -35,6 +35,7 @@ class SequentialStages:
         naming: how the plan names the layers (``"layers."`` + the child's name).
         block_class: the class of the Sequential's repeated blocks (what ``compile`` compiles), read
             on the whole Sequential before the split (None: every layer).
+        aliases: the unsplit module's alias table (a tensor's name -> its canonical name).
 
     Example::
 
@@ -43,6 +44,7 @@ class SequentialStages:
     """
 
     stage_cls: type[PipelineStage] = PipelineStage  # DeferredReduceStage once the stages are FSDP roots
+    graphs = False  # its stage modules are the user's layers, held for the whole fit
 
     def __init__(
         self,
@@ -55,9 +57,17 @@ class SequentialStages:
         warn: Callable[[str], Any] = warnings.warn,
         naming: UnitNaming | None = None,
         block_class: type | None = None,
+        aliases: Mapping[str, str] | None = None,
     ) -> None:
         self.naming, self.block_class = naming or UnitNaming(), block_class
-        self.modules, self.stage_indices = list(modules), list(indices)
+        self.aliases = dict(aliases or {})
+        self.modules: list[nn.Module] = list(modules)
+        self.stage_indices = list(indices)
+        # Each stage module as the techniques see it (each_stage): what its torch stage runs, built once.
+        self.prepared = [
+            PreparedStage(index, module, self.naming.named(list(module.named_children())))
+            for module, index in zip(self.modules, self.stage_indices)
+        ]
         self.num_stages, self.device, self.group = num_stages, device, group
         self.twins = list(twins) if twins is not None else None
         self.warn = warn
@@ -88,7 +98,16 @@ class SequentialStages:
         return contextlib.nullcontext()
 
     def activate(self, stages: Sequence[Any]) -> None:
-        """Nothing to do: each stage's module is its own for the whole fit."""
+        """Each stage's ``activate``, if a technique set one (a stage module is its own for the whole fit)."""
+        for stage in stages:
+            prepared = self.prepared[self.stage_indices.index(stage.stage_index)]
+            if prepared.activate is not None:
+                prepared.activate()
+
+    def each_stage(self, fn: Callable[[PreparedStage], Any]) -> None:
+        """Call ``fn`` on each stage module now: they are built once, at the split."""
+        for stage in self.prepared:
+            fn(stage)
 
     def recompute(self, wrap: Callable[[list[tuple[str, nn.Module]]], Any]) -> None:
         """Wrap this rank's layers now: the stage modules are built once."""
@@ -101,10 +120,12 @@ class SequentialStages:
         shapes = self._shapes(mode == "train", example) if self.twins is not None else None
         self._shapes_given = shapes is not None
         stages = []
-        for module, index in zip(self.modules, self.stage_indices):
+        for module, prepared in zip(self.modules, self.prepared):
+            index = prepared.index
+            runs = module if prepared.runs is None else prepared.runs
             given = {"input_args": shapes[index][0], "output_args": shapes[index][1]} if shapes else {}
             stages.append(
-                self.stage_cls(module, index, self.num_stages, self.device, group=self.group, **given)
+                self.stage_cls(runs, index, self.num_stages, self.device, group=self.group, **given)
             )
         return stages
 

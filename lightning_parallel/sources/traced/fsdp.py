@@ -20,8 +20,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
-from lightning_parallel.sources.traced.tensor_parallel import run_on_dtensors
-
 # (the graph's slot dict, its name there, the root's slot dict, the name there)
 _Link = tuple[dict[str, Any], str, dict[str, Any], str]
 
@@ -33,27 +31,25 @@ class ShardedTracedStage(nn.Module):
         module: the user's module, pruned to this rank's stage; its children are held as they are
             (shared, so the user's module sees the sharded parameters FSDP puts in their place) and
             its own parameters are registered here too (and put back in it after sharding).
-        tensor_parallel_mesh: set when the modules are split over tensor-parallel ranks too: the graph
-            then runs on DTensors (``run_on_dtensors`` in ``tensor_parallel.py``).
 
     Example::
 
         root = ShardedTracedStage(pruned_gpt)
         shard_traced_stage(root, mesh.device_mesh["dp_shard"])
         root.use_graph(stage_graph, root.links(stage_graph, aliases))   # this input shape's graph
+        # (or what runs the graph: a tensor-parallel stage's TensorParallelGraph around it)
         root(x)                                 # all-gathers the stage, runs the graph
     """
 
-    def __init__(self, module: nn.Module, tensor_parallel_mesh: DeviceMesh | None = None) -> None:
+    def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self._owner = [module]  # a list: not registered as a submodule (it is the LightningModule)
-        self._tp_mesh = tensor_parallel_mesh
         for name, child in module.named_children():
             self.add_module(name, child)
         for name, param in module._parameters.items():
             if param is not None:
                 self.register_parameter(name, param)
-        self._graph: nn.Module | None = None
+        self._graph: nn.Module | None = None  # what runs the current graph (not a submodule)
         self._links: list[_Link] = []
 
     def links(self, graph: nn.Module, aliases: Mapping[str, str]) -> list[_Link]:
@@ -70,9 +66,10 @@ class ShardedTracedStage(nn.Module):
             links.append((graph.get_submodule(owner)._parameters, leaf, slot, name))
         return links
 
-    def use_graph(self, graph: nn.Module, links: list[_Link]) -> None:
-        """Run ``graph`` from now on, its parameter attributes following ``links`` (:meth:`links`)."""
-        self.__dict__["_graph"], self._links = graph, links
+    def use_graph(self, runs: nn.Module, links: list[_Link]) -> None:
+        """Run ``runs`` (a stage graph, or a module running it) from now on, the graph's parameter
+        attributes following ``links`` (:meth:`links`)."""
+        self.__dict__["_graph"], self._links = runs, links
 
     def forward(self, *args: Any) -> Any:
         if self._graph is None:
@@ -80,8 +77,6 @@ class ShardedTracedStage(nn.Module):
         # FSDP's pre-forward has just set the unsharded parameters on the held modules.
         for graph_slot, graph_name, slot, name in self._links:
             graph_slot[graph_name] = slot[name]
-        if self._tp_mesh is not None:  # its split weights are tensor-parallel DTensors
-            return run_on_dtensors(self._graph, args, self._tp_mesh)
         return self._graph(*args)
 
     def restore_owner_parameters(self) -> None:

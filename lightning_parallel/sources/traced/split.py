@@ -23,13 +23,13 @@ from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
 from lightning_parallel.pipeline.blocks import find_block_list
-from lightning_parallel.pipeline.stage_source import UnitNaming
+from lightning_parallel.pipeline.stage_source import PreparedStage, UnitNaming
 from lightning_parallel.sources.stage_shapes import StageShapes
 from lightning_parallel.sources.traced.call_binding import CallBinding
 from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, ours, step
 from lightning_parallel.sources.traced.fsdp import ShardedTracedStage, shard_traced_stage
 from lightning_parallel.sources.traced.share import ProgramShare
-from lightning_parallel.sources.traced.stage_graphs import point_at, unit_calls
+from lightning_parallel.sources.traced.stage_graphs import graph_modules, point_at, unit_calls
 from lightning_parallel.sources.traced.tensor_parallel import (
     TensorParallelGraph,
     place_split_ops,
@@ -148,7 +148,7 @@ class TracedProgram:
     key: tuple  # (mode, parameter dtypes, way of calling)
     pipe: Any
     shapes: StageShapes
-    prepared: dict[int, tuple[nn.Module, nn.Module | None, Any]] = field(default_factory=dict)
+    prepared: dict[int, PreparedStage] = field(default_factory=dict)
 
 
 def retrace_message(shapes: StageShapes, example: Sequence[Any]) -> str:
@@ -190,6 +190,8 @@ class TracedStages:
     """
 
     needs_example = True  # a new shape's stages are built on every rank from the call's input
+    graphs = True  # each stage module is an export graph, prepared per traced program
+    block_class = None  # (a stage's program is compiled whole)
     shapes_given = True  # the torch stages are given their shapes (no dummy forward at their first step)
     max_programs = 4  # traced programs kept (one serves every shape when the sizes are dynamic)
 
@@ -212,31 +214,38 @@ class TracedStages:
         self.share = share
         self.bindings = bindings if bindings is not None else {}
         self.stage_indices, self.module, self.aliases = list(stage_indices), module, dict(aliases)
+        # What holds this rank's tensors for the whole fit (the graphs read them): the pruned module, or
+        # the wrapper a technique puts in its place.
+        self.modules: list[nn.Module] = [module]
         self.device, self.group = device, group
         self.num_stages = len(self.split_points) + 1
-        self._wrap_units: Callable[[list[tuple[str, nn.Module]]], Any] | None = None  # recompute()
-        # torch.compile's keywords for each stage's program, compiled in place once prepared (None: eager)
-        self._compile_options: CompileOptions | None = None  # compile_with()
+        self._on_stage: list[Callable[[PreparedStage], Any]] = []  # each_stage(), in the order given
         self.traces = 0  # how many times forward was traced, the one for planning included (tests read it)
         self._output_ndims: tuple[bool, list[int]] | None = None  # (a tuple?, ndim of each output)
         self._programs: list[TracedProgram] = []  # least recently used first
         self._merge_weights: Sequence[float] | None = None  # set for one forward-only step (merging)
         self.warn = warn
         self._warned: set[str] = set()
-        # Set when the stage is sharded with FSDP2 (shard_with): the torch stage then
-        # wraps that root, which runs the graph of the schedule about to step (see activate).
+        # Set when the stage is sharded with FSDP2 (shard): its root runs every stage's graph.
         self.root: Any = None
         self._stage_cls: type[PipelineStage] = PipelineStage  # use_stage_class()
-        # Set when the stages are split over tensor-parallel ranks (split_over): their graphs run on DTensors.
+        # Set when the stages are split over tensor-parallel ranks: their graphs run on DTensors.
         self.tensor_parallel_mesh: Any = None
-        self._split_styles: dict[str, Any] = {}
-        # torch stage -> (its graph, the graph's links to the root): dropped with the stage
-        self._graphs: weakref.WeakKeyDictionary[Any, tuple[nn.Module, Any]] = weakref.WeakKeyDictionary()
+        # torch stage -> what runs before a schedule of it steps (PreparedStage.activate): dropped with it
+        self._activations: weakref.WeakKeyDictionary[Any, Callable[[], Any]] = weakref.WeakKeyDictionary()
 
     # --- the StageSource interface (pipeline/stage_source.py)
+    def each_stage(self, fn: Callable[[PreparedStage], Any]) -> None:
+        """Call ``fn`` on each stage prepared so far, and on each stage prepared later (its module is the
+        traced program's, prepared at the program's first build on this rank)."""
+        self._on_stage.append(fn)
+        for program in self._programs:
+            for stage in program.prepared.values():
+                fn(stage)
+
     def recompute(self, wrap: Callable[[list[tuple[str, nn.Module]]], Any]) -> None:
         """Wrap each stage's units as the stage is prepared (its modules are the traced program's)."""
-        self._wrap_units = wrap
+        self.each_stage(lambda stage: wrap(called_units(stage.module)))
 
     def use_stage_class(self, cls: type[PipelineStage]) -> None:
         self._stage_cls = cls
@@ -256,7 +265,14 @@ class TracedStages:
         """Split this rank's held modules with ``plan``'s styles and run the stages' graphs on DTensors
         over the tensor-parallel ``mesh`` (see sources/traced/tensor_parallel.py)."""
         register_missing_shardings()
-        self.tensor_parallel_mesh, self._split_styles = mesh, apply_held_styles(module, plan, mesh)
+        self.tensor_parallel_mesh, styles = mesh, apply_held_styles(module, plan, mesh)
+
+        def split(stage: PreparedStage) -> None:
+            place_split_ops(stage.module, styles, self.aliases)
+            if stage.runs is None:
+                stage.runs = TensorParallelGraph(stage.module, mesh)
+
+        self.each_stage(split)
 
     def run_user_function(self, fn: Callable[..., Any], device_mesh: Any) -> None:
         # (refused before the split, with the reason: a traced stage holds no modules of the user's to run)
@@ -264,15 +280,29 @@ class TracedStages:
 
     def compile(self, options: CompileOptions) -> str:
         """Compile each stage's program in place once it is prepared (``torch.compile``'s keywords)."""
-        self._compile_options = options
+
+        def compile_stage(stage: PreparedStage) -> None:
+            compile_in_place([(f"stage {stage.index}", stage.module)], options, isolated=True)
+            if stage.index == 0 and stage.runs is None:  # its inputs are slices of the batch (see OwnInputs)
+                stage.runs = OwnInputs(stage.module)
+
+        self.each_stage(compile_stage)
         return f"each stage's program is compiled (torch.compile, {options})"
 
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         """Shard this rank's stage as one FSDP2 root holding its modules; every stage runs through it."""
         if mesh is None:
             return []
-        self.root = ShardedTracedStage(self.module, self.tensor_parallel_mesh)
-        return [shard_traced_stage(self.root, mesh, offload_policy)]
+        root = self.root = shard_traced_stage(ShardedTracedStage(self.modules[0]), mesh, offload_policy)
+        self.modules[0] = root
+
+        def run_through_root(stage: PreparedStage) -> None:
+            links = root.links(stage.module, self.aliases)
+            runs = stage.module if stage.runs is None else stage.runs
+            stage.runs, stage.activate = root, partial(root.use_graph, runs, links)
+
+        self.each_stage(run_through_root)
+        return [root]
 
     def sharded(self) -> list[nn.Module]:
         return [self.root] if self.root is not None else []
@@ -307,14 +337,14 @@ class TracedStages:
         examples = program.shapes.examples(example)
         stages = []
         for index in self.stage_indices:
-            stage_module, runs, links = self._prepared(program, index)
+            prepared = self._prepared(program, index)
             inputs, outputs = examples[index]
             stage = self._stage_cls(
-                stage_module if runs is None else runs, index, self.num_stages, self.device,
-                input_args=inputs, output_args=outputs, group=self.group,
+                prepared.module if prepared.runs is None else prepared.runs, index, self.num_stages,
+                self.device, input_args=inputs, output_args=outputs, group=self.group,
             )  # fmt: skip
-            if links is not None:
-                self._graphs[stage] = (stage_module, links)
+            if prepared.activate is not None:
+                self._activations[stage] = prepared.activate
             stages.append(stage)
         if self.num_stages - 1 in self.stage_indices:
             self._output_ndims = _output_ndims(program.pipe.get_stage_module(self.num_stages - 1))
@@ -379,13 +409,12 @@ class TracedStages:
         dtypes = tuple(t.dtype for t in self.twin.parameters())
         return (train, dtypes, binding.key if binding is not None else None)
 
-    def _prepared(self, program: TracedProgram, index: int) -> tuple[nn.Module, nn.Module | None, Any]:
-        """Stage ``index`` of ``program`` made ready to run on this rank, once: (graph, what runs it, links).
+    def _prepared(self, program: TracedProgram, index: int) -> PreparedStage:
+        """Stage ``index`` of ``program`` made ready to run on this rank, once.
 
-        Its graph is pointed at this rank's real tensors and devices, tensor-parallel layouts are
-        written into it, its units wrapped for recomputation, then it is compiled if asked (in place,
-        its own compiled entries: one program per stage); the torch stages of every input shape then
-        share it.
+        Its graph is pointed at this rank's real tensors and devices, then the techniques' per-stage
+        work runs on it (:meth:`each_stage`: tensor-parallel layouts written into it, its units wrapped
+        for recomputation, compiled in place, ...); the torch stages of every input shape then share it.
         """
         if index in program.prepared:
             return program.prepared[index]
@@ -395,20 +424,13 @@ class TracedStages:
             # The tracer recorded devices in the graph (``torch.ones(..., device=cuda:0)``): moved to
             # the stage's device as ``Pipe.build_stage`` does, with the same private helper (torch 2.13).
             _modify_graph_op_device(stage_module, self.device)
-        runs: nn.Module | None = self.root  # what the torch stage runs (None: the stage module)
-        if self.tensor_parallel_mesh is not None:
-            place_split_ops(stage_module, self._split_styles, self.aliases)
-            if runs is None:  # (a sharded root runs its graph on DTensors itself)
-                runs = TensorParallelGraph(stage_module, self.tensor_parallel_mesh)
-        if self._wrap_units is not None:
-            self._wrap_units(called_units(stage_module))
-        if self._compile_options is not None:
-            compile_in_place([(f"stage {index}", stage_module)], self._compile_options, isolated=True)
-            if index == 0 and runs is None:  # its inputs are slices of the batch (see OwnInputs)
-                runs = OwnInputs(stage_module)
-        links = self.root.links(stage_module, self.aliases) if self.root is not None else None
-        program.prepared[index] = (stage_module, runs, links)
-        return program.prepared[index]
+        units = self.naming.named(called_units(stage_module))
+        stage = program.prepared[index] = PreparedStage(
+            index, stage_module, units, graph_modules(stage_module)
+        )
+        for fn in self._on_stage:
+            fn(stage)
+        return stage
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -416,9 +438,12 @@ class TracedStages:
             self.warn(message)
 
     def activate(self, stages: Sequence[Any]) -> None:
-        """Before a schedule steps: make a sharded root run that schedule's graph (shapes differ)."""
-        if self.root is not None:
-            self.root.use_graph(*self._graphs[stages[0]])
+        """Before a schedule steps: what its stages' techniques set to run then (a root that runs every
+        stage's graph told which one: each schedule's shapes have their program)."""
+        for stage in stages:
+            activation = self._activations.get(stage)
+            if activation is not None:
+                activation()
 
     def output_merge_spec(self, num_microbatches: int) -> Any:
         """How the last stage's micro-batch outputs merge into the batch's (None: concatenated on dim 0).
