@@ -24,7 +24,7 @@ MEMBERS = [
 def test_the_protocol_names_what_the_runner_and_the_techniques_call():
     assert set(MEMBERS) == {
         "needs_example", "shapes_given", "build", "output_merge_spec", "merging", "step_context",
-        "activate", "each_stage", "use_stage_class", "recompute", "split_tensors", "run_user_function",
+        "activate", "each_stage", "use_stage_class", "split_tensors", "run_user_function",
         "compile", "shard", "sharded",
     }  # fmt: skip
 
@@ -49,8 +49,8 @@ def test_a_sequential_source_answers_the_runners_calls():
         pass
     source.activate([])
     seen = []
-    source.recompute(lambda units: seen.extend(name for name, _ in units))
-    assert seen == []  # an Identity stage module has no layers to wrap
+    source.each_stage(lambda stage: seen.append((stage.index, stage.units)))
+    assert seen == [(0, [])]  # an Identity stage module has no layers to wrap
     source.use_stage_class(nn.Module)
     assert source.stage_cls is nn.Module
     assert source.sharded() == [] and source.shard(None) == []  # nothing sharded: no FSDP2 root

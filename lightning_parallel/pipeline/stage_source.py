@@ -166,10 +166,6 @@ class StageSource(Protocol):
         ...
 
     # --- the techniques' own verbs, each source doing it to its own stages (moving to the view above)
-    def recompute(self, wrap: Callable[[list[tuple[str, nn.Module]]], Any]) -> None:
-        """Call ``wrap`` on this rank's units: now, or on each stage's units as the stage is prepared."""
-        ...
-
     def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
         """Split this rank's stages over the tensor-parallel ``mesh`` as ``plan`` (a ``TensorPlan``) says."""
         ...

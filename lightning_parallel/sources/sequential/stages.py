@@ -109,10 +109,6 @@ class SequentialStages:
         for stage in self.prepared:
             fn(stage)
 
-    def recompute(self, wrap: Callable[[list[tuple[str, nn.Module]]], Any]) -> None:
-        """Wrap this rank's layers now: the stage modules are built once."""
-        wrap(self.units())
-
     def use_stage_class(self, cls: type[PipelineStage]) -> None:
         self.stage_cls = cls
 
@@ -168,10 +164,6 @@ class SequentialStages:
             self._chained[train] = ChainedShapes.export(self.twins, shapes, train, export_for_pipeline)
         except Exception:  # a layer export cannot capture: its shapes keep coming from fake runs
             self._chained[train] = False
-
-    def units(self) -> list[tuple[str, nn.Module]]:
-        """The layers of this rank's stages (what activation checkpointing may wrap)."""
-        return [(name, layer) for m in self.modules for name, layer in m.named_children()]
 
     # --- the techniques, on this rank's stage modules (in techniques/__init__.py's order)
     def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:

@@ -243,10 +243,6 @@ class TracedStages:
             for stage in program.prepared.values():
                 fn(stage)
 
-    def recompute(self, wrap: Callable[[list[tuple[str, nn.Module]]], Any]) -> None:
-        """Wrap each stage's units as the stage is prepared (its modules are the traced program's)."""
-        self.each_stage(lambda stage: wrap(called_units(stage.module)))
-
     def use_stage_class(self, cls: type[PipelineStage]) -> None:
         self._stage_cls = cls
 
