@@ -174,10 +174,6 @@ class StageSource(Protocol):
         """Run a user's ``parallelize_fn(stage_module, device_mesh)`` on each stage module."""
         ...
 
-    def compile(self, options: dict[str, Any]) -> str:
-        """Compile the stages' blocks in place (``torch.compile``'s keywords); what it compiles, in words."""
-        ...
-
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         """Shard each stage with FSDP2 over the data-parallel ``mesh`` (None: shard nothing), with FSDP2's
         ``offload_policy`` (None: its default, on the device); the stage modules that are FSDP roots (a

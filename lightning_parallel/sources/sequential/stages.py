@@ -16,7 +16,6 @@ from lightning_parallel.pipeline.stage_source import PreparedStage, UnitNaming
 from lightning_parallel.sources.export import export_for_pipeline
 from lightning_parallel.sources.sequential.split import StageModule
 from lightning_parallel.sources.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
-from lightning_parallel.techniques.compile import compile_in_place
 from lightning_parallel.techniques.fsdp import shard_stage
 from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
 
@@ -179,13 +178,6 @@ class SequentialStages:
                     f"module it receives in place (fully_shard, parallelize_module, ...) and return it "
                     f"or None"
                 )
-
-    def compile(self, options: dict[str, Any]) -> str:
-        for module in self.modules:
-            blocks = [(n, c) for n, c in module.named_children() if self.block_class in (None, type(c))]
-            compile_in_place(blocks, options)
-        what = f"its {self.block_class.__name__} layers" if self.block_class is not None else "its layers"
-        return f"each stage compiles {what} in place (torch.compile, {options})"
 
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         for module in self.modules:

@@ -38,7 +38,6 @@ from lightning_parallel.sources.traced.tensor_parallel import (
 )
 from lightning_parallel.sources.traced.trace import trace
 from lightning_parallel.sources.twin import to_meta
-from lightning_parallel.techniques.compile import CompileOptions, OwnInputs, compile_in_place
 from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
 
 
@@ -273,17 +272,6 @@ class TracedStages:
     def run_user_function(self, fn: Callable[..., Any], device_mesh: Any) -> None:
         # (refused before the split, with the reason: a traced stage holds no modules of the user's to run)
         raise RuntimeError("internal error: parallelize_fn reached a traced stage")
-
-    def compile(self, options: CompileOptions) -> str:
-        """Compile each stage's program in place once it is prepared (``torch.compile``'s keywords)."""
-
-        def compile_stage(stage: PreparedStage) -> None:
-            compile_in_place([(f"stage {stage.index}", stage.module)], options, isolated=True)
-            if stage.index == 0 and stage.runs is None:  # its inputs are slices of the batch (see OwnInputs)
-                stage.runs = OwnInputs(stage.module)
-
-        self.each_stage(compile_stage)
-        return f"each stage's program is compiled (torch.compile, {options})"
 
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         """Shard this rank's stage as one FSDP2 root holding its modules; every stage runs through it."""
