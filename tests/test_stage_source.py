@@ -24,8 +24,8 @@ MEMBERS = [
 def test_the_protocol_names_what_the_runner_and_the_techniques_call():
     assert set(MEMBERS) == {
         "needs_example", "shapes_given", "build", "output_merge_spec", "merging", "step_context",
-        "activate", "each_stage", "use_stage_class", "split_tensors", "run_user_function",
-        "shard", "sharded",
+        "activate", "each_stage", "use_stage_class", "split_tensors", "shard",
+        "sharded",
     }  # fmt: skip
 
 

@@ -170,10 +170,6 @@ class StageSource(Protocol):
         """Split this rank's stages over the tensor-parallel ``mesh`` as ``plan`` (a ``TensorPlan``) says."""
         ...
 
-    def run_user_function(self, fn: Callable[..., Any], device_mesh: Any) -> None:
-        """Run a user's ``parallelize_fn(stage_module, device_mesh)`` on each stage module."""
-        ...
-
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         """Shard each stage with FSDP2 over the data-parallel ``mesh`` (None: shard nothing), with FSDP2's
         ``offload_policy`` (None: its default, on the device); the stage modules that are FSDP roots (a

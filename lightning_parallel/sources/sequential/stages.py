@@ -169,16 +169,6 @@ class SequentialStages:
         names = [[self.naming.prefix + child for child in m._modules] for m in self.modules]
         apply_plan(self.modules, names, plan, mesh)
 
-    def run_user_function(self, fn: Callable[..., Any], device_mesh: Any) -> None:
-        for module in self.modules:
-            returned = fn(module, device_mesh)
-            if returned is not None and returned is not module:
-                raise TypeError(
-                    f"parallelize_fn returned a new {type(returned).__name__}: it must change the stage "
-                    f"module it receives in place (fully_shard, parallelize_module, ...) and return it "
-                    f"or None"
-                )
-
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         for module in self.modules:
             if mesh is not None and not isinstance(module, FSDPModule):  # (a user-sharded one is left to it)

@@ -269,10 +269,6 @@ class TracedStages:
 
         self.each_stage(split)
 
-    def run_user_function(self, fn: Callable[..., Any], device_mesh: Any) -> None:
-        # (refused before the split, with the reason: a traced stage holds no modules of the user's to run)
-        raise RuntimeError("internal error: parallelize_fn reached a traced stage")
-
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         """Shard this rank's stage as one FSDP2 root holding its modules; every stage runs through it."""
         if mesh is None:
