@@ -23,9 +23,8 @@ MEMBERS = [
 
 def test_the_protocol_names_what_the_runner_and_the_techniques_call():
     assert set(MEMBERS) == {
-        "needs_example", "shapes_given", "build", "output_merge_spec", "merging", "step_context",
-        "activate", "each_stage", "use_stage_class", "split_tensors", "shard",
-        "sharded",
+        "needs_example", "shapes_given", "build", "output_merge_spec", "merging", "activate", "each_stage",
+        "use_stage_class", "shard", "sharded",
     }  # fmt: skip
 
 
@@ -45,7 +44,7 @@ def test_a_sequential_source_answers_the_runners_calls():
     source: StageSource = SequentialStages([nn.Identity()], [0], 1, torch.device("cpu"), None)
     assert not source.needs_example and not source.shapes_given  # no twins: torch infers the shapes
     assert source.output_merge_spec(4) is None
-    with source.merging([1.0, 2.0]), source.step_context():
+    with source.merging([1.0, 2.0]):
         pass
     source.activate([])
     seen = []

@@ -161,15 +161,7 @@ class StageSource(Protocol):
         """Before a cached schedule steps: each of its stages' ``PreparedStage.activate``."""
         ...
 
-    def step_context(self) -> AbstractContextManager[Any]:
-        """Around each schedule step."""
-        ...
-
     # --- the techniques' own verbs, each source doing it to its own stages (moving to the view above)
-    def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
-        """Split this rank's stages over the tensor-parallel ``mesh`` as ``plan`` (a ``TensorPlan``) says."""
-        ...
-
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         """Shard each stage with FSDP2 over the data-parallel ``mesh`` (None: shard nothing), with FSDP2's
         ``offload_policy`` (None: its default, on the device); the stage modules that are FSDP roots (a

@@ -231,7 +231,8 @@ class Technique:
         return optimizers
 
     def step_context(self, job: Job) -> AbstractContextManager[Any] | None:
-        """A context entered around each training schedule step (reused step after step), or None."""
+        """A context entered around each schedule step (reused step after step), or None: the runner's
+        only contexts. Training steps and forward-only ones (evaluation, under no_grad) alike."""
         return None
 
     def reductions(self, job: Job) -> list[Reduction]:

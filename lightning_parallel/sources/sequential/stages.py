@@ -17,7 +17,6 @@ from lightning_parallel.sources.export import export_for_pipeline
 from lightning_parallel.sources.sequential.split import StageModule
 from lightning_parallel.sources.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
 from lightning_parallel.techniques.fsdp import shard_stage
-from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
 
 
 class SequentialStages:
@@ -93,9 +92,6 @@ class SequentialStages:
     def merging(self, weights: Sequence[float] | None) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()  # (no scalar outputs to merge)
 
-    def step_context(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
     def activate(self, stages: Sequence[Any]) -> None:
         """Each stage's ``activate``, if a technique set one (a stage module is its own for the whole fit)."""
         for stage in stages:
@@ -165,10 +161,6 @@ class SequentialStages:
             self._chained[train] = False
 
     # --- the techniques, on this rank's stage modules (in techniques/__init__.py's order)
-    def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
-        names = [[self.naming.prefix + child for child in m._modules] for m in self.modules]
-        apply_plan(self.modules, names, plan, mesh)
-
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         for module in self.modules:
             if mesh is not None and not isinstance(module, FSDPModule):  # (a user-sharded one is left to it)

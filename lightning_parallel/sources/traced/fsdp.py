@@ -37,7 +37,7 @@ class ShardedTracedStage(nn.Module):
         root = ShardedTracedStage(pruned_gpt)
         shard_traced_stage(root, mesh.device_mesh["dp_shard"])
         root.use_graph(stage_graph, root.links(stage_graph, aliases))   # this input shape's graph
-        # (or what runs the graph: a tensor-parallel stage's TensorParallelGraph around it)
+        # (or what runs the graph: a tensor-parallel stage's wrapper, which runs it on DTensors)
         root(x)                                 # all-gathers the stage, runs the graph
     """
 

@@ -44,10 +44,10 @@ from lightning_parallel.sources.traced.split import (
     keep_only,
 )
 from lightning_parallel.sources.traced.stage_graphs import stage_contents
-from lightning_parallel.sources.traced.tensor_parallel import style_layouts
 from lightning_parallel.sources.traced.trace import call_order, trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, traced_plan
+from lightning_parallel.techniques.tensor_parallel.traced import style_layouts
 
 
 class TracedSource:

@@ -30,15 +30,8 @@ from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, o
 from lightning_parallel.sources.traced.fsdp import ShardedTracedStage, shard_traced_stage
 from lightning_parallel.sources.traced.share import ProgramShare
 from lightning_parallel.sources.traced.stage_graphs import graph_modules, point_at, unit_calls
-from lightning_parallel.sources.traced.tensor_parallel import (
-    TensorParallelGraph,
-    place_split_ops,
-    register_missing_shardings,
-    tensor_parallel_step,
-)
 from lightning_parallel.sources.traced.trace import trace
 from lightning_parallel.sources.twin import to_meta
-from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
 
 
 def check_split_points(
@@ -228,8 +221,6 @@ class TracedStages:
         # Set when the stage is sharded with FSDP2 (shard): its root runs every stage's graph.
         self.root: Any = None
         self._stage_cls: type[PipelineStage] = PipelineStage  # use_stage_class()
-        # Set when the stages are split over tensor-parallel ranks: their graphs run on DTensors.
-        self.tensor_parallel_mesh: Any = None
         # torch stage -> what runs before a schedule of it steps (PreparedStage.activate): dropped with it
         self._activations: weakref.WeakKeyDictionary[Any, Callable[[], Any]] = weakref.WeakKeyDictionary()
 
@@ -256,19 +247,6 @@ class TracedStages:
 
     # --- the techniques (their stage transforms, in techniques/__init__.py's order): set up now, used as
     # each stage's program is prepared
-    def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
-        """Split this rank's held modules with ``plan``'s styles and run the stages' graphs on DTensors
-        over the tensor-parallel ``mesh`` (see sources/traced/tensor_parallel.py)."""
-        register_missing_shardings()
-        self.tensor_parallel_mesh, styles = mesh, apply_held_styles(module, plan, mesh)
-
-        def split(stage: PreparedStage) -> None:
-            place_split_ops(stage.module, styles, self.aliases)
-            if stage.runs is None:
-                stage.runs = TensorParallelGraph(stage.module, mesh)
-
-        self.each_stage(split)
-
     def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
         """Shard this rank's stage as one FSDP2 root holding its modules; every stage runs through it."""
         if mesh is None:
@@ -286,10 +264,6 @@ class TracedStages:
 
     def sharded(self) -> list[nn.Module]:
         return [self.root] if self.root is not None else []
-
-    def step_context(self) -> Any:
-        """Around each schedule step (tensor-parallel stages mix plain tensors and DTensors in backward)."""
-        return tensor_parallel_step() if self.tensor_parallel_mesh is not None else contextlib.nullcontext()
 
     def keep_for_later(self, train: bool, example: tuple[Any, ...], pipe: Any) -> None:
         """Serve the shapes ``pipe`` (traced for planning, at ``example``) serves: no trace again for them."""

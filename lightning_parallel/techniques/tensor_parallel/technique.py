@@ -1,14 +1,20 @@
 """Tensor parallelism as a technique (``tensor_parallel_size``, ``tensor_parallel_plan``): its settings
-checked, its label, and its transform of this rank's stages (the plan the stage source resolved on the
-unsplit module, carried out by ``apply.py``)."""
+checked, its label, its transform of this rank's stages (the plan resolved on the unsplit module, carried
+out on each stage module by ``apply.py``, or on each traced stage's graph by ``traced.py``) and, for
+traced stages, its context around each step."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource
 from lightning_parallel.techniques.contract import Job, Technique
-from lightning_parallel.techniques.tensor_parallel.apply import apply
+from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan
+from lightning_parallel.techniques.tensor_parallel.traced import TensorParallelStep, split_traced
 
 
 class TensorParallel(Technique):
@@ -51,7 +57,37 @@ class TensorParallel(Technique):
     def stages(self, view: Any, job: Job) -> str | None:
         if job.tensor_plan is None:
             return None
-        return apply(view, job.tensor_plan, job.mesh.device_mesh, job.module)
+        return apply(view, job.tensor_plan, job.mesh.device_mesh)
+
+    def step_context(self, job: Job) -> TensorParallelStep | None:
+        # Traced stages' graphs meet plain tensors with DTensors (stage modules of the user's run their
+        # own modules' hooks, which make the DTensors they need).
+        return TensorParallelStep() if job.tensor_plan is not None and job.stages.graphs else None
 
 
 TECHNIQUE = TensorParallel()
+
+
+def apply(stages: StageSource, plan: TensorPlan, device_mesh: DeviceMesh | None) -> str:
+    """Split this rank's stages (the stage view) over the ``"tp"`` dimension of ``device_mesh``: each
+    stage module's layers, or each traced stage's graph as it is prepared; the plan's table, for the log.
+
+    Raises:
+        ValueError: no device mesh (one process without a process group).
+
+    Example::
+
+        tensor_parallel.apply(runner.stages, plan, mesh.device_mesh)
+    """
+    if device_mesh is None:
+        raise ValueError("tensor parallelism needs a process group (a device mesh) and there is none")
+    mesh = device_mesh["tp"]
+    if stages.graphs:
+        split_traced(stages, plan, mesh)
+    else:
+
+        def split(stage: PreparedStage) -> None:
+            apply_plan([stage.module], [[name for name, _ in stage.units]], plan, mesh)
+
+        stages.each_stage(split)
+    return plan.format_table()
