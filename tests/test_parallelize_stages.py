@@ -9,6 +9,7 @@ tests/test_pipeline_tensor.py run them. Here: the user's function, the roots ret
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.layout.mesh import build_mesh
 from lightning_parallel.layout.ranks import RankLayout
@@ -23,7 +24,7 @@ MESH = build_mesh("cpu", RankLayout(1, 1))  # one process: no device mesh
 def parallelize(stages, plan, mesh, module, tensor_plan=None):
     """The stage transforms of ``plan``'s techniques; (the FSDP2 roots, the log's lines)."""
     notes = transform_stages(Job(plan, mesh, torch.device("cpu"), stages, module, tensor_plan=tensor_plan))
-    return stages.sharded(), notes
+    return [m for m in stages.modules if isinstance(m, FSDPModule)], notes
 
 
 def _stages():

@@ -24,7 +24,7 @@ MEMBERS = [
 def test_the_protocol_names_what_the_runner_and_the_techniques_call():
     assert set(MEMBERS) == {
         "needs_example", "shapes_given", "build", "output_merge_spec", "merging", "activate", "each_stage",
-        "use_stage_class", "shard", "sharded",
+        "use_stage_class",
     }  # fmt: skip
 
 
@@ -52,4 +52,3 @@ def test_a_sequential_source_answers_the_runners_calls():
     assert seen == [(0, [])]  # an Identity stage module has no layers to wrap
     source.use_stage_class(nn.Module)
     assert source.stage_cls is nn.Module
-    assert source.sharded() == [] and source.shard(None) == []  # nothing sharded: no FSDP2 root

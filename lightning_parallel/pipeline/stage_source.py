@@ -160,15 +160,3 @@ class StageSource(Protocol):
     def activate(self, stages: Sequence[PipelineStage]) -> None:
         """Before a cached schedule steps: each of its stages' ``PreparedStage.activate``."""
         ...
-
-    # --- the techniques' own verbs, each source doing it to its own stages (moving to the view above)
-    def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
-        """Shard each stage with FSDP2 over the data-parallel ``mesh`` (None: shard nothing), with FSDP2's
-        ``offload_policy`` (None: its default, on the device); the stage modules that are FSDP roots (a
-        stage its user's ``parallelize_fn`` sharded included)."""
-        ...
-
-    def sharded(self) -> list[nn.Module]:
-        """The stage modules that are FSDP2 roots now (they reduce their own gradients), as
-        :meth:`shard` returned them."""
-        ...

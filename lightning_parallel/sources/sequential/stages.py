@@ -9,14 +9,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.pipeline.stage_source import PreparedStage, UnitNaming
 from lightning_parallel.sources.export import export_for_pipeline
 from lightning_parallel.sources.sequential.split import StageModule
 from lightning_parallel.sources.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
-from lightning_parallel.techniques.fsdp import shard_stage
 
 
 class SequentialStages:
@@ -161,11 +159,3 @@ class SequentialStages:
             self._chained[train] = False
 
     # --- the techniques, on this rank's stage modules (in techniques/__init__.py's order)
-    def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
-        for module in self.modules:
-            if mesh is not None and not isinstance(module, FSDPModule):  # (a user-sharded one is left to it)
-                shard_stage(module, mesh, offload_policy=offload_policy)
-        return self.sharded()
-
-    def sharded(self) -> list[nn.Module]:
-        return [m for m in self.modules if isinstance(m, FSDPModule)]

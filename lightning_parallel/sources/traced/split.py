@@ -27,7 +27,6 @@ from lightning_parallel.pipeline.stage_source import PreparedStage, UnitNaming
 from lightning_parallel.sources.stage_shapes import StageShapes
 from lightning_parallel.sources.traced.call_binding import CallBinding
 from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, ours, step
-from lightning_parallel.sources.traced.fsdp import ShardedTracedStage, shard_traced_stage
 from lightning_parallel.sources.traced.share import ProgramShare
 from lightning_parallel.sources.traced.stage_graphs import graph_modules, point_at, unit_calls
 from lightning_parallel.sources.traced.trace import trace
@@ -218,8 +217,6 @@ class TracedStages:
         self._merge_weights: Sequence[float] | None = None  # set for one forward-only step (merging)
         self.warn = warn
         self._warned: set[str] = set()
-        # Set when the stage is sharded with FSDP2 (shard): its root runs every stage's graph.
-        self.root: Any = None
         self._stage_cls: type[PipelineStage] = PipelineStage  # use_stage_class()
         # torch stage -> what runs before a schedule of it steps (PreparedStage.activate): dropped with it
         self._activations: weakref.WeakKeyDictionary[Any, Callable[[], Any]] = weakref.WeakKeyDictionary()
@@ -247,24 +244,6 @@ class TracedStages:
 
     # --- the techniques (their stage transforms, in techniques/__init__.py's order): set up now, used as
     # each stage's program is prepared
-    def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
-        """Shard this rank's stage as one FSDP2 root holding its modules; every stage runs through it."""
-        if mesh is None:
-            return []
-        root = self.root = shard_traced_stage(ShardedTracedStage(self.modules[0]), mesh, offload_policy)
-        self.modules[0] = root
-
-        def run_through_root(stage: PreparedStage) -> None:
-            links = root.links(stage.module, self.aliases)
-            runs = stage.module if stage.runs is None else stage.runs
-            stage.runs, stage.activate = root, partial(root.use_graph, runs, links)
-
-        self.each_stage(run_through_root)
-        return [root]
-
-    def sharded(self) -> list[nn.Module]:
-        return [self.root] if self.root is not None else []
-
     def keep_for_later(self, train: bool, example: tuple[Any, ...], pipe: Any) -> None:
         """Serve the shapes ``pipe`` (traced for planning, at ``example``) serves: no trace again for them."""
         self._programs.append(self._program(train, example, pipe))

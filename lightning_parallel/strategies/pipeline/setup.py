@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.grads.sync import GradientSync
@@ -73,7 +74,7 @@ def parallelize(
     notes = transform_stages(job)
     after = dict(module.named_parameters())
     replaced = {id(p): after[n] for n, p in before.items() if after.get(n, p) is not p}
-    parts.parallelized(stages.sharded(), replaced)
+    parts.parallelized([m for m in stages.modules if isinstance(m, FSDPModule)], replaced)
     for note in notes:
         rank_zero_info(f"PipelineStrategy: {note}")
     parts.runner.use_step_contexts([c for t in TECHNIQUES if (c := t.step_context(job)) is not None])
