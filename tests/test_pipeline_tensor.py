@@ -42,6 +42,7 @@ from lightning_parallel.sources.traced.stage_graphs import graph_modules, point_
 from lightning_parallel.sources.traced.trace import trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.strategies.pipeline.build import source_for
+from lightning_parallel.techniques.tensor_parallel import technique as tensor_parallel
 from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
 from lightning_parallel.techniques.tensor_parallel.memory import local_model
 from lightning_parallel.techniques.tensor_parallel.plan import default_plan, user_plan
@@ -439,5 +440,5 @@ def test_the_planner_measures_a_traced_model_s_local_model():
 
 
 def tensor_plan(module, plan):
-    """The tensor-parallel plan the strategy resolves on the unsplit module (by the source that splits it)."""
-    return source_for(module, plan).tensor_plan(module, plan)
+    """The tensor-parallel plan the strategy resolves on the unsplit module (as the source splits it)."""
+    return tensor_parallel.TECHNIQUE.before_split(plan, source_for(module, plan).unsplit(module))

@@ -39,6 +39,30 @@ class UnitNaming:
         return [(self.prefix + name, unit) for name, unit in units]
 
 
+@dataclass(frozen=True)
+class UnsplitModel:
+    """The module before its split, as its source is about to split it: what a technique reads on all of
+    it first (``Technique.before_split``: a tensor-parallel plan resolved on every stage's layers, the same
+    on every rank; a refusal of what the stages will not take).
+
+    Args:
+        module: the LightningModule, whole.
+        layers: the module the units are found in: the ``nn.Sequential`` the source splits, or the
+            module itself when its forward is traced.
+        path: the path of ``layers`` in ``module`` (``"layers"``; ``""`` for the module itself).
+        graphs: the stages will be export graphs (:attr:`StageSource.graphs`).
+
+    Example::
+
+        model = UnsplitModel(lit_module, lit_module.layers, "layers", graphs=False)
+    """
+
+    module: nn.Module
+    layers: nn.Module
+    path: str = ""
+    graphs: bool = False
+
+
 @dataclass(eq=False)
 class PreparedStage:
     """One of this rank's stage modules as its source prepared it, for the techniques' per-stage work

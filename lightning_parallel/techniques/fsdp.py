@@ -39,7 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.pipeline.plan import shard_rows
-from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource
+from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnsplitModel
 from lightning_parallel.techniques._fsdp_internals import finish_backward
 from lightning_parallel.techniques.contract import Job, Reduction, SearchOptions, Technique
 
@@ -89,6 +89,15 @@ class Fsdp(Technique):
         yield {}
         if search.shardable and plan.data_parallel == "replicate" and plan.data_parallel_size > 1:
             yield {"data_parallel": "fsdp"}
+
+    def before_split(self, plan: Any, model: UnsplitModel) -> None:
+        if plan.data_parallel == "fsdp" and model.graphs and plan.stages_per_rank > 1:
+            raise ValueError(
+                f'data_parallel="fsdp" with stages_per_rank={plan.stages_per_rank} is not supported for a '
+                f"traced forward: each traced stage is sharded as one FSDP root holding this rank's modules, "
+                f"so a rank can hold one stage. Use stages_per_rank=1 (schedule='1f1b' or 'gpipe'), or hold "
+                f"the layers in one top-level nn.Sequential"
+            )
 
     def stages(self, view: Any, job: Job) -> str | None:
         return describe(job.mesh) if apply(view, job.plan, job.mesh, job.pin_memory) else None

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_parallel.pipeline.stage_source import UnsplitModel
 from lightning_parallel.techniques.contract import Job, Technique
 
 
@@ -29,6 +30,15 @@ class UserFunction(Technique):
                 f"{plan.parallelize_fn!r}"
             )
         return {}
+
+    def before_split(self, plan: Any, model: UnsplitModel) -> None:
+        if plan.parallelize_fn is not None and model.graphs:
+            raise ValueError(
+                "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split "
+                "by tracing its forward: a traced stage is an export graph that reads its weights directly, "
+                "with no modules of yours to parallelize. Hold the layers in one top-level nn.Sequential, or "
+                'drop parallelize_fn (data_parallel="fsdp" shards traced stages too)'
+            )
 
     def stages(self, view: Any, job: Job) -> str | None:
         fn = job.plan.parallelize_fn

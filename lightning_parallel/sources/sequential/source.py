@@ -15,7 +15,7 @@ from lightning_parallel.pipeline.blocks import block_type
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
-from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming
+from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming, UnsplitModel
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.profile import layer_times
 from lightning_parallel.sources.sequential.split import (
@@ -30,7 +30,6 @@ from lightning_parallel.sources.sequential.stages import SequentialStages
 from lightning_parallel.sources.split_result import SplitResult
 from lightning_parallel.sources.stage_plan import measured, stage_plan, units_per_stage
 from lightning_parallel.sources.twin import alias_table
-from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, default_plan, user_plan
 
 
 class SequentialSource:
@@ -46,14 +45,9 @@ class SequentialSource:
         self.name, self.seq = found
         self.naming = UnitNaming(f"{self.name}.")
 
-    def tensor_plan(self, module: nn.Module, plan: ParallelPlan) -> TensorPlan | None:
-        """The tensor-parallel plan of the Sequential's layers (the user's, else the default), or None."""
-        tp = plan.tensor_parallel_size
-        if tp == 1:
-            return None
-        if plan.tensor_parallel_plan is not None:
-            return user_plan(self.seq, self.name, tp, plan.tensor_parallel_plan)
-        return default_plan(self.seq, self.name, tp)
+    def unsplit(self, module: nn.Module) -> UnsplitModel:
+        """``module`` before the split: its units are the Sequential's layers (stage modules of them)."""
+        return UnsplitModel(module, self.seq, self.name, graphs=False)
 
     def build(
         self,

@@ -10,11 +10,20 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource
+from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnsplitModel
 from lightning_parallel.techniques.contract import Job, Technique
 from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
-from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan
-from lightning_parallel.techniques.tensor_parallel.traced import TensorParallelStep, split_traced
+from lightning_parallel.techniques.tensor_parallel.plan import (
+    TensorPlan,
+    default_plan,
+    traced_plan,
+    user_plan,
+)
+from lightning_parallel.techniques.tensor_parallel.traced import (
+    TensorParallelStep,
+    split_traced,
+    style_layouts,
+)
 
 
 class TensorParallel(Technique):
@@ -54,18 +63,42 @@ class TensorParallel(Technique):
     def label(self, plan: Any) -> str:
         return f" tp={plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""
 
+    def before_split(self, plan: Any, model: UnsplitModel) -> TensorPlan | None:
+        return resolve(plan, model)
+
     def stages(self, view: Any, job: Job) -> str | None:
-        if job.tensor_plan is None:
-            return None
-        return apply(view, job.tensor_plan, job.mesh.device_mesh)
+        tensors = job.before_split.get(self.name)
+        return None if tensors is None else apply(view, tensors, job.mesh.device_mesh)
 
     def step_context(self, job: Job) -> TensorParallelStep | None:
         # Traced stages' graphs meet plain tensors with DTensors (stage modules of the user's run their
         # own modules' hooks, which make the DTensors they need).
-        return TensorParallelStep() if job.tensor_plan is not None and job.stages.graphs else None
+        return TensorParallelStep() if self.name in job.before_split and job.stages.graphs else None
 
 
 TECHNIQUE = TensorParallel()
+
+
+def resolve(plan: Any, model: UnsplitModel) -> TensorPlan | None:
+    """The plan of the layers the source splits, read on the unsplit module (None without tensor
+    parallelism): the user's ``tensor_parallel_plan``, else the default one (a traced forward's: a Hugging
+    Face model's own ``base_model_tp_plan`` first), each style checked to be one a traced stage can place.
+
+    Example::
+
+        resolve(ParallelPlan(tensor_parallel_size=2), source.unsplit(module)).styles   # {path: style}
+    """
+    tp = plan.tensor_parallel_size
+    if tp == 1:
+        return None
+    if not model.graphs:
+        if plan.tensor_parallel_plan is not None:
+            return user_plan(model.layers, model.path, tp, plan.tensor_parallel_plan)
+        return default_plan(model.layers, model.path, tp)
+    tensors = traced_plan(model.layers, tp, plan.tensor_parallel_plan)
+    for path, style in tensors.styles.items():
+        style_layouts(style, path)
+    return tensors
 
 
 def apply(stages: StageSource, plan: TensorPlan, device_mesh: DeviceMesh | None) -> str:
