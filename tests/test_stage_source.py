@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_parallel.pipeline.stage_source import StageSource
 from lightning_parallel.sources.sequential.stages import SequentialStages
-from lightning_parallel.sources.traced.split import TracedStages
+from lightning_parallel.sources.traced.stages import TracedStages
 
 MEMBERS = [
     name

@@ -286,7 +286,7 @@ class MaskReader(nn.Module):
     raises=ValueError,
     reason="no upstream issue found (searched 'pipelining metadata inference forward on empty uninitialized "
     "tensors index out of range' on 2026-12-03): a manual stage that infers its shapes runs its forward "
-    "once on uninitialised inputs; worked around by split.py (TracedStages.build, shapes given to the "
+    "once on uninitialised inputs; worked around by stages.py (TracedStages.build, shapes given to the "
     "stages)",
 )
 def test_torch_stages_infer_their_shapes_without_running_on_uninitialised_inputs(one_rank):

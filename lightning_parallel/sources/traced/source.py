@@ -36,14 +36,9 @@ from lightning_parallel.sources.stage_plan import measured, stage_plan, units_pe
 from lightning_parallel.sources.traced.call_binding import CallBinding, TracedCall, bound_forward
 from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, export_check, ours
 from lightning_parallel.sources.traced.share import ProgramShare
-from lightning_parallel.sources.traced.split import (
-    TracedStages,
-    block_entry,
-    block_extras,
-    check_split_points,
-    keep_only,
-)
+from lightning_parallel.sources.traced.split import block_entry, block_extras, check_split_points, keep_only
 from lightning_parallel.sources.traced.stage_graphs import stage_contents
+from lightning_parallel.sources.traced.stages import TracedStages
 from lightning_parallel.sources.traced.trace import call_order, trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 
