@@ -6,6 +6,12 @@ Two sources implement it (:mod:`lightning_parallel.sources`): the Sequential pat
 The runner (:mod:`lightning_parallel.pipeline.runner`) and the techniques
 (:mod:`lightning_parallel.techniques`) call only what is declared here; the strategy picks the source
 once, when it splits the module, and nothing else asks which one it holds.
+
+The techniques see the stages through the stage view, the same verbs on both sources: what holds them
+(``modules``), each stage module as it is prepared (``each_stage``, a :class:`PreparedStage` whose
+``runs`` and ``activate`` a technique may set), the torch stage class (``use_stage_class``) and a few
+facts (``naming``, ``graphs``, ``aliases``, ``block_class``); and the module before its split as an
+:class:`UnsplitModel`. No source imports a technique, no technique a source.
 """
 
 from __future__ import annotations

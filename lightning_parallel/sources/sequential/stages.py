@@ -157,5 +157,3 @@ class SequentialStages:
             self._chained[train] = ChainedShapes.export(self.twins, shapes, train, export_for_pipeline)
         except Exception:  # a layer export cannot capture: its shapes keep coming from fake runs
             self._chained[train] = False
-
-    # --- the techniques, on this rank's stage modules (in techniques/__init__.py's order)

@@ -143,8 +143,6 @@ class TracedStages:
         finally:
             self._merge_weights = None
 
-    # --- the techniques (their stage transforms, in techniques/__init__.py's order): set up now, used as
-    # each stage's program is prepared
     def keep_for_later(self, train: bool, example: tuple[Any, ...], pipe: Any) -> None:
         """Serve the shapes ``pipe`` (traced for planning, at ``example``) serves: no trace again for them."""
         self._programs.append(self._program(train, example, pipe))
