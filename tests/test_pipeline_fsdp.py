@@ -3,9 +3,9 @@
 The multi-process configurations share one spawned job of 4 gloo ranks: each rank runs several
 Trainers in turn on the process group the job set up (as under torchrun), so the imports are paid once.
 
-Covers techniques/_fsdp_internals.py (finish_backward, spied on), techniques/fsdp.py's technique and
-the stage sources' shard() (parallelize_fn, then FSDP2, on each stage), sources/traced/fsdp.py (the
-traced configurations' one FSDP root per stage) and techniques/recompute.py's recomputation
+Covers techniques/_fsdp_internals.py (finish_backward, spied on), techniques/fsdp.py's technique
+through the stage view (parallelize_fn, then FSDP2, on each stage module; the traced configurations' one
+FSDP root per stage, ShardedTracedStage) and techniques/recompute.py's recomputation
 (activation_checkpointing=True).
 """
 

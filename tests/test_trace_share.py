@@ -34,7 +34,7 @@ from lightning_parallel.sources.traced.share import (
     refuse_mismatch,
     tally,
 )
-from lightning_parallel.sources.traced.split import TracedStages
+from lightning_parallel.sources.traced.stages import TracedStages
 from lightning_parallel.sources.traced.trace import trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 

@@ -48,7 +48,7 @@ def source_for(module: nn.Module, plan: ParallelPlan) -> SequentialSource | Trac
     Example::
 
         source = source_for(model, strategy.parallel_plan)
-        source.tensor_plan(model, plan), source.build(plan, inputs, model, mesh, device, warn)
+        source.unsplit(model), source.build(plan, inputs, model, mesh, device, warn)
     """
     with failing_together():
         found = find_sequential(module, plan.module_name) if plan.split_points is None else None

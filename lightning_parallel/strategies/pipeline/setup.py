@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.grads.sync import GradientSync
@@ -27,7 +28,7 @@ from lightning_parallel.strategies.pipeline.call_input import TrainerInput
 from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
 from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module, refuse_environment
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
-from lightning_parallel.techniques import TECHNIQUES, environment, transform_stages
+from lightning_parallel.techniques import TECHNIQUES, before_split, environment, transform_stages
 from lightning_parallel.techniques.compile import CompileWatch
 from lightning_parallel.techniques.contract import Environment, Job
 
@@ -37,8 +38,8 @@ def environment_of(strategy: Any) -> Environment:
     return environment(strategy.parallel_plan, strategy.root_device)
 
 
-def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelineParts, Any]:
-    """This rank's pipeline; and the tensor-parallel plan (or None), read on the unsplit module.
+def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelineParts, dict[str, Any]]:
+    """This rank's pipeline; and what the techniques read on the unsplit module (by technique).
 
     Every rank calls it (it is collective); an error on one rank is raised on every rank.
     """
@@ -51,29 +52,29 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
         summarize_before_split(trainer, module, strategy)  # the whole model's table
     source = source_for(module, plan)
     with failing_together():
-        tensors = source.tensor_plan(module, plan)  # (read on the unsplit module)
+        read = before_split(plan, source.unsplit(module))  # (the techniques' reading and refusals)
     inputs, mesh = TrainerInput(trainer, module), strategy._mesh
     parts = build_pipeline(
         source, plan, inputs, module, mesh, strategy.root_device, rank_zero_warn, strategy._item_count
     )
     rank_zero_info(f"PipelineStrategy stage plan ({plan.schedule}):\n{parts.plan.format_table()}")
-    return parts, tensors
+    return parts, read
 
 
 def parallelize(
-    strategy: Any, parts: PipelineParts, tensors: Any
+    strategy: Any, parts: PipelineParts, read: dict[str, Any]
 ) -> tuple[Job, GradientSync, CompileWatch | None]:
     """After the split: the techniques on this rank's stages, in the list's order; the job they saw, the
     optimizer step's gradient sync, and the watch on torch.compile (when the stages are compiled)."""
     plan, module, mesh = strategy.parallel_plan, strategy.lightning_module, parts.mesh
     stages = parts.runner.stages
-    job = Job(plan, mesh, strategy.root_device, stages, module, parts.plan, tensors,
+    job = Job(plan, mesh, strategy.root_device, stages, module, parts.plan, read,
               warn=rank_zero_warn, info=rank_zero_info)  # fmt: skip
     before = dict(module.named_parameters())
     notes = transform_stages(job)
     after = dict(module.named_parameters())
     replaced = {id(p): after[n] for n, p in before.items() if after.get(n, p) is not p}
-    parts.parallelized(stages.sharded(), replaced)
+    parts.parallelized([m for m in stages.modules if isinstance(m, FSDPModule)], replaced)
     for note in notes:
         rank_zero_info(f"PipelineStrategy: {note}")
     parts.runner.use_step_contexts([c for t in TECHNIQUES if (c := t.step_context(job)) is not None])

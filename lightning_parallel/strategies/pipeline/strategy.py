@@ -278,13 +278,13 @@ class PipelineStrategy(
             check_fit_supported(trainer)
         first = self.parts is None
         if first:
-            self.parts, tensors = pipeline_setup.split(self, trainer, fitting)
+            self.parts, read = pipeline_setup.split(self, trainer, fitting)
             self._register_release()
         self.precision_plugin.convert_module(self.model)
         self.precision_plugin.convert_module(self.parts.twin)  # (in place, as for the model)
         self.model_to_device()
         if first:
-            self._job, self._sync, self._compile_watch = pipeline_setup.parallelize(self, self.parts, tensors)
+            self._job, self._sync, self._compile_watch = pipeline_setup.parallelize(self, self.parts, read)
         if fitting:
             pipeline_setup.prepare_optimizers(self, trainer, self.parts, self._job)
         self.setup_precision_plugin()
