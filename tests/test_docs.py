@@ -386,12 +386,16 @@ def test_every_command_names_an_existing_script_module_or_make_target():
     assert ("make", "test") in readme, "CI runs the README's test command (.ci/run): the README names it"
 
 
-def test_every_docs_page_is_linked_from_the_readme_and_the_index():
+def test_every_docs_page_and_notebook_is_linked_from_the_readme_and_the_index():
     docs = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
     readme = {Path(t).name for t in link_targets((ROOT / "README.md").read_text()) if t.startswith("docs/")}
     index = {t.partition("#")[0] for t in link_targets((ROOT / "docs" / "README.md").read_text())}
     assert docs - readme == set(), "pages the README does not link to"
     assert docs - index == set(), "pages docs/README.md does not list"
+    notebooks = {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
+    for page in (ROOT / "README.md", ROOT / "docs" / "README.md"):
+        linked = {Path(t).name for t in link_targets(page.read_text())}
+        assert notebooks - linked == set(), f"notebooks {page.relative_to(ROOT)} does not link to"
 
 
 def test_the_readme_headline_shows_the_numbers_of_the_results_it_links_to():
