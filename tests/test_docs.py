@@ -484,8 +484,10 @@ def test_each_page_runs_as_pasted(page, tmp_path):
     hf = [p for p in ("transformers", "peft") if re.search(rf"^(from|import) {p}\b", text, re.M)]
     for package in hf:
         hf_env.require(package)
-    if hf:  # the pages say `pip install transformers peft`; `make test` installs them aside
-        text = f"import sys\nsys.path.append({str(HF_PACKAGES)!r})  # (the test's pip install)\n\n{text}"
+    if hf:  # the pages say `pip install transformers peft`; `make test` installs them aside, which a
+        # program finds as the HF tests do (tests/hf_env.py: on the path once Lightning is imported)
+        path = f"import lightning\nimport sys\n\nsys.path.append({str(HF_PACKAGES)!r})\n"
+        text = f"{path}\n{text}"
     (tmp_path / "program.py").write_text(text)
     # Trainer defaults for what a page leaves out, from Lightning's own PL_TRAINER_* variables (an
     # argument the page gives wins): the CPU, one epoch; a port from this worker's range for a job.
