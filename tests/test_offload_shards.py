@@ -28,6 +28,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_parallel.checkpoint import distributed as dcp_state
 from lightning_parallel.distributed.dtensors import distribute_like, full_tensors
 from lightning_parallel.pipeline import state as stage_state
+from lightning_parallel.techniques import zero
+from lightning_parallel.techniques.offload.disk_optimizer import DiskTier, disk_step
 from lightning_parallel.techniques.offload.host_optimizer import is_host_stepping
 from lightning_parallel.techniques.offload.host_shards import host_local, placed_like
 from lightning_parallel.techniques.offload.shard_optimizer import MASTER, host_step_shards
@@ -64,8 +66,8 @@ def test_placed_like_is_from_local_without_moving_the_host_tensor(one_rank):
 # ---------------------------------------------------------------------------------- the spawned job
 def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    # 13 and 9 rows over 2 ranks: uneven shards; 3 rows: one rank's shard of the last bias has 1 row.
-    model = nn.Sequential(nn.Linear(6, 13), nn.Tanh(), nn.Linear(13, 9), nn.Tanh(), nn.Linear(9, 3))
+    # 13 and 21 rows over 2 ranks: uneven shards; 3 rows: one rank's shard of the last bias has 1 row.
+    model = nn.Sequential(nn.Linear(6, 13), nn.Tanh(), nn.Linear(13, 21), nn.Tanh(), nn.Linear(21, 3))
     model[0].requires_grad_(False)  # frozen (a LoRA base): no host copy, no state
     return model.to(dtype)
 
@@ -216,12 +218,12 @@ def _checkpoint_paths(out: dict, tmp: Path) -> None:
     out["checkpoints"] = (loaded, _full(model))
 
 
-def _low_precision(out: dict) -> None:
+def _low_precision(out: dict, tmp: Path) -> None:
     for dtype in (torch.bfloat16, torch.float16):
-        out[str(dtype)] = _low_precision_run(dtype)
+        out[str(dtype)] = _low_precision_run(dtype, tmp)
 
 
-def _low_precision_run(dtype: torch.dtype) -> tuple:
+def _low_precision_run(dtype: torch.dtype, tmp: Path) -> tuple:
     """bf16 / fp16 shards: the host steps fp32 masters; the reference does the same on the device."""
     model, ref_model = _sharded(dtype), _sharded(dtype)
     optimizer, scheduler = _optimizer(model)
@@ -235,10 +237,19 @@ def _low_precision_run(dtype: torch.dtype) -> tuple:
     ]
     ref = torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1, fused=True)  # the host's kernel
     ref_scheduler = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.7)
+    disk_model = _sharded(dtype)
+    disk, disk_scheduler = _optimizer(disk_model)
+    disk = disk_step(disk, DiskTier(str(tmp / "scratch"), 2 * DISK_BUFFER), schedulers=[disk_scheduler])
     _train(model, optimizer, scheduler, STEPS)
+    _train(disk_model, disk, disk_scheduler, STEPS)
     _train(ref_model, ref, ref_scheduler, STEPS, masters=masters)
     state = optimizer.state_dict()["state"]
+    disk_state = _full_state(disk)
+    disk.close()
     return (
+        _full(disk_model),
+        disk_state,
+        _full_state(optimizer),
         _full(model),
         _full(ref_model),
         {
@@ -251,12 +262,99 @@ def _low_precision_run(dtype: torch.dtype) -> tuple:
     )
 
 
+# A few chunks of the shards' state (each rank steps ~180 elements; AdamW: 8 bytes each in the files).
+DISK_BUFFER = 3000
+
+
+def _disk_fsdp(out: dict, tmp: Path) -> None:
+    """FSDP2 shards stepping from the files: as the host tier (bitwise) and the plain run (1e-5); the
+    state through the distributed checkpoint functions into a fresh one, which continues as the run."""
+    model, host_model, plain_model = _sharded(), _sharded(), _sharded()
+    optimizer, scheduler = _optimizer(model)
+    tier = DiskTier(str(tmp / "scratch"), DISK_BUFFER)  # rank: the global one, a directory each
+    optimizer = disk_step(optimizer, tier, schedulers=[scheduler])
+    host, host_scheduler = _optimizer(host_model)
+    host = host_step_shards(host, False, [host_scheduler])
+    plain, plain_scheduler = _optimizer(plain_model)
+    for m, o, s in ((model, optimizer, scheduler), (host_model, host, host_scheduler)):
+        _train(m, o, s, STEPS)
+    _train(plain_model, plain, plain_scheduler, STEPS)
+    out["disk_fsdp"] = (_full(model), _full(host_model), _full(plain_model))
+    out["disk_fsdp_state"] = (_full_state(optimizer), _full_state(plain))
+    out["disk_fsdp_chunks"] = (sum(len(d.layout.chunks) for d in optimizer._disk), optimizer.buffers.peak)
+    out["disk_dirs"] = sorted(p.name for p in (tmp / "scratch").iterdir())
+    names = _names(model)
+    flat = dcp_state.flat_optimizer_state(optimizer, names)
+    dcp_dir = str(tmp / "dcp_disk")
+    dist.barrier()
+    dcp_state.dcp.save({"optimizer_0": flat}, checkpoint_id=dcp_dir)
+    resumed = _sharded()
+    resumed.load_state_dict(model.state_dict())
+    o, s = _optimizer(resumed)
+    o = disk_step(o, DiskTier(str(tmp / "scratch"), DISK_BUFFER, rank=dist.get_rank() + 2), schedulers=[s])
+    template = {
+        "optimizer_0": dcp_state.optimizer_template(
+            o, _names(resumed), dcp_state.saved_keys(dcp_dir), "optimizer_0"
+        )
+    }
+    dcp_state.load_state(template, dcp_dir)
+    dcp_state.load_flat_optimizer_state(o, _names(resumed), template["optimizer_0"])
+    s.load_state_dict(scheduler.state_dict())
+    _train(resumed, o, s, 2, start=STEPS)
+    _train(model, optimizer, scheduler, 2, start=STEPS)
+    out["disk_fsdp_resumed"] = (_full(resumed), _full(model))
+    for closing in (o, optimizer):
+        closing.close()
+    dist.barrier()
+    out["disk_dirs_after"] = sorted(p.name for p in (tmp / "scratch").iterdir())
+
+
+def _zero1_disk(out: dict, tmp: Path) -> None:
+    """ZeRO-1: each replica steps its shard of the state from its own rank's files."""
+    runs = {}
+    for kind in ("plain", "disk"):
+        model = _model()
+        optimizer, scheduler = _optimizer(model)
+        if kind == "disk":
+            tier = DiskTier(str(tmp / "zero_scratch"), DISK_BUFFER)
+            optimizer = disk_step(optimizer, tier, dist.group.WORLD, shard=True, schedulers=[scheduler])
+        else:
+            optimizer = zero.shard_optimizer_state(optimizer, dist.group.WORLD, [scheduler])
+        for step in range(STEPS):
+            for x, y in _batches(step, torch.float32):
+                (nn.functional.mse_loss(model(x), y) / ACCUMULATE).backward()
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        zero.consolidate(optimizer)
+        state = copy.deepcopy(optimizer.state_dict()) if dist.get_rank() == 0 else None
+        runs[kind] = (
+            {k: v.clone() for k, v in model.state_dict().items()},
+            state,
+            type(optimizer.optim).__name__,
+        )
+        if kind == "disk":
+            optimizer.optim.close()
+    out["zero1"] = runs
+    dist.barrier()
+    out["zero_dirs_after"] = sorted(p.name for p in (tmp / "zero_scratch").iterdir())
+
+
 def _job(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     out: dict = {}
     _host_tier(out)
     _checkpoint_paths(out, Path(out_dir))
-    _low_precision(out)
+    for scratch in ("scratch", "zero_scratch"):
+        (Path(out_dir) / scratch).mkdir(exist_ok=True)
+    _low_precision(out, Path(out_dir))
+    _disk_fsdp(out, Path(out_dir))
+    _zero1_disk(out, Path(out_dir))
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -270,9 +368,41 @@ def _same(actual: dict, expected: dict, bitwise: bool = False, what: str = "") -
         )
 
 
-def test_fsdp2_shards_train_as_without_offload_with_the_optimizer_on_the_host(tmp_path):
+def test_fsdp2_shards_train_as_without_offload_with_the_optimizer_on_the_host_or_the_disk(tmp_path):
     records = spawn_gloo(_job, 2, tmp_path)
     for out in records:
+        _check_host_tier(out)
+        _check_disk_tier(out)
+
+
+def _check_disk_tier(out: dict) -> None:
+    disk, host, plain = out["disk_fsdp"]
+    _same(disk, host, bitwise=True, what="disk against host")
+    _same(disk, plain, what="disk against plain")
+    mine, theirs = out["disk_fsdp_state"]
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert sorted(mine["state"]) == sorted(theirs["state"]) == [2, 3, 4, 5]
+    for i, state in theirs["state"].items():
+        _same(mine["state"][i], state, what=f"state {i}")
+    chunks, peak = out["disk_fsdp_chunks"]
+    assert chunks > 2 and 0 < peak <= DISK_BUFFER
+    assert out["disk_dirs"] == ["rank0", "rank1"], "a directory per rank: the ranks of a node never collide"
+    _same(*out["disk_fsdp_resumed"], bitwise=True, what="resumed from DCP")
+    assert out["disk_dirs_after"] == []
+    assert out["zero_dirs_after"] == []
+    runs = out["zero1"]
+    _same(runs["disk"][0], runs["plain"][0], what="zero1")
+    assert runs["disk"][2] == "AdamW"
+    if runs["plain"][1] is not None:  # rank 0: the consolidated state, as ZeRO-1 without the disk
+        mine, theirs = runs["disk"][1], runs["plain"][1]
+        assert mine["param_groups"] == theirs["param_groups"]
+        assert sorted(mine["state"]) == sorted(theirs["state"]) == [2, 3, 4, 5]
+        for i, state in theirs["state"].items():
+            _same(mine["state"][i], state, what=f"zero1 state {i}")
+
+
+def _check_host_tier(out: dict) -> None:
+    if True:
         # The host step reads the clipped gradients: the norms (before clipping) and parameters agree.
         assert out["norms"][0] == pytest.approx(out["norms"][1], rel=1e-6)
         _same(*out["params"])
@@ -291,7 +421,10 @@ def test_fsdp2_shards_train_as_without_offload_with_the_optimizer_on_the_host(tm
         for kind, params in loaded.items():
             _same(params, expected, what=kind)
         for dtype in ("torch.bfloat16", "torch.float16"):
-            params, ref_params, master, ref_master, keys = out[dtype]
+            disk_params, disk_state, host_state, params, ref_params, master, ref_master, keys = out[dtype]
+            _same(disk_params, params, bitwise=True, what=f"{dtype} disk")
+            for i, state in host_state["state"].items():
+                _same(disk_state["state"][i], state, bitwise=True, what=f"{dtype} disk state {i}")
             _same(params, ref_params, bitwise=True, what=dtype)
             _same(master, ref_master, bitwise=True, what=dtype)
             assert keys == ["exp_avg", "exp_avg_sq", MASTER, "step"]
