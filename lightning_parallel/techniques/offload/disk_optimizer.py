@@ -2,88 +2,70 @@
 
 When the host cannot hold the optimizer state either (several ranks of a node sharing its memory), the
 state (and the fp32 master of bf16 / fp16 parameters) lives in files under a directory the user names,
-one directory per rank (:mod:`~lightning_parallel.techniques.offload.scratch`). Once per optimizer step,
-after backward, clipping and unscaling on the device, each chunk of the state
-(:mod:`~lightning_parallel.techniques.offload.disk_layout`) is read into a slot of the host buffer while
-the previous chunk steps and the one before is written back
-(:mod:`~lightning_parallel.techniques.offload.disk_stream`); for each chunk the gradients come down
-(pinned and non-blocking on an accelerator), the user's class steps it with its fastest host kernel, and
-the updated parameters go up. The numbers are a plain optimizer's: an elementwise step over a chunk is
-the step over the whole tensors (fp32 parameters: the device's own values are stepped; bf16 / fp16: the
-fp32 master from the file, rounded on the way up).
+one directory per rank (``scratch.py``). Once per optimizer step, after backward, clipping and unscaling
+on the device, the chunks of the state (``disk_layout.py``) stream through the host buffer
+(``disk_stream.py``): one is read while the one before steps and the one before that is written back.
+For each chunk (``disk_chunk.py``) the gradients come down (pinned and non-blocking on an accelerator),
+the user's class steps it with its fastest host kernel, the updated parameters go up. The numbers are
+the whole step's: torch's fused host kernels step a chunk bitwise as the whole tensors (fp32 parameters:
+the device's own values are stepped; bf16 / fp16: the fp32 master kept in the file, rounded on the way
+up, as ``shard_optimizer.py`` does on the host).
 
 One class for every data-parallel mode (:func:`disk_stepping`, named as the user's): plain replicas,
-ZeRO-1 (``ZeroRedundancyOptimizer(optimizer_class=disk_stepping(cls, tier))`` steps each replica's shard
-from its files) and FSDP2 shards (DTensor parameters: their local shards are stepped; the state shows as
-DTensors placed as them, :mod:`~lightning_parallel.techniques.offload.host_shards`).
+ZeRO-1 (``ZeroRedundancyOptimizer(optimizer_class=disk_stepping(cls, tier))``: each replica's shard from
+its own files) and FSDP2 shards (DTensor parameters: their local shards step; the state shows as
+DTensors placed as them). ``state_dict()`` reads the state from the files (``disk_group.py``; the rank's
+state is on the host while a checkpoint is written, as without the tier); ``load_state_dict()`` writes
+it to them, in a plain optimizer's layout. The files are scratch: made afresh by each run, removed by
+:meth:`DiskStepping.close`, when the optimizer is collected, at the interpreter's exit, and by the kernel
+on a kill where they are unnamed (Linux ``O_TMPFILE``); a directory a killed run left is emptied by the
+next run, which takes its state from the checkpoint it resumes from.
 
-``state_dict()`` reads the state from the files (a checkpoint holds it: the rank's state is on the host
-while it is written, as without the tier); ``load_state_dict()`` writes it to them, with the keys, ids
-and groups of a plain optimizer (plus ``"fp32_param"`` for a bf16 / fp16 parameter, as
-:mod:`~lightning_parallel.techniques.offload.shard_optimizer` does). The files are scratch: made afresh
-by each run, removed by :meth:`DiskStepping.close` (the strategy's teardown, a stop), at the
-interpreter's exit, and by the kernel on a kill where they are unnamed (Linux ``O_TMPFILE``); a
-directory a killed run left is emptied by the next one, which takes its state from the checkpoint.
+Integration plan (issue 54's next phase; the fields are offload's, one technique's):
 
-Integration plan (issue 54, the next phase; the plan fields are one technique's, offload's):
-
-* fields: ``offload="optimizer"`` with ``offload_to="host" | "disk"`` (default ``"host"``),
-  ``offload_dir`` (required with ``"disk"``), ``offload_buffer`` (bytes or ``"1GiB"``, default 1 GiB: the
-  host's bound per rank). ``check()`` refuses: ``offload_to="disk"`` without ``"optimizer"`` in offload
-  ("offload_to='disk' moves the optimizer state: add 'optimizer' to offload"); with ``"parameters"``
-  (FSDP2's CPUOffloadPolicy keeps the shards' state on the host: "use offload='optimizer' with
-  data_parallel='fsdp'"); ``offload_dir`` missing or given with ``offload_to="host"``; an
-  ``offload_buffer`` that is not a positive size; tensor parallelism (as offload already refuses).
-  The directory, its room and its writability are checked at set-up on every rank (``agree``), before
-  any step, by building the optimizers (:func:`disk_step` raises ``ValueError`` with the values).
-* ``optimizers()``: replicas: :func:`disk_step`; ZeRO-1: ``disk_step(..., group=dp_group, shard=True)``;
-  FSDP2 / HSDP: :func:`disk_step` over the DTensor shards (and ``host_step_shards`` of
-  ``shard_optimizer.py`` for ``offload_to="host"``, replacing today's refusal of optimizer-only offload
-  under FSDP2). ``environment()``: the host backend beside the device's (state DTensors on the host).
-  The strategy's teardown and stop call ``close()``; a failure of a step (``DiskFullError``) ends the job
-  on every rank through ``agree``, the last checkpoint untouched.
-* memory: the device loses the state (8 bytes / element for AdamW, its fp32 master for bf16 / fp16);
-  the host holds ``offload_buffer`` (three chunk slots and a work area), not the state; a disk column
-  per node holds the state (+ masters), summed over the node's ranks, aligned to 4 KiB per chunk.
-* time: per optimizer step, the state read and written once at the disk's measured bandwidth (probed
-  once, as the host copy is), overlapped with the host step chunk by chunk: ``max(read + write, host
-  step) + one chunk``; the gradient and parameter copies as host offload's.
-* checkpoints: unchanged paths (``state_dict()`` / ``load_state_dict()``, consolidated or DCP); the
+* Fields: ``offload_to="host" | "disk"`` (default ``"host"``), ``offload_dir`` (required with
+  ``"disk"``; each rank uses ``<offload_dir>/rank<R>``), ``offload_buffer`` (bytes or ``"1GiB"``, default
+  1 GiB: the host's bound per rank, per optimizer). ``check()`` refuses, with the fix: ``"disk"`` without
+  ``"optimizer"`` in ``offload`` ("offload_to='disk' moves the optimizer state: add 'optimizer' to
+  offload"); ``"disk"`` with ``"parameters"`` (not supported yet: the same class would step FSDP2's host
+  shards, untested); ``offload_dir`` missing with ``"disk"`` or given with ``"host"``; an
+  ``offload_buffer`` that is no positive size; tensor parallelism (as offload refuses now). The
+  directory, its room and its writability are checked at set-up, every rank agreeing (``agree``) before
+  any step: building the optimizers raises them (``disk_step``: ``ValueError`` with the values).
+* ``optimizers()``: replicas ``disk_step(o, tier)``; ZeRO-1 ``disk_step(o, tier, dp_group, shard=True)``;
+  FSDP2 / HSDP ``disk_step(o, tier)`` over the DTensor shards, and for ``offload_to="host"``
+  ``shard_optimizer.host_step_shards`` (lifting today's refusal of ``"optimizer"`` alone under FSDP2).
+  ``environment()``: the host backend beside the device's (the state's DTensors have host tensors, which
+  the consolidated save gathers). The strategy's teardown and its stop call ``close()``; a failed step
+  (``DiskFullError``) ends the job on every rank through ``agree``, the last checkpoint untouched.
+* Memory: the device loses the state (AdamW: 8 bytes per trainable element; bf16 / fp16: the master's
+  4 too); the host holds the buffer, not the state; a disk column per node holds the state and masters
+  of the node's ranks (+ up to 4 KiB per chunk of alignment).
+* Time: per optimizer step the state is read and written once at the disk's bandwidth (measured once,
+  as the host copy is), overlapped with the host step chunk by chunk: about ``max(2 x state / disk
+  bandwidth, host step) + one chunk's read and write``, plus host offload's gradient and parameter copies.
+* Checkpoints: the paths as they are (``state_dict()`` / ``load_state_dict()``, consolidated or DCP); the
   scratch files are never read at a resume.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
-from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_parallel.techniques import zero
-from lightning_parallel.techniques.offload.disk_layout import (
-    SPLIT,
-    GroupLayout,
-    StateKey,
-    plan_group,
-    probe_keys,
-)
+from lightning_parallel.techniques.offload.disk_chunk import ALIGN, WORK_REGIONS, ChunkStep
+from lightning_parallel.techniques.offload.disk_group import DiskState, GroupFile, GroupSpec, group_spec, seen
+from lightning_parallel.techniques.offload.disk_layout import SPLIT, Chunk, plan_group
 from lightning_parallel.techniques.offload.disk_stream import SLOTS, HostBuffers, Stream
-from lightning_parallel.techniques.offload.host_optimizer import (
-    _KERNEL_KEYS,
-    HOST,
-    accepted_defaults,
-    host_kernel,
-)
-from lightning_parallel.techniques.offload.host_shards import host_local, local_view, placed_like
-from lightning_parallel.techniques.offload.scratch import ScratchDir, StateFile, check_room
-from lightning_parallel.techniques.offload.shard_optimizer import MASTER, master_dtype
-
-_ALIGN = 64
-_NOT_HYPER = ("params", "param_names", *_KERNEL_KEYS)  # the host's kernel is its own choice
+from lightning_parallel.techniques.offload.host_optimizer import accepted_defaults, host_kernel
+from lightning_parallel.techniques.offload.scratch import ScratchDir, check_room
 
 
 @dataclass(frozen=True)
@@ -109,54 +91,19 @@ class DiskTier:
     unnamed: bool | None = None
 
     def rank_now(self) -> int:
+        """The rank whose directory this process uses."""
         if self.rank is not None:
             return self.rank
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-@dataclass
-class _Spec:
-    """A param group's facts before its file is laid out."""
-
-    keys: tuple[StateKey, ...]
-    elementwise: bool
-    numels: list[int | None]  # None: frozen
-    low: list[bool]  # bf16 / fp16: stepped as an fp32 master kept in the file
-    dtype: torch.dtype  # what the host steps in (the gradients and the master too)
-    param_size: int  # the largest element size of its bf16 / fp16 parameters (the rounding), else 0
-
-    @property
-    def state_bytes(self) -> int:  # per element, in a slot
-        return sum(k.size for k in self.keys)
-
-    @property
-    def work_bytes(self) -> int:  # per element, in the work area: gradient, parameter, rounding
-        return 2 * _size(self.dtype) + self.param_size
-
-
-@dataclass
-class _GroupOnDisk:
-    """A param group's file and what is known of its state without reading it."""
-
-    spec: _Spec
-    layout: GroupLayout
-    file: StateFile
-    small: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # piece -> step, ...
-    masters: set[int] = field(default_factory=set)  # tensors whose master in the file is current
-    seen: dict[int, tuple[int, int]] = field(default_factory=dict)  # (version, address) at our last write
-
-    def has_state(self, index: int) -> bool:
-        pieces = self.layout.pieces_of(index)
-        return bool(pieces) and (index, pieces[0][1].start) in self.small
-
-
 class DiskStepping:
     """The user's optimizer class with its state in files: mixed in first by :func:`disk_stepping`.
 
-    ``param_groups`` are the user's (device parameters or DTensor shards, hyper-parameters that LR
+    ``param_groups`` are the user's (device parameters or DTensor shards; the hyper-parameters LR
     schedulers, clipping and the GradScaler read and write); the state is in the files of
     ``<tier.directory>/rank<R>``, one per param group. ``buffers`` counts the host buffers (``peak``:
-    the measured bound); ``seconds`` the time in steps and, of it, waiting on the disk.
+    the measured bound); ``seconds``: the time in steps and, of it, waiting on the disk.
     """
 
     _user_class: type
@@ -165,69 +112,45 @@ class DiskStepping:
     def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
         self._user_class.__init__(self, params, *args, **kwargs)
         self._step_supports_amp_scaling = False  # the GradScaler unscales the device gradients first
-        self._defaults = accepted_defaults(self._user_class, self.defaults)
-        self._kernel = host_kernel(self._user_class, self._defaults, torch.float32)
+        defaults = accepted_defaults(self._user_class, self.defaults)
+        kernel = host_kernel(self._user_class, defaults, torch.float32)
+        self._chunk_step = ChunkStep(self._user_class, kernel, defaults, self._tier.pin_memory)
         self._scratch = ScratchDir.acquire(self._tier.directory, self._tier.rank_now())
-        self._disk: list[_GroupOnDisk] = []
-        self._stream: list[Stream] = []  # (made at the first step, kept: a list so close() shares it)
+        self._disk: list[GroupFile] = []
+        self._stream: list[Stream] = []  # (made at the first step: a list, so the finalizer shares it)
         try:
-            specs = [self._spec(g) for g in self.param_groups]
+            specs = [group_spec(self._user_class, g, kernel) for g in self.param_groups]
             self._slot_bytes, self._work_bytes = _buffer_split(specs, self._tier.buffer_bytes)
             self._lay_out(specs)
         except BaseException:
             _close(self._disk, self._stream, self._scratch)
             raise
-        self.state = _DiskState(self)
+        self.state = DiskState(self)
         self.buffers = HostBuffers()
         self.seconds = {"step": 0.0, "waiting": 0.0}
         self._failed: BaseException | None = None
+        self._refresh: list[set[int]] = []
         self._closer = weakref.finalize(self, _close, self._disk, self._stream, self._scratch)
 
-    # ------------------------------------------------------------------------------- the layout
-    def _spec(self, group: dict[str, Any]) -> _Spec:
-        params = group["params"]
-        for p in params:
-            if p.requires_grad and not local_view(p).is_contiguous():
-                raise ValueError(
-                    f"the disk tier writes parameters back by element ranges, but one of shape "
-                    f"{tuple(p.shape)} is not contiguous: make it contiguous, or offload to the host"
-                )
-        trainable = [local_view(p) for p in params if p.requires_grad]
-        steps = {master_dtype(t.dtype) for t in trainable}
-        if len(steps) > 1:
-            raise ValueError(
-                f"a param group mixes parameters the host would step in {sorted(map(str, steps))}: put "
-                f"them in separate param groups"
-            )
-        dtype = steps.pop() if steps else torch.float32
-        keys, elementwise = probe_keys(self._user_class, group, self._kernel, dtype)
-        low = [local_view(p).dtype != dtype for p in params]
-        if any(lo and p.requires_grad for lo, p in zip(low, params)):
-            keys = (*keys, StateKey(MASTER, dtype))
-        numels = [local_view(p).numel() if p.requires_grad else None for p in params]
-        param_size = max((t.element_size() for t in trainable if t.dtype != dtype), default=0)
-        return _Spec(keys, elementwise, numels, low, dtype, param_size)
-
-    def _lay_out(self, specs: list[_Spec]) -> None:
+    def _lay_out(self, specs: list[GroupSpec]) -> None:
         layouts = [plan_group(s.numels, s.keys, self._max_elements(s), s.elementwise) for s in specs]
         check_room(self._scratch.path, sum(layout.file_bytes for layout in layouts))
         for spec, layout in zip(specs, layouts):
-            file = self._scratch.new_file(layout.file_bytes, self._tier.unnamed)
-            self._disk.append(_GroupOnDisk(spec, layout, file))
+            self._disk.append(
+                GroupFile(spec, layout, self._scratch.new_file(layout.file_bytes, self._tier.unnamed))
+            )
 
-    def _max_elements(self, spec: _Spec) -> int:
+    def _max_elements(self, spec: GroupSpec) -> int:
+        by_work = (self._work_bytes - WORK_REGIONS * ALIGN) // spec.work_bytes
         if not spec.state_bytes:  # (no per-element state: only the work area bounds a chunk)
-            return max(1, (self._work_bytes - 3 * _ALIGN) // max(spec.work_bytes, 1))
-        by_slot = (self._slot_bytes - _ALIGN * len(spec.keys)) // spec.state_bytes
-        by_work = (self._work_bytes - 3 * _ALIGN) // max(spec.work_bytes, 1)
-        return max(1, min(by_slot, by_work))
+            return by_work
+        return min((self._slot_bytes - ALIGN * len(spec.keys)) // spec.state_bytes, by_work)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._user_class.add_param_group(self, param_group)
         if "_disk" in self.__dict__:  # (a group added after construction: BackboneFinetuning's)
-            self._lay_out([self._spec(self.param_groups[-1])])
+            self._lay_out([group_spec(self._user_class, self.param_groups[-1], self._chunk_step.kernel)])
 
-    # --------------------------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None
@@ -240,14 +163,16 @@ class DiskStepping:
                 "resume from the last checkpoint"
             ) from self._failed
         start = time.perf_counter()
-        self._refresh = self._stale_masters()
-        chunks = [
-            (g, c) for g, disk in enumerate(self._disk) for c in disk.layout.chunks if self._stepped(g, c)
-        ]
-        stream = self._open_stream()
+        self._refresh = [self._stale_masters(g) for g in range(len(self._disk))]
+        chunks = [(g, c) for g, f in enumerate(self._disk) for c in f.layout.chunks if self._has_grads(g, c)]
+        if not self._stream:
+            self._stream.append(
+                Stream(self.buffers, self._slot_bytes, self._work_bytes, self._tier.pin_memory)
+            )
+        stream = self._stream[0]
         waited = stream.waited
         try:
-            stream.run(chunks, self._read, self._step_chunk, self._write)
+            stream.run(chunks, self._read, self._step, self._write)
         except BaseException as err:
             self._failed = err
             raise
@@ -256,139 +181,55 @@ class DiskStepping:
         self.seconds["waiting"] += stream.waited - waited
         return loss
 
-    def _open_stream(self) -> Stream:
-        if not self._stream:
-            self._stream.append(
-                Stream(self.buffers, self._slot_bytes, self._work_bytes, self._tier.pin_memory)
-            )
-        return self._stream[0]
-
-    def _stepped(self, g: int, chunk: Any) -> bool:
+    def _has_grads(self, g: int, chunk: Chunk) -> bool:
         params = self.param_groups[g]["params"]
         return any(params[p.index].grad is not None for p in chunk.pieces)
 
-    def _stale_masters(self) -> set[tuple[int, int]]:
-        """The bf16 / fp16 tensors whose master must be taken from the device (never stepped, or
-        written since by someone else: a checkpoint's weights, a broadcast)."""
-        stale = set()
-        for g, disk in enumerate(self._disk):
-            for i, p in enumerate(self.param_groups[g]["params"]):
-                if (
-                    disk.spec.low[i]
-                    and p.requires_grad
-                    and (i not in disk.masters or disk.seen.get(i) != _seen(p))
-                ):
-                    stale.add((g, i))
-        return stale
-
-    def _note_masters(self, chunks: list) -> None:
-        for g, chunk in chunks:
-            disk, params = self._disk[g], self.param_groups[g]["params"]
-            for piece in chunk.pieces:
-                if disk.spec.low[piece.index] and params[piece.index].grad is not None:
-                    disk.masters.add(piece.index)
-                    disk.seen[piece.index] = _seen(params[piece.index])
-
-    def _read(self, item: tuple[int, Any], slot: torch.Tensor) -> None:
-        g, chunk = item
-        disk = self._disk[g]
-        if any((p.index, p.start) in disk.small or p.index in disk.masters for p in chunk.pieces):
-            disk.file.read_into(chunk.offset, slot[: chunk.nbytes(disk.spec.keys)])
-
-    def _write(self, item: tuple[int, Any], slot: torch.Tensor) -> None:
-        g, chunk = item
-        disk = self._disk[g]
-        disk.file.write_from(chunk.offset, slot[: chunk.nbytes(disk.spec.keys)])
-
-    def _step_chunk(self, item: tuple[int, Any], slot: torch.Tensor, work: torch.Tensor) -> bool:
-        """Gradients down, the host step over the chunk's pieces, parameters up; whether it stepped."""
-        g, chunk = item
-        disk, group = self._disk[g], self.param_groups[g]
-        spec, n = disk.spec, chunk.numel
-        views = {
-            k.name: _view(slot, chunk.key_offset(spec.keys, j), n, k.dtype) for j, k in enumerate(spec.keys)
+    def _stale_masters(self, g: int) -> set[int]:
+        """Group ``g``'s bf16 / fp16 tensors whose master is taken from the device before this step:
+        never stepped, or written since by someone else (a checkpoint's weights, a broadcast)."""
+        group_file = self._disk[g]
+        return {
+            i
+            for i, p in enumerate(self.param_groups[g]["params"])
+            if group_file.spec.low[i] and (i not in group_file.masters or group_file.seen.get(i) != seen(p))
         }
-        grads = _view(work, 0, n, spec.dtype)
-        values = _view(work, _aligned(n * _size(spec.dtype)), n, spec.dtype)
-        pieces = [p for p in chunk.pieces if group["params"][p.index].grad is not None]
-        stepped = [self._gradient_in(g, p, views, grads, values) for p in pieces]
-        if self._tier.pin_memory:  # the host step reads what the device stream is still writing
-            torch.accelerator.synchronize()
-        hyper = {k: _on_host(v) for k, v in group.items() if k not in _NOT_HYPER}
-        host = self._user_class([{**hyper, **self._kernel, "params": stepped}], **self._defaults)
-        for tensor, piece in zip(stepped, pieces):
-            if (piece.index, piece.start) in disk.small:
-                host.state[tensor] = {
-                    **_slices(views, piece, spec.keys),
-                    **disk.small[(piece.index, piece.start)],
-                }
-        host.step()
-        for tensor, piece in zip(stepped, pieces):
-            self._keep_state(disk, piece, host.state[tensor], views)
-            tensor.grad = None
-        rounding = work[2 * _aligned(n * _size(spec.dtype)) :]
-        for tensor, piece in zip(stepped, pieces):
-            self._parameter_out(group["params"][piece.index], piece, tensor, rounding)
-        return bool(pieces)
 
-    def _gradient_in(
-        self, g: int, piece: Any, views: dict, grads: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
-        """The piece's gradient into the work area, and the tensor the host steps (its master, or its
-        value copied from the device)."""
-        param = self.param_groups[g]["params"][piece.index]
-        span = slice(piece.at, piece.at + piece.numel)
-        device = _flat(local_view(param))[piece.start : piece.start + piece.numel]
-        grad = _flat(local_view(param.grad))[piece.start : piece.start + piece.numel]
-        non_blocking = self._tier.pin_memory
-        grads[span].copy_(grad, non_blocking=non_blocking)
-        if self._disk[g].spec.low[piece.index]:
-            tensor = views[MASTER][span]
-            if (g, piece.index) in self._refresh:
-                tensor.copy_(device, non_blocking=non_blocking)
-        else:
-            tensor = values[span].copy_(device, non_blocking=non_blocking)
-        tensor.grad = grads[span]
-        return tensor
+    def _note_masters(self, chunks: list[tuple[int, Chunk]]) -> None:
+        for g, chunk in chunks:
+            group_file, params = self._disk[g], self.param_groups[g]["params"]
+            for i in {p.index for p in chunk.pieces if group_file.spec.low[p.index]}:
+                if params[i].grad is not None:
+                    group_file.masters.add(i)
+                    group_file.seen[i] = seen(params[i])
 
-    def _keep_state(self, disk: _GroupOnDisk, piece: Any, state: dict[str, Any], views: dict) -> None:
-        """The step's state of a piece: the per-element tensors in the slot (a first step made them
-        elsewhere: copied in), the rest (``step``) kept in memory."""
-        names = {k.name for k in disk.spec.keys if k.name != MASTER}
-        per_element = {k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
-        if per_element != names:
-            raise RuntimeError(
-                f"{self._user_class.__name__}'s state has the keys {sorted(per_element)} but the disk tier "
-                f"laid out {sorted(names)} (found by a probe step): its state changed with a hyper-parameter "
-                f"(amsgrad?): build the optimizer with its final settings"
-            )
-        if not state:
-            return  # (no state kept for it: SGD without momentum)
-        key = (piece.index, piece.start)
-        if key not in disk.small:
-            for name, tensor in _slices(views, piece, disk.spec.keys).items():
-                tensor.copy_(state[name])
-        disk.small[key] = {k: v for k, v in state.items() if k not in per_element}
+    def _read(self, item: tuple[int, Chunk], slot: torch.Tensor) -> None:
+        g, chunk = item
+        group_file = self._disk[g]
+        if any((p.index, p.start) in group_file.small or p.index in group_file.masters for p in chunk.pieces):
+            group_file.file.read_into(chunk.offset, slot[: chunk.nbytes(group_file.spec.keys)])
 
-    def _parameter_out(
-        self, param: torch.Tensor, piece: Any, tensor: torch.Tensor, rounding: torch.Tensor
-    ) -> None:
-        device = _flat(local_view(param))[piece.start : piece.start + piece.numel]
-        if device.dtype != tensor.dtype:  # bf16 / fp16: rounded on the host, half the bytes up
-            tensor = _view(rounding, piece.at * device.dtype.itemsize, piece.numel, device.dtype).copy_(
-                tensor
-            )
-        device.copy_(tensor, non_blocking=self._tier.pin_memory)
+    def _step(self, item: tuple[int, Chunk], slot: torch.Tensor, work: torch.Tensor) -> bool:
+        g, chunk = item
+        return self._chunk_step(self.param_groups[g], self._disk[g], chunk, slot, work, self._refresh[g])
 
-    # --------------------------------------------------------------------------- the state dict
+    def _write(self, item: tuple[int, Chunk], slot: torch.Tensor) -> None:
+        g, chunk = item
+        group_file = self._disk[g]
+        group_file.file.write_from(chunk.offset, slot[: chunk.nbytes(group_file.spec.keys)])
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Write a state dict (a plain optimizer's layout, or this one's) into the files."""
+        """Write a state dict (a plain optimizer's layout, or this one's) into the files.
+
+        Raises:
+            ValueError: its param groups are not this optimizer's, or its state is another optimizer's.
+        """
         saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
+        sizes = ([len(g["params"]) for g in saved_groups], [len(g["params"]) for g in self.param_groups])
+        if sizes[0] != sizes[1]:
             raise ValueError(
-                "the loaded optimizer state has other param groups than this optimizer (sizes "
-                f"{[len(g['params']) for g in saved_groups]} against "
-                f"{[len(g['params']) for g in self.param_groups]}): resume with the same param grouping"
+                f"the loaded optimizer state has other param groups than this optimizer (sizes {sizes[0]} "
+                f"against {sizes[1]}): resume with the same param grouping"
             )
         params = {}
         for saved, group in zip(saved_groups, self.param_groups):
@@ -407,123 +248,21 @@ class DiskStepping:
 
     def disk_bytes(self) -> int:
         """Bytes of this optimizer's files (reserved when it was built)."""
-        return sum(d.layout.file_bytes for d in self._disk)
+        return sum(f.layout.file_bytes for f in self._disk)
 
 
-class _DiskState(MutableMapping):
-    """The user-facing ``optimizer.state``: each parameter's state read from the files when asked (shown
-    as DTensors placed as a DTensor parameter), written to them when set."""
-
-    def __init__(self, owner: DiskStepping) -> None:
-        self._owner = weakref.proxy(owner)  # (no cycle: a dropped optimizer is freed, its files closed)
-        self._index: dict[int, tuple[int, int]] = {}  # id(param) -> (group, position): groups only grow
-
-    def _where(self, param: Any) -> tuple[int, int]:
-        groups = self._owner.param_groups
-        if id(param) not in self._index:
-            self._index = {
-                id(p): (g, i) for g, group in enumerate(groups) for i, p in enumerate(group["params"])
-            }
-        g, i = self._index.get(id(param), (-1, -1))
-        if g < 0 or groups[g]["params"][i] is not param:
-            raise KeyError(param)
-        return g, i
-
-    def __getitem__(self, param: Any) -> dict[str, Any]:
-        g, i = self._where(param)
-        disk = self._owner._disk[g]
-        if not disk.has_state(i):
-            raise KeyError(param)
-        shape = local_view(param).shape
-        state: dict[str, Any] = {
-            k: _on_host(v, clone=True)
-            for k, v in disk.small[(i, disk.layout.pieces_of(i)[0][1].start)].items()
-        }
-        for j, key in enumerate(disk.spec.keys):
-            if key.name == MASTER and not (disk.spec.low[i] and i in disk.masters):
-                continue
-            full = torch.empty(shape.numel(), dtype=key.dtype)
-            for chunk, piece in disk.layout.pieces_of(i):
-                at = chunk.offset + chunk.key_offset(disk.spec.keys, j) + piece.at * key.size
-                disk.file.read_into(at, full[piece.start : piece.start + piece.numel])
-            state[key.name] = placed_like(full.view(shape), param)
-        return state
-
-    def __setitem__(self, param: Any, value: dict[str, Any]) -> None:
-        g, i = self._where(param)
-        disk = self._owner._disk[g]
-        pieces = disk.layout.pieces_of(i)
-        if not pieces:
-            raise ValueError(
-                "optimizer state was given for a parameter that was frozen when the optimizer was built "
-                "(the disk tier has no room for it): build the optimizer after unfreezing, or add the "
-                "parameter as a new param group"
-            )
-        value = dict(value)
-        master = value.pop(MASTER, None)
-        for j, key in enumerate(disk.spec.keys):
-            if key.name == MASTER:
-                continue
-            if key.name not in value:
-                raise ValueError(
-                    f"the loaded optimizer state has no {key.name!r} for a parameter: resume with the same "
-                    f"optimizer settings"
-                )
-            flat = host_local(value.pop(key.name), param, key.dtype).reshape(-1).contiguous()
-            for chunk, piece in pieces:
-                at = chunk.offset + chunk.key_offset(disk.spec.keys, j) + piece.at * key.size
-                disk.file.write_from(at, flat[piece.start : piece.start + piece.numel])
-        disk.masters.discard(i)
-        if master is not None and disk.spec.low[i]:
-            self._take_master(disk, i, param, pieces, host_local(master, param, disk.spec.dtype))
-        for _, piece in pieces:
-            disk.small[(i, piece.start)] = {k: _small(k, v) for k, v in value.items()}
-
-    def _take_master(
-        self, disk: _GroupOnDisk, i: int, param: Any, pieces: list, master: torch.Tensor
-    ) -> None:
-        """A loaded master is taken if it rounds to the parameter as it is now (else: from the parameter)."""
-        device = local_view(param)
-        if not torch.equal(master.to(device.dtype), device.to(HOST)):
-            return
-        j = len(disk.spec.keys) - 1
-        flat = master.reshape(-1).contiguous()
-        for chunk, piece in pieces:
-            at = chunk.offset + chunk.key_offset(disk.spec.keys, j) + piece.at * disk.spec.dtype.itemsize
-            disk.file.write_from(at, flat[piece.start : piece.start + piece.numel])
-        disk.masters.add(i)
-        disk.seen[i] = _seen(param)
-
-    def __delitem__(self, param: Any) -> None:
-        g, i = self._where(param)
-        disk = self._owner._disk[g]
-        if not disk.has_state(i):
-            raise KeyError(param)
-        for _, piece in disk.layout.pieces_of(i):
-            disk.small.pop((i, piece.start), None)
-        disk.masters.discard(i)
-
-    def __iter__(self) -> Iterator[Any]:
-        for g, group in enumerate(self._owner.param_groups):
-            yield from (p for i, p in enumerate(group["params"]) if self._owner._disk[g].has_state(i))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-# ----------------------------------------------------------------------------------- small helpers
-def _close(disks: list[_GroupOnDisk], stream: list[Stream], scratch: ScratchDir, wait: bool = False) -> None:
+def _close(files: list[GroupFile], stream: list[Stream], scratch: ScratchDir, wait: bool = False) -> None:
     """Release what an optimizer holds; also its finalizer (``wait`` False: see ``Stream.close``)."""
     for s in stream:
         s.close(wait=wait)
     stream.clear()
-    for disk in disks:
-        disk.file.close()
+    for group_file in files:
+        group_file.file.close()
     if scratch._users > 0:
         scratch.release()
 
 
-def _buffer_split(specs: list[_Spec], buffer_bytes: int) -> tuple[int, int]:
+def _buffer_split(specs: list[GroupSpec], buffer_bytes: int) -> tuple[int, int]:
     """(a slot's bytes, the work area's bytes): ``SLOTS`` slots and the work area fill the buffer.
 
     Raises:
@@ -532,7 +271,7 @@ def _buffer_split(specs: list[_Spec], buffer_bytes: int) -> tuple[int, int]:
     state = max((s.state_bytes for s in specs), default=0)
     work = max((s.work_bytes for s in specs), default=8)
     keys = max((len(s.keys) for s in specs), default=0)
-    slack = SLOTS * _ALIGN * keys + 3 * _ALIGN
+    slack = SLOTS * ALIGN * keys + WORK_REGIONS * ALIGN
     elements = (buffer_bytes - slack) // (SLOTS * state + work)
     if elements < SPLIT:
         raise ValueError(
@@ -541,51 +280,10 @@ def _buffer_split(specs: list[_Spec], buffer_bytes: int) -> tuple[int, int]:
             f"{SPLIT}: use a buffer of at least {slack + SPLIT * (SLOTS * state + work)} bytes (a few "
             f"hundred MiB keeps the disk busy)"
         )
-    return elements * state + _ALIGN * keys, elements * work + 3 * _ALIGN
+    return elements * state + ALIGN * keys, elements * work + WORK_REGIONS * ALIGN
 
 
-def _seen(param: torch.Tensor) -> tuple[int, int]:
-    shard = local_view(param)
-    return shard._version, shard.data_ptr()
-
-
-def _size(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _view(buffer: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return buffer[offset : offset + numel * dtype.itemsize].view(dtype)
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1)
-
-
-def _slices(
-    views: dict[str, torch.Tensor], piece: Any, keys: tuple[StateKey, ...]
-) -> dict[str, torch.Tensor]:
-    span = slice(piece.at, piece.at + piece.numel)
-    return {k.name: views[k.name][span] for k in keys if k.name != MASTER}
-
-
-def _on_host(value: Any, clone: bool = False) -> Any:
-    if not torch.is_tensor(value):
-        return value
-    value = value.detach().to(HOST)
-    return value.clone() if clone else value
-
-
-def _small(key: str, value: Any) -> Any:
-    """A loaded 0-dim state value as the host step keeps it (its own copy: each piece steps its own)."""
-    if key == "step":
-        return torch.tensor(float(value), dtype=torch.float32)
-    return _on_host(value, clone=True)
-
-
+@functools.cache
 def disk_stepping(cls: type, tier: DiskTier) -> type:
     """``cls`` with its state on the disk (:class:`DiskStepping`), named as ``cls``.
 
@@ -597,19 +295,8 @@ def disk_stepping(cls: type, tier: DiskTier) -> type:
     """
     if issubclass(cls, DiskStepping):
         return cls
-    key = (cls, tier)
-    if key not in _CLASSES:
-        attributes = {
-            "_user_class": cls,
-            "_tier": tier,
-            "__module__": __name__,
-            "__qualname__": cls.__qualname__,
-        }
-        _CLASSES[key] = type(cls.__name__, (DiskStepping, cls), attributes)
-    return _CLASSES[key]
-
-
-_CLASSES: dict[tuple[type, DiskTier], type] = {}
+    attributes = {"_user_class": cls, "_tier": tier, "__module__": __name__, "__qualname__": cls.__qualname__}
+    return type(cls.__name__, (DiskStepping, cls), attributes)
 
 
 def disk_step(optimizer: torch.optim.Optimizer, tier: DiskTier, group: Any = None, shard: bool = False,
@@ -621,8 +308,8 @@ def disk_step(optimizer: torch.optim.Optimizer, tier: DiskTier, group: Any = Non
     Raises:
         TypeError: it is no ``torch.optim.Optimizer`` (or already sharded by ZeRO).
         ValueError: it has stepped already, its class has no host step or state the tier cannot stream,
-            or the directory is missing, not writable, or on a disk without room (the bytes needed and
-            free).
+            or the directory is missing, not writable, held by a live process, or on a disk without room
+            (the bytes needed and free), or the buffer is too small (the size it needs).
 
     Example::
 
@@ -645,9 +332,8 @@ def disk_step(optimizer: torch.optim.Optimizer, tier: DiskTier, group: Any = Non
         sharded = zero.shard_optimizer_state(optimizer, group, schedulers, optimizer_class=cls)
         if sharded is not optimizer:
             return sharded
-    rebuilt = cls(
-        [dict(g) for g in optimizer.param_groups], **accepted_defaults(type(optimizer), optimizer.defaults)
-    )
+    defaults = accepted_defaults(type(optimizer), optimizer.defaults)
+    rebuilt = cls([dict(g) for g in optimizer.param_groups], **defaults)
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is optimizer:
             zero.retarget_scheduler(scheduler, rebuilt)
