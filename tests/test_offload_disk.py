@@ -322,3 +322,32 @@ def test_a_disk_that_fills_during_a_step_ends_it_with_the_message(tmp_path, monk
     optimizer.close()
     assert os.listdir(tmp_path) == []
     assert isinstance(optimizer, DiskStepping) and SLOTS == 3
+
+
+def test_a_parameter_unfrozen_after_the_layout_is_refused_a_new_group_is_laid_out(tmp_path):
+    model = _mlp()
+    optimizer, scheduler = _build(model, "adamw", "disk", tmp_path)
+    model[0].requires_grad_(True)
+    with pytest.raises(
+        ValueError, match=r"shape \(40, 6\) was frozen when the optimizer was built .* new param"
+    ):
+        _train(model, optimizer, scheduler, 1)
+    optimizer.close()
+    # BackboneFinetuning's way: the backbone out of the optimizer, then added as a group of its own
+    # (laid out when it is added).
+    model, plain_model = _mlp(), _mlp()
+    optimizer = disk_step(torch.optim.AdamW(model[2:].parameters(), lr=0.05), DiskTier(str(tmp_path), BUFFER))
+    plain = torch.optim.AdamW(plain_model[2:].parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    plain_scheduler = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.7)
+    _train(model, optimizer, scheduler, 1)
+    _train(plain_model, plain, plain_scheduler, 1)
+    for m, o in ((model, optimizer), (plain_model, plain)):
+        m[0].requires_grad_(True)
+        o.add_param_group({"params": [m[0].weight], "lr": 0.01})
+    _train(model, optimizer, scheduler, 2, start=1)
+    _train(plain_model, plain, plain_scheduler, 2, start=1)
+    for got, want in zip(model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(optimizer._disk) == 2 and optimizer._disk[1].has_state(0)
+    optimizer.close()

@@ -175,27 +175,34 @@ def _host_tier(out: dict) -> None:
     out["resumed"] = (resumed, _full(plain_model))
 
 
-def _checkpoint_paths(out: dict, tmp: Path) -> None:
-    """The project's checkpoint functions over the host-stepping optimizer: the consolidated state (full
+def _offloaded(optimizer, scheduler, tier: str, tmp: Path):
+    if tier == "host":
+        return host_step_shards(optimizer, False, [scheduler])
+    return disk_step(optimizer, DiskTier(str(tmp / "scratch"), DISK_BUFFER), schedulers=[scheduler])
+
+
+def _checkpoint_paths(out: dict, tmp: Path, tier: str) -> None:
+    """The project's checkpoint functions over the offloaded optimizer: the consolidated state (full
     tensors by name, resharded on load) and the distributed one (DCP, flat by name) load into a fresh one
     and continue as the run that saved them."""
     model = _sharded()
     optimizer, scheduler = _optimizer(model)
-    optimizer = host_step_shards(optimizer, False, [scheduler])
+    optimizer = _offloaded(optimizer, scheduler, tier, tmp)
     _train(model, optimizer, scheduler, 2)
     names, order = _names(model), [n for n, _ in model.named_parameters()]
     # (deep-copied: a state dict holds the live step tensors, which a loaded optimizer would share)
     consolidated = copy.deepcopy(stage_state.named_optimizer_state(optimizer, names, full_tensors))
     flat = dcp_state.flat_optimizer_state(optimizer, names)
-    dcp_dir = str(tmp / "dcp")
+    dcp_dir = str(tmp / f"dcp_{tier}")
     dist.barrier()
     dcp_state.dcp.save({"optimizer_0": flat}, checkpoint_id=dcp_dir)
-    loaded = {}
+    loaded, made = {}, [optimizer]
     for kind in ("consolidated", "distributed"):
         m = _sharded()
         m.load_state_dict(model.state_dict())
         o, s = _optimizer(m)
-        o = host_step_shards(o, False, [s])
+        o = _offloaded(o, s, tier, tmp)
+        made.append(o)
         if kind == "consolidated":
             local = stage_state.reshard_optimizer_state(
                 stage_state.merge_optimizer_states([consolidated], order), o, _names(m), order
@@ -215,7 +222,27 @@ def _checkpoint_paths(out: dict, tmp: Path) -> None:
         _train(m, o, s, 2, start=2)
         loaded[kind] = _full(m)
     _train(model, optimizer, scheduler, 2, start=2)
-    out["checkpoints"] = (loaded, _full(model))
+    out[f"checkpoints_{tier}"] = (loaded, _full(model))
+    for o in made:
+        getattr(o, "close", lambda: None)()
+
+
+def _hsdp(out: dict, tmp: Path) -> None:
+    """HSDP (2 replicas of a 1-way shard, placements (Replicate(), Shard(0))): both tiers as without."""
+    params = {}
+    for tier in ("plain", "host", "disk"):
+        model = _model()
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer, scheduler = _optimizer(model)
+        if tier != "plain":
+            optimizer = _offloaded(optimizer, scheduler, tier, tmp)
+        _train(model, optimizer, scheduler, STEPS)
+        params[tier] = _full(model)
+        getattr(optimizer, "close", lambda: None)()
+    out["hsdp"] = params
 
 
 def _low_precision(out: dict, tmp: Path) -> None:
@@ -268,7 +295,7 @@ DISK_BUFFER = 3000
 
 def _disk_fsdp(out: dict, tmp: Path) -> None:
     """FSDP2 shards stepping from the files: as the host tier (bitwise) and the plain run (1e-5); the
-    state through the distributed checkpoint functions into a fresh one, which continues as the run."""
+    files in a directory per rank, gone at close."""
     model, host_model, plain_model = _sharded(), _sharded(), _sharded()
     optimizer, scheduler = _optimizer(model)
     tier = DiskTier(str(tmp / "scratch"), DISK_BUFFER)  # rank: the global one, a directory each
@@ -283,28 +310,7 @@ def _disk_fsdp(out: dict, tmp: Path) -> None:
     out["disk_fsdp_state"] = (_full_state(optimizer), _full_state(plain))
     out["disk_fsdp_chunks"] = (sum(len(d.layout.chunks) for d in optimizer._disk), optimizer.buffers.peak)
     out["disk_dirs"] = sorted(p.name for p in (tmp / "scratch").iterdir())
-    names = _names(model)
-    flat = dcp_state.flat_optimizer_state(optimizer, names)
-    dcp_dir = str(tmp / "dcp_disk")
-    dist.barrier()
-    dcp_state.dcp.save({"optimizer_0": flat}, checkpoint_id=dcp_dir)
-    resumed = _sharded()
-    resumed.load_state_dict(model.state_dict())
-    o, s = _optimizer(resumed)
-    o = disk_step(o, DiskTier(str(tmp / "scratch"), DISK_BUFFER, rank=dist.get_rank() + 2), schedulers=[s])
-    template = {
-        "optimizer_0": dcp_state.optimizer_template(
-            o, _names(resumed), dcp_state.saved_keys(dcp_dir), "optimizer_0"
-        )
-    }
-    dcp_state.load_state(template, dcp_dir)
-    dcp_state.load_flat_optimizer_state(o, _names(resumed), template["optimizer_0"])
-    s.load_state_dict(scheduler.state_dict())
-    _train(resumed, o, s, 2, start=STEPS)
-    _train(model, optimizer, scheduler, 2, start=STEPS)
-    out["disk_fsdp_resumed"] = (_full(resumed), _full(model))
-    for closing in (o, optimizer):
-        closing.close()
+    optimizer.close()
     dist.barrier()
     out["disk_dirs_after"] = sorted(p.name for p in (tmp / "scratch").iterdir())
 
@@ -348,10 +354,12 @@ def _zero1_disk(out: dict, tmp: Path) -> None:
 def _job(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     out: dict = {}
-    _host_tier(out)
-    _checkpoint_paths(out, Path(out_dir))
     for scratch in ("scratch", "zero_scratch"):
         (Path(out_dir) / scratch).mkdir(exist_ok=True)
+    _host_tier(out)
+    for tier in ("host", "disk"):
+        _checkpoint_paths(out, Path(out_dir), tier)
+    _hsdp(out, Path(out_dir))
     _low_precision(out, Path(out_dir))
     _disk_fsdp(out, Path(out_dir))
     _zero1_disk(out, Path(out_dir))
@@ -387,7 +395,6 @@ def _check_disk_tier(out: dict) -> None:
     chunks, peak = out["disk_fsdp_chunks"]
     assert chunks > 2 and 0 < peak <= DISK_BUFFER
     assert out["disk_dirs"] == ["rank0", "rank1"], "a directory per rank: the ranks of a node never collide"
-    _same(*out["disk_fsdp_resumed"], bitwise=True, what="resumed from DCP")
     assert out["disk_dirs_after"] == []
     assert out["zero_dirs_after"] == []
     runs = out["zero1"]
@@ -417,9 +424,13 @@ def _check_host_tier(out: dict) -> None:
         resumed, expected = out["resumed"]
         for name, params in resumed.items():
             _same(params, expected, what=name)
-        loaded, expected = out["checkpoints"]
-        for kind, params in loaded.items():
-            _same(params, expected, what=kind)
+        for tier in ("host", "disk"):
+            loaded, expected = out[f"checkpoints_{tier}"]
+            for kind, params in loaded.items():
+                _same(params, expected, bitwise=True, what=f"{tier} resumed from the {kind} state")
+        hsdp = out["hsdp"]
+        _same(hsdp["host"], hsdp["plain"], what="hsdp host")
+        _same(hsdp["disk"], hsdp["host"], bitwise=True, what="hsdp disk")
         for dtype in ("torch.bfloat16", "torch.float16"):
             disk_params, disk_state, host_state, params, ref_params, master, ref_master, keys = out[dtype]
             _same(disk_params, params, bitwise=True, what=f"{dtype} disk")

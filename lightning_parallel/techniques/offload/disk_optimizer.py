@@ -162,6 +162,7 @@ class DiskStepping:
                 "the disk tier's optimizer failed in an earlier step (its files are partly written): "
                 "resume from the last checkpoint"
             ) from self._failed
+        self._check_unfrozen()
         start = time.perf_counter()
         self._refresh = [self._stale_masters(g) for g in range(len(self._disk))]
         chunks = [(g, c) for g, f in enumerate(self._disk) for c in f.layout.chunks if self._has_grads(g, c)]
@@ -180,6 +181,18 @@ class DiskStepping:
         self.seconds["step"] += time.perf_counter() - start
         self.seconds["waiting"] += stream.waited - waited
         return loss
+
+    def _check_unfrozen(self) -> None:
+        """A parameter frozen when the files were laid out has no room in them: refuse to skip it."""
+        for group, group_file in zip(self.param_groups, self._disk):
+            for p, numel in zip(group["params"], group_file.spec.numels):
+                if numel is None and p.grad is not None:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} was frozen when the optimizer was built and "
+                        f"has a gradient now: the disk tier has no room for its state. Build the optimizer "
+                        f"after unfreezing, or add the parameter as a new param group (as Lightning's "
+                        f"BackboneFinetuning does)"
+                    )
 
     def _has_grads(self, g: int, chunk: Chunk) -> bool:
         params = self.param_groups[g]["params"]
