@@ -171,6 +171,36 @@ def test_the_state_dict_loads_both_ways_and_a_resume_is_the_uninterrupted_run(tm
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_0_dim_parameter_and_a_state_of_another_optimizer(tmp_path):
+    """A scalar parameter (a learnable temperature) steps and round-trips; amsgrad's state into AdamW's
+    layout is refused with the keys."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.tensor(0.5)), nn.Parameter(torch.randn(70))]
+    plain_params = [nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = disk_step(torch.optim.AdamW(params, lr=0.1), DiskTier(str(tmp_path), BUFFER))
+    plain = torch.optim.AdamW(plain_params, lr=0.1)
+    for _ in range(3):
+        for ps, o in ((params, optimizer), (plain_params, plain)):
+            (ps[0] * ps[1].sum()).square().backward()
+            o.step()
+            o.zero_grad()
+    for got, want in zip(params, plain_params):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    saved = optimizer.state_dict()
+    assert saved["state"][0]["exp_avg"].shape == () and saved["state"][1]["exp_avg"].shape == (70,)
+    optimizer.load_state_dict(copy.deepcopy(plain.state_dict()))
+    for i, state in plain.state_dict()["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(optimizer.state_dict()["state"][i][key], value, rtol=1e-6, atol=1e-7)
+    amsgrad = copy.deepcopy(plain.state_dict())
+    amsgrad["state"][1]["max_exp_avg_sq"] = torch.zeros(70)
+    with pytest.raises(
+        ValueError, match=r"keeps \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'\] .* keeps"
+    ):
+        optimizer.load_state_dict(amsgrad)
+    optimizer.close()
+
+
 def test_bf16_parameters_step_as_fp32_masters_kept_in_the_files(tmp_path):
     """The master (fp32) is in the files; the bf16 parameter is its rounding; both as the host tier's."""
     disk_model, host_model = _mlp(torch.bfloat16), _mlp(torch.bfloat16)

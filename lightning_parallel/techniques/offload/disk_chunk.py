@@ -5,7 +5,8 @@ work area holds, per element of the chunk, the gradient, the parameter's value (
 from the device; bf16 / fp16 ones step their fp32 master, which is in the slot) and the rounding of a
 bf16 / fp16 master on its way up. The user's class steps the chunk's pieces as tensors of their own, with
 the state the file had for them (a piece stepping for the first time: the class makes its state, which
-is copied into the slot).
+is copied into the slot; the class's own initialisation, since a zero state is not every class's first
+state: SGD's momentum starts as the gradient).
 """
 
 from __future__ import annotations

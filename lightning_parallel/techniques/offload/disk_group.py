@@ -136,11 +136,12 @@ class GroupFile:
         value = dict(value)
         master = value.pop(MASTER, None)
         names = [k.name for k in self.spec.keys if k.name != MASTER]
-        per_element = sorted(k for k, v in value.items() if torch.is_tensor(v) and v.dim() > 0)
-        if per_element != sorted(names):
+        # (by name: a 0-dim parameter's exp_avg is 0-dim too)
+        extra = [k for k, v in value.items() if k not in names and torch.is_tensor(v) and v.dim() > 0]
+        if extra or any(n not in value for n in names):
             raise ValueError(
-                f"the loaded optimizer state keeps {per_element} per element for a parameter but this "
-                f"optimizer keeps {sorted(names)}: resume with the same optimizer and settings"
+                f"the loaded optimizer state keeps {sorted(value)} for a parameter but this optimizer keeps "
+                f"{sorted(names)} per element: resume with the same optimizer and settings"
             )
         for j, key in enumerate(self.spec.keys):
             if key.name != MASTER:
