@@ -199,8 +199,10 @@ class StateFile:
             handle, self.name = tempfile.mkstemp(prefix="optimizer-", suffix=".state", dir=directory)
             self.fd = handle
         try:
-            if nbytes:
+            if nbytes and hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(self.fd, 0, nbytes)
+            elif nbytes:  # (macOS: no reservation; a full disk then shows in a step, as DiskFullError)
+                os.ftruncate(self.fd, nbytes)
         except OSError as err:
             self.close()
             if err.errno in _FULL:
