@@ -455,6 +455,8 @@ ELSEWHERE = {
     "train_charlm": "test_train_charlm_shows_its_steps_without_library_warnings_and_writes_its_json_summary",
     "run_all": "tests/test_run_all.py (--skip-run)",
     "refresh_outputs": "test_refresh_outputs_pastes_what_the_command_above_prints_and_nothing_else",
+    "gpu_offload_tiers": "a GPU machine, beside gpu_check.py (tests/test_offload_disk.py and "
+    "test_offload_shards.py check its mechanics here)",
 }
 # They write nothing: eight_way_fsdp's rank 0 asserts that every rank holds the stage table's bytes (its
 # failure fails the run), gpu_check prints its differences from one device (checked below).
