@@ -277,7 +277,7 @@ class Record(GatheredRecorder):
             if isinstance(hooks, ActivationOffload)
             else None,
             "pp_rank": trainer.strategy.mesh.pp_rank,
-            "dp_rank": trainer.strategy.mesh.dp_rank,
+            "dp_rank": trainer.strategy.mesh.rank("data"),
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
         }
 

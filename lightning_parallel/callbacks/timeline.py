@@ -86,9 +86,10 @@ class PipelineTimeline(Callback):
             if self._timeline is None:
                 indices = [s.index for s in parts.plan.local_stages(parts.mesh.pp_rank)]
                 label = f"stage{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
-                if parts.mesh.dp_size > 1:
-                    label += f", replica {parts.mesh.dp_rank}"
-                self._timeline = Timeline(label, parts.mesh.dp_rank)
+                replica = parts.mesh.rank("data")
+                if parts.mesh.size("data") > 1:
+                    label += f", replica {replica}"
+                self._timeline = Timeline(label, replica)
             parts.timeline = self._timeline
             self._timeline.begin_step(self._batches)
 

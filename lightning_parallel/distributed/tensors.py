@@ -28,7 +28,7 @@ def all_reduce_coalesced(
 
     Example::
 
-        all_reduce_coalesced([p.grad for p in params], dp_group, average=True)
+        all_reduce_coalesced([p.grad for p in params], mesh.group("gradients"), average=True)
     """
     size = world_size(group)
     if size == 1 or not tensors:

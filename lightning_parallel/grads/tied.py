@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.distributed.dtensors import local
-from lightning_parallel.distributed.tensors import all_reduce_coalesced, broadcast_coalesced, new_subgroups
+from lightning_parallel.distributed.tensors import all_reduce_coalesced, broadcast_coalesced
 from lightning_parallel.layout.mesh import PipelineMesh
 from lightning_parallel.pipeline.plan import stage_rank
 
@@ -80,13 +80,9 @@ class SharedReplicas:
         for p in self.shared:
             by_ranks.setdefault(p.pp_ranks, []).append(p.name)
         for pp_ranks, names in sorted(by_ranks.items()):
-            # One group per (data-parallel, tensor-parallel) coordinate: each is its own pipeline.
-            replicas = [
-                [mesh.layout.global_rank(r, d, t) for r in pp_ranks]
-                for d in range(mesh.dp_size)
-                for t in range(mesh.layout.tp_size)
-            ]
-            group = new_subgroups(replicas)
+            # One group per pipeline (each data- and tensor-parallel coordinate runs its own).
+            replicas = [[pipeline[r] for r in pp_ranks] for pipeline in mesh.layout.groups("pipeline")]
+            group = mesh.new_groups(replicas)
             if mesh.pp_rank in pp_ranks:
                 params = [local[n] for n in names]
                 self._groups.append((group, mesh.global_rank(pp_ranks[0]), params))

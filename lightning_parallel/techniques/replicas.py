@@ -30,7 +30,7 @@ class Replicas(Technique):
     name = "replicas"
 
     def reductions(self, job: Job) -> list[Reduction]:
-        return [Average(job.module, job.mesh.dp_group)]
+        return [Average(job.module, job.mesh.group("gradients"))]
 
 
 TECHNIQUE = Replicas()
@@ -41,7 +41,7 @@ class Average(Reduction):
 
     Example::
 
-        Average(module, mesh.dp_group)(finished=())
+        Average(module, mesh.group("gradients"))(finished=())
     """
 
     def __init__(self, module: nn.Module, group: Any) -> None:

@@ -117,7 +117,7 @@ def build_pipeline(
     pipelined = mesh.pp_size > 1
     scope = StepScope(frozenset(mesh.layout.replicas_of(mesh.pp_rank)) if pipelined else None)
     last = mesh.global_rank(stages.pp_rank_of(stages.num_stages - 1))
-    metrics = StageMetrics(scope, mesh.dp_group, mesh.pp_group if pipelined else None, last)
+    metrics = StageMetrics(scope, mesh.group("metrics"), mesh.pp_group if pipelined else None, last)
     metrics.adapt_module(module)
     return PipelineParts(
         mesh, stages, split.runner, split.call, shared, param_names, model_keys, model_param_order,

@@ -83,7 +83,7 @@ def parallelize(
         watch.start()
     window = parts.items.window if parts.items is not None else None
     reductions = [r for t in TECHNIQUES for r in t.reductions(job)]
-    return job, GradientSync(module, parts.shared, reductions, mesh.dp_size, window), watch
+    return job, GradientSync(module, parts.shared, reductions, mesh.size("gradients"), window), watch
 
 
 def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts, job: Job) -> None:

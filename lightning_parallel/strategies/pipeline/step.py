@@ -69,7 +69,7 @@ def run_step(
     with span_of(parts.timeline, "log broadcast", "collective"):
         numbers = numbers_from_last_stage(parts, step_name, record, error)
     leading, logs = from_record(*numbers, leading=int(train))
-    replay_logs(module, logs, mesh.dp_group, parts.metrics)
+    replay_logs(module, logs, mesh.group("logs"), parts.metrics)
     return torch.tensor(leading[0], device=module.device) if train else None
 
 
@@ -84,8 +84,8 @@ def _predicted(
     result = from_last_stage(result, mesh, last_pp_rank(parts))
     if "error" in result:
         raise step.failure if step.failure is not None else unpacked_error(result["error"])
-    replay_logs(module, result["logs"], mesh.dp_group)
-    if mesh.dp_size > 1:
+    replay_logs(module, result["logs"], mesh.group("logs"))
+    if mesh.size("predictions") > 1:
         return collect_predictions(parts, result.get("output"), batch_idx=args[1])
     return result.get("output")
 
@@ -167,7 +167,7 @@ class _Step:
         if counts is None:
             scale = 1.0 / self.module.trainer.accumulate_grad_batches
             return [n_i / self.n * scale for n_i in samples], samples
-        reference = self.items.window.add_batch(sum(counts), self.parts.mesh.dp_group)
+        reference = self.items.window.add_batch(sum(counts), self.parts.mesh.group("tokens"))
         return [c / reference for c in counts], counts
 
     def _item_counts(self, chunks: list[Any]) -> list[float] | None:

@@ -217,7 +217,8 @@ class PipelineStrategy(
 
     @property
     def data_parallel_size(self) -> int:
-        return self.layout.dp_size
+        """The ranks that read different batches (the sampler's ``num_replicas``)."""
+        return self.layout.size("data")
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -234,14 +235,14 @@ class PipelineStrategy(
 
     @property
     def data_parallel_group(self) -> Any:
-        """The replicas of this rank's stage (metrics and gradients are reduced over it)."""
-        return self.parts.mesh.dp_group if self.parts is not None else None
+        """The replicas of this rank's stage: what ``AllReducedMetrics`` reduces over (``"metrics"``)."""
+        return self.parts.mesh.group("metrics") if self.parts is not None else None
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shard the data by replica: the stages (and tensor-parallel ranks) of one replica see the same batch.
-        return {"num_replicas": self.data_parallel_size, "rank": self.layout.coordinates(self.global_rank)[1]}
+        return {"num_replicas": self.data_parallel_size, "rank": self.layout.rank("data", self.global_rank)}
 
     @override
     def _configure_launcher(self) -> None:

@@ -92,7 +92,7 @@ class Offload(Technique):
         if not job.plan.offload:
             return optimizers
         job.info(f"PipelineStrategy: {describe(job.plan.offload, job.pin_memory)}")
-        return apply(optimizers, job.schedulers, job.plan, job.mesh.dp_group, job.pin_memory)
+        return apply(optimizers, job.schedulers, job.plan, job.mesh.group("optimizer_shard"), job.pin_memory)
 
     def step_context(self, job: Job) -> ActivationOffload | None:
         return ActivationOffload(job.pin_memory) if "activations" in job.plan.offload else None
@@ -191,11 +191,13 @@ def apply(optimizers: Sequence[torch.optim.Optimizer], schedulers: Iterable[Any]
           pin_memory: bool) -> list[torch.optim.Optimizer]:  # fmt: skip
     """The optimizers as the plan's offload puts them (right after ``configure_optimizers``): unchanged
     without ``"optimizer"``; FSDP2 stages: their own, stepping with the host kernel; replicas and ZeRO-1
-    (``group``: the stage's replicas): rebuilt host-stepping (:func:`host_step`).
+    (``group``: the ranks ZeRO-1 shards over, ``mesh.group("optimizer_shard")``): rebuilt host-stepping
+    (:func:`host_step`).
 
     Example::
 
-        optimizers = offload.apply(optimizers, [c.scheduler for c in configs], plan, mesh.dp_group, False)
+        group = mesh.group("optimizer_shard")
+        optimizers = offload.apply(optimizers, [c.scheduler for c in configs], plan, group, False)
     """
     if "optimizer" not in plan.offload:
         return list(optimizers)
