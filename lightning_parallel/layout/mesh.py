@@ -10,6 +10,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_parallel.distributed.host_group import group_backend
 from lightning_parallel.distributed.tensors import new_subgroups
 from lightning_parallel.layout.ranks import ROLES, RankLayout
 
@@ -29,7 +30,8 @@ class PipelineMesh:
     groups are those of the axes that join it (today every data-parallel role is the ``dp_replicate x
     dp_shard`` ranks of a stage); the code that averages gradients or counts tokens asks for its role,
     so a new axis changes none of it. ``device_mesh`` is the torch ``DeviceMesh`` whose dimensions are
-    the layout's axes (``None`` on a single process).
+    the layout's axes (``None`` on a single process). ``backend``: the backend the groups were made with
+    when it is not the default group's (:func:`build_mesh`).
 
     Example::
 
@@ -42,6 +44,7 @@ class PipelineMesh:
     device_mesh: DeviceMesh | None = None
     role_meshes: dict[str, DeviceMesh] = field(default_factory=dict)
     role_groups: dict[str, Any] = field(default_factory=dict)
+    backend: str | None = None
 
     # ------------------------------------------------------------------------------ roles
     def group(self, role: str) -> dist.ProcessGroup | None:
@@ -71,12 +74,12 @@ class PipelineMesh:
         return self.role_meshes.get(role)
 
     def new_groups(self, rank_lists: Sequence[Sequence[int]]) -> Any | None:
-        """Process groups over ``rank_lists`` (disjoint); this rank's, or None.
+        """Process groups over ``rank_lists`` (disjoint), made as the mesh's are; this rank's, or None.
 
         A collective: every rank calls it with the same lists (:func:`~lightning_parallel.distributed.
         tensors.new_subgroups`).
         """
-        return new_subgroups(rank_lists)
+        return new_subgroups(rank_lists, backend=self.backend)
 
     # --------------------------------------------------------------- the pipeline's own
     @property
@@ -126,15 +129,24 @@ class PipelineMesh:
         return self.device_mesh[shard]
 
 
-def build_mesh(device_type: str, layout: RankLayout) -> PipelineMesh:
-    """Create the device mesh and every role's group; every rank must call it (it is a collective)."""
+def build_mesh(device_type: str, layout: RankLayout, host_tensors: bool = False) -> PipelineMesh:
+    """Create the device mesh and every role's group; every rank must call it (it is a collective).
+
+    ``host_tensors``: host (CPU) tensors meet the job's collectives (FSDP2's offloaded shards: their
+    gradients' norm, their full tensors in a checkpoint). Where the default group has no host backend (a
+    process group started without one: by hand, or by an earlier fit in this process), the mesh's
+    groups are made with one beside the device's (:func:`~lightning_parallel.distributed.host_group.
+    group_backend`), so every group a role gives takes them: the one place that is decided.
+    """
     if not dist.is_initialized():
         if layout.world_size != 1:
             raise RuntimeError("build_mesh needs an initialised process group for more than one rank")
         return PipelineMesh(layout)
+    backend = group_backend(device_type, host_tensors)
     names = tuple(axis.name for axis in layout.axes)
+    override: dict[int | str, Any] | None = {name: backend for name in names} if backend else None
     # init_device_mesh numbers its grid row-major, which is RankLayout's pipeline-outermost order.
-    mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names, backend_override=override)
     meshes: dict[str, DeviceMesh] = {}
     flattened: dict[tuple[str, ...], DeviceMesh] = {}
     for role in ROLES:  # (the same order on every rank: flattening makes groups)
@@ -145,10 +157,10 @@ def build_mesh(device_type: str, layout: RankLayout) -> PipelineMesh:
             if axes not in flattened:
                 # DeviceMesh._flatten is private (torch 2.13; torchtitan flattens its dp dimensions the same
                 # way): the ranks of several dimensions as one.
-                flattened[axes] = mesh[axes]._flatten(_flat_name(axes))
+                flattened[axes] = mesh[axes]._flatten(_flat_name(axes), backend_override=backend)
             meshes[role] = flattened[axes]
     groups = {role: role_mesh.get_group() for role, role_mesh in meshes.items()}
-    return PipelineMesh(layout, dist.get_rank(), mesh, meshes, groups)
+    return PipelineMesh(layout, dist.get_rank(), mesh, meshes, groups, backend)
 
 
 def _flat_name(axes: tuple[str, ...]) -> str:

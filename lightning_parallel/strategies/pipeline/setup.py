@@ -25,7 +25,7 @@ from lightning_parallel.strategies.pipeline import autoplan
 from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline, source_for
 from lightning_parallel.strategies.pipeline.call_input import TrainerInput
 from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
-from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module, refuse_environment
+from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
 from lightning_parallel.techniques import TECHNIQUES, environment, transform_stages
 from lightning_parallel.techniques.compile import CompileWatch
@@ -46,7 +46,6 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
         autoplan.decide(strategy, trainer)
     module, plan = strategy.lightning_module, strategy.parallel_plan
     refuse_compiled_module(module)  # (every rank holds the same module)
-    refuse_environment(environment_of(strategy), strategy.root_device)
     if fitting:
         summarize_before_split(trainer, module, strategy)  # the whole model's table
     source = source_for(module, plan)

@@ -83,8 +83,8 @@ class Offload(Technique):
             )
         if "parameters" in plan.offload:
             env.host_backend = (
-                "offload='parameters' keeps FSDP2's gradients on the host, and clipping and the fp16 "
-                "overflow check reduce them there"
+                "offload='parameters' keeps FSDP2's shards and gradients on the host, where clipping "
+                "reduces their norm and a checkpoint gathers them"
             )
             env.parameters_on_host = True
 
