@@ -90,7 +90,7 @@ class PipelineTimeline(Callback):
                 if parts.mesh.size("data") > 1:
                     label += f", replica {replica}"
                 self._timeline = Timeline(label, replica)
-            parts.timeline = self._timeline
+            trainer.strategy.step_state.register(self._timeline)
             self._timeline.begin_step(self._batches)
 
     @override
@@ -99,7 +99,7 @@ class PipelineTimeline(Callback):
         if self._timeline is None or not self._timeline.recording:
             return
         self._timeline.end_step()
-        trainer.strategy.parts.timeline = None
+        trainer.strategy.step_state.unregister(self._timeline)
         # The gather (a collective) and rank 0's writing hold rank 0 back while the other ranks start
         # the next batch: not before a recorded batch, which would count it as their waiting.
         if self._batches not in self.steps:

@@ -9,6 +9,7 @@ rank share one tensor, as in the unsplit module. Gradient-norm clipping counts t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -105,7 +106,12 @@ class SharedReplicas:
             # A sharded replica sums its local shard: the tied replicas are sharded alike.
             all_reduce_coalesced([local(p.grad) for p in params], group)
 
-    def rebind(self, new: Mapping[int, nn.Parameter]) -> None:
-        """Follow parameters that were replaced (``id(old) -> new``: FSDP swaps in DTensor parameters)."""
-        self._groups = [(g, owner, [new.get(id(p), p) for p in params]) for g, owner, params in self._groups]
-        self.not_counted = [new.get(id(p), p) for p in self.not_counted]
+    def rebound(self, new: Mapping[int, nn.Parameter]) -> SharedReplicas:
+        """These replicas, following parameters that were replaced (``id(old) -> new``: FSDP swaps in
+        DTensor parameters); the same groups."""
+        rebound = copy.copy(self)
+        rebound._groups = [
+            (g, owner, [new.get(id(p), p) for p in params]) for g, owner, params in self._groups
+        ]
+        rebound.not_counted = [new.get(id(p), p) for p in self.not_counted]
+        return rebound

@@ -61,9 +61,10 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
 
 def parallelize(
     strategy: Any, parts: PipelineParts, tensors: Any
-) -> tuple[Job, GradientSync, CompileWatch | None]:
-    """After the split: the techniques on this rank's stages, in the list's order; the job they saw, the
-    optimizer step's gradient sync, and the watch on torch.compile (when the stages are compiled)."""
+) -> tuple[PipelineParts, Job, GradientSync, CompileWatch | None]:
+    """After the split: the techniques on this rank's stages, in the list's order; the pipeline after them,
+    the job they saw, the optimizer step's gradient sync, and the watch on torch.compile (when the stages
+    are compiled)."""
     plan, module, mesh = strategy.parallel_plan, strategy.lightning_module, parts.mesh
     stages = parts.runner.stages
     job = Job(plan, mesh, strategy.root_device, stages, module, parts.plan, tensors,
@@ -72,7 +73,7 @@ def parallelize(
     notes = transform_stages(job)
     after = dict(module.named_parameters())
     replaced = {id(p): after[n] for n, p in before.items() if after.get(n, p) is not p}
-    parts.parallelized(stages.sharded(), replaced)
+    parts = parts.parallelized(stages.sharded(), replaced)
     for note in notes:
         rank_zero_info(f"PipelineStrategy: {note}")
     parts.runner.use_step_contexts([c for t in TECHNIQUES if (c := t.step_context(job)) is not None])
@@ -82,7 +83,7 @@ def parallelize(
         watch.start()
     window = parts.items.window if parts.items is not None else None
     reductions = [r for t in TECHNIQUES for r in t.reductions(job)]
-    return job, GradientSync(module, parts.shared, reductions, mesh.size("gradients"), window), watch
+    return parts, job, GradientSync(module, parts.shared, reductions, mesh.size("gradients"), window), watch
 
 
 def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts, job: Job) -> None:

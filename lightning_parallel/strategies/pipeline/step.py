@@ -40,10 +40,16 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_parallel.strategies.pipeline.build import PipelineParts
+    from lightning_parallel.strategies.pipeline.step_state import StepState
 
 
 def run_step(
-    parts: PipelineParts, module: pl.LightningModule, step_name: str, args: tuple[Any, ...], train: bool
+    parts: PipelineParts,
+    state: StepState,
+    module: pl.LightningModule,
+    step_name: str,
+    args: tuple[Any, ...],
+    train: bool,
 ) -> Any:
     """Run ``step_name`` (``training_step``, ...) for one batch through the pipeline.
 
@@ -55,9 +61,9 @@ def run_step(
     split = train and step.m > 1 and parts.runner.has_last  # the step runs once per micro-batch here
     window = parts.metrics.window() if split and parts.metrics is not None else None
     with window.collecting() if window is not None else nullcontext():
-        result = step.train() if train else step.evaluate()
+        result = step.train(state) if train else step.evaluate()
     if step_name == "predict_step":
-        return _predicted(parts, module, step, result, args)
+        return _predicted(parts, state, module, step, result, args)
     record, error = None, step.failure
     if parts.runner.has_last and error is None:
         try:
@@ -66,15 +72,20 @@ def run_step(
             record = to_record(step.recorder.entries(), *([result["loss"]] if train else []))
         except Exception as err:
             error = err
-    with span_of(parts.timeline, "log broadcast", "collective"):
-        numbers = numbers_from_last_stage(parts, step_name, record, error)
+    with span_of(state.observer, "log broadcast", "collective"):
+        numbers = numbers_from_last_stage(parts, state, step_name, record, error)
     leading, logs = from_record(*numbers, leading=int(train))
     replay_logs(module, logs, mesh.group("logs"), parts.metrics)
     return torch.tensor(leading[0], device=module.device) if train else None
 
 
 def _predicted(
-    parts: PipelineParts, module: pl.LightningModule, step: _Step, result: dict[str, Any], args: tuple
+    parts: PipelineParts,
+    state: StepState,
+    module: pl.LightningModule,
+    step: _Step,
+    result: dict[str, Any],
+    args: tuple,
 ) -> Any:
     mesh = parts.mesh
     if parts.runner.has_last:
@@ -86,7 +97,7 @@ def _predicted(
         raise step.failure if step.failure is not None else unpacked_error(result["error"])
     replay_logs(module, result["logs"], mesh.group("logs"))
     if mesh.size("predictions") > 1:
-        return collect_predictions(parts, result.get("output"), batch_idx=args[1])
+        return collect_predictions(parts, state, result.get("output"), batch_idx=args[1])
     return result.get("output")
 
 
@@ -118,7 +129,7 @@ class _Step:
         needed = self.runner.needs_input(self.key, self.m, train) or from_call
         self.stage_args = self.call.capture(self.step, *args) if needed else None
 
-    def train(self) -> dict[str, Any]:
+    def train(self, state: StepState) -> dict[str, Any]:
         rest = self.args[1:]
         chunks, weights, counts, sizes = [], [], [], []  # what loss_fn reads: on the last stage only
         if self.runner.has_last or self.items is not None:  # (counting items is every rank's collective)
@@ -127,7 +138,7 @@ class _Step:
         losses: list[torch.Tensor] = []
         plugin = self.module.trainer.precision_plugin
 
-        timeline = self.parts.timeline if self.parts.timeline and self.parts.timeline.recording else None
+        timeline = state.observer
 
         def loss_fn(output: Any, index: int) -> torch.Tensor:
             with span_of(timeline, "loss_fn", "loss", mb=index):
@@ -144,9 +155,9 @@ class _Step:
         earlier = earlier_gradients(self.module.trainer, self.module, batch_idx)
         if not self.runner.has_last and self.parts.mesh.pp_size > 1:
             # The last stage's loss and logs come back after the schedule: the receive waits from now.
-            log_channel(self.parts, self.step_name).post()
+            log_channel(self.parts, state, self.step_name).post()
         with (
-            self.parts.held.collecting(params, earlier),
+            state.held.collecting(params, earlier),
             timeline.torch_schedule() if timeline else nullcontext(),
         ):
             self.runner.train_step(self.key, self.m, self.stage_args, loss_fn)

@@ -24,24 +24,25 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_parallel.strategies.pipeline.build import PipelineParts
+    from lightning_parallel.strategies.pipeline.step_state import StepState
 
 
-def count_predict_batches(parts: PipelineParts, trainer: Any) -> None:
+def count_predict_batches(parts: PipelineParts, state: StepState, trainer: Any) -> None:
     """How many batches each replica predicts (the sampler does not pad), on every rank: rank 0 must
     know which replicas send it predictions at each step. A collective (every rank, before predicting)."""
     if parts.mesh.size("predictions") == 1:
         return
     counts = all_gather_objects(int(sum(trainer.num_predict_batches)))
-    parts.predict_batches = [counts[rank] for rank in prediction_senders(parts)]
+    state.predict_batches = [counts[rank] for rank in prediction_senders(parts)]
 
 
-def collect_predictions(parts: PipelineParts, output: Any, batch_idx: int) -> Any:
+def collect_predictions(parts: PipelineParts, state: StepState, output: Any, batch_idx: int) -> Any:
     """Send each replica's predictions of this batch step to global rank 0, in dataset order there.
 
     Replicas may run different numbers of batches (the prediction sampler does not pad): rank 0,
     whose replica runs the most, receives from every replica that has batch ``batch_idx``.
     """
-    counts = parts.predict_batches
+    counts = state.predict_batches
     assert counts is not None
     senders = prediction_senders(parts)
     if parts.mesh.world_rank in senders[1:]:
@@ -77,7 +78,11 @@ def from_last_stage(result: dict[str, Any], mesh: PipelineMesh, last: int) -> di
 
 
 def numbers_from_last_stage(
-    parts: PipelineParts, step_name: str, record: tuple | None, error: BaseException | None = None
+    parts: PipelineParts,
+    state: StepState,
+    step_name: str,
+    record: tuple | None,
+    error: BaseException | None = None,
 ) -> tuple[Any, list[float]]:
     """The last stage's loss and logged numbers on every stage of this replica: one small tensor broadcast.
 
@@ -89,15 +94,15 @@ def numbers_from_last_stage(
             raise error
         assert record is not None
         return record
-    return log_channel(parts, step_name).broadcast(record, error=error)
+    return log_channel(parts, state, step_name).broadcast(record, error=error)
 
 
-def log_channel(parts: PipelineParts, step_name: str) -> RecordBroadcast:
+def log_channel(parts: PipelineParts, state: StepState, step_name: str) -> RecordBroadcast:
     """The last stage's channel to this replica's stages for ``step_name`` (created at its first use)."""
-    channel = parts.channels.get(step_name)
+    channel = state.channels.get(step_name)
     if channel is None:
         mesh = parts.mesh
-        channel = parts.channels[step_name] = RecordBroadcast(
+        channel = state.channels[step_name] = RecordBroadcast(
             mesh.global_rank(last_pp_rank(parts)), mesh.pp_group
         )
     return channel
