@@ -353,4 +353,6 @@ def test_parallelize_fn_gets_each_stage_and_the_mesh_seen_in_configure_model(tmp
     )
     assert model.seen == {"dims": ("pp", "dp_replicate", "dp_shard", "tp"), "shape": (1, 1, 1, 1)}
     assert calls == [("StageModule", (1, 1, 1, 1))]
-    assert strategy.mesh.dp_mesh.size() == 1 and strategy.mesh.dp_group is not None
+    gradients = strategy.mesh.device_mesh_of("gradients")  # the replicate x shard ranks, flattened
+    assert gradients.size() == 1 and gradients.mesh_dim_names == ("dp",)
+    assert strategy.mesh.group("gradients") is not None

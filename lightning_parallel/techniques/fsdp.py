@@ -245,7 +245,8 @@ def quiet_view_output_warning() -> None:
 
 def describe(mesh: Any) -> str:
     """The log line for sharded stages: over how many ranks, replicated how many times (HSDP)."""
-    shards, replicas = mesh.layout.dp_shard_size, mesh.layout.dp_replicate_size
+    shards = mesh.size("shard")
+    replicas = mesh.size("gradients") // shards
     hybrid = f", replicated {replicas} times (HSDP)" if replicas > 1 else ""
     return f"each stage sharded with FSDP2 over {shards} ranks{hybrid}"
 

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_parallel.techniques import zero
+from lightning_parallel.optim import sharded as zero_sharding
 from lightning_parallel.techniques.offload.disk_chunk import ALIGN, WORK_REGIONS, ChunkStep
 from lightning_parallel.techniques.offload.disk_group import DiskState, GroupFile, GroupSpec, group_spec, seen
 from lightning_parallel.techniques.offload.disk_layout import SPLIT, Chunk, plan_group
@@ -330,7 +330,7 @@ def disk_step(optimizer: torch.optim.Optimizer, tier: DiskTier, group: Any = Non
     """
     if isinstance(getattr(optimizer, "optim", optimizer), DiskStepping):
         return optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer) or zero.is_sharded(optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer) or zero_sharding.is_sharded(optimizer):
         raise TypeError(
             f"offload_to='disk' rebuilds the optimizer configure_optimizers returns, but got a "
             f"{type(optimizer).__name__}: return a torch.optim.Optimizer"
@@ -342,12 +342,12 @@ def disk_step(optimizer: torch.optim.Optimizer, tier: DiskTier, group: Any = Non
         )
     cls = disk_stepping(type(optimizer), tier)
     if shard:
-        sharded = zero.shard_optimizer_state(optimizer, group, schedulers, optimizer_class=cls)
+        sharded = zero_sharding.shard_optimizer_state(optimizer, group, schedulers, optimizer_class=cls)
         if sharded is not optimizer:
             return sharded
     defaults = accepted_defaults(type(optimizer), optimizer.defaults)
     rebuilt = cls([dict(g) for g in optimizer.param_groups], **defaults)
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is optimizer:
-            zero.retarget_scheduler(scheduler, rebuilt)
+            zero_sharding.retarget_scheduler(scheduler, rebuilt)
     return rebuilt

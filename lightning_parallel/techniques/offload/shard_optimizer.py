@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from lightning_parallel.techniques import zero
+from lightning_parallel.optim import sharded as zero_sharding
 from lightning_parallel.techniques.offload.host_optimizer import (
     _KERNEL_KEYS,
     HOST,
@@ -279,7 +279,7 @@ def host_step_shards(
     """
     if isinstance(optimizer, ShardHostStepping):
         return optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer) or zero.is_sharded(optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer) or zero_sharding.is_sharded(optimizer):
         raise TypeError(
             f"offload='optimizer' rebuilds the optimizer over the FSDP2 shards on the host, but got a "
             f"{type(optimizer).__name__}: return a torch.optim.Optimizer from configure_optimizers"
@@ -294,5 +294,5 @@ def host_step_shards(
     rebuilt = cls([dict(g) for g in optimizer.param_groups], **defaults)
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is optimizer:
-            zero.retarget_scheduler(scheduler, rebuilt)
+            zero_sharding.retarget_scheduler(scheduler, rebuilt)
     return rebuilt
