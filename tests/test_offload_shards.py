@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_parallel.checkpoint import distributed as dcp_state
 from lightning_parallel.distributed.dtensors import distribute_like, full_tensors
+from lightning_parallel.optim import sharded as zero
 from lightning_parallel.pipeline import state as stage_state
-from lightning_parallel.techniques import zero
 from lightning_parallel.techniques.offload.disk_optimizer import DiskTier, disk_step
 from lightning_parallel.techniques.offload.host_optimizer import is_host_stepping
 from lightning_parallel.techniques.offload.host_shards import host_local, placed_like
