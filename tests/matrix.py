@@ -297,10 +297,6 @@ def known_bug(model: str, shape: Shape, options: dict[str, Any]) -> str | None:
     """Why a case would fail for a bug this matrix found and that is not fixed yet (it is not generated;
     delete the rule once fixed), or None.
 
-    FSDP2's offload of the parameters with SGD: the host step's fused SGD kernel runs on the sharded
-    DTensors, for which torch has no sharding rule (``NotImplementedError: Operator
-    aten._fused_sgd_.default does not have a sharding strategy registered``).
-
     ``compile`` on the MLP (its repeated blocks are ``nn.Sequential(Linear, Tanh)``): the blocks are
     marked compiled, but dynamo never runs (``compile_seconds`` 0, no frame compiled): the stages do
     not call them compiled, and nothing says so.
@@ -309,8 +305,6 @@ def known_bug(model: str, shape: Shape, options: dict[str, Any]) -> str | None:
     ``Optimizer.zero_grad`` ("Can't detach views in-place"), and the strategy's teardown then in
     ``LightningModule.cpu()`` ("_apply(): Couldn't swap Linear.weight").
     """
-    if "parameters" in (options.get("offload") or ()) and MODELS[model].optimizer == "sgd":
-        return "FSDP2's offload of the parameters with SGD: no sharding rule for the fused SGD kernel"
     if model == "mlp" and options.get("compile") is not None:
         return "compile on the MLP's nn.Sequential blocks: nothing is compiled"
     if MODELS[model].traced and options.get("tensor_parallel_size", 1) > 1 and shape.placement == "V":
