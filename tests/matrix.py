@@ -297,16 +297,10 @@ def known_bug(model: str, shape: Shape, options: dict[str, Any]) -> str | None:
     """Why a case would fail for a bug this matrix found and that is not fixed yet (it is not generated;
     delete the rule once fixed), or None.
 
-    ``compile`` on the MLP (its repeated blocks are ``nn.Sequential(Linear, Tanh)``): the blocks are
-    marked compiled, but dynamo never runs (``compile_seconds`` 0, no frame compiled): the stages do
-    not call them compiled, and nothing says so.
-
     Tensor parallelism on a traced forward under a V schedule: the first step fails in
     ``Optimizer.zero_grad`` ("Can't detach views in-place"), and the strategy's teardown then in
     ``LightningModule.cpu()`` ("_apply(): Couldn't swap Linear.weight").
     """
-    if model == "mlp" and options.get("compile") is not None:
-        return "compile on the MLP's nn.Sequential blocks: nothing is compiled"
     if MODELS[model].traced and options.get("tensor_parallel_size", 1) > 1 and shape.placement == "V":
         return "tensor parallelism on a traced forward under a V schedule: zero_grad fails on views"
     return None
