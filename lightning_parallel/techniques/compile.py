@@ -210,8 +210,8 @@ def compile_in_place(
     return done
 
 
-# torch workaround: no upstream issue found
-#   canary: test_a_torch_container_block_compiles
+# torch workaround: https://github.com/pytorch/pytorch/issues/150915
+#   canary: test_torch_compiles_a_sequential_compiled_in_place
 def compile_torch_module(module: nn.Module, options: CompileOptions) -> None:
     """Compile one of torch's own modules (an ``nn.Sequential`` block) in place, as ``Module.compile``
     does, through a function of this package.
