@@ -278,6 +278,8 @@ def supports(model: str, shape: Shape, options: dict[str, Any]) -> bool:
         return False
     if spec.traced and shape.pipeline_size == 1 and shape.stages_per_rank > 1:
         return False  # refused: several traced stages on the only pipeline rank
+    if _tied_on_one_rank(model, shape) and options.get("data_parallel") == "fsdp":
+        return False  # refused: FSDP2 cannot shard one weight in two stages of one rank
     # refused: one FSDP root per traced stage, several stages per rank
     return not (spec.traced and options.get("data_parallel") == "fsdp" and shape.stages_per_rank > 1)
 
@@ -295,31 +297,10 @@ def known_bug(model: str, shape: Shape, options: dict[str, Any]) -> str | None:
     """Why a case would fail for a bug this matrix found and that is not fixed yet (it is not generated;
     delete the rule once fixed), or None.
 
-    FSDP2 with a weight tied between two stages that one rank holds (the V schedules' first and last
-    stage, or two stages at ``pipeline_size=1``): training ends on other weights than one device's (the
-    tied weight's two shards on the rank do not add up their gradients), and the consolidated save
-    raises ``KeyError`` in ``pipeline/state.py: named_optimizer_state`` (one shard has no name): on
-    every rank at ``pipeline_size=1``; under a V schedule on some ranks, while the others wait in a
-    collective (a hang).
-
-    FSDP2's offload of the parameters with SGD: the host step's fused SGD kernel runs on the sharded
-    DTensors, for which torch has no sharding rule (``NotImplementedError: Operator
-    aten._fused_sgd_.default does not have a sharding strategy registered``).
-
-    ``compile`` on the MLP (its repeated blocks are ``nn.Sequential(Linear, Tanh)``): the blocks are
-    marked compiled, but dynamo never runs (``compile_seconds`` 0, no frame compiled): the stages do
-    not call them compiled, and nothing says so.
-
     Tensor parallelism on a traced forward under a V schedule: the first step fails in
     ``Optimizer.zero_grad`` ("Can't detach views in-place"), and the strategy's teardown then in
     ``LightningModule.cpu()`` ("_apply(): Couldn't swap Linear.weight").
     """
-    if _tied_on_one_rank(model, shape) and options.get("data_parallel") == "fsdp":
-        return "FSDP2 and a tied weight on two stages of one rank: wrong weights, its save fails"
-    if "parameters" in (options.get("offload") or ()) and MODELS[model].optimizer == "sgd":
-        return "FSDP2's offload of the parameters with SGD: no sharding rule for the fused SGD kernel"
-    if model == "mlp" and options.get("compile") is not None:
-        return "compile on the MLP's nn.Sequential blocks: nothing is compiled"
     if MODELS[model].traced and options.get("tensor_parallel_size", 1) > 1 and shape.placement == "V":
         return "tensor parallelism on a traced forward under a V schedule: zero_grad fails on views"
     return None

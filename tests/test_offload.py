@@ -154,6 +154,20 @@ def test_the_host_kernel_is_the_fastest_one_the_class_has_and_optimizers_without
     split = nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]))
     with pytest.raises(ValueError, match=r"holds DTensor parameters .* not supported yet"):
         host_step(torch.optim.AdamW([split]), None, False, False)
+    # FSDP2's offloaded shards are DTensors: the kernel is probed on one (torch 2.13 has no sharding rule
+    # for the fused SGD kernel), and steps them as one device steps the whole tensors.
+    assert host_kernel(torch.optim.SGD, {"lr": 0.1}, like=split) == {"fused": False, "foreach": True}
+    assert host_kernel(torch.optim.AdamW, {"lr": 0.1}, like=split) == fused_adamw
+    whole = nn.Parameter(torch.randn(4, 2))
+    shard = nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, [Shard(0)]))
+    sgd = [torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.1) for p in (whole, shard)]
+    use_host_kernels(sgd[1])
+    for step in range(2):
+        whole.grad = torch.full_like(whole, step + 1.0)
+        shard.grad = distribute_tensor(whole.grad.clone(), mesh, [Shard(0)])
+        sgd[0].step()
+        sgd[1].step()
+    torch.testing.assert_close(shard.full_tensor(), whole.detach(), rtol=0, atol=0)
     # The GradScaler unscales the device gradients before a fused optimizer's host step.
     fused = host_step(torch.optim.AdamW(_mlp().parameters(), fused=True), None, False, False)
     assert is_host_stepping(fused) and not fused._step_supports_amp_scaling

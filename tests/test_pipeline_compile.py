@@ -16,6 +16,7 @@ be done, and then find its programs in the cache instead of compiling them a sec
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from dataclasses import dataclass, field
@@ -286,3 +287,23 @@ def test_a_recompile_limit_reached_is_reported_with_the_fix():
     assert watch.compilations >= 1 and watch.seconds > 0
     assert len(warned) == 1 and "recompile limit" in warned[0] and "padding_to_multiple" in warned[0]
     assert is_compiled(block) and type(block).__name__ == "Block"  # in place: no OptimizedModule
+
+
+def test_a_torch_container_block_compiles():
+    """Blocks that are torch's own modules (the MLP's nn.Sequential(Linear, Tanh)): Module.compile alone
+    never runs dynamo on them (their frames lie in torch's files, which it skips); compile_in_place
+    compiles them, and they compute what eager blocks do."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(2)]
+    eager = [copy.deepcopy(b) for b in blocks]
+    torch._dynamo.reset()
+    counters.clear()
+    compile_in_place([(str(i), b) for i, b in enumerate(blocks)], {"backend": "eager", "dynamic": True})
+    out = ref = torch.randn(3, 4)
+    for block, same in zip(blocks, eager):
+        out, ref = block(out), same(ref)
+    assert counters["frames"]["ok"] >= 1, dict(counters["frames"])
+    assert all(is_compiled(b) for b in blocks)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -20,7 +20,9 @@ from mp_harness import quiet_trainer
 from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, token_data
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.memory.resolve import resolve
+from lightning_parallel.pipeline.plan import make_plan
 from lightning_parallel.techniques import fsdp
 
 
@@ -76,6 +78,34 @@ def test_the_traced_path_refuses_what_its_stages_cannot_take_with_the_reason():
         )
         with pytest.raises(ValueError, match=message):
             trainer.fit(TinyGPT(), loader(token_data(8), 4))
+
+
+class TiedRegressor(SequentialRegressor):
+    def __init__(self):
+        super().__init__(d_in=16, hidden=16, d_out=16, depth=5, adam=True)
+        self.layers[-1].weight = self.layers[0][0].weight  # (the head shares the first layer's weight)
+
+
+def test_a_weight_tied_between_two_stages_of_one_rank_is_refused_with_the_fix():
+    """Each stage is its own FSDP2 root: two stages of one rank that use one weight would shard two copies
+    of it, each taking part of its gradient (wrong weights, and a save failing on the copy without a
+    name). Refused, on every rank alike (from the stage table), naming the weight and the fixes."""
+    strategy = PipelineStrategy(
+        pipeline_size=1, stages_per_rank=2, schedule="interleaved_1f1b", data_parallel="fsdp"
+    )
+    trainer = quiet_trainer(devices=1, max_steps=1, strategy=strategy)
+    message = r"data_parallel=\"fsdp\" cannot shard 'layers.0.0.weight': stages \[0, 1\] use it .* rank 0"
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(TiedRegressor(), loader(regression_data(16, d_in=16, d_out=16), 8))
+    # The same tie on two ranks' stages (V on one rank, a loop over two) is FSDP2's as usual:
+    # grads/tied.py sums the replicas' shards.
+    params = [frozenset({"w", "a"}), frozenset({"b"}), frozenset({"c"}), frozenset({"d", "w"})]
+    units, holds, sizes = [(str(i),) for i in range(4)], ["x"] * 4, [2] * 4
+    looped = make_plan(units, holds, sizes, RankLayout(2, 2, 2), stage_parameters=params)
+    fsdp.refuse_shared_on_one_rank(looped)  # stages 0 and 3 on ranks 0 and 1
+    v = make_plan(units, holds, sizes, RankLayout(2, 2, 2), stage_parameters=params, style="v")
+    with pytest.raises(ValueError, match=r"cannot shard 'w': stages \[0, 3\] use it and pipeline rank 0"):
+        fsdp.refuse_shared_on_one_rank(v)
 
 
 class SeesTheMesh(AdamRegressor):

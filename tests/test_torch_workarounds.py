@@ -679,3 +679,21 @@ def test_every_workaround_marker_has_its_canary_and_every_canary_its_marker():
             assert texts, f"{name}: {filename}, named in its reason, is no file of lightning_parallel/"
             holds = [t for t in texts if all(part in t for part in identifier.split("."))]
             assert holds, f"{name}: no {filename} in lightning_parallel/ holds {identifier}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="https://github.com/pytorch/pytorch/issues/150915 (fix: pytorch PR 185722): Module.compile on one "
+    "of torch's own modules (nn.Sequential, nn.Linear) compiles its _call_impl, a frame in torch's files "
+    "that dynamo skips, so nothing is ever compiled; worked around by compile.py (compile_torch_module)",
+)
+def test_torch_compiles_a_sequential_compiled_in_place():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    block.compile(backend="eager")
+    block(torch.randn(2, 4))
+    assert counters["frames"]["ok"] >= 1, dict(counters["frames"])

@@ -201,9 +201,35 @@ def compile_in_place(
     done = []
     for name, module in units:
         if not is_compiled(module):
-            module.compile(**options, **({"isolate_recompiles": True} if isolated else {}))
+            kwargs = {**options, **({"isolate_recompiles": True} if isolated else {})}
+            if type(module).__module__.startswith("torch."):
+                compile_torch_module(module, kwargs)
+            else:
+                module.compile(**kwargs)
         done.append(name)
     return done
+
+
+# torch workaround: https://github.com/pytorch/pytorch/issues/150915
+#   canary: test_torch_compiles_a_sequential_compiled_in_place
+def compile_torch_module(module: nn.Module, options: CompileOptions) -> None:
+    """Compile one of torch's own modules (an ``nn.Sequential`` block) in place, as ``Module.compile``
+    does, through a function of this package.
+
+    ``Module.compile`` compiles the module's ``_call_impl``, whose frame (and ``Sequential.forward``'s)
+    lies in torch's own files, which dynamo skips: the block ran eagerly, marked compiled, and no frame
+    was ever compiled. A frame of this package is traced, and dynamo inlines torch's modules from it.
+
+    Example::
+
+        compile_torch_module(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), {"dynamic": True})
+    """
+    call = module._call_impl
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    module._compiled_call_impl = torch.compile(run, **options)
 
 
 # torch workaround: no upstream issue found

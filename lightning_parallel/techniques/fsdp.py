@@ -115,6 +115,8 @@ class Fsdp(Technique):
             )
 
     def stages(self, view: Any, job: Job) -> str | None:
+        if job.plan.data_parallel == "fsdp" and job.table is not None:
+            refuse_shared_on_one_rank(job.table)
         return describe(job.mesh) if apply(view, job.plan, job.mesh, job.pin_memory) else None
 
     def reductions(self, job: Job) -> list[Reduction]:
@@ -215,6 +217,41 @@ def apply(stages: StageSource, plan: Any, mesh: Any, pin_memory: bool = False) -
     if roots:
         stages.use_stage_class(DeferredReduceStage)
     return roots
+
+
+def refuse_shared_on_one_rank(table: Any) -> None:
+    """Refuse FSDP2 where one rank holds two stages that use one parameter (a tied weight).
+
+    Every stage is its own FSDP2 root, and FSDP2 cannot shard one parameter in two roots: each root
+    would put its own sharded copy in the tied weight's place, each taking only its stage's half of the
+    gradient (their replicas across ranks are summed by ``grads/tied.py``, two copies on one rank are
+    not), and the optimizer state of one copy would have no name in a checkpoint. Every rank reads the
+    same stage table (``StagePlan``), so every rank refuses together.
+
+    Raises:
+        ValueError: naming the parameter, its stages and the rank, with the fixes.
+
+    Example::
+
+        refuse_shared_on_one_rank(job.table)   # a V schedule, a tied embedding and head: refused
+    """
+    users: dict[str, list[int]] = {}
+    for index, stage in enumerate(table.stages):
+        for name in stage.parameters:
+            users.setdefault(name, []).append(index)
+    for name, stages in sorted(users.items()):
+        ranks = [table.pp_rank_of(s) for s in stages]
+        twice = next((r for r in ranks if ranks.count(r) > 1), None)
+        if twice is not None:
+            held = [s for s, r in zip(stages, ranks) if r == twice]
+            raise ValueError(
+                f'data_parallel="fsdp" cannot shard {name!r}: stages {held} use it and pipeline rank '
+                f"{twice} holds them all, and FSDP2 shards one parameter in one stage only (two sharded "
+                f"copies would each take part of its gradient). Use a schedule that puts those stages on "
+                f"different pipeline ranks (schedule='1f1b' or 'gpipe', or a looped schedule with "
+                f"pipeline_size >= 2; not 'zbv' or 'dualpipev', nor pipeline_size=1 with stages_per_rank > "
+                f"1), data_parallel='replicate' or 'zero1', or untie the weight"
+            )
 
 
 VIEW_OUTPUT_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"

@@ -36,11 +36,15 @@ def accepted_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in defaults.items() if k in accepted}
 
 
-def host_kernel(cls: type, defaults: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def host_kernel(
+    cls: type, defaults: dict[str, Any], dtype: torch.dtype = torch.float32, like: DTensor | None = None
+) -> dict[str, Any]:
     """The fastest implementation of ``cls``'s step that runs on the host: fused, foreach, or the loop.
 
-    Each candidate is tried on a two-element host tensor (a probe step); ``capturable`` is off (no
-    CUDA graph on the host).
+    Each candidate is tried on a two-element host tensor (a probe step), a DTensor on ``like``'s mesh
+    and placements when the parameters are DTensors (FSDP2's offloaded shards: torch 2.13 has no
+    sharding rule for some fused kernels, SGD's among them); ``capturable`` is off (no CUDA graph on
+    the host).
 
     Raises:
         ValueError: no candidate steps a host tensor (a CUDA-only optimizer, or one whose step needs the
@@ -59,7 +63,7 @@ def host_kernel(cls: type, defaults: dict[str, Any], dtype: torch.dtype = torch.
         kernel = {k: v for k, v in {"fused": False, "foreach": False, **candidate}.items() if k in accepted}
         kernel.update({"capturable": False} if "capturable" in accepted else {})
         try:
-            _probe(cls, {**defaults, **kernel}, dtype)
+            _probe(cls, {**defaults, **kernel}, dtype, like)
             return kernel
         except Exception as err:  # any failure of the probe: try the next kernel
             error = err
@@ -71,8 +75,11 @@ def host_kernel(cls: type, defaults: dict[str, Any], dtype: torch.dtype = torch.
     )
 
 
-def _probe(cls: type, kwargs: dict[str, Any], dtype: torch.dtype) -> None:
-    param = torch.zeros(2, dtype=dtype, device=HOST, requires_grad=True)
+def _probe(cls: type, kwargs: dict[str, Any], dtype: torch.dtype, like: DTensor | None = None) -> None:
+    param = torch.zeros(2, dtype=dtype, device=HOST)
+    if like is not None:  # (elementwise: no collective, the same answer on every rank)
+        param = DTensor.from_local(param, like.device_mesh, like.placements, run_check=False)
+    param.requires_grad_(True)
     param.grad = torch.zeros_like(param)
     cls([param], **kwargs).step()
 
@@ -330,7 +337,8 @@ def use_host_kernels(optimizer: torch.optim.Optimizer) -> None:
     """
     defaults = accepted_defaults(type(optimizer), optimizer.defaults)
     first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-    kernel = host_kernel(type(optimizer), defaults, first.dtype if first is not None else torch.float32)
+    like = first if isinstance(first, DTensor) else None
+    kernel = host_kernel(type(optimizer), defaults, first.dtype if first is not None else torch.float32, like)
     built: list[dict[str, Any]] = []
 
     def before(opt: Any, args: Any, kwargs: Any) -> None:
