@@ -221,7 +221,7 @@ def variants() -> dict[str, dict[str, dict[str, Any]]]:
     """Per technique, its variants by name: what its ``variants()`` yields on the matrix's shapes (as the
     planner's search asks, a split ``nn.Sequential``), then :data:`NOT_SEARCHED`."""
     found: dict[str, dict[str, dict[str, Any]]] = {}
-    search = SearchOptions(shardable=True)
+    search = SearchOptions(layout="sequential")
     for technique in TECHNIQUES:
         mine = found.setdefault(technique.name, {})
         for shape in SHAPES:

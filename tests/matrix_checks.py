@@ -81,14 +81,12 @@ class _SpyWrappedUnits(Callback):
         out["checkpointed"] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
-        stages = trainer.strategy.parts.runner.stages
-        wrap, wrapped = stages._wrap_units, self.out["checkpointed"]
+        wrapped = self.out["checkpointed"]
 
-        def spy(units):
-            wrap(units)
-            wrapped.extend(n for n, m in units if is_checkpointed(m) and n not in wrapped)
+        def spy(stage):  # called after recomputation's own wrap, on each stage now or as it is prepared
+            wrapped.extend(n for n, m in stage.units if is_checkpointed(m) and n not in wrapped)
 
-        stages.recompute(spy)
+        trainer.strategy.parts.runner.stages.each_stage(spy)
 
 
 COLWISE = re.compile(r"attn\.[qkv]\.weight$|mlp\.fc\.(weight|bias)$")

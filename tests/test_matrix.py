@@ -180,7 +180,7 @@ def _fit(case: Case, world: int, out_dir: str, refs_dir: str) -> dict[str, Any]:
         trainer.fit(module, loader(spec.data(), GLOBAL_BATCH // replicas),
                     loader(spec.val(), VAL_BATCH // replicas), ckpt_path=ckpt)  # fmt: skip
     record = {**recorder.record, "logged": _logged(logger), "pp_rank": strategy.mesh.pp_rank,
-              "dp_rank": strategy.mesh.dp_rank}  # fmt: skip
+              "dp_rank": strategy.mesh.rank("data")}  # fmt: skip
     for t, check in checks.items():
         record.update(outs[t], **check.record(trainer, module, case))
     if spec.predicts:

@@ -321,7 +321,7 @@ def test_fsdp_shards_parameters_and_state_and_gathers_the_stage_for_the_step():
         ParallelPlan("pipeline", 2, 2, data_parallel="zero3")
     assert ParallelPlan("pipeline", 4, 2, data_parallel="zero1").data_parallel == "zero1"
     assert ParallelPlan("pipeline", 4, 2, data_parallel="zero1").shard_optimizer_state
-    labels = {c.label() for c in candidate_plans(4, 8, 32, fsdp=True)}
+    labels = {c.label() for c in candidate_plans(4, 8, 32, layout="sequential")}
     assert "pp 2x2 1f1b m=4 +fsdp" in labels and "pp 4x1 1f1b m=4 +fsdp" not in labels
 
 

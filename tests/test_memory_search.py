@@ -69,6 +69,6 @@ CASES = [
 
 @pytest.mark.parametrize(("search", "num_blocks", "tp", "fsdp", "count"), CASES)
 def test_the_search_tries_every_plan_its_rules_allow_once(search, num_blocks, tp, fsdp, count):
-    plans = search.plans(num_blocks, tp, fsdp=fsdp)
+    plans = search.plans(num_blocks, tp, "sequential" if fsdp else "blocks")
     assert len(plans) == len(set(plans)) == count
     assert set(plans) == set(_rules(search, num_blocks, tp, fsdp))

@@ -88,7 +88,7 @@ def test_the_strategy_maps_every_option_onto_its_plan_in_one_place():
 
 
 def test_a_planner_row_is_a_plan_the_strategy_runs():
-    rows = candidate_plans(devices=8, num_blocks=8, global_batch=64, fsdp=True)
+    rows = candidate_plans(devices=8, num_blocks=8, global_batch=64, layout="sequential")
     pipelines = [r for r in rows if r.strategy == "pipeline"]
     assert len(pipelines) > 20
     for row in pipelines:

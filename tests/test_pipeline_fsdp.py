@@ -7,8 +7,8 @@ validation and resumes) is a case of the configuration matrix (tests/matrix.py, 
 tests/test_matrix.py), with FSDP2's own check there (tests/matrix_checks.py: one reduce-scatter per
 optimizer step, every stage parameter a DTensor, the stage table's bytes, the view warning filtered).
 
-Covers the stage sources' shard() (parallelize_fn, then FSDP2, on each stage) and sources/traced/fsdp.py
-(one FSDP root per traced stage) through the matrix's cases.
+Covers techniques/fsdp.py's technique through the stage view (parallelize_fn, then FSDP2, on each stage
+module; the traced configurations' one FSDP root per stage) through the matrix's cases.
 """
 
 import re
@@ -95,4 +95,6 @@ def test_parallelize_fn_gets_each_stage_and_the_mesh_seen_in_configure_model(tmp
     )
     assert model.seen == {"dims": ("pp", "dp_replicate", "dp_shard", "tp"), "shape": (1, 1, 1, 1)}
     assert calls == [("StageModule", (1, 1, 1, 1))]
-    assert strategy.mesh.dp_mesh.size() == 1 and strategy.mesh.dp_group is not None
+    gradients = strategy.mesh.device_mesh_of("gradients")  # the replicate x shard ranks, flattened
+    assert gradients.size() == 1 and gradients.mesh_dim_names == ("dp",)
+    assert strategy.mesh.group("gradients") is not None

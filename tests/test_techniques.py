@@ -22,7 +22,15 @@ from lightning_parallel.memory.search import SEARCHED_FIELDS
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.autoplan import SEARCHED
 from lightning_parallel.techniques import TECHNIQUES, environment, searched_fields
-from lightning_parallel.techniques.contract import Job, Reduction, SearchOptions, Technique
+from lightning_parallel.techniques.contract import (
+    CostLedger,
+    Job,
+    MemoryLedger,
+    Reduction,
+    SearchOptions,
+    Technique,
+    TimeLedger,
+)
 
 TECHNIQUES_DIR = Path(__file__).resolve().parents[1] / "lightning_parallel" / "techniques"
 CORE_FIELDS = {
@@ -94,6 +102,14 @@ def test_a_technique_s_defaults_leave_everything_as_it_is():
     assert list(base.variants(plan, SearchOptions())) == [{}]
     assert base.stages(None, job) is None and base.optimizers(optimizers, job) is optimizers
     assert base.step_context(job) is None and base.reductions(job) == []
+    costs, memory, time = (
+        CostLedger(plan, None, 1.0, ["stage"]),
+        MemoryLedger(plan, None),
+        TimeLedger(plan, None),
+    )
+    before = (repr(costs), repr(memory), repr(time))
+    assert base.stage_costs(costs) is None and base.memory(memory) is None and base.time(time) is None
+    assert (repr(costs), repr(memory), repr(time)) == before
 
 
 def test_labels_follow_the_list_s_order():

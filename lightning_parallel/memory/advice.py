@@ -15,6 +15,7 @@ from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.links import Links
 from lightning_parallel.memory.planner import Budget, Candidate, fastest_fit, plan_search
 from lightning_parallel.memory.search import Search
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 
 
 class NothingFits(ValueError):
@@ -79,7 +80,7 @@ def suggestions(facts: Mapping[int, ModelFacts], search: Search, budget: Budget)
         out.append(_line(what, facts, halved, budget))
     searched = "recomputation and sharded optimizer state"
     if not search.offload:
-        out.append(_line("offload", facts, replace(search, offload=True), budget, True))
+        out.append(_line("offload", facts, replace(search, offload=True), budget, search))
     else:
         searched = "recomputation, sharded optimizer state and offload"
     out.append(f"{searched} are in the search already; a smaller precision (bf16-mixed) is measured again "
@@ -94,18 +95,31 @@ def _per_replica(search: Search) -> int:
     return search.global_batch_size // search.devices or 1
 
 
+def _plans(facts: Mapping[int, ModelFacts], search: Search) -> list[ParallelPlan]:
+    """The plans ``search`` tries (unsized), at each tensor-parallel size measured."""
+    return [
+        plan
+        for tp in search.tensor_parallel_sizes
+        for plan in search.plans(facts[tp].layout.max_stages, tp, facts[tp].layout.kind)
+    ]
+
+
 def _line(
     what: str,
     facts: Mapping[int, ModelFacts],
     search: Search,
     budget: Budget,
-    any_offload: bool = False,
+    beyond: Search | None = None,
 ) -> str:
+    """``what``'s line: the smallest peak of ``search``'s plans (with ``beyond``: of those it adds to
+    ``beyond``'s, the search it widens)."""
     try:
         found = plan_search(facts, search)
     except ValueError as err:
         return f"{what}: not searchable ({err})"
-    found = [c for c in found if c.plan.offload] if any_offload else found
+    if beyond is not None:
+        tried = set(_plans(facts, beyond))
+        found = [c for c in found if replace(c.plan, accumulate_grad_batches=1) not in tried]
     if not found:
         return f"{what}: no plan divides the batch"
     smallest = min(found, key=lambda c: c.peak)

@@ -2,8 +2,8 @@
 
 The model of a step (what is alive when):
 
-- **persistent**: parameters, the optimizer state (a 1/replicas share with ZeRO; under 16-mixed
-  with the GradScaler's 16 bytes), the gradients
+- **persistent**: parameters, the optimizer state (under 16-mixed with the GradScaler's 16 bytes),
+  the gradients
   already there (DDP: the previous step's, which Lightning zeroes only after ``training_step``, so
   they live through the forward; the pipeline runs its whole schedule inside ``training_step`` and
   releases them before it, except inside an accumulation window, where it adds into them), and the
@@ -12,19 +12,19 @@ The model of a step (what is alive when):
   buffers (one per micro-batch for the stage input and for the gradient of its output);
 - **per micro-batch in flight** (a forward done, its backward not yet): what the stage's units save
   for backward (measured, see :mod:`~lightning_parallel.memory.probe`), the stage output it keeps
-  for its backward (until that micro-batch's backward, on the last stage too). With recomputation a
-  unit keeps only its input, and one unit at a time is recomputed in backward;
+  for its backward (until that micro-batch's backward, on the last stage too);
 - **at a stage's first backward**: its new gradients; during any backward a transient of gradient
   tensors (twice the stage's largest saved tensor plus its output, a documented approximation);
 - **the optimizer step**: parameters + gradients + state, plus a gradient-sized flat buffer for
   the replicas' all-reduce.
-- **FSDP2 stages** (``data_parallel="fsdp"``): each rank keeps its shard of the stage's parameters
-  (whole rows of dim 0, padded as FSDP2 pads) and of the optimizer state; the gradients it keeps
-  between steps are a shard too. Under a pipeline FSDP2 runs with ``reshard_after_forward=False``
-  (one all-gather per step, not per micro-batch), so from its first forward to the end of the
-  schedule the rank also holds the whole stage's parameters (``gathered``), and its unsharded
-  gradients (the ``gradients`` column, as for plain replicas) until the one reduce-scatter before
-  the optimizer step.
+- **the techniques** (``Technique.memory``, folded over a
+  :class:`~lightning_parallel.techniques.contract.MemoryLedger` per rank in the list's order, before
+  the walk): each moves the bytes it changes between the columns (FSDP2 keeps a shard of the
+  parameters and of the state and gathers the stage for the step, ZeRO-1 a share of the state, offload
+  moves state or activations to the host, ...), and may leave a note for the table (compile). What one
+  micro-batch costs a stage is theirs too, before (``Technique.stage_costs``: with recomputation a
+  unit keeps only its input, and one unit at a time is recomputed in backward; see
+  :mod:`~lightning_parallel.memory.stage_costs`).
 
 The micro-batches in flight come from walking torch's own schedule order (plain data, see
 :mod:`~lightning_parallel.memory.schedule`); the peak is the largest total over that walk.
@@ -48,12 +48,12 @@ from lightning_parallel.memory.schedule import Action, peak_in_flight, rank_acti
 from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.plan import stage_rank
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.techniques import fsdp, zero
-from lightning_parallel.techniques.compile import MEMORY_NOTE
-from lightning_parallel.techniques.offload import memory as offload
+from lightning_parallel.techniques import TECHNIQUES
+from lightning_parallel.techniques.contract import DEVICE_COLUMNS, MemoryLedger
 
-COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
-GATHERED = "gathered"  # FSDP2's unsharded stage parameters, a column only where a rank has them
+COMPONENTS = DEVICE_COLUMNS[:5]
+"""The columns of every table; ``gathered`` (FSDP2's unsharded stage) only where a rank has some."""
+GATHERED = DEVICE_COLUMNS[5]
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,13 @@ class RankMemory:
 
     ``activations`` includes the backward transient; ``buffers``: communication buffers and kept outputs;
     ``gathered``: an FSDP2 stage's all-gathered parameters (``parameters`` is then the rank's shard).
-    ``peak`` is the device's; ``host``: what the plan's offload keeps in host memory for this rank
-    (``techniques/offload/memory.py``), apart from it.
+    ``peak`` is the device's; ``host``: what the plan keeps in host memory for this rank (offload), apart
+    from it; ``disk``: what it keeps on disk.
+
+    Example::
+
+        rank = predict(facts, plan).worst
+        rank.peak, rank.host          # bytes on its device, bytes in its host memory
     """
 
     rank: int
@@ -76,6 +81,7 @@ class RankMemory:
     in_flight: tuple[int, ...]
     gathered: int = 0
     host: int = 0
+    disk: int = 0
 
     @property
     def total(self) -> int:
@@ -106,6 +112,7 @@ class MemoryEstimate:
 
     plan: ParallelPlan
     ranks: tuple[RankMemory, ...]
+    notes: tuple[str, ...] = ()  # printed under the table (the techniques' notes)
 
     @property
     def worst(self) -> RankMemory:
@@ -120,19 +127,30 @@ class MemoryEstimate:
         """The most host bytes any one rank's offload keeps."""
         return max((r.host for r in self.ranks), default=0)
 
+    @property
+    def disk(self) -> int:
+        """The most bytes any one rank keeps on disk."""
+        return max((r.disk for r in self.ranks), default=0)
+
     def format_table(self) -> str:
         components = [*COMPONENTS, *([GATHERED] if any(r.gathered for r in self.ranks) else [])]
-        hosted = any(r.host for r in self.ranks)
-        headers = ["rank", "stages", "in flight", *components, "peak" + (" (device)" if hosted else "")]
-        headers += ["host"] if hosted else []
+        apart = [c for c in ("host", "disk") if any(getattr(r, c) for r in self.ranks)]
+        headers = [
+            "rank",
+            "stages",
+            "in flight",
+            *components,
+            "peak" + (" (device)" if apart else ""),
+            *apart,
+        ]
         rows = [
             [str(r.rank), ",".join(map(str, r.stages)), ",".join(map(str, r.in_flight)),
              *(format_bytes(getattr(r, c)) for c in components), format_bytes(r.peak),
-             *([format_bytes(r.host)] if hosted else [])]
+             *(format_bytes(getattr(r, c)) for c in apart)]
             for r in self.ranks
         ]  # fmt: skip
         table = f"{self.plan.label()} ({self.plan.precision})\n" + format_table(headers, rows, align=">")
-        return table + (f"\n{MEMORY_NOTE}" if self.plan.compiled else "")
+        return table + "".join(f"\n{note}" for note in self.notes)
 
 
 def estimate_memory(
@@ -203,8 +221,9 @@ def predict(facts: ModelFacts, config: ParallelPlan, samples: int | None = None)
             f"{config.tensor_parallel_size})"
         )
     costs = stage_costs(facts, config, samples)
-    ranks = [_pipeline_rank(facts, costs, config, r) for r in range(config.pipeline_size)]
-    return MemoryEstimate(config, tuple(ranks))
+    ledgers = [_pipeline_rank(facts, costs, config, r) for r in range(config.pipeline_size)]
+    notes = dict.fromkeys(note for _, ledger in ledgers for note in ledger.notes)
+    return MemoryEstimate(config, tuple(rank for rank, _ in ledgers), tuple(notes))
 
 
 def _whole_model_rank(facts: ModelFacts, n: int, buckets: bool) -> RankMemory:
@@ -219,76 +238,52 @@ def _whole_model_rank(facts: ModelFacts, n: int, buckets: bool) -> RankMemory:
     return RankMemory(0, (0,), params, grads, state, acts + 2 * largest, grads if buckets else 0, (1,))
 
 
-def _pipeline_rank(facts: ModelFacts, costs: list[StageCosts], config: ParallelPlan, rank: int) -> RankMemory:
+def _pipeline_rank(
+    facts: ModelFacts, costs: list[StageCosts], config: ParallelPlan, rank: int
+) -> tuple[RankMemory, MemoryLedger]:
+    """One rank's peak: its stages as plain replicas hold them, each technique's moves (the ledger, in the
+    list's order), then the walk of its schedule; and the ledger (its notes)."""
     style, num_stages = placement(config.schedule), len(costs)
     local = [c for c in costs if stage_rank(c.index, config.pipeline_size, num_stages, style) == rank]
     params = list(dict.fromkeys(k for c in local for k in c.param_keys))  # a tied weight once per rank
-    p_bytes = sum(facts.tensors[k].nbytes for k in params)
     g_bytes = sum(facts.tensors[k].grad for k in params)
-    gathered = 0
-    if config.data_parallel == "fsdp":  # the rank's shard, and the whole stage gathered for the step
-        tensors = [facts.tensors[k] for k in params]
-        sharded = fsdp.memory([(t.rows, t.nbytes) for t in tensors], config.shard_size)
-        p_bytes, gathered = sharded.shard, sharded.gathered
-    state = _state_bytes(facts, params, config)
-    buffers = sum(c.recv_buffers for c in local)
     actions = rank_actions(
         config.schedule, config.pipeline_size, config.stages_per_rank, config.num_microbatches
     )
-    in_flight = peak_in_flight(actions[rank])
-    moved_parameters, moved_state, host = _offloaded(facts, params, config, p_bytes, state)
-    if "activations" in config.offload:
-        local, host_activations = _activations_on_host(local, in_flight)
-        host += host_activations
+    ledger = MemoryLedger(config, facts, rank, local, params, peak_in_flight(actions[rank]),
+                          reduced_gradients=g_bytes)  # fmt: skip
+    ledger.device.update(
+        parameters=sum(facts.tensors[k].nbytes for k in params),
+        gradients=g_bytes,
+        # The optimizer state of every parameter, and the loss scaler's, which every rank holds.
+        optimizer=facts.state_of(params) + LOSS_SCALER_BYTES.get(config.precision, 0),
+        buffers=sum(c.recv_buffers for c in local),
+    )
+    ledger.whole = dict(ledger.device)
+    for technique in TECHNIQUES:
+        technique.memory(ledger)
     # The previous step's gradients are released before the schedule (Lightning zeroes them after
     # training_step anyway): the new ones grow during backward. Inside an accumulation window the
     # schedule adds into the window's gradients, which are there from the start.
     accumulating = config.accumulate_grad_batches > 1
-    walk = _walk(actions[rank], {c.index: c for c in local}, 0 if accumulating else g_bytes)
-    return RankMemory(
+    device = ledger.device
+    walk = _walk(
+        actions[rank], {c.index: c for c in ledger.stages}, 0 if accumulating else device["gradients"]
+    )
+    memory = RankMemory(
         rank,
         tuple(c.index for c in local),
-        p_bytes - moved_parameters,
-        g_bytes if accumulating else walk.new_grads,
-        state - moved_state,
+        device["parameters"],
+        device["gradients"] if accumulating else walk.new_grads,
+        device["optimizer"],
         walk.activations,
-        buffers + walk.kept,
-        tuple(in_flight.get(c.index, 0) for c in local),
-        gathered,
-        host,
+        device["buffers"] + walk.kept,
+        tuple(ledger.in_flight.get(c.index, 0) for c in local),
+        device["gathered"],
+        sum(ledger.host.values()),
+        sum(ledger.disk.values()),
     )
-
-
-def _offloaded(
-    facts: ModelFacts, keys: list[int], config: ParallelPlan, p_bytes: int, state: int
-) -> tuple[int, int, int]:
-    """``(parameter bytes, optimizer bytes)`` the offload moves off this rank's device, and the host's
-    bytes, as the offload technique says (``techniques/offload/memory.py``; activations apart)."""
-    hosted = tuple(t for t in config.offload if t != "activations")
-    if not hosted:
-        return 0, 0, 0
-    trainable = sum(facts.tensors[k].nbytes for k in keys if facts.tensors[k].grad)
-    grads = [(facts.tensors[k].rows, facts.tensors[k].grad) for k in keys]
-    if "parameters" in hosted:  # FSDP2's CPUOffloadPolicy: p_bytes and state are the rank's shards
-        shard = fsdp.memory(grads, config.shard_size).shard
-        placed = offload.memory(hosted, parameters=p_bytes, gradients=shard, optimizer=state,
-                                trainable=trainable, activations=0, in_flight=0)  # fmt: skip
-        return p_bytes, state, placed.host
-    whole = facts.state_of(keys) + LOSS_SCALER_BYTES.get(config.precision, 0)
-    share = round(trainable * state / whole) if whole else trainable  # ZeRO-1 steps its shard
-    placed = offload.memory(hosted, parameters=p_bytes, gradients=sum(g for _, g in grads), optimizer=state,
-                            trainable=share, activations=0, in_flight=0)  # fmt: skip
-    return 0, state, placed.host
-
-
-def _activations_on_host(stages: list[StageCosts], in_flight: dict[int, int]) -> tuple[list[StageCosts], int]:
-    """``"activations"``: the stages as the device sees them (a micro-batch's saved tensors only during
-    its backward, a transient) and the host's bytes (each stage's micro-batches in flight at their most),
-    as ``techniques/offload/memory.py`` moves them."""
-    host = sum(c.per_microbatch * in_flight.get(c.index, 0) for c in stages)
-    device = [replace(c, per_microbatch=0, backward_transient=c.backward_transient + c.per_microbatch)
-              for c in stages]  # fmt: skip
-    return device, host
+    return memory, ledger
 
 
 @dataclass
@@ -334,21 +329,6 @@ def _walk(actions: list[Action], stages: dict[int, StageCosts], all_grads: int) 
             live -= c.per_microbatch
             kept -= c.kept_output
     return best
-
-
-def _state_bytes(facts: ModelFacts, keys: list[int], config: ParallelPlan) -> int:
-    """Optimizer state on the fullest replica of this rank's stage(s) (ZeRO splits it as torch does),
-    with the loss scaler's, which every rank holds."""
-    dp, scaler = config.data_parallel_size, LOSS_SCALER_BYTES.get(config.precision, 0)
-    if config.data_parallel == "fsdp":  # the state of each parameter's shard
-        return facts.state_of(keys, config.shard_size) + scaler
-    if not config.shard_optimizer_state or dp == 1:
-        return facts.state_of(keys) + scaler
-    mine = set(keys)
-    groups = [
-        [(facts.tensors[k].numel, facts.state_of([k])) for k in g if k in mine] for g in facts.group_order
-    ]
-    return zero.memory(groups, dp) + scaler
 
 
 __all__ = ["BEFORE", "MemoryEstimate", "RankMemory", "estimate_memory", "format_bytes", "predict"]

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.utils._pytree import tree_leaves
 
 from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
@@ -26,8 +25,7 @@ from lightning_parallel.memory.probe import (
 from lightning_parallel.memory.time_probe import TimeFacts, measure_times
 from lightning_parallel.memory.units import UnitLayout, find_units, order_extras
 from lightning_parallel.sources.sequential.split import find_sequential
-from lightning_parallel.techniques.fsdp import shard_rows
-from lightning_parallel.techniques.tensor_parallel.memory import local_model
+from lightning_parallel.techniques.tensor_parallel.memory import local_model, row_splits
 from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, default_plan, traced_plan
 
 
@@ -42,10 +40,6 @@ class Tensor:
     state: StateSize | None
     group: int  # optimizer param group (ZeRO shards group by group); -1: not optimized
     rows: int = 1  # size of dim 0, the dimension FSDP2 shards
-
-    def shard(self, shards: int) -> float:
-        """The share of this tensor the first (fullest) of ``shards`` FSDP2 shards holds: whole rows."""
-        return shard_rows(self.rows, shards) / self.rows
 
 
 @dataclass
@@ -72,14 +66,13 @@ class ModelFacts:
     times: TimeFacts | None = None  # each unit's forward and backward seconds (the time model's)
     tp_reduces: dict[str, int] = field(default_factory=dict)  # unit -> all-reduces per pass under tp
 
-    def state_of(self, keys: list[int], shards: int = 1) -> int:
-        """Optimizer state of ``keys``; with ``shards``, of the fullest FSDP2 shard of each (per-tensor
-        state such as Adam's ``step`` stays whole)."""
+    def state_of(self, keys: list[int]) -> int:
+        """Optimizer state of ``keys``."""
         out = 0
         for k in keys:
             t = self.tensors[k]
             if t.state:
-                out += t.state.of(round(t.numel * t.shard(shards)) if shards > 1 else t.numel)
+                out += t.state.of(t.numel)
         return out
 
 
@@ -117,7 +110,7 @@ def measure_model(
         tensor_plan = planned_tensors(module, tensor_parallel_size)
         module = local_model(module, tensor_plan, tensor_parallel_size)
         optimizers = [_rebuilt(o, module) for o in optimizers]
-        reduces = _row_splits(tensor_plan, find_units(module))
+        reduces = row_splits(tensor_plan, [u.name for u in find_units(module).units])
     layout = find_units(module)
     samples = _samples(batch)
     probed = module if param_dtype is None else _converted(module, param_dtype)
@@ -137,20 +130,6 @@ def measure_model(
         layout, probe, samples, precision, tensors, unit_params, loose, groups, tensor_parallel_size,
         times, reduces,
     )  # fmt: skip
-
-
-def _row_splits(plan: TensorPlan, layout: UnitLayout) -> dict[str, int]:
-    """Per unit, its row-wise split layers: one activation all-reduce each in forward (and in backward)."""
-    out = {}
-    for unit in layout.units:
-        rows = [
-            p
-            for p, style in plan.styles.items()
-            if p.startswith(unit.name + ".") and isinstance(style, RowwiseParallel)
-        ]
-        if rows:
-            out[unit.name] = len(rows)
-    return out
 
 
 def _optimizers(module: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer]:

@@ -58,6 +58,15 @@ class Links:
             return 0.0
         return (ranks - 1) * self.collective.time(nbytes / ranks)
 
+    def more_messages(self, ranks: int, messages: float) -> float:
+        """The latency of ``messages - 1`` more collectives over ``ranks`` than the one charged for the bytes.
+
+        Example::
+
+            links.all_gather(2, nbytes) + links.more_messages(2, units)   # one all-gather per FSDP2 unit
+        """
+        return max(0.0, messages - 1) * (ranks - 1) * self.collective.latency if ranks > 1 else 0.0
+
     def copy(self, nbytes: float) -> float:
         """A copy between the device and the host, one way."""
         return self.host.time(nbytes)

@@ -237,8 +237,7 @@ def plan_search(
     out: list[Candidate] = []
     for tp in search.tensor_parallel_sizes:
         f = facts[tp]
-        sequential = f.layout.kind == "sequential"  # FSDP2 shards the stages of a split Sequential
-        out += rank_plans(f, search.plans(f.layout.max_stages, tp, fsdp=sequential), search, links)
+        out += rank_plans(f, search.plans(f.layout.max_stages, tp, f.layout.kind), search, links)
     return ranked(out)
 
 
@@ -249,10 +248,11 @@ def candidate_plans(
     precision: str = "32-true",
     pipeline_sizes: list[int] | None = None,
     schedules: tuple[str, ...] = SEARCHED_SCHEDULES,
-    fsdp: bool = False,
+    layout: str = "",
     tensor_parallel_size: int = 1,
 ) -> list[ParallelPlan]:
     """Lightning's DDP (or one device) and the :class:`Search`'s plans without offload: a memory-only listing.
+    ``layout``: how the model's units are laid out (``UnitLayout.kind``, see :meth:`Search.plans`).
 
     Example::
 
@@ -263,4 +263,4 @@ def candidate_plans(
     whole = "single_device" if devices == 1 else "ddp"
     ddp = global_batch % devices == 0 and tensor_parallel_size == 1
     out = [ParallelPlan(whole, devices, precision=precision)] if ddp else []
-    return out + search.plans(num_blocks, tensor_parallel_size, fsdp)
+    return out + search.plans(num_blocks, tensor_parallel_size, layout)

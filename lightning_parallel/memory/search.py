@@ -5,7 +5,7 @@ options to try; :meth:`Search.plans` lists the ``PipelineStrategy`` plans: the c
 size that divides the devices, ``pipeline_size=1`` being pure data parallelism through the strategy;
 the searched schedules; micro-batches in {p, 2p, 4p}, or 1, 2, 4 for p = 1), then each technique's
 variants on top of them in the list's order (``Technique.variants``: with and without recomputation,
-FSDP2 for a split ``nn.Sequential``, ZeRO-1, each offload), keeping the plans the plan's own checks
+FSDP2 (for a split ``nn.Sequential``), ZeRO-1, each offload), keeping the plans the plan's own checks
 accept (what cannot combine is refused there, once). Tensor-parallel sizes are tried one call each
 (each is measured on its own local model).
 
@@ -107,10 +107,11 @@ class Search:
             return None
         return self.batch_size, self.global_batch_size // per_step
 
-    def plans(self, num_blocks: int, tensor_parallel_size: int = 1, fsdp: bool = False) -> list[ParallelPlan]:
+    def plans(self, num_blocks: int, tensor_parallel_size: int = 1, layout: str = "") -> list[ParallelPlan]:
         """Every plan to try at one tensor-parallel size whose batches divide as they must.
 
-        ``fsdp``: the model is split as an ``nn.Sequential``, whose stages FSDP2 can shard.
+        ``layout``: how the model's units are laid out (``UnitLayout.kind``; the techniques' variants
+        read it: :class:`~lightning_parallel.techniques.contract.SearchOptions`).
 
         Raises:
             ValueError: a requested pipeline size does not divide the devices or exceeds the blocks.
@@ -122,7 +123,7 @@ class Search:
             for schedule, v in _schedules(base.pipeline_size, num_blocks, self.schedules)
             for m in _microbatches(base.pipeline_size, found[0])
         ]  # the core's: pipeline shapes x schedules x micro-batches
-        options = SearchOptions(self.offload, self.offload_parameters, shardable=fsdp)
+        options = SearchOptions(self.offload, self.offload_parameters, layout)
         for technique in TECHNIQUES:
             plans = _accepted((plan, o) for plan in plans for o in technique.variants(plan, options))
         return plans

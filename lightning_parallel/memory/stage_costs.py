@@ -1,14 +1,20 @@
-"""Per pipeline stage: its parameters and the bytes one micro-batch costs it, from the measured units."""
+"""Per pipeline stage: its parameters and the bytes one micro-batch costs it, from the measured units.
+
+A plain stage's costs, then each technique's change of them (``Technique.stage_costs``, folded over a
+:class:`~lightning_parallel.techniques.contract.CostLedger` in the list's order: recomputation keeps
+only the inputs of the units it recomputes): what the memory estimate and the time model both read.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from lightning_parallel.memory.facts import ModelFacts
-from lightning_parallel.memory.probe import BEFORE, UnitActivations
+from lightning_parallel.memory.probe import BEFORE
 from lightning_parallel.memory.units import NOT_SPLIT, WHOLE, Unit, UnitLayout, partition
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.techniques import recompute
+from lightning_parallel.techniques import TECHNIQUES
+from lightning_parallel.techniques.contract import CostLedger
 
 
 @dataclass
@@ -31,8 +37,6 @@ class StageCosts:
     forward_transient: int
     backward_transient: int
     recv_buffers: int
-    work: int  # bytes its units save per micro-batch, a proxy for its compute (the planner's)
-    recomputed_work: int
 
 
 def stage_costs(facts: ModelFacts, config: ParallelPlan, samples: int | None = None) -> list[StageCosts]:
@@ -49,9 +53,13 @@ def stage_costs(facts: ModelFacts, config: ParallelPlan, samples: int | None = N
     _check_stages(facts.layout, config)
     counts = partition(facts.layout, n_stages, config.partition)
     per_stage = facts.layout.stage_units(counts)
-    chosen = set(recomputed_units(facts, config))
     mb = (samples or facts.samples) / config.num_microbatches
-    return [_one(facts, s, units, chosen, mb, config) for s, units in enumerate(per_stage)]
+    ledger = CostLedger(
+        config, facts, mb, [_one(facts, s, units, mb, config) for s, units in enumerate(per_stage)]
+    )
+    for technique in TECHNIQUES:
+        technique.stage_costs(ledger)
+    return ledger.stages
 
 
 def _check_stages(layout: UnitLayout, config: ParallelPlan) -> None:
@@ -75,24 +83,21 @@ def _check_stages(layout: UnitLayout, config: ParallelPlan) -> None:
     )
 
 
-def recomputed_units(facts: ModelFacts, config: ParallelPlan) -> list[str]:
-    """The units ``config``'s ``activation_checkpointing`` recomputes, as the strategy selects them."""
-    units = [(u.name, u.module) for u in facts.layout.units]
-    blocks = [(u.name, u.module) for u in facts.layout.blocks()] if facts.layout.kind == "blocks" else units
-    return recompute.selected(units, blocks, config.activation_checkpointing)
-
-
-def _one(
-    facts: ModelFacts, index: int, units: list[Unit], recomputed: set[str], mb: float, config: ParallelPlan
-) -> StageCosts:
+def _one(facts: ModelFacts, index: int, units: list[Unit], mb: float, config: ParallelPlan) -> StageCosts:
     n_stages, m = config.num_stages, config.num_microbatches
     first, last = index == 0, index == n_stages - 1
     acts = [facts.probe.unit(u.name) for u in units]
     keys = list(dict.fromkeys(k for u in units for k in facts.unit_params[u.name]))
     if first:
         keys += [k for k in facts.loose_params if k not in keys]
-    unit_bytes = [_unit_bytes(u.name, a, mb) for u, a in zip(units, acts)]
-    held = recompute.memory(unit_bytes, recomputed, first)
+    # Each unit keeps what it saved for backward, and what the code after it saved (a residual add); a
+    # later stage's first unit does not keep its input twice: the receive buffer holds it.
+    held = 0
+    for i, a in enumerate(acts):
+        kept = a.saved.at(mb)
+        if i == 0 and not first:
+            kept -= a.saved_input.at(mb)
+        held += kept + a.after.at(mb)
     kept_input = facts.probe.unit(BEFORE).saved.at(mb) if first else 0
     out = acts[-1].outputs.at(mb)
     kept = max(0, out - acts[-1].saved_output.at(mb)) if not last else out
@@ -102,18 +107,10 @@ def _one(
         units=[u.name for u in units],
         param_keys=keys,
         grads=sum(facts.tensors[k].grad for k in keys),
-        per_microbatch=held.kept + kept_input,
+        per_microbatch=held + kept_input,
         kept_output=kept,
         weight_copies=sum(a.weight_copies for a in acts),
         forward_transient=largest,
-        backward_transient=held.peak + 2 * largest + out,
+        backward_transient=2 * largest + out,
         recv_buffers=m * ((0 if first else acts[0].inputs.at(mb)) + (0 if last else out)),
-        work=sum(a.saved.at(mb) for a in acts),
-        recomputed_work=held.recomputed_saves,
-    )
-
-
-def _unit_bytes(name: str, a: UnitActivations, mb: float) -> recompute.UnitBytes:
-    return recompute.UnitBytes(
-        name, a.saved.at(mb), a.inputs.at(mb), a.saved_input.at(mb), a.saved_output.at(mb), a.after.at(mb)
     )

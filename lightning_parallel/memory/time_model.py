@@ -5,10 +5,11 @@ times from :mod:`~lightning_parallel.memory.time_probe`) and the links
 (:mod:`~lightning_parallel.memory.links`):
 
 1. **Each stage's forward and backward per micro-batch**: its units' measured lines at the
-   micro-batch's size; in backward, the forward of each recomputed unit once more; with tensor
-   parallelism the all-reduces of each split block (one per row-wise split layer in forward, as many in
-   backward, activation-sized); with offloaded activations, their copy to the host in forward and back
-   in backward.
+   micro-batch's size, then what each technique adds (``Technique.time``, folded over a
+   :class:`~lightning_parallel.techniques.contract.TimeLedger` per pipeline rank in the list's order):
+   in backward, the forward of each recomputed unit once more; with tensor parallelism the all-reduces
+   of each split block; with offloaded activations, their copy to the host in forward and back in
+   backward.
 2. **The schedule, simulated**: each pipeline rank runs its actions in torch's own order
    (:func:`~lightning_parallel.memory.schedule.rank_actions`), an action starting when its rank is free
    and its input has arrived (the previous stage's forward, or the next stage's backward, plus the
@@ -16,11 +17,11 @@ times from :mod:`~lightning_parallel.memory.time_probe`) and the links
    bubble and the stage imbalance come out of the simulation, not from a formula; with accumulation the
    schedule runs once per batch of the window.
 3. **The step's tail**, after the schedule, not overlapped (this package's ``GradientSync`` runs once
-   after the schedule): the replicas' all-reduce of the gradients (one coalesced message; FSDP2: one
-   reduce-scatter per FSDP2 unit, HSDP an all-reduce of the shard on top; its all-gathers are charged
-   before the first forward), the optimizer step (per element and per tensor, on the device or,
-   offloaded, on the host), ZeRO-1's broadcast of each updated parameter from its owner, and offload's
-   copies (gradients to the host, parameters back). Every collective message pays the latency.
+   after the schedule): the techniques' reductions and copies (the replicas' all-reduce of the gradients
+   in one coalesced message, or FSDP2's reduce-scatters, whose all-gathers are charged before the first
+   forward; ZeRO-1's broadcast of each updated parameter from its owner; offload's copies), then the
+   optimizer step (per element and per tensor, on the device unless a technique moved it). Every
+   collective message pays the latency.
 
 The step time is the last rank's finish. What is not modelled: the Trainer's own per-batch work (the
 same for every plan), the overlap of communication with compute, other jobs on the machine.
@@ -29,31 +30,34 @@ same for every plan), the overlap of communication with compute, other jobs on t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_parallel.layout.choices import placement
 from lightning_parallel.memory.facts import ModelFacts
 from lightning_parallel.memory.links import Links
 from lightning_parallel.memory.probe import BEFORE
 from lightning_parallel.memory.schedule import Action, rank_actions
-from lightning_parallel.memory.stage_costs import StageCosts, recomputed_units, stage_costs
-from lightning_parallel.memory.time_probe import TimeFacts
+from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.plan import stage_rank
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques import TECHNIQUES
+from lightning_parallel.techniques.contract import TimeLedger
 
 
 @dataclass(frozen=True)
 class StageTime:
     """One stage's seconds per micro-batch; ``send``: the bytes of its output (and of that output's
-    gradient coming back). ``recompute``, ``tensor_parallel``, ``offload``: shares of forward + backward."""
+    gradient coming back). ``shares``: of forward + backward, the seconds of communication, recomputation
+    and offload (:data:`~lightning_parallel.techniques.contract.TIME_SHARES`)."""
 
     index: int
     forward: float
     backward: float
     send: int
-    recompute: float = 0.0
-    tensor_parallel: float = 0.0
-    offload: float = 0.0
+    shares: dict[str, float] = field(default_factory=dict)
+
+    def share(self, what: str) -> float:
+        return self.shares.get(what, 0.0)
 
 
 @dataclass(frozen=True)
@@ -226,11 +230,17 @@ def step_time(
     if plan.strategy != "pipeline":
         raise ValueError(f"the time model takes PipelineStrategy plans, got strategy={plan.strategy!r}")
     costs = stage_costs(facts, plan, samples)
-    stages = stage_times(facts, times, links, plan, costs, samples)
     p, style = plan.pipeline_size, placement(plan.schedule)
-    rank_of = {s.index: stage_rank(s.index, p, len(costs), style) for s in stages}
+    rank_of = {c.index: stage_rank(c.index, p, len(costs), style) for c in costs}
+    ledgers = [
+        _ledger(facts, links, plan, [c for c in costs if rank_of[c.index] == r], r, samples) for r in range(p)
+    ]
+    for ledger in ledgers:
+        for technique in TECHNIQUES:
+            technique.time(ledger)
+    stages = sorted((s for ledger in ledgers for s in _stage_times(ledger)), key=lambda s: s.index)
     actions = rank_actions(plan.schedule, p, plan.stages_per_rank, plan.num_microbatches)
-    gathers = [_gather(facts, links, plan, [c for c in costs if rank_of[c.index] == r]) for r in range(p)]
+    gathers = [ledger.start for ledger in ledgers]
     sim = simulate(
         actions,
         lambda a: _duration(stages[a.stage], a.kind),
@@ -238,7 +248,7 @@ def step_time(
         rank_of.__getitem__,
         gathers,
     )
-    tails = [_tail(facts, times, links, plan, [c for c in costs if rank_of[c.index] == r]) for r in range(p)]
+    tails = [_tail(ledger) for ledger in ledgers]
     ends = [accumulate * sim.finish[r] + tails[r][0] for r in range(p)]
     last = max(range(p), key=lambda r: (ends[r], sim.busy[r]))
     busiest = max(range(p), key=lambda r: sim.busy[r])
@@ -250,41 +260,42 @@ def step_time(
         bubble=sim.bubble,
         imbalance=sim.imbalance,
         communication=accumulate * (gathers[busiest] + sim.waited[busiest]) + tails[last][1]
-        + m * sum(s.tensor_parallel for s in mine),
-        recompute=m * sum(s.recompute for s in mine),
-        offload=m * sum(s.offload for s in mine) + tails[last][2],
+        + m * sum(s.share("communication") for s in mine),
+        recompute=m * sum(s.share("recompute") for s in mine),
+        offload=m * sum(s.share("offload") for s in mine) + tails[last][2],
         optimizer=tails[last][3],
     )  # fmt: skip
 
 
-def stage_times(
-    facts: ModelFacts,
-    times: TimeFacts,
-    links: Links,
-    plan: ParallelPlan,
-    costs: list[StageCosts],
-    samples: int,
-) -> list[StageTime]:
-    """Each stage's forward and backward seconds per micro-batch (see the module's point 1)."""
+def _ledger(
+    facts: ModelFacts, links: Links, plan: ParallelPlan, local: list[StageCosts], rank: int, samples: int
+) -> TimeLedger:
+    """A rank's ledger before the techniques: its stages' measured compute, its plain optimizer step."""
     mb = samples / plan.num_microbatches
-    recomputed = set(recomputed_units(facts, plan))
-    tp = plan.tensor_parallel_size
-    offloaded = "activations" in plan.offload
-    out = []
-    for c in costs:
+    times = facts.times
+    assert times is not None  # (step_time checked it)
+    keys = list(dict.fromkeys(k for c in local for k in c.param_keys))
+    trainable = [facts.tensors[k] for k in keys if facts.tensors[k].grad]
+    grads = sum(facts.tensors[k].grad for k in keys)
+    elements = sum(t.numel for t in trainable)
+    ledger = TimeLedger(plan, facts, links, rank, local, keys, mb, gradients=grads, unreduced=grads,
+                        step_elements=elements, step_tensors=len(trainable))  # fmt: skip
+    for c in local:
         names = ([BEFORE] if c.index == 0 else []) + c.units
-        forward = sum(times.unit(n).forward.at(mb) for n in names)
-        backward = sum(times.unit(n).backward.at(mb) for n in names)
-        again = sum(times.units[n].forward.at(mb) for n in c.units if n in recomputed and n in times.units)
-        reduces = sum(facts.tp_reduces.get(n, 0) * links.all_reduce(tp, facts.probe.unit(n).outputs.at(mb))
-                      for n in c.units) if tp > 1 else 0.0  # fmt: skip
-        copies = links.copy(c.per_microbatch) if offloaded else 0.0
-        send = facts.probe.unit(c.units[-1]).outputs.at(mb) if c.units else 0
-        out.append(
-            StageTime(c.index, forward + reduces + copies, backward + again + reduces + copies, send,
-                      again, 2 * reduces, 2 * copies)
-        )  # fmt: skip
-    return out
+        ledger.forward[c.index] = sum(times.unit(n).forward.at(mb) for n in names)
+        ledger.backward[c.index] = sum(times.unit(n).backward.at(mb) for n in names)
+    return ledger
+
+
+def _stage_times(ledger: TimeLedger) -> list[StageTime]:
+    """Each of the rank's stages' seconds per micro-batch (see the module's point 1)."""
+    facts, mb = ledger.facts, ledger.micro_batch
+    return [
+        StageTime(c.index, ledger.forward[c.index], ledger.backward[c.index],
+                  facts.probe.unit(c.units[-1]).outputs.at(mb) if c.units else 0,
+                  ledger.shares.get(c.index, {}))
+        for c in ledger.stages
+    ]  # fmt: skip
 
 
 def _duration(stage: StageTime, kind: str) -> float:
@@ -295,60 +306,11 @@ def _duration(stage: StageTime, kind: str) -> float:
     return stage.backward
 
 
-def _gather(facts: ModelFacts, links: Links, plan: ParallelPlan, local: list[StageCosts]) -> float:
-    """FSDP2's all-gather of the rank's stages before their first forward (and offload's copy up)."""
-    if plan.data_parallel != "fsdp":
-        return 0.0
-    nbytes = sum(facts.tensors[k].nbytes for k in _keys(local))
-    up = links.copy(nbytes / plan.shard_size) if "parameters" in plan.offload else 0.0
-    return (
-        links.all_gather(plan.shard_size, nbytes)
-        + _more_messages(links, plan.shard_size, _fsdp_units(local))
-        + up
-    )
-
-
-def _tail(
-    facts: ModelFacts, times: TimeFacts, links: Links, plan: ParallelPlan, local: list[StageCosts]
-) -> tuple[float, float, float, float]:
-    """After the schedule: ``(seconds, of which communication, offload, optimizer step)``."""
-    keys = _keys(local)
-    grads = sum(facts.tensors[k].grad for k in keys)
-    params = sum(facts.tensors[k].nbytes for k in keys if facts.tensors[k].grad)
-    elements = sum(facts.tensors[k].numel for k in keys if facts.tensors[k].grad)
-    tensors = sum(1 for k in keys if facts.tensors[k].grad)
-    dp, mode = plan.data_parallel_size, plan.data_parallel
-    offload = 0.0
-    if mode == "fsdp":  # one reduce-scatter (and HSDP all-reduce) per FSDP2 unit
-        shards, replicas, units = plan.shard_size, dp // plan.shard_size, _fsdp_units(local)
-        comm = links.all_gather(shards, grads) + _more_messages(links, shards, units)
-        comm += links.all_reduce(replicas, grads / shards) + 2 * _more_messages(links, replicas, units)
-        elements /= shards
-        if "parameters" in plan.offload:
-            offload += links.copy(grads / shards)
-    else:
-        comm = links.all_reduce(dp, grads)
-        if mode == "zero1":  # ZeroRedundancyOptimizer broadcasts each updated parameter from its owner
-            comm += links.all_gather(dp, params) + _more_messages(links, dp, tensors)
-            elements, tensors = elements / dp, tensors / dp
-        if "optimizer" in plan.offload:
-            offload += links.copy(grads) + links.copy(params)
-    on_host = bool({"optimizer", "parameters"} & set(plan.offload))
-    step = (times.host_step if on_host else times.step).of(elements, tensors)
-    if on_host:
-        offload += max(0.0, step - times.step.of(elements, tensors))
+def _tail(ledger: TimeLedger) -> tuple[float, float, float, float]:
+    """After the schedule: ``(seconds, of which communication, offload, optimizer step)``; the optimizer
+    step on the device unless a technique priced it elsewhere."""
+    step = ledger.tail.get("optimizer")
+    if step is None:
+        step = ledger.times.step.of(ledger.step_elements, ledger.step_tensors)
+    comm, offload = ledger.tail["communication"], ledger.tail["offload"]
     return comm + offload + step, comm, offload, step
-
-
-def _fsdp_units(local: list[StageCosts]) -> int:
-    """FSDP2 units of the rank's stages: each layer of a split Sequential, then each stage's root."""
-    return sum(len(c.units) + 1 for c in local)
-
-
-def _more_messages(links: Links, ranks: int, messages: float) -> float:
-    """The latency of ``messages - 1`` more collectives than the one whose bytes are charged."""
-    return max(0.0, messages - 1) * (ranks - 1) * links.collective.latency if ranks > 1 else 0.0
-
-
-def _keys(local: list[StageCosts]) -> list[int]:
-    return list(dict.fromkeys(k for c in local for k in c.param_keys))

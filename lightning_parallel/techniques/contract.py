@@ -4,24 +4,30 @@ A technique (recomputation, tensor parallelism, FSDP2, offload, ...) is one modu
 subclass of :class:`Technique` and one instance of it (``TECHNIQUE``); ``techniques/__init__.py`` holds
 them in one ordered tuple, and every composer folds that tuple: the plan (its fields' canonical
 values, its refusals, its label), the planner's search (the variants it tries), the set-up (the job's
-environment, the stages, the optimizers, a context around each training step, the gradient
-reductions of the optimizer step). Each member's default leaves everything as it is, so a technique
-writes only what it does. No registry, no lookup by name: the tuple is read top to bottom.
+environment, what it reads on the unsplit module, the stages, the optimizers, a context around each
+step, the gradient reductions of the optimizer step) and the planner (what one micro-batch costs a
+stage, a rank's memory, a step's time: :class:`CostLedger`, :class:`MemoryLedger`,
+:class:`TimeLedger`). Each member's default leaves everything as it is, so a technique writes only what
+it does. No registry, no lookup by name: the tuple is read top to bottom.
 
 A technique reads the plan duck-typed (any of its fields: FSDP2 reads ``plan.offload`` to keep its
 shards on the host), never imports another technique, ``plan/``, ``sources/``, ``strategies/`` or
 Lightning; what several techniques share lives one floor below (``layout/``, ``optim/``, ``grads/``).
+It sees this rank's stages through the stage view (``pipeline/stage_source.py``: the same verbs on both
+sources) and the unsplit module as an ``UnsplitModel``, never asking which source split it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_parallel.pipeline.stage_source import UnsplitModel
 
 
 def _quiet(message: str) -> None:
@@ -62,7 +68,8 @@ class Job:
         stages: this rank's stage source (``StageSource``): the stage view the techniques act on.
         module: the LightningModule after the split (this rank's modules).
         table: the stage table (``StagePlan``): which stage holds which units.
-        tensor_plan: the tensor-parallel plan the stage source resolved on the unsplit module, or None.
+        before_split: what each technique read on the unsplit module (:meth:`Technique.before_split`),
+            by its name (a tensor-parallel plan under ``"tensor_parallel"``).
         schedulers: the LR schedulers of the optimizers (set before the optimizers are transformed).
         warn, info: rank 0's logging, passed by the strategy (a technique imports no Lightning).
 
@@ -78,7 +85,7 @@ class Job:
     stages: Any
     module: nn.Module
     table: Any = None
-    tensor_plan: Any = None
+    before_split: Mapping[str, Any] = field(default_factory=dict)
     schedulers: tuple[Any, ...] = ()
     warn: Callable[[str], Any] = _quiet
     info: Callable[[str], Any] = _quiet
@@ -117,65 +124,175 @@ class SearchOptions:
     Args:
         offload: try offloading to the host.
         offload_parameters: with ``offload``, FSDP2's offload of the shards too.
-        shardable: FSDP2 can shard the model's stages (a split ``nn.Sequential``).
+        layout: how the measured model's units are laid out (``UnitLayout.kind``: ``"sequential"``, a
+            split ``nn.Sequential``; ``"blocks"``; ``"whole"``; ``""``: not said).
 
     Example::
 
-        >>> SearchOptions(shardable=True).offload
+        >>> SearchOptions(layout="sequential").offload
         True
     """
 
     offload: bool = True
     offload_parameters: bool = True
-    shardable: bool = False
+    layout: str = ""
+
+
+@dataclass
+class CostLedger:
+    """Every stage's bytes for one micro-batch, as the planner measured them, for
+    :meth:`Technique.stage_costs` to change before anything else reads them.
+
+    The planner (``memory/stage_costs.py``) builds one ``StageCosts`` per stage of the plan from the
+    measured units as a plain stage keeps them (each unit's saved tensors, the output kept for backward,
+    the receive buffers, the transients) and folds every technique's ``stage_costs`` over this ledger
+    before the memory estimate and the time model read the costs: what one micro-batch costs a stage is
+    what both of them start from (recomputation keeps less per micro-batch, so offloading activations
+    copies less, and the time model charges the copy of what is kept).
+
+    Args:
+        plan: the plan (read duck-typed).
+        facts: the measured model (``ModelFacts``: ``layout``, ``probe``, ``tensors``, ...).
+        micro_batch: samples in one micro-batch.
+        stages: every stage's ``StageCosts``, in stage order; a technique replaces the ones it changes
+            (``dataclasses.replace``).
+
+    Example::
+
+        ledger = CostLedger(plan, facts, 4.0, costs)
+        ledger.stages = [replace(c, per_microbatch=c.per_microbatch // 2) for c in ledger.stages]
+    """
+
+    plan: Any
+    facts: Any
+    micro_batch: float
+    stages: list[Any] = field(default_factory=list)
+
+
+DEVICE_COLUMNS = ("parameters", "gradients", "optimizer", "activations", "buffers", "gathered")
+"""The device columns of a rank's peak (``RankMemory``'s), in the planner's table order."""
 
 
 @dataclass
 class MemoryLedger:
-    """One rank's bytes as the planner adds them up, for :meth:`Technique.memory` to move between columns.
+    """One pipeline rank's bytes as the planner adds them up, for :meth:`Technique.memory` to move between
+    columns: ``memory/estimate.py`` fills it as plain replicas hold the rank's stages, folds every
+    technique's ``memory`` in the list's order, then walks the schedule.
 
-    Not folded yet: ``memory/estimate.py`` composes each technique's arithmetic by name as before; a later
-    piece moves each into its technique's ``memory`` (issue 51). The columns a technique moves bytes
-    between are ``device``, ``host`` and ``disk``; ``in_flight`` counts the micro-batches held at once.
+    **Phases.** ``memory`` runs once per rank, *before* the walk of the schedule: it changes what persists
+    through the step (the ``device`` columns other than ``activations``, the ``host`` and ``disk``
+    columns) and what each micro-batch costs the rank on its device (``stages``: the walk reads them for
+    the activations, what the stages keep and the gradients that appear at each stage's first backward;
+    ``activations`` and the walk's share of ``buffers`` come from it afterwards). What one micro-batch
+    costs a stage *before* any rank's columns (recomputation) is :meth:`Technique.stage_costs`'s, earlier.
+    **Order.** The list's: what shards a rank's state (FSDP2, ZeRO-1) comes before what moves state to the
+    host (offload), so the offload moves the shards; a technique reads what the ones before it left.
+
+    Args:
+        plan, facts: the plan and the measured model (read duck-typed).
+        rank: the pipeline rank.
+        stages: this rank's ``StageCosts`` (after ``stage_costs``); a technique may replace them.
+        keys: this rank's parameters (keys of ``facts.tensors``; a tied weight once).
+        in_flight: per stage of this rank, the most micro-batches it holds at once (torch's schedule).
+        whole: the device columns as a plain replica holds them before any technique (read them, do not
+            change them: e.g. the optimizer state unsharded, the loss scaler's included).
+        device: bytes per :data:`DEVICE_COLUMNS` entry (``activations`` is the walk's: 0 here).
+        host, disk: bytes kept in host memory and on disk for this rank, by what they are.
+        reduced_gradients: the gradient bytes this rank keeps once the step's reduction is done, which its
+            optimizer steps (every gradient; FSDP2: its shard of them).
+        notes: lines printed under the plan's table (what the estimate does not model exactly).
 
     Example::
 
-        ledger = MemoryLedger(plan, facts, links, costs)
-        ledger.device["optimizer"] -= state; ledger.host["optimizer"] += state
+        ledger.device["optimizer"] -= state         # the optimizer state off the device ...
+        ledger.add_host("optimizer", state)           # ... onto the host
     """
 
     plan: Any
-    facts: Any = None
-    links: Any = None
-    costs: list[Any] = field(default_factory=list)
-    device: dict[str, int] = field(default_factory=dict)
+    facts: Any
+    rank: int = 0
+    stages: list[Any] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    in_flight: dict[int, int] = field(default_factory=dict)
+    whole: dict[str, int] = field(default_factory=dict)
+    device: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DEVICE_COLUMNS, 0))
     host: dict[str, int] = field(default_factory=dict)
     disk: dict[str, int] = field(default_factory=dict)
-    in_flight: int = 0
+    reduced_gradients: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def add_host(self, what: str, nbytes: int) -> None:
+        """Keep ``nbytes`` more in host memory, under ``what``."""
+        self.host[what] = self.host.get(what, 0) + nbytes
+
+
+TIME_SHARES = ("communication", "recompute", "offload")
+"""What a stage's extra seconds are, as the step's time reports them (``StepTime``'s fields)."""
 
 
 @dataclass
 class TimeLedger:
-    """One step's seconds as the time model adds them up, for :meth:`Technique.time` to add to.
+    """One pipeline rank's seconds as the time model adds them up, for :meth:`Technique.time` to add to:
+    ``memory/time_model.py`` fills it with the measured compute of the rank's stages and the plain
+    step (the rank's trainable parameters), folds every technique's ``time`` in the list's order, then
+    simulates the schedule from every rank's ledger and adds each rank's tail.
 
-    Not folded yet: ``memory/time_model.py`` composes each technique's time by name as before (a later
-    piece). Per stage: extra ``forward``/``backward`` seconds; ``start``: an offset before the first
-    forward (FSDP2's gathers); ``tail``: named items after the last backward (collectives, copies, the
-    optimizer step).
+    **Phases.** ``time`` runs once per rank, before the simulation: per stage of the rank, extra
+    ``forward``/``backward`` seconds per micro-batch (each also charged to one of :data:`TIME_SHARES` in
+    ``shares``, what the step's time reports); ``start``: seconds before the rank's first forward (FSDP2's
+    all-gather); ``tail``: seconds after its last backward, by :data:`TIME_SHARES` entry, and the optimizer
+    step (``tail["optimizer"]``; left unset, the step on the device of ``step_elements`` elements in
+    ``step_tensors`` tensors). **Order.** The list's: a technique that shards the optimizer step
+    (``step_elements``) or reduces the gradients (``unreduced``) comes before the plain replicas'
+    all-reduce (which reduces what is left) and before what moves the step to the host (offload), which
+    prices the step it finds.
+
+    Args:
+        plan, facts, links: the plan, the measured model (``facts.times``: its unit times) and the links.
+        rank: the pipeline rank.
+        stages: this rank's ``StageCosts`` (after ``stage_costs``).
+        keys: this rank's parameters (keys of ``facts.tensors``; a tied weight once).
+        micro_batch: samples in one micro-batch.
+        forward, backward: per stage of the rank, seconds per micro-batch (the measured compute first).
+        shares: per stage, seconds of its forward + backward by :data:`TIME_SHARES` entry.
+        start: seconds before the rank's first forward.
+        gradients: bytes of the rank's gradients; ``unreduced``: those no reduction has charged yet.
+        step_elements, step_tensors: what the rank's optimizer step updates.
+        tail: seconds after the schedule, by :data:`TIME_SHARES` entry, and ``"optimizer"``.
 
     Example::
 
-        ledger = TimeLedger(plan, facts, links)
-        ledger.tail["offload copies"] = 2 * trainable_bytes / links.host_bandwidth
+        ledger.backward[stage] += again            # a recomputed forward in each backward
+        ledger.share(stage, "recompute", again)
+        ledger.tail["offload"] += 2 * ledger.links.copy(trainable_bytes)
     """
 
     plan: Any
-    facts: Any = None
+    facts: Any
     links: Any = None
+    rank: int = 0
+    stages: list[Any] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    micro_batch: float = 0.0
     forward: dict[int, float] = field(default_factory=dict)
     backward: dict[int, float] = field(default_factory=dict)
+    shares: dict[int, dict[str, float]] = field(default_factory=dict)
     start: float = 0.0
-    tail: dict[str, float] = field(default_factory=dict)
+    gradients: float = 0.0
+    unreduced: float = 0.0
+    step_elements: float = 0.0
+    step_tensors: float = 0.0
+    tail: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_SHARES, 0.0))
+
+    @property
+    def times(self) -> Any:
+        """The measured unit times and optimizer steps (``TimeFacts``)."""
+        return self.facts.times
+
+    def share(self, stage: int, what: str, seconds: float) -> None:
+        """Charge ``seconds`` of ``stage``'s forward + backward to ``what`` (one of :data:`TIME_SHARES`)."""
+        shares = self.shares.setdefault(stage, {})
+        shares[what] = shares.get(what, 0.0) + seconds
 
 
 class Technique:
@@ -222,6 +339,11 @@ class Technique:
         """What the job needs before its process group exists (``env.host_backend = ...``); refusals
         the device decides (a ValueError with the fix)."""
 
+    def before_split(self, plan: Any, model: UnsplitModel) -> Any:
+        """What it reads on the unsplit module, on every rank alike (kept as ``job.before_split[name]``;
+        None: nothing); refusals of what the source's stages cannot take (a ValueError with the fix)."""
+        return None
+
     def stages(self, view: Any, job: Job) -> str | None:
         """Transform this rank's stages (through the stage view's methods); a line for the log, or None."""
         return None
@@ -231,19 +353,25 @@ class Technique:
         return optimizers
 
     def step_context(self, job: Job) -> AbstractContextManager[Any] | None:
-        """A context entered around each training schedule step (reused step after step), or None."""
+        """A context entered around each schedule step (reused step after step), or None: the runner's
+        only contexts. Training steps and forward-only ones (evaluation, under no_grad) alike."""
         return None
 
     def reductions(self, job: Job) -> list[Reduction]:
         """The gradient reductions the optimizer step's sync runs for this technique."""
         return []
 
-    # --- the planner (not folded yet: memory/estimate.py and memory/time_model.py, a later piece)
+    # --- the planner (memory/stage_costs.py, memory/estimate.py, memory/time_model.py fold these)
+    def stage_costs(self, ledger: CostLedger) -> None:
+        """Change what one micro-batch costs each stage (``ledger.stages``), before any rank's columns:
+        what both the memory estimate and the time model start from."""
+
     def memory(self, ledger: MemoryLedger) -> None:
-        """Move bytes between the ledger's device, host and disk columns."""
+        """Move one rank's bytes between the ledger's device, host and disk columns (before the walk of
+        the schedule; see :class:`MemoryLedger` for the phases and the order)."""
 
     def time(self, ledger: TimeLedger) -> None:
-        """Add seconds to the ledger's stages, start or tail."""
+        """Add seconds to one rank's stages, start or tail (see :class:`TimeLedger`)."""
 
 
 def pins(offload_pin_memory: bool | None, device: torch.device) -> bool:

@@ -2,8 +2,9 @@
 
 The technique (:data:`TECHNIQUE`, ``activation_checkpointing=``): its setting checked, its label, its
 variant in the search, and its transform of this rank's stages (:func:`apply`, now or as each is
-prepared); and :func:`memory` (what a stage keeps per micro-batch with the selected units recomputed:
-the planner's).
+prepared); for the planner, what a stage keeps per micro-batch with the selected units recomputed
+(:func:`memory`, :meth:`Recompute.stage_costs`) and the forwards run again in backward
+(:meth:`Recompute.time`).
 
 A *unit* is a named submodule a stage calls: a layer of the split ``nn.Sequential`` (``"layers.3"``)
 or a block the traced stage graph calls (``"h.2"``). Wrapping replaces the unit's ``forward`` on
@@ -15,6 +16,7 @@ and restores the RNG state, so dropout draws the same mask twice).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -24,8 +26,8 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_parallel.pipeline.stage_source import StageSource, UnitNaming
-from lightning_parallel.techniques.contract import Job, SearchOptions, Technique
+from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnitNaming
+from lightning_parallel.techniques.contract import CostLedger, Job, SearchOptions, Technique, TimeLedger
 
 Units = Sequence[tuple[str, nn.Module]]
 
@@ -62,6 +64,25 @@ class Recompute(Technique):
         every_unit = [view.naming.prefix + u for stage in job.table.stages for u in stage.units]
         apply(view, job.plan.activation_checkpointing, every_unit)
         return None
+
+    def stage_costs(self, ledger: CostLedger) -> None:
+        """Each stage keeps, per micro-batch, only the inputs of its recomputed units (:func:`memory`); its
+        backward recomputes one unit at a time (its largest recomputed unit's saves, a transient)."""
+        chosen = set(recomputed_units(ledger.facts, ledger.plan.activation_checkpointing))
+        if not chosen:
+            return
+        ledger.stages = [_recomputed(c, ledger.facts, chosen, ledger.micro_batch) for c in ledger.stages]
+
+    def time(self, ledger: TimeLedger) -> None:
+        """In backward, the forward of each recomputed unit once more."""
+        chosen = set(recomputed_units(ledger.facts, ledger.plan.activation_checkpointing))
+        if not chosen:
+            return
+        times, mb = ledger.times, ledger.micro_batch
+        for c in ledger.stages:
+            again = sum(times.units[n].forward.at(mb) for n in c.units if n in chosen and n in times.units)
+            ledger.backward[c.index] += again
+            ledger.share(c.index, "recompute", again)
 
 
 TECHNIQUE = Recompute()
@@ -206,9 +227,9 @@ def local_selection(select: Selection, naming: UnitNaming, units: Units) -> Sele
 
 
 def apply(stages: StageSource, select: Selection, every_unit: Sequence[str]) -> None:
-    """Recompute the selected units of this rank's stages (now, or as each stage is prepared).
-    ``every_unit``: the names of every stage's units, so an unknown name raises the same error on every
-    rank (the plan is the same everywhere).
+    """Recompute the selected units of each of this rank's stages (the stage view's ``each_stage``: now,
+    or as each stage is prepared). ``every_unit``: the names of every stage's units, so an unknown name
+    raises the same error on every rank (the plan is the same everywhere).
 
     Example::
 
@@ -225,11 +246,42 @@ def apply(stages: StageSource, select: Selection, every_unit: Sequence[str]) -> 
                 f"{list(every_unit)}"
             )
 
-    def wrap(units: Units) -> None:
-        named = naming.named(units)
-        apply_activation_checkpointing(named, local_selection(select, naming, named))
+    def wrap(stage: PreparedStage) -> None:
+        apply_activation_checkpointing(stage.units, local_selection(select, naming, stage.units))
 
-    stages.recompute(wrap)
+    stages.each_stage(wrap)
+
+
+def recomputed_units(facts: Any, select: Selection) -> list[str]:
+    """The units of the planner's measured model (``facts.layout``) that ``select`` recomputes, as the
+    strategy selects them (:func:`selected`; ``True``: the blocks of a model with blocks).
+
+    Raises:
+        ValueError: ``select`` names a unit the model does not have.
+    """
+    if select is False:
+        return []
+    units = [(u.name, u.module) for u in facts.layout.units]
+    blocks = [(u.name, u.module) for u in facts.layout.blocks()] if facts.layout.kind == "blocks" else units
+    return selected(units, blocks, select)
+
+
+def _recomputed(stage: Any, facts: Any, chosen: set[str], mb: float) -> Any:
+    """A stage's costs (``StageCosts``) with the ``chosen`` units recomputed, from the measured units."""
+    units = [_unit_bytes(name, facts.probe.unit(name), mb) for name in stage.units]
+    plain, held = memory(units, set(), stage.index == 0), memory(units, chosen, stage.index == 0)
+    return dataclasses.replace(
+        stage,
+        per_microbatch=stage.per_microbatch - plain.kept + held.kept,
+        backward_transient=stage.backward_transient + held.peak,
+    )
+
+
+def _unit_bytes(name: str, a: Any, mb: float) -> UnitBytes:
+    """One measured unit (the probe's ``UnitActivations``) at ``mb`` samples."""
+    return UnitBytes(
+        name, a.saved.at(mb), a.inputs.at(mb), a.saved_input.at(mb), a.saved_output.at(mb), a.after.at(mb)
+    )
 
 
 @dataclass(frozen=True)

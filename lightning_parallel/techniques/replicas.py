@@ -3,7 +3,8 @@ other reduction finished averaged over the stage's data-parallel ranks, once per
 
 One coalesced all-reduce per dtype after the window's last backward (:func:`~lightning_parallel.grads.
 reduce.all_reduce_gradients`), never one per micro-batch; a tensor-parallel (DTensor) gradient averages
-its local slice. FSDP2's roots reduce-scatter their own (they run before, and this skips them).
+its local slice. FSDP2's roots reduce-scatter their own (they run before, and this skips them). For the
+planner: that all-reduce, after the schedule (:meth:`Replicas.time`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.grads.reduce import all_reduce_gradients
-from lightning_parallel.techniques.contract import Job, Reduction, Technique
+from lightning_parallel.techniques.contract import Job, Reduction, Technique, TimeLedger
 
 
 class Replicas(Technique):
@@ -30,7 +31,15 @@ class Replicas(Technique):
     name = "replicas"
 
     def reductions(self, job: Job) -> list[Reduction]:
-        return [Average(job.module, job.mesh.dp_group)]
+        return [Average(job.module, job.mesh.group("gradients"))]
+
+    def time(self, ledger: TimeLedger) -> None:
+        """One all-reduce (one coalesced message) of the gradients no reduction before it finished."""
+        if ledger.unreduced > 0:
+            ledger.tail["communication"] += ledger.links.all_reduce(
+                ledger.plan.data_parallel_size, ledger.unreduced
+            )
+            ledger.unreduced = 0.0
 
 
 TECHNIQUE = Replicas()
@@ -41,7 +50,7 @@ class Average(Reduction):
 
     Example::
 
-        Average(module, mesh.dp_group)(finished=())
+        Average(module, mesh.group("gradients"))(finished=())
     """
 
     def __init__(self, module: nn.Module, group: Any) -> None:

@@ -2,8 +2,9 @@
 
 The technique (:data:`TECHNIQUE`, ``data_parallel="zero1"``): its refusal, its label, its variant in the
 search and its transform of the optimizers (right after they are built: each wrapped over this stage's
-replicas, :func:`~lightning_parallel.optim.sharded.shard_optimizer_state`); and :func:`memory` (the
-optimizer-state bytes on the fullest replica: the planner's).
+replicas, :func:`~lightning_parallel.optim.sharded.shard_optimizer_state`); for the planner, the
+optimizer-state bytes on the fullest replica (:func:`memory`, :meth:`Zero.memory`) and the broadcast of
+the updated parameters after a step of a share of them (:meth:`Zero.time`).
 
 Each data-parallel replica of a stage holds the full parameters and (after the gradient
 all-reduce) the full gradients, but torch's ``ZeroRedundancyOptimizer`` keeps the optimizer state
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_parallel.optim.sharded import shard_optimizer_state
-from lightning_parallel.techniques.contract import Job, SearchOptions, Technique
+from lightning_parallel.techniques.contract import Job, MemoryLedger, SearchOptions, Technique, TimeLedger
 
 
 class Zero(Technique):
@@ -57,9 +58,32 @@ class Zero(Technique):
         if job.plan.data_parallel != "zero1":
             return optimizers
         if "optimizer" not in job.plan.offload:  # (offloaded: its host step shards itself)
-            optimizers = apply(optimizers, job.schedulers, job.mesh.dp_group)
-        job.info(f"PipelineStrategy: optimizer state sharded over {job.mesh.dp_size} replica(s)")
+            optimizers = apply(optimizers, job.schedulers, job.mesh.group("optimizer_shard"))
+        shards = job.mesh.size("optimizer_shard")
+        job.info(f"PipelineStrategy: optimizer state sharded over {shards} replica(s)")
         return optimizers
+
+    def memory(self, ledger: MemoryLedger) -> None:
+        """The optimizer state of the fullest replica, as torch shards it (:func:`memory`)."""
+        dp, facts = ledger.plan.data_parallel_size, ledger.facts
+        if ledger.plan.data_parallel != "zero1" or dp == 1:
+            return
+        mine = set(ledger.keys)
+        groups = [
+            [(facts.tensors[k].numel, facts.state_of([k])) for k in g if k in mine] for g in facts.group_order
+        ]
+        ledger.device["optimizer"] -= facts.state_of(ledger.keys) - memory(groups, dp)
+
+    def time(self, ledger: TimeLedger) -> None:
+        """ZeroRedundancyOptimizer broadcasts each updated parameter from its owner; each replica steps a
+        share of the elements and tensors."""
+        dp, links = ledger.plan.data_parallel_size, ledger.links
+        if ledger.plan.data_parallel != "zero1":
+            return
+        trainable = [ledger.facts.tensors[k] for k in ledger.keys if ledger.facts.tensors[k].grad]
+        params, tensors = sum(t.nbytes for t in trainable), len(trainable)
+        ledger.tail["communication"] += links.all_gather(dp, params) + links.more_messages(dp, tensors)
+        ledger.step_elements, ledger.step_tensors = ledger.step_elements / dp, ledger.step_tensors / dp
 
 
 TECHNIQUE = Zero()
@@ -73,7 +97,8 @@ def apply(
 
     Example::
 
-        optimizers = zero.apply(optimizers, [c.scheduler for c in scheduler_configs], mesh.dp_group)
+        group = mesh.group("optimizer_shard")
+        optimizers = zero.apply(optimizers, [c.scheduler for c in scheduler_configs], group)
     """
     schedulers = list(schedulers)
     return [shard_optimizer_state(o, group, schedulers) for o in optimizers]

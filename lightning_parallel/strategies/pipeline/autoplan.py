@@ -54,6 +54,7 @@ from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
+from lightning_parallel.techniques import environment
 
 AUTO = "auto"
 SEARCHED = SEARCHED_FIELDS
@@ -132,7 +133,7 @@ def environment_mesh(strategy: Any) -> PipelineMesh | None:
     """At ``setup_environment``: the mesh of the given plan; under ``plan="auto"`` none yet (it waits for
     the choice at ``setup``), the budget checked and the global batch's scheduler in place."""
     if strategy._auto is None:
-        return build_mesh(strategy.root_device.type, strategy.layout)
+        return job_mesh(strategy)
     module = strategy._lightning_module
     if module is not None and module._trainer is not None:
         prepare(strategy, module.trainer)
@@ -187,7 +188,14 @@ def decide(strategy: Any, trainer: pl.Trainer) -> None:
         plan, report = decide_on(0, lambda: _choose(strategy, trainer, budget, links, request))
     rank_zero_info(report)
     strategy.parallel_plan = plan.for_devices(strategy.world_size)  # label() and code() work in a hook
-    strategy._mesh = build_mesh(strategy.root_device.type, strategy.layout)
+    strategy._mesh = job_mesh(strategy)
+
+
+def job_mesh(strategy: Any) -> PipelineMesh:
+    """The device mesh of the strategy's plan, every role's group (a collective); its groups take host
+    tensors where the plan's techniques bring them to collectives (``Environment.host_backend``)."""
+    host_tensors = environment(strategy.parallel_plan, strategy.root_device).host_backend is not None
+    return build_mesh(strategy.root_device.type, strategy.layout, host_tensors)
 
 
 def job_links(device: torch.device) -> Links:

@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.grads.sync import GradientSync
@@ -25,9 +26,9 @@ from lightning_parallel.strategies.pipeline import autoplan
 from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline, source_for
 from lightning_parallel.strategies.pipeline.call_input import TrainerInput
 from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
-from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module, refuse_environment
+from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
-from lightning_parallel.techniques import TECHNIQUES, environment, transform_stages
+from lightning_parallel.techniques import TECHNIQUES, before_split, environment, transform_stages
 from lightning_parallel.techniques.compile import CompileWatch
 from lightning_parallel.techniques.contract import Environment, Job
 
@@ -37,8 +38,8 @@ def environment_of(strategy: Any) -> Environment:
     return environment(strategy.parallel_plan, strategy.root_device)
 
 
-def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelineParts, Any]:
-    """This rank's pipeline; and the tensor-parallel plan (or None), read on the unsplit module.
+def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelineParts, dict[str, Any]]:
+    """This rank's pipeline; and what the techniques read on the unsplit module (by technique).
 
     Every rank calls it (it is collective); an error on one rank is raised on every rank.
     """
@@ -46,34 +47,34 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
         autoplan.decide(strategy, trainer)
     module, plan = strategy.lightning_module, strategy.parallel_plan
     refuse_compiled_module(module)  # (every rank holds the same module)
-    refuse_environment(environment_of(strategy), strategy.root_device)
     if fitting:
         summarize_before_split(trainer, module, strategy)  # the whole model's table
     source = source_for(module, plan)
     with failing_together():
-        tensors = source.tensor_plan(module, plan)  # (read on the unsplit module)
+        read = before_split(plan, source.unsplit(module))  # (the techniques' reading and refusals)
     inputs, mesh = TrainerInput(trainer, module), strategy._mesh
     parts = build_pipeline(
         source, plan, inputs, module, mesh, strategy.root_device, rank_zero_warn, strategy._item_count
     )
     rank_zero_info(f"PipelineStrategy stage plan ({plan.schedule}):\n{parts.plan.format_table()}")
-    return parts, tensors
+    return parts, read
 
 
 def parallelize(
-    strategy: Any, parts: PipelineParts, tensors: Any
-) -> tuple[Job, GradientSync, CompileWatch | None]:
-    """After the split: the techniques on this rank's stages, in the list's order; the job they saw, the
-    optimizer step's gradient sync, and the watch on torch.compile (when the stages are compiled)."""
+    strategy: Any, parts: PipelineParts, read: dict[str, Any]
+) -> tuple[PipelineParts, Job, GradientSync, CompileWatch | None]:
+    """After the split: the techniques on this rank's stages, in the list's order; the pipeline after them,
+    the job they saw, the optimizer step's gradient sync, and the watch on torch.compile (when the stages
+    are compiled)."""
     plan, module, mesh = strategy.parallel_plan, strategy.lightning_module, parts.mesh
     stages = parts.runner.stages
-    job = Job(plan, mesh, strategy.root_device, stages, module, parts.plan, tensors,
+    job = Job(plan, mesh, strategy.root_device, stages, module, parts.plan, read,
               warn=rank_zero_warn, info=rank_zero_info)  # fmt: skip
     before = dict(module.named_parameters())
     notes = transform_stages(job)
     after = dict(module.named_parameters())
     replaced = {id(p): after[n] for n, p in before.items() if after.get(n, p) is not p}
-    parts.parallelized(stages.sharded(), replaced)
+    parts = parts.parallelized([m for m in stages.modules if isinstance(m, FSDPModule)], replaced)
     for note in notes:
         rank_zero_info(f"PipelineStrategy: {note}")
     parts.runner.use_step_contexts([c for t in TECHNIQUES if (c := t.step_context(job)) is not None])
@@ -83,7 +84,7 @@ def parallelize(
         watch.start()
     window = parts.items.window if parts.items is not None else None
     reductions = [r for t in TECHNIQUES for r in t.reductions(job)]
-    return job, GradientSync(module, parts.shared, reductions, mesh.dp_size, window), watch
+    return parts, job, GradientSync(module, parts.shared, reductions, mesh.size("gradients"), window), watch
 
 
 def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts, job: Job) -> None:

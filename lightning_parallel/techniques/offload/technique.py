@@ -10,10 +10,14 @@ label and variants, what the job needs (a host backend, parameters left on the h
   host shards already (FSDP2 reads ``plan.offload`` itself); its step runs the fastest host kernel;
 * each training step (:meth:`Offload.step_context`): the saved activations on the host
   (``activations.py``).
+
+For the planner: what it moves from a rank's device to its host (:meth:`Offload.memory`, with
+``memory.py``'s arithmetic) and the copies and the host step it adds to a step (:meth:`Offload.time`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -21,9 +25,17 @@ import torch
 
 from lightning_parallel._options import unknown_option_error
 from lightning_parallel.layout.choices import OFFLOAD_TARGETS
-from lightning_parallel.techniques.contract import Environment, Job, SearchOptions, Technique
+from lightning_parallel.techniques.contract import (
+    Environment,
+    Job,
+    MemoryLedger,
+    SearchOptions,
+    Technique,
+    TimeLedger,
+)
 from lightning_parallel.techniques.offload.activations import ActivationOffload
 from lightning_parallel.techniques.offload.host_optimizer import host_step, use_host_kernels
+from lightning_parallel.techniques.offload.memory import memory
 
 SHORT = {"optimizer": "opt", "parameters": "param", "activations": "act"}
 """Each target's name in a plan's label."""
@@ -83,8 +95,8 @@ class Offload(Technique):
             )
         if "parameters" in plan.offload:
             env.host_backend = (
-                "offload='parameters' keeps FSDP2's gradients on the host, and clipping and the fp16 "
-                "overflow check reduce them there"
+                "offload='parameters' keeps FSDP2's shards and gradients on the host, where clipping "
+                "reduces their norm and a checkpoint gathers them"
             )
             env.parameters_on_host = True
 
@@ -92,13 +104,80 @@ class Offload(Technique):
         if not job.plan.offload:
             return optimizers
         job.info(f"PipelineStrategy: {describe(job.plan.offload, job.pin_memory)}")
-        return apply(optimizers, job.schedulers, job.plan, job.mesh.dp_group, job.pin_memory)
+        return apply(optimizers, job.schedulers, job.plan, job.mesh.group("optimizer_shard"), job.pin_memory)
 
     def step_context(self, job: Job) -> ActivationOffload | None:
         return ActivationOffload(job.pin_memory) if "activations" in job.plan.offload else None
 
+    def memory(self, ledger: MemoryLedger) -> None:
+        """The parameter and optimizer bytes moved off the rank's device, and the host's bytes (``memory.py``,
+        as the techniques before it left them: FSDP2's shards, ZeRO-1's share of the state); with
+        ``"activations"``, the stages as the device sees them (a micro-batch's saved tensors only during
+        its backward, a transient) and the host's bytes (each stage's micro-batches in flight at their
+        most)."""
+        offload = ledger.plan.offload
+        hosted = tuple(t for t in offload if t != "activations")
+        if hosted:
+            _state_to_host(ledger, hosted)
+        if "activations" in offload:
+            stages = ledger.stages
+            ledger.add_host(
+                "activations", sum(c.per_microbatch * ledger.in_flight.get(c.index, 0) for c in stages)
+            )
+            ledger.stages = [
+                dataclasses.replace(
+                    c, per_microbatch=0, backward_transient=c.backward_transient + c.per_microbatch
+                )
+                for c in stages
+            ]
+
+    def time(self, ledger: TimeLedger) -> None:
+        """Offloaded activations: their copy to the host in forward and back in backward. FSDP2's shards:
+        their copy up before the all-gather, the gradients' down after the reduce-scatter. The optimizer
+        state: the gradients to the host and the parameters back. Either way the optimizer steps on the
+        host (its extra over the device's step charged to offload)."""
+        offload, links = ledger.plan.offload, ledger.links
+        if "activations" in offload:
+            for c in ledger.stages:
+                copies = links.copy(c.per_microbatch)
+                ledger.forward[c.index] += copies
+                ledger.backward[c.index] += copies
+                ledger.share(c.index, "offload", 2 * copies)
+        trainable = [ledger.facts.tensors[k] for k in ledger.keys if ledger.facts.tensors[k].grad]
+        grads = ledger.gradients
+        if "parameters" in offload:
+            shards = ledger.plan.shard_size
+            nbytes = sum(ledger.facts.tensors[k].nbytes for k in ledger.keys)
+            ledger.start += links.copy(nbytes / shards)
+            ledger.tail["offload"] += links.copy(grads / shards)
+        elif "optimizer" in offload:
+            ledger.tail["offload"] += links.copy(grads) + links.copy(sum(t.nbytes for t in trainable))
+        if "optimizer" in offload:  # (FSDP2's offload of the shards implies it)
+            times, elements, tensors = ledger.times, ledger.step_elements, ledger.step_tensors
+            step = times.host_step.of(elements, tensors)
+            ledger.tail["offload"] += max(0.0, step - times.step.of(elements, tensors))
+            ledger.tail["optimizer"] = step
+
 
 TECHNIQUE = Offload()
+
+
+def _state_to_host(ledger: MemoryLedger, hosted: tuple[str, ...]) -> None:
+    """The parameters (FSDP2's shards) and the optimizer state off the device, the host's bytes on it."""
+    device, tensors = ledger.device, [ledger.facts.tensors[k] for k in ledger.keys]
+    trainable = sum(t.nbytes for t in tensors if t.grad)
+    p_bytes, state = device["parameters"], device["optimizer"]
+    if "parameters" in hosted:  # FSDP2's CPUOffloadPolicy: p_bytes and state are the rank's shards
+        placed = memory(hosted, parameters=p_bytes, gradients=ledger.reduced_gradients, optimizer=state,
+                        trainable=trainable, activations=0, in_flight=0)  # fmt: skip
+        device["parameters"] -= p_bytes
+    else:
+        whole = ledger.whole["optimizer"]
+        share = round(trainable * state / whole) if whole else trainable  # ZeRO-1 steps its shard
+        placed = memory(hosted, parameters=p_bytes, gradients=ledger.reduced_gradients, optimizer=state,
+                        trainable=share, activations=0, in_flight=0)  # fmt: skip
+    device["optimizer"] -= state
+    ledger.add_host("parameters" if "parameters" in hosted else "optimizer", placed.host)
 
 
 def checked_offload(offload: Any, data_parallel: str) -> tuple[str, ...]:
@@ -191,11 +270,13 @@ def apply(optimizers: Sequence[torch.optim.Optimizer], schedulers: Iterable[Any]
           pin_memory: bool) -> list[torch.optim.Optimizer]:  # fmt: skip
     """The optimizers as the plan's offload puts them (right after ``configure_optimizers``): unchanged
     without ``"optimizer"``; FSDP2 stages: their own, stepping with the host kernel; replicas and ZeRO-1
-    (``group``: the stage's replicas): rebuilt host-stepping (:func:`host_step`).
+    (``group``: the ranks ZeRO-1 shards over, ``mesh.group("optimizer_shard")``): rebuilt host-stepping
+    (:func:`host_step`).
 
     Example::
 
-        optimizers = offload.apply(optimizers, [c.scheduler for c in configs], plan, mesh.dp_group, False)
+        group = mesh.group("optimizer_shard")
+        optimizers = offload.apply(optimizers, [c.scheduler for c in configs], plan, group, False)
     """
     if "optimizer" not in plan.offload:
         return list(optimizers)

@@ -6,12 +6,14 @@ its outputs, a row-wise split one ``1/t`` of its inputs, and the attention runs 
 smaller ``nn.Linear`` layers and whose head counts are divided), so the planner's probe measures the
 local parameters, gradients, optimizer state and activations directly; what the plan leaves whole
 (embeddings, norms, heads, the residual stream, the stage boundaries) stays whole. Not counted: the
-DTensor wrappers' transient copies around the all-reduces.
+DTensor wrappers' transient copies around the all-reduces. :func:`row_splits` counts the all-reduces of
+each unit, which the time model charges (``TensorParallel.time``).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -47,3 +49,22 @@ def local_model(module: nn.Module, plan: TensorPlan, tp_size: int) -> nn.Module:
         for attr, value in counts.items():
             setattr(local.get_submodule(path), attr, value)
     return local
+
+
+def row_splits(plan: TensorPlan, units: Sequence[str]) -> dict[str, int]:
+    """Per unit, its row-wise split layers: one activation all-reduce each in forward (and in backward).
+
+    Example::
+
+        row_splits(default_plan(model.layers, "layers", 2), ["layers.0", "layers.1"])   # {'layers.1': 2, ...}
+    """
+    out = {}
+    for unit in units:
+        rows = [
+            p
+            for p, style in plan.styles.items()
+            if p.startswith(unit + ".") and isinstance(style, RowwiseParallel)
+        ]
+        if rows:
+            out[unit] = len(rows)
+    return out
