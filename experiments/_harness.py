@@ -43,12 +43,15 @@ crosses parity or the goal).
         h.errorbars(ax, [r["variant"] for r in rows], rows, "step_ms", label="step")
         h.save_figure(fig, args.out_dir / "watchdog.png")
 
-Then tell ``run_all.py`` about it: ``"watchdog": "bench_watchdog.py"`` in ``run_all.EXPERIMENTS`` (the
-run order), and in ``_tables.py`` one table function per CSV, named after the CSV (``def watchdog(rows)
--> str``; every timing cell through ``timed_col``/``timed_rows``, so its range shows; ratios with
-``_verdict``), plus ``Question("Watchdog: ...", "watchdog", (watchdog,))`` in ``QUESTIONS``. The PNG of
-the same name is linked under the table; ``tests/test_run_all.py`` then checks its numbers and ranges
-(add the CSV's key columns to ``KEY_COLUMNS`` there).
+Then, in the same script, what docs/results.md shows of it (``import _tables as t``): one table function
+per CSV, named after the CSV (``def watchdog(rows: t.Rows) -> str``; every timing cell through
+``t.timed_col``/``t.timed_rows``, so its range shows; ratios with ``t.ratio_verdict``), and the
+declaration ``run_all.py`` finds (its place on the page: ``run_all.PAGE_ORDER``, else last)::
+
+    RESULTS = t.Results("watchdog", t.Section("Watchdog: ...", t.Table(watchdog, ("step_ms", "ratio"))))
+
+The PNG of the same name is linked under the table; ``tests/test_run_all.py`` then checks its numbers,
+its ranges, and that each key column named there changes the table.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import argparse
 from typing import Any
 
 import _harness as h
+import _tables as t
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -145,6 +146,42 @@ def write_rows(path: Any, runs: dict[str, tuple[int, Any, dict]]) -> None:
         for step, (loss, factor) in enumerate(zip(result["losses"], result["factors"]))
     ]
     h.write_csv(path, rows)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def accumulation_equivalence(rows: t.Rows) -> str:
+    runs = t.groups(rows, "run")
+    body = []
+    for run, steps in runs.items():
+        # Compare with the 1-device run of the same batch schedule: "2dev-ramp" -> "1dev-ramp".
+        ref = runs.get("1dev-" + run.split("-", 1)[-1])
+        diff = max(abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(steps, ref or steps))
+        batch = f"{steps[0]['global_batch_size']} .. {steps[-1]['global_batch_size']}"
+        body.append(
+            [
+                run,
+                steps[0]["devices"],
+                len(steps),
+                batch,
+                t.fixed(steps[0]["loss"], 4),
+                t.fixed(steps[-1]["loss"], 4),
+                f"{diff:.1e}" if ref is not None and ref is not steps else "-",
+            ]
+        )
+    header = ["run", "devices", "optimizer steps", "global batch", "first loss", "final loss"]
+    return t.table([*header, "max loss diff vs one device (CSV's 8-digit losses)"], body)
+
+
+RESULTS = t.Results(
+    "accumulation_equivalence",
+    t.Section(
+        "Gradient accumulation: one device against several at the same global batch",
+        t.Table(accumulation_equivalence, ("loss",)),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,6 +40,7 @@ from dataclasses import replace
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 from _meters import StepMeter
 from models import CharLM, SequentialCharLM
@@ -257,6 +258,74 @@ def plot(path: Any, rows: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3, which="both")
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+HOST_COLUMNS = ("predicted_host_bytes", "measured_host_bytes")
+
+
+def autoplan(rows: t.Rows) -> str:
+    body = []
+    for (model, budget), mine in t.groups_of(rows, ("model", "budget")).items():
+        auto = next(r for r in mine if r["auto"] == "True")
+        best = next(r for r in mine if r["best_measured"] == "True")
+        ratio, goal = float(auto["auto_vs_best"]), float(auto["time_goal"])
+        words = (
+            "the best measured"
+            if auto is best
+            else ("within the goal" if ratio <= goal else "misses the goal")
+        )
+        body.append(
+            [model, budget, t.mib(float(auto["budget_bytes"])), f"`{auto['plan']}`",
+             t.fixed(auto["predicted_ms"], 1), t.timed_col(auto, "measured_ms", 1), f"`{best['plan']}`",
+             t.timed_col(best, "measured_ms", 1), t.timed_col(auto, "auto_vs_best", 2, words),
+             t.mib(float(auto["measured_peak_bytes"])),
+             "yes" if auto["fits_measured"] == "True" else "**no**", len(mine)]
+        )  # fmt: skip
+    header = ["model", "budget", "MiB per device", "plan='auto' chose", "predicted milliseconds",
+              "its measured ms", "best measured of the six", "best ms", "auto / best ratio",
+              "its measured peak MiB (worst rank)", "fits", "plans run"]  # fmt: skip
+    detail = [
+        [r["model"], r["budget"], r["predicted_rank"], f"`{r['plan']}`", t.fixed(r["predicted_ms"], 1),
+         t.timed_col(r, "measured_ms", 1), t.mib(float(r["predicted_peak_bytes"])),
+         t.mib(float(r["measured_peak_bytes"])), t.fixed(r["peak_error"], 3),
+         *(t.mib(float(r[k])) if float(r[k]) else "-" for k in HOST_COLUMNS)]
+        for r in rows
+    ]  # fmt: skip
+    detail_header = ["model", "budget", "predicted rank", "plan", "predicted milliseconds", "measured ms",
+                     "predicted peak MiB", "measured peak MiB (worst rank)", "peak error",
+                     "predicted host MiB", "measured host MiB (optimizer)"]  # fmt: skip
+    models = {r["model"]: r for r in rows}
+    within = "; ".join(
+        f"{m} {t.fixed(r['spearman_model'], 2)} ({r['plans_model']} plans)" for m, r in models.items()
+    )
+    r0 = rows[0]
+    return (
+        t.table(header, body) + f"\n\nSpearman rank correlation between predicted and measured step time: "
+        f"{t.fixed(r0['spearman_all'], 2)} over all {r0['plans_all']} plans measured (goal "
+        f"{r0['spearman_goal']}); within each model: {within}. Step time: the median of each plan's timed "
+        "steps over two passes (the second in reverse order), min-max beside it; the ratio's range pairs "
+        "the extremes. Peaks: MemTracker on one step, every rank; host and device are one memory here, so "
+        "an offloaded optimizer's host copies, gradient buffers and state (held through the step) are taken "
+        "out of the device peak and shown as the host's (activations offloaded to the host stay in the "
+        "device peak); fits = the measured device peak within the budget on every rank; the goal for the "
+        f"auto choice: a median ratio to the best measured of at most {r0['time_goal']}.\n\n"
+        + t.table(detail_header, detail)
+    )
+
+
+RESULTS = t.Results(
+    "autoplan",
+    t.Section(
+        "plan='auto': the planner's choice and predicted step times against measured runs",
+        t.Table(
+            autoplan,
+            ("predicted_ms", "measured_ms", "measured_ms_max", "measured_peak_bytes", "spearman_all"),
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> int:

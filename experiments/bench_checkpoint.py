@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
@@ -260,6 +261,73 @@ def plot(path: Path, rows: list[dict[str, Any]], size_mb: int) -> None:
         fontsize=9,
     )
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def checkpoint_bench(rows: t.Rows) -> str:
+    body = []
+    for method, saves in t.groups(rows, "method").items():
+        ratio = h.spread(float(r["stall_vs_model_checkpoint"]) for r in saves)
+        baseline = ratio.lo == ratio.hi == 1.0
+        goal = saves[0].get("goal") or None
+        verdict = h.verdict(
+            ratio.lo,
+            ratio.hi,
+            None if goal is None else float(goal),
+            higher_is_better=False,
+            words=("shorter", "longer"),
+        )
+
+        body.append(
+            [method, len(saves)]
+            + [t.timed_rows(saves, k, 2) for k in ("stall_s", "total_s")]
+            + [t.timed_rows(saves, "extra_mib", 1)]
+            + ["-" if baseline else t.timed_rows(saves, "stall_vs_model_checkpoint", 2, verdict)]
+        )
+    header = ["method", "saves", "training stall s", "save done s", "extra memory MiB"]
+    goals = [r["goal"] for r in rows if r.get("goal")]
+    ratio = f"stall vs ModelCheckpoint (async goal <= {goals[0]})" if goals else "stall vs ModelCheckpoint"
+    return t.table([*header, ratio], body)
+
+
+def checkpoint_kill(rows: t.Rows) -> str:
+    body = [
+        [
+            r["method"],
+            r.get("temp_file", ""),
+            os.path.dirname(r["tmpdir"]),
+            r["kills"],
+            r["files_present"],
+            r["files_loadable"],
+            r["files_unloadable"],
+            r["orphans"],
+            t.fixed(r["orphan_mib"], 1),
+        ]
+        for r in rows
+    ]
+    header = ["writer", "temp file", "TMPDIR on", "kills", "files present", "loadable", "unloadable"]
+    return t.table([*header, "temp files left by the kills", "their MiB"], body) + (
+        "\n\nLeft behind counts each kill's leftovers before any clean-up (Rank0Checkpoint removes a named "
+        "temp file at its next start; an unnamed O_TMPFILE one never appears)."
+    )
+
+
+RESULTS = t.Results(
+    "checkpoint",
+    t.Section(
+        "Checkpoints: Rank0Checkpoint against ModelCheckpoint (stall, memory, SIGKILL)",
+        t.Table(
+            checkpoint_bench, ("stall_s", "total_s", "extra_mib", "stall_vs_model_checkpoint"), timed=True
+        ),
+        t.Table(
+            checkpoint_kill,
+            ("kills", "files_present", "files_loadable", "files_unloadable", "orphans", "orphan_mib"),
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

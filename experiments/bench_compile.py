@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 from hf_decoders import HFDecoderLM
 from models import ByteWindows, CharLM
@@ -157,6 +158,58 @@ def plot(path: Any, rows: list[dict[str, Any]]) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("PipelineStrategy(compile=True), 2 CPU processes, 1F1B; interleaved repeats", fontsize=9)
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def compile_bench(rows: t.Rows) -> str:
+    body = []
+    for r in rows:
+        compiled = r["variant"] == "compiled"
+        words = dict(goal=float(r["goal"]), higher_is_better=False)
+        ratio = t.timed_col(r, "ratio", 2, t.ratio_verdict(r, "ratio", **words)) if compiled else "1"
+        compile_s = (
+            [t.timed_col(r, "compile_s", 1), t.fixed(r["first_compile_s"], 1)] if compiled else ["-", "-"]
+        )
+        payback = (r["break_even_steps"] or "never") if compiled else "-"
+        cells = [r["workload"], r["model"], f"{r['batch']}, m={r['microbatches']}", r["variant"]]
+        body.append([*cells, r["repeats"], t.timed_col(r, "step_ms", 1), ratio, *compile_s, payback,
+                     r["max_loss_diff"] if compiled else "-"])  # fmt: skip
+    header = [
+        "workload",
+        "model",
+        "batch",
+        "variant",
+        "repeats",
+        "step ms",
+        f"vs eager ({rows[0]['goal']} goal)",
+    ]
+    header += ["compile s per fit (median, warm .. cold)", "first fit's compile (cold, one per job)"]
+    header += ["steps to pay back the cold compile"]
+    header += ["max loss diff"]
+    note = (
+        "\n\n`PipelineStrategy(pipeline_size=2, compile=True)` (1F1B; both models traced, each stage's "
+        "program compiled whole by inductor with dynamic sizes) against the same pipeline eager, interleaved "
+        "in one job. Step time: the last stage's median step after the warm-up steps, which hold the "
+        "compilation; the compile time (the slower rank's) apart, per compiled fit: the job's first compiled "
+        "fit starts from an empty inductor cache (cold), the later ones find its kernels and pay dynamo's "
+        "tracing only. Steps to pay back: the cold compile over the time saved per step."
+    )
+    return t.table(header, body) + note
+
+
+RESULTS = t.Results(
+    "compile",
+    t.Section(
+        "Compiled stages: PipelineStrategy(compile=True) against eager",
+        t.Table(
+            compile_bench,
+            ("step_ms", "step_ms_min", "ratio", "ratio_max", "compile_s", "compile_s_max", "first_compile_s"),
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _tables as t
 import lightning as L
 import torch
 import torch.distributed.checkpoint as dcp
@@ -222,6 +223,53 @@ def plot_stall(rows: list[dict], size_mb: int, path: Path) -> None:
     ax.set_title(f"DCP directory save of {size_mb} MB per rank, 2 ranks")
     ax.legend()
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def dcp_async(rows: t.Rows) -> str:
+    body = []
+    for r in rows:
+        sync = r["stall_vs_sync"] == r["stall_vs_sync_min"] == r["stall_vs_sync_max"] == "1.0"
+        verdict = t.ratio_verdict(r, "stall_vs_sync", higher_is_better=False, words=("shorter", "longer"))
+        ratio = "-" if sync else t.timed_col(r, "stall_vs_sync", 3, verdict)
+        body.append([r["method"], r["size_mb"], r["repeats"], t.timed_col(r, "stall_s", 3)])
+        body[-1] += [t.timed_col(r, "total_s", 3), ratio]
+    header = ["save", "MB per rank", "repeats", "training stall s", "published after s"]
+    return t.table([*header, "stall vs synchronous"], body) + (
+        "\n\nEvery rank writes its own shards; the slower rank's times, interleaved saves, the ratio taken "
+        "within each repeat. The background save's stall is the copy into its reused buffers and the "
+        "start of the write on the checkpoint group; the rest overlaps training."
+    )
+
+
+def dcp_kill(rows: t.Rows) -> str:
+    header = ["saves", "SIGKILL of", "kills", "directories listed", "complete", "load", "temporary left"]
+    header += ["removed at the next start", "resumed runs ending on the uninterrupted weights"]
+    keys = ("kills", "listed", "complete", "loadable", "partial_left", "removed_at_start", "exact")
+    victims = {"one": "one rank", "both": "both ranks"}
+    body = [[r["mode"], victims.get(r["killed"], r["killed"]), *(r[k] for k in keys)] for r in rows]
+    return t.table(header, body) + (
+        "\n\nA Trainer (pipeline of two ranks, a directory every step, Rank0Checkpoint keeping the newest "
+        'two) killed at a random instant; after each kill the next run starts with `ckpt_path="last"` '
+        "and trains to the end. Counted after every kill, before that start: only complete directories "
+        "are ever listed (the temporary ones are hidden `.partial` siblings), and each loads; resumed, "
+        "the run ends on the uninterrupted run's weights bit for bit."
+    )
+
+
+RESULTS = t.Results(
+    "dcp_faults",
+    t.Section(
+        "Distributed checkpoints under faults: a background save's stall, and SIGKILL during saves",
+        t.Table(dcp_async, ("stall_s", "total_s", "stall_vs_sync")),
+        t.Table(
+            dcp_kill, ("kills", "listed", "complete", "loadable", "partial_left", "removed_at_start", "exact")
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 import _harness as h
+import _tables as t
 import lightning as L
 import torch
 from _meters import StepMeter
@@ -69,9 +70,9 @@ def model(shape: tuple[int, int]) -> SequentialCharLM:
 def storage_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard's storage)."""
     seen: dict[int, int] = {}
-    for t in tensors:
-        if torch.is_tensor(t):
-            storage = local(t).untyped_storage()
+    for x in tensors:
+        if torch.is_tensor(x):
+            storage = local(x).untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -174,6 +175,51 @@ def plot(path: Any, rows: list[dict[str, Any]]) -> None:
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def fsdp_memory(rows: t.Rows) -> str:
+    body = []
+    for run, ranks in t.groups(rows, "run").items():
+        ppo = max(ranks, key=lambda r: float(r["ppo_bytes"]))
+        peak = max(ranks, key=lambda r: float(r["peak_bytes"]))
+        body.append(
+            [run, len(ranks), t.mib(float(ppo["param_bytes"])), t.mib(float(ppo["grad_bytes"])),
+             t.mib(float(ppo["optimizer_bytes"])), t.mib(float(ppo["ppo_bytes"])),
+             t.fixed(ppo["ppo_vs_ddp"], 3), t.mib(float(peak["peak_bytes"])), t.fixed(peak["peak_vs_ddp"], 3),
+             t.mib(float(peak["predicted_peak_bytes"])), t.fixed(peak["predicted_error"], 3)]
+        )  # fmt: skip
+    header = ["run", "ranks", "parameters MiB", "gradients MiB", "AdamW state MiB", "sum MiB (worst rank)"]
+    header += ["vs DDP", "peak MiB (worst rank, MemTracker)", "vs DDP", "predicted peak MiB", "error"]
+    r0 = rows[0]
+    return t.table(header, body) + (
+        f"\n\n`SequentialCharLM` width {r0['model_dim']}, {r0['model_depth']} blocks, AdamW, global batch "
+        f"{r0['global_batch']}, {r0['num_microbatches']} micro-batches; parameters, gradients and state "
+        "counted before the second optimizer step (a DTensor: its local shard). Byte counts: one run each, "
+        "they do not depend on the load."
+    )
+
+
+RESULTS = t.Results(
+    "fsdp_memory",
+    t.Section(
+        "Memory per rank with the stages sharded: replicas, sharded optimizer state, FSDP2 (pipeline 2 x 2)",
+        t.Table(
+            fsdp_memory,
+            (
+                "ppo_bytes",
+                "ppo_vs_ddp",
+                "peak_bytes",
+                "peak_vs_ddp",
+                "predicted_peak_bytes",
+                "predicted_error",
+            ),
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

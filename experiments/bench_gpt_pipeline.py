@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 from models import ByteWindows, CharLM, SequentialCharLM, adamw_with_cosine_decay
 from torch.utils.data import DataLoader, DistributedSampler
@@ -135,6 +136,54 @@ def tracing_times(args: dict[str, Any]) -> list[dict[str, Any]]:
         return time.perf_counter() - start
 
     return h.seconds_by_length(timed, args["seq_len"], args["repeats"])
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def gpt_pipeline(rows: t.Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    seq, traced, goal = by["sequential"], by["traced"], rows[0]["goal"]
+    verdict = t.ratio_verdict(traced, "ratio", goal=float(goal))
+    header = [
+        "path",
+        "repeats",
+        "samples/s",
+        "step ms",
+        f"traced / Sequential (goal {goal})",
+        "max loss diff",
+    ]
+    header += ["tied-gradient sum ms", "share of the step"]
+    table = [
+        ["Sequential (`SequentialCharLM`)", seq["repeats"], t.timed_col(seq, "samples_per_s", 1),
+         t.timed_col(seq, "step_ms", 1), "1 (baseline)", seq["max_loss_diff"], "-", "-"],
+        ["traced (`CharLM`, the GPT as written)", traced["repeats"], t.timed_col(traced, "samples_per_s", 1),
+         t.timed_col(traced, "step_ms", 1), t.timed_col(traced, "ratio", 3, verdict), traced["max_loss_diff"],
+         t.timed_col(traced, "tied_ms", 3), t.timed_col(traced, "tied_share", 4)],
+    ]  # fmt: skip
+    return t.table(header, table) + (
+        "\n\nSame weights, same stage boundaries (embeddings + 2 blocks | 2 blocks + norm + tied head), "
+        "interleaved in the same 2 processes; medians with (min .. max) over the repeats."
+    )
+
+
+def gpt_tracing(rows: t.Rows) -> str:
+    table = [[r["seq_len"], r["repeats"], t.timed_col(r, "trace_s", 2)] for r in rows]
+    return t.table(["sequence length", "repeats", "seconds to trace forward at that shape"], table) + (
+        "\n\nPaid once per run and mode: the trace has dynamic sizes, so other lengths and the short last "
+        "batch use it too (see the fine-tuning benchmark)."
+    )
+
+
+RESULTS = t.Results(
+    "gpt_pipeline",
+    t.Section(
+        "Pipelining a GPT: its forward traced against its layers in a Sequential",
+        t.Table(gpt_pipeline, ("samples_per_s", "step_ms", "ratio", "tied_ms", "tied_share")),
+        t.Table(gpt_tracing, ("trace_s", "trace_s_min", "trace_s_max")),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

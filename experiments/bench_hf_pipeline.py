@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 from hf_decoders import HFDecoderLM
 from models import ByteWindows
@@ -143,6 +144,53 @@ def plot(rows: list[dict[str, Any]], tracing: list[dict[str, Any]], args: Any) -
     right.set_title("tracing + split at a new shape (s)")
     right.set_xlabel("sequence length")
     h.save_figure(fig, args.out_dir / "hf_pipeline.png")
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def hf_pipeline(rows: t.Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    one, pipe = by["one_process"], by["pipeline"]
+    verdict = t.ratio_verdict(pipe, "ratio", words=("faster", "slower"))
+    header = ["run", "repeats", "samples/s", "step ms", "pipeline / one process", "max loss diff"]
+    table = [
+        ["one process (`Trainer(devices=1)`, the other rank idle)", one["repeats"],
+         t.timed_col(one, "samples_per_s", 1), t.timed_col(one, "step_ms", 1), "1 (baseline)", "-"],
+        ["2 pipeline stages (`PipelineStrategy`, 4 micro-batches)", pipe["repeats"],
+         t.timed_col(pipe, "samples_per_s", 1), t.timed_col(pipe, "step_ms", 1),
+         t.timed_col(pipe, "ratio", 3, verdict), pipe["max_loss_diff"]],
+    ]  # fmt: skip
+    return t.table(header, table) + (
+        "\n\nA `transformers` Llama built from a config and left as is (the step calls "
+        "`self.model(input_ids=x).logits`), traced and split between its middle decoder layers; "
+        "interleaved with the one-process run in the same 2 processes, same seed and batches; medians "
+        "with (min .. max) over the repeats, the ratio taken within each repeat. The bubble alone caps "
+        f"the ratio at {pipe['ideal_ratio']} (on as many free cores as stages)."
+    )
+
+
+def hf_tracing(rows: t.Rows) -> str:
+    table = [[r["seq_len"], r["repeats"], t.timed_col(r, "trace_s", 2)] for r in rows]
+    header = ["sequence length", "repeats", "seconds to trace and split `self.model(input_ids=x)`"]
+    return t.table(header, table) + (
+        "\n\nOn the meta twin, in one process: paid once per run and mode (the trace has dynamic sizes)."
+    )
+
+
+RESULTS = t.Results(
+    "hf_pipeline",
+    t.Section(
+        "Pipelining a Hugging Face Llama, unmodified: 2 stages against one process",
+        t.Table(
+            hf_pipeline,
+            ("samples_per_s", "samples_per_s_min", "step_ms", "ratio", "ratio_max", "max_loss_diff"),
+            timed=True,
+        ),
+        t.Table(hf_tracing, ("trace_s", "trace_s_min", "trace_s_max")),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

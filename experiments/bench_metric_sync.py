@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import _harness as h
+import _tables as t
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -253,6 +254,99 @@ def plot(path: Any, fits: list[dict[str, Any]], reductions: list[dict[str, Any]]
     c.set_yscale("log")
     fig.suptitle("2 gloo processes; medians of interleaved repeats, bars: min-max", fontsize=9)
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def metric_sync(rows: t.Rows) -> str:
+    at = {(r["k"], r["mode"]): r for r in rows}
+    body = []
+    for k in sorted({r["k"] for r in rows}, key=int):
+        arm, sync = at[(k, "all_reduced_metrics")], at[(k, "sync_dist")]
+        words = {"higher_is_better": False, "words": ("below no sync", "above no sync")}
+        body.append(
+            [
+                k,
+                arm["repeats"],
+                t.fixed(arm["collectives_per_step"], 0),
+                t.fixed(sync["collectives_per_step"], 0),
+            ]
+            + [
+                t.timed_col(arm, "no_sync_step_ms", 1),
+                t.timed_col(arm, "step_ms", 1),
+                t.timed_col(sync, "step_ms", 1),
+            ]
+            + [
+                t.timed_col(x, "overhead_ms", 1, t.ratio_verdict(x, "ratio_vs_no_sync", **words))
+                for x in (arm, sync)
+            ]
+        )
+    header = ["metrics K", "repeats", "collectives/step AllReducedMetrics", "collectives/step sync_dist"]
+    header += ["step ms, no sync", "step ms AllReducedMetrics", "step ms sync_dist"]
+    header += ["overhead ms AllReducedMetrics", "overhead ms sync_dist"]
+    return "In a fit (step cycle, overhead against no sync in the same repeat):\n\n" + t.table(header, body)
+
+
+def metric_sync_reduce(rows: t.Rows) -> str:
+    at = {(r["k"], r["mode"]): r for r in rows}
+    body = []
+    for k in sorted({r["k"] for r in rows}, key=int):
+        arm, sync = at[(k, "all_reduced_metrics")], at[(k, "sync_dist")]
+        words = {"higher_is_better": False, "words": ("cheaper", "dearer")}
+        body.append(
+            [
+                k,
+                arm["repeats"],
+                t.fixed(arm["collectives_per_step"], 0),
+                t.fixed(sync["collectives_per_step"], 0),
+                t.timed_col(arm, "per_metric_us", 1),
+                t.timed_col(sync, "per_metric_us", 1),
+                t.timed_col(
+                    arm, "ratio_vs_sync_dist", 2, t.ratio_verdict(arm, "ratio_vs_sync_dist", **words)
+                ),
+            ]
+        )
+    header = ["metrics K", "repeats", "collectives/step AllReducedMetrics", "collectives/step sync_dist"]
+    header += ["us per metric AllReducedMetrics", "us per metric sync_dist", "AllReducedMetrics / sync_dist"]
+    intro = "The reduction path alone (same process group, no training), cost per logged metric per step:"
+    return f"{intro}\n\n" + t.table(header, body)
+
+
+RESULTS = t.Results(
+    "metric_sync",
+    t.Section(
+        "Metric sync: AllReducedMetrics against sync_dist=True",
+        t.Table(
+            metric_sync,
+            (
+                "collectives_per_step",
+                "step_ms",
+                "step_ms_max",
+                "no_sync_step_ms",
+                "no_sync_step_ms_min",
+                "overhead_ms",
+                "overhead_ms_min",
+                "overhead_ms_max",
+            ),
+            timed=True,
+        ),
+        t.Table(
+            metric_sync_reduce,
+            (
+                "collectives_per_step",
+                "per_metric_us",
+                "per_metric_us_min",
+                "per_metric_us_max",
+                "ratio_vs_sync_dist",
+                "ratio_vs_sync_dist_min",
+                "ratio_vs_sync_dist_max",
+            ),
+            timed=True,
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

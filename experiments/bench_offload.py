@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 import _harness as h
+import _tables as t
 import lightning as L
 import torch
 from models import ByteWindows, SequentialCharLM
@@ -180,6 +181,66 @@ def plot(path: Any, steps: list[dict[str, Any]], kernels: list[dict[str, Any]]) 
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def offload(rows: t.Rows) -> str:
+    body = []
+    for r in rows:
+        words = {"higher_is_better": False, "words": ("faster", "slower")}
+        ratio = (
+            t.timed_col(r, "ratio", 3, t.ratio_verdict(r, "ratio", **words))
+            if r["variant"] != "device"
+            else "1"
+        )
+        share = t.timed_col(r, "host_share", 3) if r["host_copies_bytes"] else "-"
+        held = ("host_copies_bytes", "host_state_bytes", "host_activations_peak_bytes")
+        mib = [t.fixed(float(r[k]) / 2**20, 2) if r[k] else "-" for k in held]
+        body.append([r["variant"], r["repeats"], t.timed_col(r, "step_ms", 1), ratio, share, *mib])
+    header = ["variant", "repeats", "step ms", "vs device", "host step's share of the step"]
+    header += ["host copies + gradient buffers MiB", "host AdamW state MiB", "activations on the host MiB"]
+    r0 = rows[0]
+    note = (
+        f"\n\n`SequentialCharLM` width {r0['model_dim']}, {r0['model_depth']} blocks, AdamW, batch "
+        f"{r0['batch']} in {r0['microbatches']} micro-batches, `PipelineStrategy(pipeline_size=1)` on one "
+        "process (one thread); the ratio is taken within each repeat against `device` (the user's AdamW as "
+        "torch builds it on a CPU: its loop implementation). The host step's share: what `step()` spends "
+        "after the closure (gradients in, the host kernel, weights out) over the step. Host and device are "
+        "the same memory on this machine: the copies cost a memcpy, and nothing leaves a device; how to "
+        "read it: [Offload](offload.md)."
+    )
+    return t.table(header, body) + note
+
+
+def offload_kernels(rows: t.Rows) -> str:
+    body = []
+    for r in rows:
+        words = {"higher_is_better": False, "words": ("faster than fused", "slower than fused")}
+        ratio = (
+            t.timed_col(r, "ratio", 2, t.ratio_verdict(r, "ratio", **words))
+            if r["kernel"] != "fused"
+            else "1"
+        )
+        body.append([r["optimizer"], r["kernel"], r["repeats"], t.timed_col(r, "step_ms", 2), ratio])
+    header = ["optimizer", "host kernel", "repeats", "ms per step", "vs fused"]
+    return t.table(header, body) + (
+        f"\n\nOne optimizer step over the same model's {rows[0]['parameters']} parameters "
+        f"({rows[0]['tensors']} tensors) on host tensors, one thread: the order offload tries the host "
+        "kernels in (fused, foreach, the loop)."
+    )
+
+
+RESULTS = t.Results(
+    "offload",
+    t.Section(
+        "Offload: the optimizer step and the activations on the host, and the host kernel",
+        t.Table(offload, ("step_ms", "ratio", "host_share", "host_copies_bytes")),
+        t.Table(offload_kernels, ("step_ms", "ratio")),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

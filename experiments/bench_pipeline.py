@@ -42,6 +42,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 import torch.nn.functional as F
 from _charlm_bench import Config, build_model, loader, measured, run_single
@@ -363,6 +364,86 @@ def report(cfg: Config, over: list[dict[str, Any]], sweep: list[dict[str, Any]],
         "are pessimistic and the curve shape only indicative"
     )
     print(f"parallelism {par.median:.2f} ({par.lo:.2f} .. {par.hi:.2f}): {verdict}")
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def pipeline_overhead(rows: t.Rows) -> str:
+    r0, goal = rows[0], float(rows[0]["goal"])
+    ratios = h.spread(float(r["ratio"]) for r in rows)
+    worst = max(rows, key=lambda r: float(r["max_loss_diff"]))["max_loss_diff"]
+    cells = [r0["schedule"], r0["num_microbatches"], r0["batch_size"], len(rows)]
+    cells += [t.timed_rows(rows, k, 1) for k in ("hand_samples_per_s", "trainer_samples_per_s")]
+    cells += [t.timed_rows(rows, "ratio", 2, h.verdict(ratios.lo, ratios.hi, goal=goal))]
+    cells += [t.timed_rows(rows, "fast_ratio", 2)]
+    header = ["schedule", "micro-batches", "batch", "repeats", "hand samples/s", "Trainer samples/s"]
+    header += [f"Trainer / hand (goal {r0['goal']})", "Trainer / hand, fastest steps"]
+    note = "\n\nMedians over the repeats, (min .. max) beside them; the ratio is taken within each repeat."
+    if "added_ms" in r0:  # the fixed cost per step: the first stage's time outside the schedule
+        cells += [t.timed_rows(rows, k, 2) for k in ("hand_outside_ms", "trainer_outside_ms", "added_ms")]
+        header += ["first stage outside the schedule, hand ms", "... Trainer ms", "Trainer adds ms per step"]
+        note += (
+            " Outside the schedule: the first stage's median time per step from the end of one "
+            "`schedule.step()` to the start of the next (the optimizer step and the data in both; "
+            "Lightning's loop, its hooks, the log replay and the strategy's Python in the Trainer's); it is "
+            "on the critical path, since the last stage has finished its part of the schedule earlier and "
+            "waits."
+        )
+    return t.table([*header, "max loss diff"], [[*cells, worst]]) + note
+
+
+def pipeline_microbatches(rows: t.Rows) -> str:
+    at = {(r["kind"], r["schedule"], r["num_microbatches"]): r for r in rows}
+    ms = sorted({r["num_microbatches"] for r in rows if r["kind"] == "pipeline"}, key=int)
+    body = []
+    for m in ms:
+        gpipe, f1b = at[("pipeline", "gpipe", m)], at[("pipeline", "1f1b", m)]
+        body.append(
+            [m, f1b["repeats"], t.fixed(f1b["ideal_bubble_efficiency"], 3)]
+            + [t.timed_col(x, "efficiency", 3) for x in (f1b, gpipe)]
+            + [t.timed_col(x, "samples_per_s", 1) for x in (f1b, gpipe, at[("single", "-", m)])]
+        )
+    header = ["micro-batches m", "repeats", "ideal (bubble only)", "1f1b efficiency", "gpipe efficiency"]
+    header += ["1f1b samples/s", "gpipe samples/s", "one process samples/s"]
+    alone = at[("single_alone", "-", "1")]
+    note = (
+        f"\n\nEfficiency: pipeline throughput over p x one process with the same micro-batches, in the "
+        f"same repeat. Parallelism of the two processes (one process's throughput with both busy over "
+        f"alone; near one when each really has a core): {t.timed_col(alone, 'parallelism', 2)}."
+    )
+    return t.table(header, body) + note
+
+
+RESULTS = t.Results(
+    "pipeline",
+    t.Section(
+        "Pipeline overhead: the Trainer against a hand-driven schedule",
+        t.Table(
+            pipeline_overhead,
+            ("hand_samples_per_s", "trainer_samples_per_s", "ratio", "fast_ratio"),
+            timed=True,
+        ),
+    ),
+    t.Section(
+        "Pipeline bubble against the number of micro-batches",
+        t.Table(
+            pipeline_microbatches,
+            (
+                "samples_per_s",
+                "samples_per_s_min",
+                "samples_per_s_max",
+                "efficiency",
+                "efficiency_min",
+                "efficiency_max",
+                "ideal_bubble_efficiency",
+                "parallelism",
+            ),
+            timed=True,
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

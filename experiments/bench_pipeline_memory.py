@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 from _meters import SavedTensorMeter
 from lightning.pytorch.callbacks import Callback
@@ -88,9 +89,9 @@ def default_runs(quick: bool) -> list[Run]:
 def tensor_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind ``tensors`` (meta tensors hold none)."""
     seen: dict[int, int] = {}
-    for t in tensors:
-        if torch.is_tensor(t) and not t.is_meta:
-            storage = t.untyped_storage()
+    for x in tensors:
+        if torch.is_tensor(x) and not x.is_meta:
+            storage = x.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -275,6 +276,41 @@ def plot(path: Any, rows: list[dict[str, Any]]) -> None:
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def pipeline_memory(rows: t.Rows) -> str:
+    body = []
+    for run, ranks in t.groups(rows, "run").items():
+        r0 = ranks[0]
+        on_meta = all(r["other_stage_params"] == r["other_stage_params_meta"] for r in ranks)
+        body.append(
+            [
+                run,
+                r0["world_size"],
+                f"{r0['model_dim']} x {r0['model_depth']}",
+                t.mib(max(float(r["ppo_bytes"]) for r in ranks)),
+                t.fixed(max(float(r["ppo_vs_ddp"]) for r in ranks), 3),
+                " / ".join(t.mib(float(r["activation_peak_bytes"])) for r in ranks),
+                "yes" if r0["strategy"] == "pipeline" and on_meta else "-",
+                t.fixed(max(float(r["max_rss_mb"]) for r in ranks), 1),
+            ]
+        )
+    header = ["run", "ranks", "width x blocks", "params+grads+AdamW MiB (worst rank)", "vs DDP"]
+    header += ["activation peak MiB, rank by rank", "other stages stay on meta", "max RSS MB"]
+    return t.table(header, body) + "\n\nByte counts: one run each, they do not depend on the load."
+
+
+RESULTS = t.Results(
+    "pipeline_memory",
+    t.Section(
+        "Memory per rank: DDP against PipelineStrategy",
+        t.Table(pipeline_memory, ("ppo_bytes", "ppo_vs_ddp", "activation_peak_bytes", "max_rss_mb")),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

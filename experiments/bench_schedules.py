@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _tables as t
 from _charlm_bench import Config, build_model, loader, run_single
 from _meters import SavedTensorMeter
 from lightning.pytorch.callbacks import Callback
@@ -226,6 +227,78 @@ COLUMNS = [
     *(f"{cat}_share" for cat in BREAKDOWN),
     "activation_peak_mib_rank0", "activation_peak_mib_rank1",
 ]  # fmt: skip
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def schedules(rows: t.Rows) -> str:
+    placement = {"1f1b": "2 stages", "interleaved_1f1b": "4, looped", "interleaved_zero_bubble": "4, looped",
+                 "zbv": "4, V", "dualpipev": "4, V"}  # fmt: skip
+    header = ["schedule", "stages", "repeats", "samples/s", "vs 1f1b", "schedule's ideal"]
+    header += ["compute", "bubble", "comm wait", "other", "compute inflation", "activation MiB rank 0 / 1"]
+    body = []
+    for r in rows:
+        vs = "1" if r["schedule"] == "1f1b" else t.timed_col(r, "vs_1f1b", 2, t.ratio_verdict(r, "vs_1f1b"))
+        body.append(
+            [
+                r["schedule"],
+                placement.get(r["schedule"], "?"),
+                r["repeats"],
+                t.timed_col(r, "samples_per_s", 1),
+                vs,
+            ]
+            + [t.timed_col(r, "ideal_efficiency", 3)]
+            + [t.fixed(r[k], 3) for k in ("compute", "bubble", "comm_wait", "other")]
+            + [t.timed_col(r, "compute_inflation", 2)]
+            + [f"{t.fixed(r['activation_peak_mib_rank0'], 1)} / {t.fixed(r['activation_peak_mib_rank1'], 1)}"]
+        )
+    f1b = next(r for r in rows if r["schedule"] == "1f1b")
+    note = (
+        f"\n\nm = {f1b['num_microbatches']}, p = {f1b['pipeline_size']}, batch {f1b['batch_size']}. The 1F1B "
+        "efficiency (throughput over p x one process) is the bubble table's, above (its m = 8 row); here the "
+        "schedules are compared with each other (vs 1f1b: throughput per repeat) and their steps taken "
+        "apart. The next columns come from `PipelineTimeline` on two recorded steps per run (medians): "
+        "shares of the ranks' step time spent computing (stage forward and backward), in the bubble the "
+        "schedule itself forces (its ideal: the recorded compute replayed with free communication; "
+        "schedule's ideal = compute / (compute + bubble), against the bubble-only "
+        f"{t.fixed(f1b['ideal_1f1b_bubble_efficiency'], 3)} of 1F1B with equal stages), waiting on P2P "
+        "beyond that, and everything else (loss function, log broadcast, gradient sync, optimizer step, "
+        "P2P posts, "
+        "Python between them). Compute inflation: the ranks' stage compute per step over one process's "
+        "whole step (1.0 = the layers cost the same as pipeline stages as in one process). For 1f1b the "
+        "measured spans (which also hold part of the bubble: the last rank waits out the drain in the log "
+        f"broadcast) are: P2P waits {t.fixed(f1b['wait_share'], 3)}, the loss function "
+        f"{t.fixed(f1b['loss_share'], 3)}, the log broadcast and gradient sync "
+        f"{t.fixed(f1b['collective_share'], 3)}, the optimizer step {t.fixed(f1b['optimizer_share'], 3)}, "
+        f"P2P posts {t.fixed(f1b['comm_share'], 3)} and untracked time {t.fixed(f1b['untracked_share'], 3)}. "
+        "The shares are medians over recorded steps; how to read them: [Where the time goes: "
+        "PipelineTimeline](timeline.md)."
+    )
+    return t.table(header, body) + note
+
+
+RESULTS = t.Results(
+    "schedules",
+    t.Section(
+        "Pipeline schedules side by side: where the step goes (timeline)",
+        t.Table(
+            schedules,
+            (
+                "samples_per_s",
+                "vs_1f1b",
+                "ideal_efficiency",
+                "compute",
+                "bubble",
+                "comm_wait",
+                "other",
+                "compute_inflation",
+                "activation_peak_mib_rank0",
+            ),
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 from models import SequentialCharLM
 from torch.utils.data import DataLoader, TensorDataset
@@ -62,10 +63,10 @@ def build(model: str, size: dict[str, int]) -> Any:
 def local_bytes(tensors: Any) -> int:
     """Bytes of the local data behind ``tensors`` (a DTensor counts its slice)."""
     total = 0
-    for t in tensors:
-        if torch.is_tensor(t):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            total += t.numel() * t.element_size()
+    for x in tensors:
+        if torch.is_tensor(x):
+            x = x.to_local() if hasattr(x, "to_local") else x
+            total += x.numel() * x.element_size()
     return total
 
 
@@ -133,6 +134,43 @@ def plot(path: Any, rows: list[dict[str, Any]]) -> None:
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
         ax.grid(alpha=0.3)
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def tensor_parallel(rows: t.Rows) -> str:
+    body = [
+        [r["run"], r["rank"], t.mib(float(r["ppo_bytes"])), t.fixed(r["ppo_vs_dp"], 2),
+         t.timed_col(r, "step_s", 3), t.fixed(r["step_vs_dp"], 2)]
+        for r in rows
+    ]  # fmt: skip
+    header = ["run", "rank", "params+grads+AdamW MiB", "vs pp x dp", "step s (min .. max over steps)"]
+    header += ["step vs pp x dp"]
+    r0 = rows[0]
+    note = (
+        f"4 processes, width {r0['model_dim']} x {r0['model_depth']} blocks, "
+        f"global batch {r0['global_batch']}; each model against its own replicas. `Sequential`: "
+        "`SequentialCharLM` with separate q, k, v, its stage modules running on their local slices; "
+        "`HF Llama (traced)`: a `LlamaForCausalLM` from config split with its own `base_model_tp_plan`, "
+        "its traced stage graphs running on DTensors (every op dispatched through DTensor's sharding "
+        "propagation: part of its step time). Bytes: one run (they do not depend on the load); step times "
+        "on 2 shared CPU cores with gloo, where tensor parallelism's per-block all-reduces cost more than "
+        "on a GPU node."
+    )
+    return t.table(header, body) + "\n\n" + note
+
+
+RESULTS = t.Results(
+    "tensor_parallel",
+    t.Section(
+        "Tensor parallelism inside the stages: pp 2 x tp 2 against pp 2 x dp 2",
+        t.Table(
+            tensor_parallel, ("ppo_bytes", "ppo_vs_dp", "step_s", "step_s_min", "step_s_max", "step_vs_dp")
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> int:

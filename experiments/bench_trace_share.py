@@ -40,6 +40,7 @@ import time
 from typing import Any
 
 import _harness as h
+import _tables as t
 import lightning as L
 import torch
 from hf_decoders import HFDecoderLM
@@ -236,6 +237,95 @@ def plot(rows: list[dict[str, Any]], args: Any) -> None:
         ax.set_title(title)
         ax.legend()
     h.save_figure(fig, args.out_dir / "trace_share.png")
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def trace_share(rows: t.Rows) -> str:
+    header = ["model", "ranks", "variant", "repeats", "exports, loads"]
+    names = {"trace_cpu_s": "trace CPU", "setup_cpu_s": "setup CPU", "first_step_s": "first step"}
+    for name in names.values():
+        header += [f"{name} s" + (" per node" if "CPU" in name else ""), f"{name}: ratio to every rank"]
+    body = []
+    for r in rows:
+        cells = [r["model"], r["ranks"], r["variant"].replace("_", " "), r["repeats"]]
+        cells.append(f"{t.fixed(r['exports'], 0)}, {t.fixed(r['received'], 0)}")
+        for key in names:
+            ratio, words = f"{key}_ratio", dict(higher_is_better=False, words=("less", "more"))
+            shared = r["variant"] == "shared"
+            cells += [
+                t.timed_col(r, key, 2),
+                t.timed_col(r, ratio, 2, t.ratio_verdict(r, ratio, **words)) if shared else "-",
+            ]
+        body.append(cells)
+    return t.table(header, body) + (
+        "\n\nOne training step under `PipelineStrategy(pipeline_size=ranks)`, the traced forward exported by "
+        "every rank (as before) or once, by rank 0, the others loading its program "
+        "(`sources/traced/share.py`); "
+        "interleaved in one job per rank count. Trace CPU: exporting, pickling and loading programs, summed "
+        "over the ranks; setup CPU: every rank's from `fit()` to the end of the first step, summed; first "
+        "step: `fit()` to the end of the first step on the slowest rank. The ratios are against every rank "
+        "exporting, taken within each repeat."
+    )
+
+
+def trace_share_transport(rows: t.Rows) -> str:
+    header = ["model", "repeats", "export CPU s", "GraphPickler MB", "pickle CPU s", "its load CPU s",
+              "torch.export.save MB", "save CPU s", "torch.export.load CPU s"]  # fmt: skip
+    body = [
+        [r["model"], r["repeats"], t.timed_col(r, "export_cpu_s", 2), t.fixed(r["pickle_mb"], 2),
+         t.timed_col(r, "pickle_cpu_s", 2), t.timed_col(r, "unpickle_cpu_s", 2), t.fixed(r["save_mb"], 2),
+         t.timed_col(r, "save_cpu_s", 2), t.timed_col(r, "load_cpu_s", 2)]
+        for r in rows
+    ]  # fmt: skip
+    return t.table(header, body) + (
+        "\n\nIn one process: the program of one export moved both ways, what a receiving rank pays against "
+        "exporting it itself."
+    )
+
+
+RESULTS = t.Results(
+    "trace_share",
+    t.Section(
+        "Tracing once per job: one rank exports the traced forward for all, against every rank",
+        t.Table(
+            trace_share,
+            (
+                "trace_cpu_s",
+                "trace_cpu_s_max",
+                "trace_cpu_s_ratio",
+                "trace_cpu_s_ratio_min",
+                "setup_cpu_s",
+                "setup_cpu_s_ratio",
+                "first_step_s",
+                "first_step_s_min",
+                "first_step_s_ratio",
+                "first_step_s_ratio_max",
+                "exports",
+                "received",
+            ),
+            timed=True,
+        ),
+        t.Table(
+            trace_share_transport,
+            (
+                "export_cpu_s",
+                "export_cpu_s_max",
+                "pickle_mb",
+                "pickle_cpu_s",
+                "unpickle_cpu_s",
+                "unpickle_cpu_s_min",
+                "save_mb",
+                "save_cpu_s",
+                "load_cpu_s",
+                "load_cpu_s_max",
+            ),
+            timed=True,
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 import torch.distributed as dist
 from hf_decoders import HFDecoderLM
@@ -237,6 +238,68 @@ def plot(rows: list[dict[str, Any]], costs: list[dict[str, Any]], args: Any) -> 
     right.set_xscale("log")
     right.set_title(f"meeting a new length, {args.deep} layers (s, log)")
     h.save_figure(fig, args.out_dir / "varlen.png")
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def varlen(rows: t.Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    goal = float(rows[0]["goal"])
+    names = {
+        "dynamic": "pipeline, each batch padded to its longest sample",
+        "fixed": "pipeline, every batch padded to the longest sample (one shape)",
+        "one_process": "one process (`Trainer(devices=1)`), dynamic padding",
+    }
+    header = [
+        "run",
+        "lengths",
+        "traces",
+        "repeats",
+        "fit s",
+        "vs fixed padding",
+        "steps/s",
+        "labelled tokens/s",
+    ]
+    table = []
+    for name in ("dynamic", "fixed", "one_process"):
+        r = by[name]
+        ratio = "1 (baseline)" if name == "fixed" else t.timed_col(r, "ratio", 3)
+        if name == "dynamic":
+            ratio = t.timed_col(r, "ratio", 3, t.ratio_verdict(r, "ratio", goal=goal, higher_is_better=False))
+        table.append([names[name], r["lengths"], r["traces"], r["repeats"], t.timed_col(r, "fit_s", 2), ratio,
+                      t.timed_col(r, "steps_per_s", 1), t.timed_col(r, "tokens_per_s", 0)])  # fmt: skip
+    return t.table(header, table) + (
+        "\n\nOne epoch of prompt/response batches, one batch per length (prompts and padding labelled as "
+        "ignored, the loss the Llama's own from `labels=`, token-exact), interleaved in the same 2 "
+        "processes; the fit includes setup and tracing; medians with (min .. max) over the repeats, the "
+        f"ratio taken within each repeat (goal: at most {goal})."
+    )
+
+
+def varlen_new_length(rows: t.Rows) -> str:
+    table = [[r["what"], r["layers"], t.timed_col(r, "s", 4)] for r in rows]
+    return t.table(["what", "decoder layers", "seconds"], table) + (
+        "\n\nA deep Llama in one process, split in two: the one trace with dynamic sizes is paid once per "
+        "run and mode; each new length then costs building its stages from it (goal: under "
+        f"{rows[0]['goal_s']} s), where it used to cost a whole static trace. The same depth held in a "
+        "top-level Sequential: its first shapes are sized on fake tensors, and at a mode's third shape its "
+        "layers are exported once with dynamic sizes (that row includes the third shape's fake run)."
+    )
+
+
+RESULTS = t.Results(
+    "varlen",
+    t.Section(
+        "Fine-tuning data: dynamic padding against fixed padding, and what a new length costs",
+        t.Table(
+            varlen,
+            ("fit_s", "fit_s_max", "ratio", "ratio_min", "steps_per_s", "tokens_per_s", "traces", "lengths"),
+        ),
+        t.Table(varlen_new_length, ("s", "s_min", "s_max", "layers")),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

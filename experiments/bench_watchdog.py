@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 import torch.distributed as dist
 from models import ByteWindows, CharLM
@@ -76,6 +77,48 @@ def worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, list[dict[s
         "fits": h.interleave(fits, repeats=args["repeats"], before_each=h.barrier),
         "calls": h.interleave(calls, repeats=max(args["repeats"], 10), before_each=h.barrier, warmup=True),
     }
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def watchdog(rows: t.Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    off, on, goal = by["off"], by["on"], float(rows[0]["goal"])
+    verdict = t.ratio_verdict(on, "ratio", goal=goal, higher_is_better=False)
+    header = ["repeats", "step ms, no watchdog", "step ms, HangWatchdog", f"with / without (goal <= {goal})"]
+    cells = [on["repeats"], t.timed_col(off, "step_ms", 1), t.timed_col(on, "step_ms", 1)]
+    return t.table(header, [[*cells, t.timed_col(on, "ratio", 3, verdict)]]) + (
+        "\n\nThe main job (GPT, 2 pipeline stages); the ratio is taken within each repeat."
+    )
+
+
+def watchdog_calls(rows: t.Rows) -> str:
+    by = {r["variant"]: r for r in rows}
+    off, on = by["off"], by["on"]
+    header = ["repeats", "all_reduce µs, untracked", "all_reduce µs, tracked", "added µs per call"]
+    cells = [
+        on["repeats"],
+        t.timed_col(off, "call_us", 1),
+        t.timed_col(on, "call_us", 1),
+        t.timed_col(on, "added_us", 2),
+    ]
+    return (
+        t.table(header, [cells])
+        + "\n\nOne number all-reduced over a one-rank gloo group (no waiting on the peer), "
+        "thousands of calls per repeat."
+    )
+
+
+RESULTS = t.Results(
+    "watchdog",
+    t.Section(
+        "HangWatchdog: what it costs",
+        t.Table(watchdog, ("step_ms", "ratio")),
+        t.Table(watchdog_calls, ("call_us", "added_us")),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import _harness as h
+import _tables as t
 
 SIZE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
             num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
@@ -79,6 +80,42 @@ def measure(directory: Path, variants: list[str]) -> list[dict]:
         [sys.executable, "-c", CHILD, str(directory), *variants], env={**os.environ, "PYTHONPATH": path}
     )
     return [json.loads(line) for line in out.strip().splitlines()[-len(variants) :]]
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def hf_pretrained_memory(rows: t.Rows) -> str:
+    header = [
+        "load",
+        "tensors held (MiB)",
+        "peak resident memory above imports (MiB)",
+        "of the whole model's",
+    ]
+    table = [
+        [
+            r["variant"],
+            t.fixed(r["held_mib"], 1),
+            t.fixed(r["peak_rss_mib"], 1),
+            t.fixed(r["peak_ratio_to_whole"], 2),
+        ]
+        for r in rows
+    ]
+    return t.table(header, table) + (
+        "\n\nA 124M-parameter `transformers` Llama saved with `save_pretrained`: `from_pretrained` of the "
+        "whole model, against a rank's stage built on the meta device and read with `load_pretrained` "
+        "(its tensors plus the largest tensor being read). One run each, in fresh processes (bytes)."
+    )
+
+
+RESULTS = t.Results(
+    "hf_pretrained_memory",
+    t.Section(
+        "Loading a Hugging Face model's pretrained weights: the whole model against one stage per rank",
+        t.Table(hf_pretrained_memory, ("held_mib", "peak_rss_mib", "peak_ratio_to_whole")),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import _harness as h
+import _tables as t
 import lightning as L
 import torch
 from _meters import StepMeter
@@ -292,6 +293,33 @@ def summary(rows: list[dict[str, Any]]) -> str:
             f"{format_bytes(w['predicted_bytes']):>11} {w['error']:>+7.1%}  {furthest:>+13.1%}"
         )
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def memory_validation(rows: t.Rows) -> str:
+    body = []
+    for config, ranks in t.groups(rows, "config").items():
+        worst = next(r for r in ranks if r["worst_rank"] == "True")
+        furthest = max(ranks, key=lambda r: abs(float(r["error"])))
+        mib = [t.mib(float(worst[k])) for k in ("measured_bytes", "predicted_bytes")]
+        body.append([config, len(ranks), *mib, t.fixed(worst["error"], 3), t.fixed(furthest["error"], 3)])
+    header = ["run", "ranks", "measured MiB, worst rank (MemTracker)", "predicted MiB", "error"]
+    return t.table([*header, "error, furthest rank"], body) + (
+        f"\n\nerror = predicted / measured - 1, target |error| <= {rows[0]['tolerance']} on the worst rank "
+        "(the rank with the largest measured peak). Byte counts do not depend on the load: measured once."
+    )
+
+
+RESULTS = t.Results(
+    "memory_validation",
+    t.Section(
+        "Will it fit? The memory planner's prediction against MemTracker, rank by rank",
+        t.Table(memory_validation, ("measured_bytes", "predicted_bytes", "error")),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import _harness as h
+import _tables as t
 import torch
 
 from lightning_parallel.memory.estimate import format_bytes
@@ -179,6 +180,47 @@ def plot(path: Any, rows: list[dict[str, Any]]) -> None:
         ax.legend()
     fig.suptitle(f"The planner: bf16-mixed AdamW, {SEQ_LEN} tokens x {GLOBAL_BATCH} per step, 10% margin")
     h.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def offload_capacity(rows: t.Rows) -> str:
+    def largest(p: str, offload: str, key: str) -> str:
+        mine = (r for r in rows if r["pipeline_size"] == p and r["offload"] == offload)
+        top = next((r for r in mine if r[f"largest_{key}"] == "True"), None)  # marked by the script
+        if top is None:
+            return "none"
+        host = top[f"host_gib_per_node_{key}"]
+        on_host = f", host {host} GiB per node" if float(host) else ""
+        peak = top[f"device_peak_gib_{key}"]
+        return f"{top['params_billion']} B, {top['model']} (`{top[f'plan_{key}']}`: {peak} GiB{on_host})"
+
+    body = []
+    for p in dict.fromkeys(r["pipeline_size"] for r in rows):
+        dp = next(r["data_parallel"] for r in rows if r["pipeline_size"] == p)
+        body.append([f"pp {p} x dp {dp}"] + [largest(p, o, k) for k in ("24", "80") for o in ("no", "yes")])
+    header = ["8 devices as", "24 GiB, without offload", "24 GiB, with offload", "80 GiB, without offload",
+              "80 GiB, with offload"]  # fmt: skip
+    ladder = ", ".join(dict.fromkeys(f"{r['model']} ({r['params_billion']} B)" for r in rows))
+    return t.table(header, body) + (
+        "\n\nThe largest model of the ladder that trains: some plan of that pipeline size fits the device "
+        "with the planner's 10% margin (its fullest rank's predicted peak; the host bytes of the node's 8 "
+        "ranks within 90% of 1 TiB), with its plan and its device peak. The planner only: each Llama shape "
+        "built on the meta device and measured on fake tensors, bf16-mixed, AdamW, 4096 tokens x 16 per "
+        f"optimizer step. Ladder: {ladder}. With offload: the rows that put the optimizer state and its "
+        "step, or the activations in flight, on the host (the `+offload` rows of the search)."
+    )
+
+
+RESULTS = t.Results(
+    "offload_capacity",
+    t.Section(
+        "Offload in the planner: the largest Llama that trains on a 24 GiB and an 80 GiB device",
+        t.Table(offload_capacity, ("params_billion", "device_peak_gib_24", "device_peak_gib_80")),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,8 +9,10 @@ per question, the plots, and the machine each experiment ran on. Every number in
 CSV, or is a median / minimum / maximum / count of a CSV column; every timing comes with its min-max
 range over the repeats, and a ratio whose range crosses parity or the goal is said to be "within noise".
 
-To add an experiment: its script in ``EXPERIMENTS`` here, and in ``_tables.py`` one table function per
-CSV, named after the CSV (timing cells through ``timed()``), and a ``Question`` naming them.
+An experiment is written in one place, its script: beside the code that writes its CSVs, one table
+function per CSV (named after it) and ``RESULTS = t.Results(name, t.Section(title, t.Table(...)))``
+(``_tables.py``). This script finds every script that declares ``RESULTS`` and runs them in
+:data:`PAGE_ORDER` (the sections' order on the page; an experiment it does not name comes last).
 
 Usage::
 
@@ -23,15 +25,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import _harness as h
-from _tables import QUESTIONS, Question, Rows
+from _tables import Results, Section, Table
 
 HERE = Path(__file__).resolve().parent
 RESULTS = h.RESULTS
@@ -40,29 +43,60 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 TIMES_FIELDS = ["experiment", "date", "load_avg_1min", "wall_s", "wall_min"]
 ALL = "make experiments"  # the row of run_all.csv that holds a full run's total
 
-EXPERIMENTS = {  # name for --only -> script, run with its defaults, in this order
-    "pipeline": "bench_pipeline.py",
-    "schedules": "bench_schedules.py",
-    "pipeline_memory": "bench_pipeline_memory.py",
-    "fsdp_memory": "bench_fsdp_memory.py",
-    "metric_sync": "bench_metric_sync.py",
-    "checkpoint": "bench_checkpoint.py",
-    "dcp_faults": "bench_dcp_faults.py",
-    "accumulation_equivalence": "accumulation_equivalence.py",
-    "scaling_charlm": "scaling_charlm.py",
-    "gpt_pipeline": "bench_gpt_pipeline.py",
-    "hf_pipeline": "bench_hf_pipeline.py",
-    "varlen": "bench_varlen.py",
-    "hf_pretrained_memory": "hf_pretrained_memory.py",
-    "watchdog": "bench_watchdog.py",
-    "memory_validation": "memory_validation.py",
-    "tensor_parallel": "bench_tensor_parallel.py",
-    "compile": "bench_compile.py",
-    "trace_share": "bench_trace_share.py",
-    "offload": "bench_offload.py",
-    "offload_capacity": "offload_capacity.py",
-    "autoplan": "bench_autoplan.py",
-}
+PAGE_ORDER = (
+    "pipeline",
+    "schedules",
+    "pipeline_memory",
+    "fsdp_memory",
+    "memory_validation",
+    "metric_sync",
+    "checkpoint",
+    "dcp_faults",
+    "accumulation_equivalence",
+    "scaling_charlm",
+    "watchdog",
+    "gpt_pipeline",
+    "hf_pipeline",
+    "varlen",
+    "hf_pretrained_memory",
+    "tensor_parallel",
+    "compile",
+    "trace_share",
+    "offload",
+    "offload_capacity",
+    "autoplan",
+)
+"""The experiments in the order of their sections on the page (and of ``make experiments``' runs)."""
+
+
+def discover(folder: Path = HERE, order: tuple[str, ...] = PAGE_ORDER) -> dict[str, tuple[str, Results]]:
+    """Every script of ``folder`` that declares its ``RESULTS``: experiment name -> (script, results), in
+    ``order``, then the others by name. The scripts are imported (``folder`` on ``sys.path``).
+
+    Raises:
+        SystemExit: two scripts declare one name, or a name of ``order`` has no script.
+    """
+    found: dict[str, tuple[str, Results]] = {}
+    for path in sorted(folder.glob("*.py")):
+        if not re.search(r"^RESULTS = t\.Results\(", path.read_text(), re.MULTILINE):
+            continue
+        results = importlib.import_module(path.stem).RESULTS
+        if results.experiment in found:
+            raise SystemExit(
+                f"{path.name} and {found[results.experiment][0]} both declare {results.experiment!r}"
+            )
+        found[results.experiment] = (path.name, results)
+    missing = [name for name in order if name not in found]
+    if missing:
+        raise SystemExit(f"run_all.PAGE_ORDER names {missing}, which no script of {folder} declares")
+    return {name: found[name] for name in [*order, *sorted(set(found) - set(order))]}
+
+
+DECLARED = discover()
+EXPERIMENTS = {name: script for name, (script, _) in DECLARED.items()}
+"""Name for ``--only`` -> script, run with its defaults, in this order."""
+SECTIONS: list[tuple[str, Section]] = [(name, s) for name, (_, r) in DECLARED.items() for s in r.sections]
+"""The page's sections, each with its experiment's name."""
 
 
 # --------------------------------------------------------------------------- machine and times
@@ -76,13 +110,13 @@ def read_machines(results: Path) -> dict[str, dict[str, str]]:
 def backfill_machines(results: Path) -> None:
     """Results that predate the machine record have no row: record this machine, dated by the CSV."""
     known = read_machines(results)
-    for q in QUESTIONS:
-        first_csv = results / f"{q.tables[0].__name__}.csv"
-        if q.experiment not in known and first_csv.exists():
+    for experiment, section in SECTIONS:
+        first_csv = results / f"{section.tables[0].name}.csv"
+        if experiment not in known and first_csv.exists():
             date = datetime.date.fromtimestamp(first_csv.stat().st_mtime)
-            print(f"note: no machine recorded for {q.experiment}: recording this one, dated {date}")
-            h.record_machine(q.experiment, results, load="", date=date)
-            known[q.experiment] = {}
+            print(f"note: no machine recorded for {experiment}: recording this one, dated {date}")
+            h.record_machine(experiment, results, load="", date=date)
+            known[experiment] = {}
 
 
 def machine_lines(results: Path) -> tuple[str, dict[str, str]]:
@@ -139,20 +173,20 @@ METHOD = (
 # ---------------------------------------------------------------------------------- the block
 
 
-def table_and_plot(results: Path, page_dir: Path, q: Question, builder: Callable[[Rows], str]) -> str:
-    path = results / f"{builder.__name__}.csv"
+def table_and_plot(results: Path, page_dir: Path, experiment: str, section: Section, table: Table) -> str:
+    path = results / f"{table.name}.csv"
     if not path.exists():
-        return f"_No results yet: run `python experiments/run_all.py --only {q.experiment}`._"
+        return f"_No results yet: run `python experiments/run_all.py --only {experiment}`._"
     try:
-        table = builder(h.read_csv(path))
+        text = table.build(h.read_csv(path))
     except (KeyError, ValueError, IndexError) as err:
         raise SystemExit(
-            f"{path.name} does not have the layout {builder.__name__}() in run_all.py expects "
+            f"{path.name} does not have the layout {table.name}() in {EXPERIMENTS[experiment]} expects "
             f"({type(err).__name__}: {err}): update that function to the script's output"
         ) from err
     png = path.with_suffix(".png")
     link = Path(os.path.relpath(png, page_dir)).as_posix()
-    return table + (f"\n\n![{q.title}]({link})" if png.exists() else "")
+    return text + (f"\n\n![{section.title}]({link})" if png.exists() else "")
 
 
 def build_block(results: Path, page_dir: Path) -> str:
@@ -167,10 +201,10 @@ def build_block(results: Path, page_dir: Path) -> str:
         time_line(results),
         machine,
     ]
-    for q in QUESTIONS:
-        parts += [f"## {q.title}", ran.get(q.experiment, "_Machine not recorded._")]
-        for builder in q.tables:
-            parts.append(table_and_plot(results, page_dir, q, builder))
+    for experiment, section in SECTIONS:
+        parts += [f"## {section.title}", ran.get(experiment, "_Machine not recorded._")]
+        for table in section.tables:
+            parts.append(table_and_plot(results, page_dir, experiment, section, table))
     return "\n\n".join(part for part in parts if part)
 
 

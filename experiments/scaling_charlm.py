@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _tables as t
 
 TRAIN = Path(__file__).resolve().parent / "train_charlm.py"
 
@@ -237,6 +238,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_steps, args.dim, args.depth, args.repeats = 10, 32, 2, 1
         args.global_batch_size, args.seq_len, args.microbatches, args.text_bytes = 8, 16, 2, 40_000
     return args
+
+
+# ------------------------------------------------------------------- its tables in docs/results.md
+
+
+def scaling_charlm(rows: t.Rows) -> str:
+    body = []
+    for r in rows:
+        single = r["processes"] == "1"
+        verdict = "" if single else t.ratio_verdict(r, "ratio_vs_1_process", words=("faster", "slower"))
+        body.append(
+            [
+                *(r[k] for k in ("run", "processes", "threads_per_process", "samples", "repeats")),
+                t.timed_col(r, "samples_per_s", 1),
+                "-" if single else t.timed_col(r, "ratio_vs_1_process", 2, verdict),
+                *(t.fixed(r[k], 3) for k in ("train_loss", "val_loss")),
+                t.timed_col(r, "wall_s", 1),
+            ]
+        )
+    header = ["run", "processes", "threads each", "samples", "repeats", "samples/s", "vs one process"]
+    return t.table([*header, "final train loss", "val loss", "wall s (incl. start-up)"], body)
+
+
+RESULTS = t.Results(
+    "scaling_charlm",
+    t.Section(
+        "Scaling the main job: one process against two",
+        t.Table(
+            scaling_charlm,
+            (
+                "samples_per_s",
+                "samples_per_s_min",
+                "ratio_vs_1_process",
+                "ratio_vs_1_process_max",
+                "train_loss",
+                "val_loss",
+                "wall_s",
+                "wall_s_min",
+            ),
+            timed=True,
+        ),
+    ),
+)
+"""What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,8 @@
 """The package's floors, read from the source: the ground floor never imports Lightning, no cycles of
-modules or of packages, the stage sources and the techniques apart (they meet in the stage view), and no
-module imports another package's private module.
+modules or of packages, the stage sources and the techniques apart (they meet in the stage view), no
+module imports another package's private module, and none the test harness (``_testing.py``), which the
+tests and the experiments share (one port picker; the experiments import no test module); the
+configuration matrix (``tests/matrix.py``) reads the techniques from their list alone.
 
 Pure ``ast`` (nothing is imported), milliseconds. Imports under ``if TYPE_CHECKING:`` count too: a cycle
 that only type checkers follow still makes two modules one concept.
@@ -143,3 +145,65 @@ def test_no_module_imports_another_packages_private_module():
             if not (here == owner or owner == "lightning_parallel"):
                 offending.append(f"{_module_name(path)} imports {dep}")
     assert not offending, offending
+
+
+def test_the_test_harness_is_imported_by_no_module_of_the_package():
+    """``_testing.py`` (the ports, the spawned ranks, the quiet Trainer) is the one harness of the tests and
+    the experiments: the package ships it beside the code it exercises, and never runs it."""
+    graph = _graph()
+    assert "lightning_parallel._testing" in graph
+    offending = sorted(m for m, deps in graph.items() if "lightning_parallel._testing" in deps)
+    assert not offending, f"package modules import the test harness: {offending}"
+
+
+def _source_imports(path: Path) -> set[str]:
+    """The absolute modules a file outside the package imports (``from a import b``: ``a``, ``a.b``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_one_harness_for_the_tests_and_the_experiments():
+    """The ports (a slice per pytest worker), the spawned ranks and the quiet Trainer are written once, in
+    ``_testing.py``: no test or experiment picks its own port, and the experiments import no test module
+    (``tests/`` and ``experiments/`` meet only in the package)."""
+    root = PACKAGE.parent
+    own_ports = [
+        p.relative_to(root).as_posix()
+        for folder in ("tests", "experiments")
+        for p in sorted((root / folder).rglob("*.py"))
+        if any(
+            isinstance(node, ast.FunctionDef) and node.name == "free_port"
+            for node in ast.walk(ast.parse(p.read_text()))
+        )
+    ]
+    assert not own_ports, (
+        f"{own_ports} pick their own ports: import free_port from lightning_parallel._testing"
+    )
+    test_modules = {p.stem for p in (root / "tests").glob("*.py")} - {"conftest"}
+    crossing = {
+        p.name: sorted(m for m in _source_imports(p) if m.split(".")[0] in test_modules)
+        for p in sorted((root / "experiments").glob("*.py"))
+    }
+    assert not {k: v for k, v in crossing.items() if v}, crossing
+
+
+def test_the_matrix_reads_the_techniques_from_their_list():
+    """``tests/matrix.py`` chooses the configurations from ``TECHNIQUES`` and the contract alone (each
+    technique's ``variants()``, plus ``NOT_SEARCHED``): it names no technique module, so a new technique
+    reaches the matrix through the list, not through an edit of the chooser (its checks, in
+    ``matrix_checks.py``, may name it)."""
+    imported = _source_imports(PACKAGE.parent / "tests" / "matrix.py")
+    techniques = sorted(m for m in imported if m.startswith("lightning_parallel.techniques"))
+    assert techniques, "tests/matrix.py should read lightning_parallel.techniques.TECHNIQUES"
+    others = [
+        m
+        for m in techniques
+        if m not in ("lightning_parallel.techniques", "lightning_parallel.techniques.TECHNIQUES")
+        and not m.startswith("lightning_parallel.techniques.contract")
+    ]
+    assert not others, f"tests/matrix.py names technique modules {others}: read them from TECHNIQUES"

@@ -8,6 +8,9 @@ An experiment script (a ``.py`` file directly in ``experiments/`` whose name doe
 other than the shared ``models.py`` and ``hf_decoders.py``) is run on its own: the code two scripts
 share lives in a helper module (``_harness.py``, ``_meters.py``, ``models.py``, ...), never in a script.
 
+The map of ``docs/how-it-works.md`` names every folder of the package (``offload/``), so a folder
+moved or added shows on the page a newcomer reads first.
+
 Pure ``ast`` and text (nothing of the package is imported), milliseconds.
 """
 
@@ -63,6 +66,21 @@ def test_every_module_is_named_by_a_test():
         f"{len(unnamed)} modules are named by no test: {unnamed}. Name each in the docstring of the "
         "test file that exercises it (e.g. 'Covers strategies/pipeline/step.py through ...'), "
         "or add a test file for it."
+    )
+
+
+def test_the_map_names_every_folder_of_the_package():
+    page = (ROOT / "docs" / "how-it-works.md").read_text()
+    assert page.count("```") >= 2, "docs/how-it-works.md lost its map (the first ``` block)"
+    the_map = page.split("```")[1]
+    folders = sorted(
+        p.parent.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE
+    )
+    assert len(folders) > 10
+    unnamed = [f for f in folders if not re.search(rf"(?<![\w/]){re.escape(f.rsplit('/', 1)[-1])}/", the_map)]
+    assert not unnamed, (
+        f"the map of docs/how-it-works.md does not name {unnamed}: add each folder (as 'name/') where it "
+        "sits, with what it holds"
     )
 
 

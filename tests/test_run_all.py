@@ -3,6 +3,8 @@
 No benchmark runs here: the tables are built from the committed CSVs in experiments/results/ (copied to a
 temporary directory, so the test never writes into the repository), and the run loop is exercised with
 stand-in scripts. Every number in the block must come from a CSV, and every timing must show its range.
+Each table's key columns and whether it shows timings are read from the experiment's own declaration
+(its script's ``RESULTS``, experiments/_tables.py), as run_all.py finds them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -162,14 +165,14 @@ def _unexplained_numbers(block: str, results: Path) -> list[str]:
 def test_skip_run_rewrites_only_the_block(run_all, tmp_path):
     page, results = _page_with_markers(run_all, tmp_path), _results_copy(tmp_path)
     before = page.read_text()
-    cmd = [sys.executable, str(ROOT / "experiments" / "run_all.py"), "--skip-run"]
-    cmd += ["--page", str(page), "--results", str(results)]
+    args = ["--skip-run", "--page", str(page), "--results", str(results)]
+    cmd = [sys.executable, str(ROOT / "experiments" / "run_all.py"), *args]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     after = page.read_text()
     assert _outside(after) == _outside(before)
     block = _block(after)
-    for q in run_all.QUESTIONS:
-        assert f"\n## {q.title}\n" in block
+    for _, section in run_all.SECTIONS:
+        assert f"\n## {section.title}\n" in block
     for name in (p.stem for p in RESULTS.glob("*.csv") if p.stem != "scaling_charlm_curves"):
         if (RESULTS / f"{name}.png").exists():
             assert f"(results/{name}.png)" in block, name
@@ -177,8 +180,8 @@ def test_skip_run_rewrites_only_the_block(run_all, tmp_path):
     # One machine is named once; results from several machines name each experiment's own.
     common, ran = run_all.machine_lines(results)
     assert "_Ran on " in block and (common in block if common else all(r in block for r in ran.values()))
-    # Rebuilding again changes nothing.
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    # Rebuilding again (in this process) changes nothing.
+    run_all.main(args)
     assert page.read_text() == after
 
 
@@ -192,140 +195,9 @@ def test_every_number_in_the_block_comes_from_a_csv(run_all, tmp_path):
     assert _unexplained_numbers(block + "\n| 1234.5 |", results) == ["1234.5"]
 
 
-# The key numbers each table must show: changing any one of these columns must change the table.
-KEY_COLUMNS = {
-    "offload_capacity": ["params_billion", "device_peak_gib_24", "device_peak_gib_80"],
-    "offload": ["step_ms", "ratio", "host_share", "host_copies_bytes"],
-    "offload_kernels": ["step_ms", "ratio"],
-    "memory_validation": ["measured_bytes", "predicted_bytes", "error"],
-    "autoplan": ["predicted_ms", "measured_ms", "measured_ms_max", "measured_peak_bytes", "spearman_all"],
-    "watchdog": ["step_ms", "ratio"],
-    "watchdog_calls": ["call_us", "added_us"],
-    "gpt_pipeline": ["samples_per_s", "step_ms", "ratio", "tied_ms", "tied_share"],
-    "gpt_tracing": ["trace_s", "trace_s_min", "trace_s_max"],
-    "hf_pipeline": ["samples_per_s", "samples_per_s_min", "step_ms", "ratio", "ratio_max", "max_loss_diff"],
-    "hf_tracing": ["trace_s", "trace_s_min", "trace_s_max"],
-    "varlen": [
-        "fit_s",
-        "fit_s_max",
-        "ratio",
-        "ratio_min",
-        "steps_per_s",
-        "tokens_per_s",
-        "traces",
-        "lengths",
-    ],
-    "varlen_new_length": ["s", "s_min", "s_max", "layers"],
-    "hf_pretrained_memory": ["held_mib", "peak_rss_mib", "peak_ratio_to_whole"],
-    "pipeline_overhead": ["hand_samples_per_s", "trainer_samples_per_s", "ratio", "fast_ratio"],
-    "pipeline_microbatches": [
-        "samples_per_s",
-        "samples_per_s_min",
-        "samples_per_s_max",
-        "efficiency",
-        "efficiency_min",
-        "efficiency_max",
-        "ideal_bubble_efficiency",
-        "parallelism",
-    ],
-    "schedules": [
-        "samples_per_s",
-        "vs_1f1b",
-        "ideal_efficiency",
-        "compute",
-        "bubble",
-        "comm_wait",
-        "other",
-        "compute_inflation",
-        "activation_peak_mib_rank0",
-    ],
-    "pipeline_memory": ["ppo_bytes", "ppo_vs_ddp", "activation_peak_bytes", "max_rss_mb"],
-    "fsdp_memory": [
-        "ppo_bytes",
-        "ppo_vs_ddp",
-        "peak_bytes",
-        "peak_vs_ddp",
-        "predicted_peak_bytes",
-        "predicted_error",
-    ],
-    "tensor_parallel": ["ppo_bytes", "ppo_vs_dp", "step_s", "step_s_min", "step_s_max", "step_vs_dp"],
-    "metric_sync": [
-        "collectives_per_step",
-        "step_ms",
-        "step_ms_max",
-        "no_sync_step_ms",
-        "no_sync_step_ms_min",
-        "overhead_ms",
-        "overhead_ms_min",
-        "overhead_ms_max",
-    ],
-    "metric_sync_reduce": [
-        "collectives_per_step",
-        "per_metric_us",
-        "per_metric_us_min",
-        "per_metric_us_max",
-        "ratio_vs_sync_dist",
-        "ratio_vs_sync_dist_min",
-        "ratio_vs_sync_dist_max",
-    ],
-    "checkpoint_bench": ["stall_s", "total_s", "extra_mib", "stall_vs_model_checkpoint"],
-    "checkpoint_kill": [
-        "kills",
-        "files_present",
-        "files_loadable",
-        "files_unloadable",
-        "orphans",
-        "orphan_mib",
-    ],
-    "dcp_async": ["stall_s", "total_s", "stall_vs_sync"],
-    "dcp_kill": ["kills", "listed", "complete", "loadable", "partial_left", "removed_at_start", "exact"],
-    "accumulation_equivalence": ["loss"],
-    "compile_bench": [
-        "step_ms",
-        "step_ms_min",
-        "ratio",
-        "ratio_max",
-        "compile_s",
-        "compile_s_max",
-        "first_compile_s",
-    ],
-    "trace_share": [
-        "trace_cpu_s",
-        "trace_cpu_s_max",
-        "trace_cpu_s_ratio",
-        "trace_cpu_s_ratio_min",
-        "setup_cpu_s",
-        "setup_cpu_s_ratio",
-        "first_step_s",
-        "first_step_s_min",
-        "first_step_s_ratio",
-        "first_step_s_ratio_max",
-        "exports",
-        "received",
-    ],
-    "trace_share_transport": [
-        "export_cpu_s",
-        "export_cpu_s_max",
-        "pickle_mb",
-        "pickle_cpu_s",
-        "unpickle_cpu_s",
-        "unpickle_cpu_s_min",
-        "save_mb",
-        "save_cpu_s",
-        "load_cpu_s",
-        "load_cpu_s_max",
-    ],
-    "scaling_charlm": [
-        "samples_per_s",
-        "samples_per_s_min",
-        "ratio_vs_1_process",
-        "ratio_vs_1_process_max",
-        "train_loss",
-        "val_loss",
-        "wall_s",
-        "wall_s_min",
-    ],
-}
+def _tables(run_all) -> dict:
+    """Every table the experiments declare, by its CSV's name."""
+    return {table.name: table for _, section in run_all.SECTIONS for table in section.tables}
 
 
 def _scaled(value: str) -> str:
@@ -335,12 +207,11 @@ def _scaled(value: str) -> str:
 def test_each_table_follows_its_csv(run_all, tmp_path):
     """Changing one key column of a CSV changes its table, and the new numbers come from the CSV."""
     results = _results_copy(tmp_path)
-    builders = {b.__name__: b for q in run_all.QUESTIONS for b in q.tables}
-    assert set(builders) == set(KEY_COLUMNS)
-    for name, builder in builders.items():
-        path = results / f"{name}.csv"
+    for name, declared in _tables(run_all).items():
+        builder, path = declared.build, results / f"{name}.csv"
         original = _read(path)
-        for column in KEY_COLUMNS[name]:
+        assert declared.key_columns, f"{name}: declare the key columns its table shows"
+        for column in declared.key_columns:
             changed = [
                 r | {column: f"{float(r[column]) * 3 + 0.125:.6g}" if r[column] else ""} for r in original
             ]
@@ -357,7 +228,7 @@ def test_missing_csv_and_missing_markers(run_all, tmp_path):
     (tmp_path / "results").mkdir()
     block = run_all.build_block(tmp_path / "results", tmp_path)
     assert block.count("_No results yet: run `python experiments/run_all.py --only ") == sum(
-        len(q.tables) for q in run_all.QUESTIONS
+        len(section.tables) for _, section in run_all.SECTIONS
     )
     with pytest.raises(ValueError, match="found 0 start and 0 end markers"):
         run_all.replace_block("# no markers here\n", "x")
@@ -436,17 +307,6 @@ TIMING_HEADER = re.compile(
     re.IGNORECASE,
 )
 RANGED = re.compile(r"^-?\d+(?:\.\d+)? \(-?\d+(?:\.\d+)? \.\. -?\d+(?:\.\d+)?\)(?:, [a-z ]+)?$")
-TIMED_TABLES = {
-    "pipeline_overhead",
-    "pipeline_microbatches",
-    "metric_sync",
-    "metric_sync_reduce",
-    "checkpoint_bench",
-    "scaling_charlm",
-    "hf_pipeline",
-    "trace_share",
-    "trace_share_transport",
-}
 
 
 def _tables_in(text: str) -> list[tuple[list[str], list[list[str]]]]:
@@ -481,9 +341,10 @@ def test_every_timing_column_in_the_block_comes_with_its_range(run_all, tmp_path
     block = run_all.build_block(results, tmp_path)
     columns, problems = _unranged_timings(block)
     assert problems == []
-    builders = {b.__name__: b for q in run_all.QUESTIONS for b in q.tables}
-    for name in TIMED_TABLES:  # every timing table has timing columns the check recognises
-        assert _unranged_timings(builders[name](_read(results / f"{name}.csv")))[0] > 0, name
+    timed = [table for table in _tables(run_all).values() if table.timed]
+    assert len(timed) >= 9
+    for table in timed:  # every table declared timed has timing columns the check recognises
+        assert _unranged_timings(table.build(_read(results / f"{table.name}.csv")))[0] > 0, table.name
     assert columns >= 20
     # The check itself catches a timing shown without its range.
     bare = block + "\n\n| run | step ms |\n|---|---|\n| x | 12.5 |\n"
@@ -495,7 +356,7 @@ def _with_column(rows: list[dict[str, str]], **columns: list[str]) -> list[dict[
 
 
 def test_a_range_across_parity_or_the_goal_is_within_noise(run_all):
-    tables = sys.modules["_tables"]
+    tables = SimpleNamespace(**{name: table.build for name, table in _tables(run_all).items()})
     overhead = _read(RESULTS / "pipeline_overhead.csv")
     noisy = tables.pipeline_overhead(_with_column(overhead, ratio=["0.90", "0.97", "1.02"], goal=["0.95"]))
     assert "0.97 (0.90 .. 1.02), within noise" in noisy
@@ -513,3 +374,28 @@ def test_a_range_across_parity_or_the_goal_is_within_noise(run_all):
         for i, r in enumerate(saves)
     ]
     assert "within noise" in tables.checkpoint_bench(mixed)
+
+
+def test_an_experiment_declares_its_tables_in_its_script_and_run_all_finds_it(run_all, tmp_path, monkeypatch):
+    """A new script with its ``RESULTS`` is on the page (last, unless PAGE_ORDER places it) with no other
+    file changed; two scripts declaring one name, or PAGE_ORDER naming no script, stop run_all."""
+    (tmp_path / "bench_new.py").write_text(
+        "import _tables as t\n\n\ndef new_csv(rows):\n"
+        "    return t.table(['x'], [[r['x']] for r in rows])\n\n\n"
+        "RESULTS = t.Results('new', t.Section('A new question', t.Table(new_csv, ('x',))))\n"
+    )
+    (tmp_path / "helper.py").write_text("RESULTS = 'not a declaration'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = run_all.discover(tmp_path, order=())
+    assert list(found) == ["new"] and found["new"][0] == "bench_new.py"
+    section = found["new"][1].sections[0]
+    assert section.title == "A new question" and section.tables[0].name == "new_csv"
+    assert section.tables[0].build([{"x": "1.5"}]) == "| x |\n|---|\n| 1.5 |"
+    with pytest.raises(SystemExit, match=r"PAGE_ORDER names \['missing'\]"):
+        run_all.discover(tmp_path, order=("missing",))
+    (tmp_path / "bench_twin.py").write_text((tmp_path / "bench_new.py").read_text())
+    with pytest.raises(SystemExit, match="both declare 'new'"):
+        run_all.discover(tmp_path, order=())
+    # The real ones: every declared table's CSV is committed, each experiment runs as its script.
+    assert all((RESULTS / f"{name}.csv").exists() for name in _tables(run_all))
+    assert set(run_all.EXPERIMENTS.values()) <= {p.name for p in (ROOT / "experiments").glob("*.py")}
