@@ -310,7 +310,8 @@ def known_bug(model: str, shape: Shape, options: dict[str, Any]) -> str | None:
     marked compiled, but dynamo never runs (``compile_seconds`` 0, no frame compiled): the stages do
     not call them compiled, and nothing says so.
 
-    Tensor parallelism on a traced forward under a V schedule: the first step fails in
+    Tensor parallelism on a traced forward under a V or zero-bubble schedule (backward split in two):
+    the first step fails in
     ``Optimizer.zero_grad`` ("Can't detach views in-place"), and the strategy's teardown then in
     ``LightningModule.cpu()`` ("_apply(): Couldn't swap Linear.weight").
     """
@@ -320,7 +321,8 @@ def known_bug(model: str, shape: Shape, options: dict[str, Any]) -> str | None:
         return "FSDP2's offload of the parameters with SGD: no sharding rule for the fused SGD kernel"
     if model == "mlp" and options.get("compile") is not None:
         return "compile on the MLP's nn.Sequential blocks: nothing is compiled"
-    if MODELS[model].traced and options.get("tensor_parallel_size", 1) > 1 and shape.placement == "V":
+    split_backward = shape.placement == "V" or "zero_bubble" in shape.schedule  # (stage_backward_input)
+    if MODELS[model].traced and options.get("tensor_parallel_size", 1) > 1 and split_backward:
         return "tensor parallelism on a traced forward under a V schedule: zero_grad fails on views"
     return None
 
