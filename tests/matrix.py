@@ -297,11 +297,12 @@ def known_bug(model: str, shape: Shape, options: dict[str, Any]) -> str | None:
     """Why a case would fail for a bug this matrix found and that is not fixed yet (it is not generated;
     delete the rule once fixed), or None.
 
-    Tensor parallelism on a traced forward under a V schedule: the first step fails in
-    ``Optimizer.zero_grad`` ("Can't detach views in-place"), and the strategy's teardown then in
-    ``LightningModule.cpu()`` ("_apply(): Couldn't swap Linear.weight").
+    Tensor parallelism on a traced forward under a V or zero-bubble schedule (backward split in two):
+    the first step fails in ``Optimizer.zero_grad`` ("Can't detach views in-place"), and the
+    strategy's teardown then in ``LightningModule.cpu()`` ("_apply(): Couldn't swap Linear.weight").
     """
-    if MODELS[model].traced and options.get("tensor_parallel_size", 1) > 1 and shape.placement == "V":
+    split_backward = shape.placement == "V" or "zero_bubble" in shape.schedule  # (stage_backward_input)
+    if MODELS[model].traced and options.get("tensor_parallel_size", 1) > 1 and split_backward:
         return "tensor parallelism on a traced forward under a V schedule: zero_grad fails on views"
     return None
 

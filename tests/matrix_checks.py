@@ -22,6 +22,7 @@ from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.optim.sharded import is_sharded, local_state_bytes
 from lightning_parallel.techniques import fsdp
 from lightning_parallel.techniques.offload.activations import ActivationOffload
+from lightning_parallel.techniques.offload.disk_optimizer import DiskStepping
 from lightning_parallel.techniques.offload.host_optimizer import is_host_stepping
 from lightning_parallel.techniques.recompute import is_checkpointed
 from lightning_parallel.techniques.zero import shard_owners
@@ -241,8 +242,9 @@ class Zero(Check):
 
 
 class Offload(Check):
-    """What the plan offloads is on the host: the optimizer's state (and its step) for the replicas and
-    ZeRO-1, FSDP2's shards for "parameters"; frozen parameters get neither state nor a host copy; what a
+    """What the plan offloads is on the host: the optimizer's state (and its step) for the replicas,
+    ZeRO-1 and FSDP2's device shards (in files with ``offload_to="disk"``), FSDP2's shards for
+    "parameters"; frozen parameters get neither state nor a host copy; what a
     rank keeps for backward sat on the host, as many micro-batches at once as the schedule keeps in
     flight, none once each step's backwards ran."""
 
@@ -255,6 +257,7 @@ class Offload(Check):
         copies = [c for g in getattr(inner, "_copies", []) for c in g if c is not None]
         return {
             "host_stepping": is_host_stepping(optimizer),
+            "on_disk": isinstance(inner, DiskStepping),
             "frozen_with_state": sum(p in frozen for p in inner.state),
             "frozen_with_copy": sum(c.device in frozen for c in copies),
             "state_devices": sorted({str(v.device) for s in inner.state.values() for v in s.values()}),
@@ -265,12 +268,15 @@ class Offload(Check):
 
     def verify(self, case, records, reference):
         plan, problems = case.plan, []
-        host_step = "optimizer" in plan.offload and plan.data_parallel != "fsdp"
+        disk = plan.offload_to == "disk"  # (the disk tier streams the state: no host-stepping copy)
+        host_step = "optimizer" in plan.offload and "parameters" not in plan.offload and not disk
         for i, r in enumerate(records):
             if r["frozen_with_state"] or r["frozen_with_copy"]:
                 problems.append(f"rank {i}: frozen parameters with state or a host copy")
             if r["host_stepping"] != host_step:
                 problems.append(f"rank {i}: host stepping {r['host_stepping']}, the plan says {host_step}")
+            if r["on_disk"] != disk:
+                problems.append(f"rank {i}: state on the disk {r['on_disk']}, offload_to {plan.offload_to}")
             if r["state_devices"] not in ([], ["cpu"]):
                 problems.append(f"rank {i}: optimizer state on {r['state_devices']}")
             if (r["activations"] is not None) != ("activations" in plan.offload):

@@ -14,10 +14,13 @@ memory: the copies are real, separate tensors.
 from __future__ import annotations
 
 import copy
+import errno
+from pathlib import Path
 
 import pytest
 import torch
 from mp_harness import (
+    SaveAtEpochEnd,
     assert_close_dicts,
     fit,
     quiet_trainer,
@@ -30,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.optim.home import home_device
+from lightning_parallel.techniques.offload import scratch
 from lightning_parallel.techniques.offload.activations import ActivationOffload
 from lightning_parallel.techniques.offload.host_optimizer import (
     host_kernel,
@@ -255,14 +259,63 @@ DATA = regression_data(48)
 
 
 def test_one_device_and_bf16_mixed_train_as_without_offload(tmp_path):
-    """pipeline_size=1 on one device: the optimizer and the activations on the host, fp32 and bf16-mixed."""
+    """pipeline_size=1 on one device: the optimizer and the activations on the host, and the optimizer
+    state on the disk (its scratch gone once the run ended), fp32 and bf16-mixed (the fp32 masters)."""
+    disk = dict(offload="optimizer", offload_to="disk", offload_dir=str(tmp_path), offload_buffer="1MiB")
     for precision in ("32-true", "bf16-mixed"):
         runs = {}
-        for offload in (None, ["optimizer", "activations"]):
+        host = dict(offload=["optimizer", "activations"])
+        for name, options in (("none", {}), ("host", host), ("disk", disk)):
             torch.manual_seed(0)
-            strategy = PipelineStrategy(pipeline_size=1, num_microbatches=4, offload=offload)
-            out = tmp_path / f"{precision}-{bool(offload)}"
-            runs[bool(offload)] = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), out, strategy=strategy,
-                                      max_epochs=1, precision=precision, **TRAIN)[0]  # fmt: skip
-        assert_close_dicts(runs[True]["params"], runs[False]["params"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(runs[True]["losses"], runs[False]["losses"], rtol=1e-5, atol=1e-6)
+            strategy = PipelineStrategy(pipeline_size=1, num_microbatches=4, **options)
+            out = tmp_path / f"{precision}-{name}"
+            runs[name] = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), out, strategy=strategy,
+                             max_epochs=1, precision=precision, **TRAIN)[0]  # fmt: skip
+        for name in ("host", "disk"):
+            assert_close_dicts(runs[name]["params"], runs["none"]["params"], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(runs[name]["losses"], runs["none"]["losses"], rtol=1e-5, atol=1e-6)
+        assert not (tmp_path / "rank0").exists()  # (the disk tier's scratch, removed at the end of the run)
+
+
+def test_the_disk_tier_refuses_a_bad_directory_before_any_step_and_a_full_disk_keeps_the_checkpoint(
+    tmp_path, monkeypatch
+):
+    """Through the strategy: a missing directory and a disk without room end the fit at set-up (no
+    step taken, no scratch left); a disk that fills in the second epoch ends it with the message, the
+    scratch removed, the epoch-1 checkpoint intact: resumed (on the host), it trains as one device."""
+    disk = dict(offload="optimizer", offload_to="disk", offload_buffer="1MiB")
+
+    def run(out: Path, directory: Path, epochs: int = 1, **kwargs) -> dict:
+        torch.manual_seed(0)
+        strategy = PipelineStrategy(pipeline_size=1, offload_dir=str(directory), **disk)
+        return fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), out, strategy=strategy, max_epochs=epochs,
+                   **TRAIN, **kwargs)[0]  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"offload_dir '.*missing' does not exist: create it"):
+        run(tmp_path / "a", tmp_path / "missing", max_steps=1)
+    with monkeypatch.context() as m:
+        m.setattr(scratch.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
+        with pytest.raises(ValueError, match=r"needs .* bytes\) of disk .* has 1000 B \(1000 bytes\) free"):
+            run(tmp_path / "b", tmp_path, max_steps=1)
+    writes, write_from = [0], scratch.StateFile.write_from
+
+    def filling(self, offset, buffer):
+        writes[0] += 1
+        if writes[0] > 2:  # (the epoch's two optimizer steps write one chunk each, then the disk is full)
+            raise scratch.DiskFullError(errno.ENOSPC, f"the disk under offload_dir {self.directory!r} filled")
+        write_from(self, offset, buffer)
+
+    monkeypatch.setattr(scratch.StateFile, "write_from", filling)
+    saved = tmp_path / "epoch1.ckpt"
+    with pytest.raises(scratch.DiskFullError, match="filled"):
+        run(tmp_path / "c", tmp_path, epochs=2, callbacks=[SaveAtEpochEnd(saved)])
+    assert writes[0] == 3 and not (tmp_path / "rank0").exists(), "the scratch is removed on a failure"
+    torch.manual_seed(0)
+    strategy = PipelineStrategy(pipeline_size=1, offload="optimizer")
+    resumed = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), tmp_path / "d", strategy=strategy, max_epochs=2,
+                  ckpt_path=str(saved), **TRAIN)[0]  # fmt: skip
+    torch.manual_seed(0)
+    plain = PipelineStrategy(pipeline_size=1)
+    two = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), tmp_path / "ref2", strategy=plain, max_epochs=2,
+              **TRAIN)[0]  # fmt: skip
+    assert_close_dicts(resumed["params"], two["params"], rtol=1e-5, atol=1e-6)

@@ -88,12 +88,19 @@ class ParallelPlan:
         offload: what lives on the host instead of the device (``"optimizer"``, ``"parameters"``,
             ``"activations"``, or a list of them): ``"optimizer"`` keeps the optimizer state and runs
             its step on the host (the gradients reach the host once per optimizer step, the updated
-            parameters return once), for replicas and ZeRO-1; ``"parameters"`` is FSDP2's offload
-            (``data_parallel="fsdp"``: each stage's sharded parameters, gradients and optimizer state on
-            the host, the step there too); ``"activations"`` keeps what the micro-batches in flight save
-            for backward on the host (what recomputation keeps, with it).
+            parameters return once), for replicas, ZeRO-1 and FSDP2 (whose shards then stay on the
+            device); ``"parameters"`` is FSDP2's offload (``data_parallel="fsdp"``: each stage's
+            sharded parameters, gradients and optimizer state on the host, the step there too);
+            ``"activations"`` keeps what the micro-batches in flight save for backward on the host
+            (what recomputation keeps, with it).
         offload_pin_memory: page-locked host memory for the copies (``None``: when the stages run on
             an accelerator; a CPU-only build cannot pin).
+        offload_to: where ``offload="optimizer"`` keeps the state: ``"host"`` (memory) or ``"disk"``
+            (files under ``offload_dir``, streamed through a host buffer of ``offload_buffer`` bytes
+            per rank in chunks, the next read while the current one steps).
+        offload_dir: the disk tier's directory (required with ``offload_to="disk"``); each rank uses
+            ``<offload_dir>/rank<R>``, scratch removed when the run ends (checkpoints hold the state).
+        offload_buffer: the disk tier's host buffer per rank, bytes or ``"512MiB"`` (default 1 GiB).
         precision: the Trainer's precision the plan is sized for (``None``: the Trainer's own).
         accumulate_grad_batches: batches per optimizer step, as the Trainer's (sized by the planner;
             the strategy runs the Trainer's).
@@ -140,6 +147,9 @@ class ParallelPlan:
     compile: CompileOptions | bool | None = None
     offload: tuple[str, ...] | str | None = ()
     offload_pin_memory: bool | None = None
+    offload_to: str = "host"
+    offload_dir: str | None = None
+    offload_buffer: int | str | None = None
     precision: str | None = None
     accumulate_grad_batches: int = 1
     module_name: str | None = None

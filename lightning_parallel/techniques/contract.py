@@ -352,6 +352,10 @@ class Technique:
         """The optimizers as the technique wraps or rebuilds them (right after ``configure_optimizers``)."""
         return optimizers
 
+    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job) -> None:
+        """Release what its optimizers hold outside the process's memory (files, threads) when the run
+        ends: normally, by a stop, or by an error (the strategy's teardown)."""
+
     def step_context(self, job: Job) -> AbstractContextManager[Any] | None:
         """A context entered around each schedule step (reused step after step), or None: the runner's
         only contexts. Training steps and forward-only ones (evaluation, under no_grad) alike."""

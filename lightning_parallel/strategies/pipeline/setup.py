@@ -101,3 +101,12 @@ def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts,
     strategy.optimizers = optimizers
     install_global_clipping(strategy.precision_plugin, parts.mesh.pp_group, parts.shared)
     install_loss_scaling(strategy.precision_plugin, strategy.optimizers)  # 16-mixed: one skip decision
+
+
+def release_optimizers(strategy: Any, job: Job | None) -> None:
+    """What the techniques' optimizers hold beyond the run (the disk tier's files), released at the
+    strategy's teardown: the end of a fit, a stop, an error."""
+    if job is None:
+        return
+    for technique in TECHNIQUES:
+        technique.teardown(list(strategy.optimizers), job)

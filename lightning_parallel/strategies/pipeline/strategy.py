@@ -141,6 +141,9 @@ class PipelineStrategy(
         compile: bool | dict[str, Any] = False,
         offload: str | list[str] | None = None,
         offload_pin_memory: bool | None = None,
+        offload_to: Literal["host", "disk"] = "host",
+        offload_dir: str | None = None,
+        offload_buffer: int | str | None = None,
         plan: Literal["auto"] | None = None,
         memory: str | int | None = None,
         host_memory: str | int | None = None,
@@ -292,6 +295,11 @@ class PipelineStrategy(
         if fitting:
             pipeline_setup.prepare_optimizers(self, trainer, self.parts, self._job)
         self.setup_precision_plugin()
+
+    @override
+    def teardown(self) -> None:
+        pipeline_setup.release_optimizers(self, self._job)  # (the disk tier's scratch files)
+        super().teardown()
 
     @override
     def model_to_device(self) -> None:

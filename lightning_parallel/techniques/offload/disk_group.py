@@ -19,7 +19,7 @@ import torch
 
 from lightning_parallel.techniques.offload.disk_layout import GroupLayout, StateKey, probe_keys
 from lightning_parallel.techniques.offload.host_optimizer import HOST
-from lightning_parallel.techniques.offload.host_shards import host_local, local_view, placed_like
+from lightning_parallel.techniques.offload.host_shards import host_local, local_view, placed_like, written
 from lightning_parallel.techniques.offload.scratch import StateFile
 from lightning_parallel.techniques.offload.shard_optimizer import MASTER, master_dtype
 
@@ -98,7 +98,7 @@ class GroupFile:
     file: StateFile
     small: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # piece -> step, ...
     masters: set[int] = field(default_factory=set)  # tensors whose master in the file is current
-    seen: dict[int, tuple[int, int]] = field(default_factory=dict)  # (version, address) at our last write
+    seen: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # written() at our last write
 
     def has_state(self, index: int) -> bool:
         pieces = self.layout.pieces_of(index)
@@ -223,10 +223,9 @@ class DiskState(MutableMapping):
         return sum(1 for _ in self)
 
 
-def seen(param: torch.Tensor) -> tuple[int, int]:
-    """The (version, address) of ``param``'s local tensor: it changed if either did."""
-    shard = local_view(param)
-    return shard._version, shard.data_ptr()
+def seen(param: torch.Tensor) -> tuple[int, int, int]:
+    """What changes when something writes ``param`` (:func:`~.host_shards.written`)."""
+    return written(param)
 
 
 def _on_host(value: Any, clone: bool = False) -> Any:

@@ -255,9 +255,21 @@ class DiskStepping:
 
     def close(self) -> None:
         """Stop the threads, free the buffers, remove the files (and the rank's directory if no other
-        optimizer uses it). The optimizer cannot step afterwards."""
+        optimizer uses it). The optimizer cannot step afterwards, its ``state`` is empty and its
+        ``state_dict()`` refused (Lightning's teardown walks the state: it finds nothing to read)."""
         if self._closer.detach() is not None:  # (the first close: the finalizer will not run)
             _close(self._disk, self._stream, self._scratch, wait=True)
+            self.state = {}
+            self._failed = RuntimeError("closed")
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self._closer.alive:
+            raise RuntimeError(
+                "the disk tier's optimizer was closed when its run ended (its files are removed, its state "
+                "is gone): save the checkpoint during fit (ModelCheckpoint, or in a callback's "
+                "on_train_end), not after it"
+            )
+        return self._user_class.state_dict(self)
 
     def disk_bytes(self) -> int:
         """Bytes of this optimizer's files (reserved when it was built)."""

@@ -80,3 +80,18 @@ def local_view(param: torch.Tensor) -> torch.Tensor:
         return param.detach()
     with torch.no_grad():  # (to_local without autograd is the local tensor itself, not a copy)
         return param.to_local()
+
+
+def written(param: torch.Tensor) -> tuple[int, int, int]:
+    """What changes when something writes ``param``: its own version (a write through the DTensor, such
+    as a checkpoint's ``load_state_dict``, bumps the DTensor's counter and not its local tensor's), its
+    local tensor's version (a write to the shard itself) and that tensor's address (FSDP2 swapped it).
+
+    Example::
+
+        before = written(fsdp_param)
+        module.load_state_dict(saved)
+        assert written(fsdp_param) != before
+    """
+    shard = local_view(param)
+    return param._version, shard._version, shard.data_ptr()

@@ -45,7 +45,7 @@ from lightning_parallel.techniques.offload.host_optimizer import (
     HostStepping,
     accepted_defaults,
 )
-from lightning_parallel.techniques.offload.host_shards import host_local, local_view, placed_like
+from lightning_parallel.techniques.offload.host_shards import host_local, local_view, placed_like, written
 
 MASTER = "fp32_param"  # the state key of a bf16 / fp16 shard's fp32 master weights
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -71,7 +71,7 @@ class _ShardCopy:
     host: torch.Tensor
     grad: torch.Tensor
     staging: torch.Tensor | None
-    seen: tuple[int, int] = (-1, 0)  # the local shard's (version, address) when the two last agreed
+    seen: tuple[int, int, int] = (-1, -1, 0)  # ``written(param)`` when the two last agreed
 
     @property
     def device(self) -> torch.Tensor:
@@ -93,8 +93,7 @@ class _ShardCopy:
 
     def refresh(self, force: bool = False) -> None:
         """Take the shard again if something wrote it since (a checkpoint loaded, a broadcast)."""
-        shard = self.device
-        now = (shard._version, shard.data_ptr())
+        shard, now = self.device, written(self.param)
         if force or now != self.seen:
             self.host.detach().copy_(shard)
             self.seen = now
@@ -111,7 +110,7 @@ class _ShardCopy:
         if self.staging is not None:
             source = self.staging.copy_(source)
         shard.copy_(source, non_blocking=non_blocking)
-        self.seen = (shard._version, shard.data_ptr())
+        self.seen = written(self.param)
 
     def take_master(self, master: torch.Tensor) -> bool:
         """Use a loaded fp32 master if it rounds to the shard as it is now; whether it was taken."""
@@ -119,7 +118,7 @@ class _ShardCopy:
         if self.staging is None or not torch.equal(master.to(shard.dtype), shard.to(HOST)):
             return False
         self.host.detach().copy_(master)
-        self.seen = (shard._version, shard.data_ptr())
+        self.seen = written(self.param)
         return True
 
 

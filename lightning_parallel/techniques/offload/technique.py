@@ -1,13 +1,18 @@
-"""Offload as a technique (``offload=``, ``offload_pin_memory``): its settings checked, its refusals, its
-label and variants, what the job needs (a host backend, parameters left on the host), and its transforms.
+"""Offload as a technique (``offload=``, ``offload_pin_memory``, ``offload_to``, ``offload_dir``,
+``offload_buffer``): its settings checked, its refusals, its label and variants, what the job needs (a
+host backend, parameters left on the host), and its transforms.
 
 * the optimizers, right after ``configure_optimizers`` (:meth:`Offload.optimizers`). Plain replicas and
   ZeRO-1: each is rebuilt as the user's class made host-stepping (``host_optimizer.py``): it keeps the
   user's param groups (the device parameters, which clipping, loss scaling and LR schedulers read and
   write) and steps a copy of itself over host copies of the trainable parameters; the gradients reach
   the host once per optimizer step, the updated parameters return once. ZeRO-1 builds its shard's
-  optimizer from that class. FSDP2 stages (``offload="parameters"``): the user's optimizer holds FSDP2's
-  host shards already (FSDP2 reads ``plan.offload`` itself); its step runs the fastest host kernel;
+  optimizer from that class. FSDP2 stages with ``offload="optimizer"``: the shards stay on the device,
+  the optimizer is rebuilt host-stepping over them (``shard_optimizer.py``). FSDP2 stages with
+  ``offload="parameters"``: the user's optimizer holds FSDP2's host shards already (FSDP2 reads
+  ``plan.offload`` itself); its step runs the fastest host kernel. ``offload_to="disk"``: whichever the
+  mode, the optimizer is rebuilt with its state in files under ``offload_dir`` (``disk_optimizer.py``),
+  closed (its files removed) when the run ends (:meth:`Offload.teardown`);
 * each training step (:meth:`Offload.step_context`): the saved activations on the host
   (``activations.py``).
 
@@ -18,6 +23,8 @@ For the planner: what it moves from a rank's device to its host (:meth:`Offload.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -34,11 +41,21 @@ from lightning_parallel.techniques.contract import (
     TimeLedger,
 )
 from lightning_parallel.techniques.offload.activations import ActivationOffload
+from lightning_parallel.techniques.offload.disk_optimizer import DiskStepping, DiskTier, disk_step
 from lightning_parallel.techniques.offload.host_optimizer import host_step, use_host_kernels
 from lightning_parallel.techniques.offload.memory import memory
+from lightning_parallel.techniques.offload.shard_optimizer import host_step_shards
 
 SHORT = {"optimizer": "opt", "parameters": "param", "activations": "act"}
 """Each target's name in a plan's label."""
+
+OFFLOAD_TO = ("host", "disk")
+"""Where ``offload="optimizer"`` keeps the state: host memory, or files under ``offload_dir``."""
+
+DEFAULT_BUFFER = 2**30
+"""The disk tier's host buffer per rank and optimizer when ``offload_buffer`` is not given."""
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 class Offload(Technique):
@@ -50,14 +67,21 @@ class Offload(Technique):
         # 'pp 2x1 1f1b m=4 +offload opt'
     """
 
-    name, fields, searched = "offload", ("offload", "offload_pin_memory"), ("offload",)
+    name, searched = "offload", ("offload",)
+    fields = ("offload", "offload_pin_memory", "offload_to", "offload_dir", "offload_buffer")
 
     def normalized(self, plan: Any) -> dict[str, Any]:
         if plan.offload_pin_memory is not None and not isinstance(plan.offload_pin_memory, bool):
             raise TypeError(
                 f"offload_pin_memory must be True, False or None, got {plan.offload_pin_memory!r}"
             )
-        return {"offload": checked_offload(plan.offload, plan.data_parallel)}
+        if plan.offload_to not in OFFLOAD_TO:
+            raise unknown_option_error("PipelineStrategy(offload_to=...)", str(plan.offload_to), OFFLOAD_TO)
+        buffer = plan.offload_buffer
+        return {
+            "offload": checked_offload(plan.offload, plan.data_parallel),
+            "offload_buffer": None if buffer is None else buffer_bytes(buffer),
+        }
 
     def check(self, plan: Any) -> None:
         if plan.offload and plan.strategy != "pipeline":
@@ -66,18 +90,19 @@ class Offload(Technique):
                 f"strategy='pipeline' (pipeline_size=1 for one device or pure data parallelism)"
             )
         check_offload(plan.offload, plan.tensor_parallel_size, plan.parallelize_fn)
+        check_disk(plan.offload, plan.offload_to, plan.offload_dir, plan.offload_buffer)
 
     def label(self, plan: Any) -> str:
         if not plan.offload:
             return ""
         shown = [SHORT[t] for t in plan.offload if t != "optimizer" or "parameters" not in plan.offload]
-        return f" +offload {','.join(shown)}"
+        return f" +offload {','.join(shown)}" + (" on disk" if plan.offload_to == "disk" else "")
 
     def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
         yield {}
         if not search.offload or plan.offload:
             return
-        yield {"offload": ("optimizer",)}  # (replicas and ZeRO-1)
+        yield {"offload": ("optimizer",)}  # (replicas, ZeRO-1 and FSDP2: the state and its step)
         if search.offload_parameters:
             yield {"offload": ("parameters",)}  # (FSDP2)
         if not plan.activation_checkpointing:  # (recomputed: little left to move)
@@ -99,12 +124,27 @@ class Offload(Technique):
                 "reduces their norm and a checkpoint gathers them"
             )
             env.parameters_on_host = True
+        elif "optimizer" in plan.offload and plan.data_parallel == "fsdp":
+            env.host_backend = (
+                "offload='optimizer' with data_parallel='fsdp' keeps the shards' optimizer state on the "
+                "host as DTensors, which a consolidated checkpoint gathers"
+            )
 
     def optimizers(self, optimizers: list[torch.optim.Optimizer], job: Job) -> list[torch.optim.Optimizer]:
         if not job.plan.offload:
             return optimizers
-        job.info(f"PipelineStrategy: {describe(job.plan.offload, job.pin_memory)}")
-        return apply(optimizers, job.schedulers, job.plan, job.mesh.group("optimizer_shard"), job.pin_memory)
+        plan = job.plan
+        where = f"in files under {plan.offload_dir}" if plan.offload_to == "disk" else None
+        job.info(f"PipelineStrategy: {describe(plan.offload, job.pin_memory, where)}")
+        return apply(optimizers, job.schedulers, plan, job.mesh.group("optimizer_shard"), job.pin_memory)
+
+    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job) -> None:
+        """The disk tier's files removed (its threads stopped, its buffers freed) when the run ends,
+        normally or by a stop; a killed run's are removed by the kernel or by the next run."""
+        for optimizer in optimizers:
+            inner = getattr(optimizer, "optim", optimizer)  # (ZeRO-1's shard)
+            if isinstance(inner, DiskStepping):
+                inner.close()
 
     def step_context(self, job: Job) -> ActivationOffload | None:
         return ActivationOffload(job.pin_memory) if "activations" in job.plan.offload else None
@@ -184,8 +224,8 @@ def checked_offload(offload: Any, data_parallel: str) -> tuple[str, ...]:
     """What lives on the host, as a sorted tuple of :data:`OFFLOAD_TARGETS` (a name or a list of names).
 
     ``"parameters"`` is FSDP2's offload, which takes the optimizer state with it (all or nothing): it
-    implies ``"optimizer"`` and needs ``data_parallel="fsdp"``; an FSDP2 stage cannot offload its
-    optimizer state alone.
+    implies ``"optimizer"`` and needs ``data_parallel="fsdp"``. ``"optimizer"`` alone works with every
+    data-parallel mode (FSDP2's shards then stay on the device).
 
     Example::
 
@@ -193,6 +233,8 @@ def checked_offload(offload: Any, data_parallel: str) -> tuple[str, ...]:
         ('optimizer',)
         >>> checked_offload(["parameters"], "fsdp")
         ('optimizer', 'parameters')
+        >>> checked_offload("optimizer", "fsdp")
+        ('optimizer',)
     """
     if offload is None or offload is False:
         return ()
@@ -211,12 +253,6 @@ def checked_offload(offload: Any, data_parallel: str) -> tuple[str, ...]:
             f"offload='parameters' is FSDP2's offload of each stage's sharded parameters and gradients, but "
             f"data_parallel={data_parallel!r}: use data_parallel='fsdp', or offload='optimizer' (the "
             f"optimizer state and its step on the host)"
-        )
-    if data_parallel == "fsdp" and "optimizer" in chosen and "parameters" not in chosen:
-        raise ValueError(
-            "data_parallel='fsdp' offloads the optimizer state only together with the sharded parameters "
-            "and gradients (FSDP2's CPUOffloadPolicy is all or nothing, pytorch#187615): pass "
-            "offload='parameters', or use data_parallel='replicate' or 'zero1' with offload='optimizer'"
         )
     return tuple(sorted(chosen))
 
@@ -249,19 +285,86 @@ def check_offload(offload: tuple[str, ...], tensor_parallel_size: int, paralleli
         )
 
 
-def describe(offload: Sequence[str], pin_memory: bool) -> str:
-    """What is on the host, in words (the log's line).
+def check_disk(offload: tuple[str, ...], offload_to: str, offload_dir: Any, offload_buffer: Any) -> None:
+    """Refuse a disk tier that cannot work, or its options without it, with the fix (the directory itself
+    is checked on each rank when the optimizers are built: it may differ between nodes).
+
+    Raises:
+        ValueError: ``"disk"`` without ``"optimizer"`` or with ``"parameters"``; no ``offload_dir`` with
+            ``"disk"``, or ``offload_dir`` / ``offload_buffer`` without it.
+        TypeError: ``offload_dir`` is no path.
+
+    Example::
+
+        >>> check_disk(("optimizer",), "disk", "/local_nvme/offload", None)    # fine
+    """
+    if offload_to != "disk":
+        for name, value in (("offload_dir", offload_dir), ("offload_buffer", offload_buffer)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}={value!r} sets the disk tier, but offload_to={offload_to!r}: add "
+                    f"offload_to='disk' (with offload='optimizer'), or drop {name}"
+                )
+        return
+    if "optimizer" not in offload:
+        raise ValueError(
+            f"offload_to='disk' moves the optimizer state to files, but offload={list(offload)}: add "
+            f"'optimizer' to offload"
+        )
+    if "parameters" in offload:
+        raise ValueError(
+            "offload_to='disk' with offload='parameters' is not supported yet (FSDP2's host shards stepped "
+            "from files is untested): use offload='optimizer' with data_parallel='fsdp' (the shards on the "
+            "device, their optimizer state on the disk)"
+        )
+    if offload_dir is None:
+        raise ValueError(
+            "offload_to='disk' needs offload_dir: the directory (on a local disk, ideally NVMe) under which "
+            "each rank keeps its optimizer state in <offload_dir>/rank<R>"
+        )
+    if not isinstance(offload_dir, str | os.PathLike):
+        raise TypeError(f"offload_dir must be a path, got {offload_dir!r}")
+
+
+def buffer_bytes(size: Any) -> int:
+    """``offload_buffer`` in bytes: an int, or a size such as ``"512MiB"`` or ``"1GB"``.
+
+    Example::
+
+        >>> buffer_bytes("64MiB"), buffer_bytes(4096)
+        (67108864, 4096)
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
+        unit = match.group(2).lower() if match else None
+        if unit not in _UNITS:
+            raise ValueError(f"offload_buffer={size!r} is no size: write e.g. 1GiB, 512MiB or an int")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"offload_buffer must be a positive size, got {size!r}")
+    return value
+
+
+def describe(offload: Sequence[str], pin_memory: bool, state_where: str | None = None) -> str:
+    """What is on the host, in words (the log's line); ``state_where``: where the optimizer state is
+    kept instead (the disk tier's files).
 
     Example::
 
         >>> describe(("optimizer",), False)
         'on the host (not pinned): the optimizer state and its step'
+        >>> describe(("optimizer",), False, "in files under /nvme")
+        'on the host (not pinned): the optimizer state (in files under /nvme) and its step'
     """
     what = {
         "parameters": "FSDP2's sharded parameters and gradients",
         "optimizer": "the optimizer state and its step",
         "activations": "the activations of the micro-batches in flight",
     }
+    if state_where:
+        what["optimizer"] = f"the optimizer state ({state_where}) and its step"
     shown = [what[t] for t in ("parameters", "optimizer", "activations") if t in offload]
     return f"on the host ({'pinned' if pin_memory else 'not pinned'}): {'; '.join(shown)}"
 
@@ -269,9 +372,11 @@ def describe(offload: Sequence[str], pin_memory: bool) -> str:
 def apply(optimizers: Sequence[torch.optim.Optimizer], schedulers: Iterable[Any], plan: Any, group: Any,
           pin_memory: bool) -> list[torch.optim.Optimizer]:  # fmt: skip
     """The optimizers as the plan's offload puts them (right after ``configure_optimizers``): unchanged
-    without ``"optimizer"``; FSDP2 stages: their own, stepping with the host kernel; replicas and ZeRO-1
-    (``group``: the ranks ZeRO-1 shards over, ``mesh.group("optimizer_shard")``): rebuilt host-stepping
-    (:func:`host_step`).
+    without ``"optimizer"``; FSDP2's host shards (``"parameters"``): their own, stepping with the host
+    kernel; FSDP2's device shards: rebuilt host-stepping over them (:func:`host_step_shards`); replicas
+    and ZeRO-1 (``group``: the ranks ZeRO-1 shards over, ``mesh.group("optimizer_shard")``): rebuilt
+    host-stepping (:func:`host_step`). ``offload_to="disk"``: every mode rebuilt with its state in files
+    (:func:`disk_step`; ZeRO-1's shard from its own rank's files).
 
     Example::
 
@@ -280,10 +385,16 @@ def apply(optimizers: Sequence[torch.optim.Optimizer], schedulers: Iterable[Any]
     """
     if "optimizer" not in plan.offload:
         return list(optimizers)
-    if plan.data_parallel == "fsdp":
+    schedulers = list(schedulers)
+    shard = plan.data_parallel == "zero1"
+    if plan.offload_to == "disk":
+        buffer = plan.offload_buffer or DEFAULT_BUFFER
+        tier = DiskTier(os.fspath(plan.offload_dir), buffer_bytes=buffer, pin_memory=pin_memory)
+        return [disk_step(o, tier, group, shard, schedulers) for o in optimizers]
+    if "parameters" in plan.offload:
         for optimizer in optimizers:
             use_host_kernels(optimizer)
         return list(optimizers)
-    schedulers = list(schedulers)
-    shard = plan.data_parallel == "zero1"
+    if plan.data_parallel == "fsdp":
+        return [host_step_shards(o, pin_memory, schedulers) for o in optimizers]
     return [host_step(o, group, shard, pin_memory, schedulers) for o in optimizers]
