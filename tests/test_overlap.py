@@ -88,11 +88,12 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
                 _backward(model, batches)
                 if late and last:
                     _backward(model, batches[:1])  # a gradient after its bucket started
-            started.append(average.started)
+            started.append(average.in_flight)
         if coalesced:
             all_reduce_coalesced([p.grad for p in model.parameters()], dist.group.WORLD, average=True)
         else:
             average(finished=())
+            started.append(average.started)
         record[mode] = ([p.grad.clone() for p in model.parameters()], started, len(average.buckets))
     torch.save(record, f"{out_dir}/rank{rank}.pt")
 
@@ -104,12 +105,16 @@ def test_buckets_started_in_the_last_backward_average_bitwise_as_one_all_reduce_
     for r in results:
         reference, _, buckets = r["coalesced"]
         assert buckets >= 3
-        assert r["overlap"][1] == [0, buckets]  # nothing in the window's first batch, all in its last
-        assert r["off"][1] == [0, 0]
+        assert r["overlap"][1] == [
+            0,
+            buckets,
+            buckets,
+        ]  # nothing in the window's first batch, all in its last
+        assert r["off"][1] == [0, 0, 0]
         for mode in ("overlap", "off"):
             assert all(torch.equal(a, b) for a, b in zip(r[mode][0], reference)), mode
         # A late gradient: its bucket reduced again at the wait, from the gradient then there.
-        assert r["late"][1][1] == buckets
+        assert r["late"][1] == [0, buckets, buckets]
         assert all(torch.equal(a, b) for a, b in zip(r["late"][0], r["late_coalesced"][0]))
         assert not torch.equal(r["late"][0][0], reference[0])
     assert all(torch.equal(a, b) for a, b in zip(results[0]["overlap"][0], results[1]["overlap"][0]))

@@ -195,7 +195,8 @@ class BucketedAverage(Reduction):
         self._count = dict.fromkeys(self._bucket_of, 0)
         self._expected = 0  # micro-batches whose gradient a parameter receives in the armed batch
         self._next = 0  # the next bucket to start: they start in order, on every replica alike
-        self.started = 0  # buckets started during backward in the last armed batch (for tests, the bench)
+        self.in_flight = 0  # buckets started during this step's backward, not waited for yet
+        self.started = 0  # buckets the last optimizer step found started during its backward (tests, bench)
         self._hooks = (
             [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params] if overlap else []
         )
@@ -214,7 +215,7 @@ class BucketedAverage(Reduction):
         for bucket in self.buckets:
             bucket.waiting = len(bucket.params)
         self._count = dict.fromkeys(self._count, 0)
-        self._expected, self._next, self.started = microbatches, 0, 0
+        self._expected, self._next, self.in_flight = microbatches, 0, 0
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         if self._expected == 0:
@@ -233,13 +234,13 @@ class BucketedAverage(Reduction):
         bucket.flat = _flatten_dense_tensors([local(p.grad) for p in bucket.params])
         bucket.counted = [self._count[id(p)] for p in bucket.params]
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-        self.started += 1
+        self.in_flight += 1
 
     # --- the reduction: the optimizer step waits here, before it reads the gradients
     def __call__(self, finished: Collection[torch.Tensor]) -> None:
         for bucket in self.buckets:
             self._finish(bucket)
-        self._expected, self._next = 0, 0
+        self._expected, self._next, self.started, self.in_flight = 0, 0, self.in_flight, 0
 
     def _finish(self, bucket: _Bucket) -> None:
         flat, work = bucket.flat, bucket.work
@@ -265,6 +266,7 @@ class BucketedAverage(Reduction):
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.flat, bucket.work = None, None
+        self.in_flight = 0
 
     def remove_hooks(self) -> None:
         """Detach the hooks (a later job on the same module builds its own)."""
