@@ -56,3 +56,13 @@ def ends_optimizer_step(trainer: pl.Trainer) -> bool:
     """
     should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
     return callable(should_accumulate) and not should_accumulate()
+
+
+def hooks_write_gradients(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
+    """Whether a hook between the schedule and the optimizer step's sync may change the gradients
+    (``on_before_backward``, ``on_after_backward``): a reduction started during backward would miss it,
+    so the gradients are reduced after them, as without the overlap."""
+    names = ("on_before_backward", "on_after_backward")
+    return any(is_overridden(n, module) for n in names) or any(
+        is_overridden(n, cb, pl.Callback) for cb in trainer.callbacks for n in names
+    )
