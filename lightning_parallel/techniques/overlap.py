@@ -20,11 +20,12 @@ on/off are bitwise equal for any number of replicas (gloo's ring may sum a diffe
 order beyond two). A bucket starts only when its parameters' gradients are final: accumulation batches
 before the last start nothing (the phase, :class:`~lightning_parallel.techniques.contract.StepPhase`),
 nor does a batch whose gradients are kept aside and added to earlier ones (``"keep"``: a hook reads
-them); a parameter that receives a gradient after its bucket started (not expected: each micro-batch's
-backward accumulates once per parameter) makes the bucket reduce again at the wait, from the gradient
-then there. Weight-gradient passes of the split-backward schedules (``zbv``, ``dualpipev``,
-``interleaved_zero_bubble``) assign ``.grad`` without the hook: their buckets are reduced at the wait,
-exactly, not overlapped (a per-chunk start there is left to do).
+them), nor one where ``on_before_backward``/``on_after_backward`` may write the gradients (they are reduced
+after those hooks, at the wait); a parameter that receives a gradient after its bucket started (not
+expected: each micro-batch's backward accumulates once per parameter) makes the bucket reduce again at
+the wait, from the gradient then there. Weight-gradient passes of the split-backward schedules
+(``zbv``, ``dualpipev``, ``interleaved_zero_bubble``) assign ``.grad`` without the hook: their
+buckets are reduced at the wait, exactly, not overlapped (a per-chunk start there is left to do).
 
 What it leaves to the others: the tied weights (their replicas sum over the pipeline ranks first, then
 the replicas' all-reduce averages the sum: ``replicas.py`` keeps them), FSDP2's stages (their own
