@@ -186,12 +186,18 @@ NOT_SEARCHED: dict[str, tuple[dict[str, Any], ...]] = {
     "fsdp": ({"data_parallel": "fsdp", "data_parallel_shard_size": 2},),  # HSDP
     "zero": (),
     "replicas": (),  # (data_parallel="replicate" with replicas: the default)
+    "overlap": ({"overlap_gradient_reduction": False},),  # (on, the default: every case with replicas)
     "offload": ({"offload": ("optimizer", "activations")}, {"offload": ("parameters", "activations")}),
 }
 """Per technique (every one of ``TECHNIQUES``, by name), the variants its ``variants()`` does not yield."""
 
 EXPENSIVE = ("compile",)
 """Techniques whose variants run once, in no required pair (each compiles its stages)."""
+
+ALONE = (*EXPENSIVE, "overlap")
+"""Techniques whose variants run in no required pair: the :data:`EXPENSIVE` ones, and the overlapped
+reduction's off switch (the same buckets reduced after the schedule; on, its default, runs in every case
+with replicas and is checked there: ``matrix_checks.Overlap``)."""
 
 SOURCE_SENSITIVE = ("recompute", "tensor_parallel", "fsdp")
 """Techniques written for each stage source apart (the traced path: units wrapped as a stage is
@@ -264,7 +270,8 @@ class Case:
     def active(self) -> list[str]:
         """The techniques this case runs (a variant chosen, or the replicas' all-reduce)."""
         replicas = self.plan.data_parallel_size > 1 and self.plan.data_parallel in ("replicate", "zero1")
-        return [t.name for t in TECHNIQUES if t.name in self.chosen or (t.name == "replicas" and replicas)]
+        by_default = ("replicas", "overlap")  # (the replicas' all-reduce, overlapped unless switched off)
+        return [t.name for t in TECHNIQUES if t.name in self.chosen or (t.name in by_default and replicas)]
 
 
 def supports(model: str, shape: Shape, options: dict[str, Any]) -> bool:
@@ -286,8 +293,13 @@ def supports(model: str, shape: Shape, options: dict[str, Any]) -> bool:
 
 def _sensible(shape: Shape, options: dict[str, Any]) -> bool:
     """Sharding over the replicas needs replicas (as the search asks: the plan accepts one), and HSDP
-    replicas of the shards (the plan accepts a shard size of all the data-parallel ranks: FSDP2)."""
+    replicas of the shards (the plan accepts a shard size of all the data-parallel ranks: FSDP2); the
+    overlapped reduction's off switch needs the replicas' all-reduce it switches (FSDP2's is its own)."""
     replicas = shape.world // (shape.pipeline_size * options.get("tensor_parallel_size", 1))
+    if options.get("overlap_gradient_reduction") is False and (
+        replicas == 1 or options.get("data_parallel") == "fsdp"
+    ):
+        return False
     if options.get("data_parallel_shard_size", replicas) >= replicas > 1:
         return options.get("data_parallel_shard_size") is None
     return replicas > 1 or options.get("data_parallel", "replicate") == "replicate"
@@ -393,13 +405,13 @@ def requirements() -> list[frozenset[Item]]:
     variants (of two techniques, or a variant and a precision); every model with each of
     :data:`PLACEMENTS`, each technique (some variant of it) and each variant of :data:`SOURCE_SENSITIVE`;
     and every schedule with each technique (tensor parallelism, which needs a GPT: each placement). The
-    :data:`EXPENSIVE` techniques are in no pair; a precision is paired with each technique, and with each
+    :data:`ALONE` techniques are in no pair; a precision is paired with each technique, and with each
     variant of :data:`GRADIENTS_ELSEWHERE` (its cases come close to one device, not equal: few of them)."""
     table = variants()
     chosen = [(t, name) for t, names in table.items() for name in names]
     precisions = [("precision", p) for p in PRECISIONS]
     single = [("shape", str(s)) for s in SHAPES] + [("model", m) for m in MODELS] + chosen + precisions
-    paired = [c for c in chosen if c[0] not in EXPENSIVE]
+    paired = [c for c in chosen if c[0] not in ALONE]
     techniques = sorted({t for t, _ in paired})
     pairs = [(a, b) for a, b in itertools.combinations(paired, 2) if a[0] != b[0]]
     pairs += [(p, ("technique", t)) for p in precisions for t in techniques]

@@ -24,6 +24,7 @@ from lightning_parallel.techniques import fsdp
 from lightning_parallel.techniques.offload.activations import ActivationOffload
 from lightning_parallel.techniques.offload.disk_optimizer import DiskStepping
 from lightning_parallel.techniques.offload.host_optimizer import is_host_stepping
+from lightning_parallel.techniques.overlap import BucketedAverage
 from lightning_parallel.techniques.recompute import is_checkpointed
 from lightning_parallel.techniques.zero import shard_owners
 
@@ -314,6 +315,46 @@ def _in_flight(case: Case, records: Records) -> list[str]:
     return problems
 
 
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")
+"""The schedules whose weight-gradient passes assign ``.grad`` without the post-accumulate-grad hook."""
+
+
+class Overlap(Check):
+    """The replicas' all-reduce overlapped with the last backward (on by default): in every optimizer
+    step every bucket of every rank started during the backward (under the schedules whose backward
+    accumulates the gradients: not the split-backward ones, reduced at the wait); switched off, none did.
+    The numbers are every case's check (against one device); bitwise on/off in test_pipeline_idioms.py."""
+
+    def callback(self, case, out):
+        return _BucketsStarted(out)
+
+    def verify(self, case, records, reference):
+        on, problems = case.plan.overlap_gradient_reduction, []
+        for i, r in enumerate(records):
+            buckets, started = r["buckets"], r["started"]
+            if not buckets or not started:
+                problems.append(f"rank {i}: no bucketed reduction ({buckets} buckets, steps {started})")
+            elif not on and any(started):
+                problems.append(f"rank {i}: switched off, yet buckets started during backward: {started}")
+            elif on and case.plan.schedule not in SPLIT_BACKWARD and set(started) != {buckets}:
+                problems.append(f"rank {i}: buckets started per step {started}, of {buckets}")
+        return problems
+
+
+class _BucketsStarted(Callback):
+    """After each optimizer step's gradient sync: how many buckets its last backward started."""
+
+    def __init__(self, out: dict[str, Any]) -> None:
+        self.out = out
+        out["buckets"], out["started"] = 0, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        for reduction in trainer.strategy._sync.reductions:
+            if isinstance(reduction, BucketedAverage):
+                self.out["buckets"] = len(reduction.buckets)
+                self.out["started"].append(reduction.started)
+
+
 CHECKS: dict[str, Check] = {
     "recompute": Recompute(),
     "tensor_parallel": TensorParallel(),
@@ -321,6 +362,7 @@ CHECKS: dict[str, Check] = {
     "compile": Compile(),
     "fsdp": Fsdp(),
     "zero": Zero(),
+    "overlap": Overlap(),
     "offload": Offload(),
 }
 """Per technique (by name), its check; a technique without one is checked by losses and parameters."""

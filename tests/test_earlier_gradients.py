@@ -56,3 +56,11 @@ def test_lightning_still_decides_zeroing_where_this_asks(name):
     # correct but no longer lean; this test is what says so.
     automatic = _AutomaticOptimization(trainer=None)
     assert hasattr(automatic, name)
+
+
+def test_lightning_still_says_whether_a_batch_steps_the_optimizer():
+    """Canary for ends_optimizer_step: Lightning 2.6.6's private ``_FitLoop._should_accumulate``
+    (without it the overlapped reduction silently runs after the schedule, exact but not overlapped)."""
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+
+    assert callable(getattr(_FitLoop, "_should_accumulate", None))

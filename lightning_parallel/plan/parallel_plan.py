@@ -67,6 +67,12 @@ class ParallelPlan:
         data_parallel_shard_size: with ``"fsdp"``, the ranks each stage is sharded over (default: all
             its data-parallel ranks); a smaller divisor replicates the shards (HSDP: shard within a
             node, replicate across nodes).
+        overlap_gradient_reduction: the replicas' gradient all-reduce starts in buckets during the
+            optimizer step's last backward, each bucket as soon as its gradients are final, and the step
+            waits for it before clipping (default ``True``: the same numbers, bitwise; ``False``: the same
+            buckets reduced after the schedule, to measure what the overlap hides or where a collective
+            beside the schedule costs more than it hides). Not FSDP2's reduce-scatter nor the tied weights.
+        bucket_cap_mb: megabytes of gradients per bucket of that all-reduce (as DDP's, default 25).
         tensor_parallel_size: ranks each stage's blocks are split over (Megatron-style, with
             ``parallelize_module``; world size = ``pipeline_size x`` data-parallel ``x
             tensor_parallel_size``). The default plan splits attention q/k/v and the first MLP
@@ -142,6 +148,8 @@ class ParallelPlan:
     activation_checkpointing: Selection = False
     data_parallel: str = "replicate"
     data_parallel_shard_size: int | None = None
+    overlap_gradient_reduction: bool = True
+    bucket_cap_mb: float = 25.0
     tensor_parallel_size: int = 1
     tensor_parallel_plan: Mapping[str, Any] | None = None
     compile: CompileOptions | bool | None = None

@@ -18,7 +18,7 @@ import torch
 
 from lightning_parallel.pipeline.stage_source import UnsplitModel
 from lightning_parallel.techniques import compile as compiling
-from lightning_parallel.techniques import fsdp, recompute, replicas, user_function, zero
+from lightning_parallel.techniques import fsdp, overlap, recompute, replicas, user_function, zero
 from lightning_parallel.techniques.contract import Environment, Job, Technique
 from lightning_parallel.techniques.offload import technique as offload
 from lightning_parallel.techniques.tensor_parallel import technique as tensor_parallel
@@ -30,6 +30,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     compiling.TECHNIQUE,  # compile
     fsdp.TECHNIQUE,  # data_parallel="fsdp", data_parallel_shard_size
     zero.TECHNIQUE,  # data_parallel="zero1"
+    overlap.TECHNIQUE,  # overlap_gradient_reduction, bucket_cap_mb: the replicas' all-reduce in buckets
     replicas.TECHNIQUE,  # data_parallel="replicate" (and ZeRO-1's replicas): the replicas' all-reduce
     offload.TECHNIQUE,  # offload, offload_pin_memory
 )

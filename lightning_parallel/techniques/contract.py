@@ -57,6 +57,29 @@ class Environment:
     parameters_on_host: bool = False
 
 
+@dataclass
+class StepPhase:
+    """What the training batch about to run is to the optimizer step: set by the strategy before each
+    training schedule (and cleared after it), read by a technique's step context (one object for the job).
+
+    Args:
+        microbatches: the batch's micro-batches (each stage runs one backward per micro-batch).
+        reduces: this batch ends the optimizer step's accumulation window and its backward leaves the
+            window's whole gradient in ``.grad``: a reduction may start on a gradient as soon as its last
+            micro-batch's backward has run (the overlapped all-reduce). False in the batches before the
+            last, outside training, and where the batch's gradients are kept aside and added to earlier
+            ones afterwards.
+
+    Example::
+
+        phase = StepPhase()
+        phase.microbatches, phase.reduces = 4, True   # the strategy, before a window's last batch
+    """
+
+    microbatches: int = 0
+    reduces: bool = False
+
+
 @dataclass(frozen=True)
 class Job:
     """This rank's job as the techniques see it at set-up: built once, after the split.
@@ -72,6 +95,10 @@ class Job:
             by its name (a tensor-parallel plan under ``"tensor_parallel"``).
         schedulers: the LR schedulers of the optimizers (set before the optimizers are transformed).
         warn, info: rank 0's logging, passed by the strategy (a technique imports no Lightning).
+        phase: what the training batch about to run is to the optimizer step (:class:`StepPhase`, the
+            strategy's, updated before each training schedule).
+        tied: the canonical names of this rank's tied weights (summed over the pipeline ranks that hold
+            them before the replicas' reduction).
 
     Example::
 
@@ -89,6 +116,8 @@ class Job:
     schedulers: tuple[Any, ...] = ()
     warn: Callable[[str], Any] = _quiet
     info: Callable[[str], Any] = _quiet
+    phase: StepPhase = field(default_factory=StepPhase)
+    tied: tuple[str, ...] = ()
 
     @property
     def pin_memory(self) -> bool:

@@ -44,3 +44,25 @@ def _hooks_read_gradients(trainer: pl.Trainer, module: pl.LightningModule) -> bo
         or is_overridden("optimizer_zero_grad", module)
         or any(is_overridden("on_before_zero_grad", cb, pl.Callback) for cb in trainer.callbacks)
     )
+
+
+def ends_optimizer_step(trainer: pl.Trainer) -> bool:
+    """Whether this training batch's closure steps the optimizer (its gradients are the window's last).
+
+    Lightning 2.6.6 asks ``_FitLoop._should_accumulate`` (private) at the same point, before
+    ``training_step``, to decide DDP's ``no_sync`` (a GradientAccumulationScheduler's ramp answers through
+    it too). Where it is gone the answer is False: the overlapped reduction then runs after the schedule,
+    with the same numbers (test_earlier_gradients.py fails loudly if the method goes).
+    """
+    should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
+    return callable(should_accumulate) and not should_accumulate()
+
+
+def hooks_write_gradients(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
+    """Whether a hook between the schedule and the optimizer step's sync may change the gradients
+    (``on_before_backward``, ``on_after_backward``): a reduction started during backward would miss it,
+    so the gradients are reduced after them, as without the overlap."""
+    names = ("on_before_backward", "on_after_backward")
+    return any(is_overridden(n, module) for n in names) or any(
+        is_overridden(n, cb, pl.Callback) for cb in trainer.callbacks for n in names
+    )

@@ -68,8 +68,9 @@ def parallelize(
     are compiled)."""
     plan, module, mesh = strategy.parallel_plan, strategy.lightning_module, parts.mesh
     stages = parts.runner.stages
-    job = Job(plan, mesh, strategy.root_device, stages, module, parts.plan, read,
-              warn=rank_zero_warn, info=rank_zero_info)  # fmt: skip
+    tied = tuple(p.name for p in parts.shared.shared)
+    job = Job(plan, mesh, strategy.root_device, stages, module, parts.plan, read, warn=rank_zero_warn,
+              info=rank_zero_info, phase=strategy.step_state.phase, tied=tied)  # fmt: skip
     before = dict(module.named_parameters())
     notes = transform_stages(job)
     after = dict(module.named_parameters())

@@ -19,7 +19,11 @@ from lightning_parallel.distributed.agree import packed_error, unpacked_error
 from lightning_parallel.pipeline.microbatches import StepMicrobatches
 from lightning_parallel.pipeline.state import to_cpu
 from lightning_parallel.pipeline.step_logs import LogRecorder, from_record, to_record, weighted_mean
-from lightning_parallel.strategies.pipeline.earlier_gradients import earlier_gradients
+from lightning_parallel.strategies.pipeline.earlier_gradients import (
+    earlier_gradients,
+    ends_optimizer_step,
+    hooks_write_gradients,
+)
 from lightning_parallel.strategies.pipeline.precision import scaled_loss
 from lightning_parallel.strategies.pipeline.step_results import (
     collect_predictions,
@@ -195,8 +199,23 @@ class _Step:
         happens to those already there) for Lightning's backward; timed while a timeline records."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         timeline = state.observer
-        with state.held.collecting(params, earlier), timeline.torch_schedule() if timeline else nullcontext():
-            self.runner.train_step(self.key, self.m, self.stage_args, loss_fn)
+        # A window's last batch whose backward leaves the window's gradients in .grad: reductions may
+        # start during it (not where they are kept aside and added to earlier ones afterwards).
+        state.phase.microbatches = self.m
+        trainer = self.module.trainer
+        state.phase.reduces = (
+            earlier != "keep"
+            and ends_optimizer_step(trainer)
+            and not hooks_write_gradients(trainer, self.module)
+        )
+        try:
+            with (
+                state.held.collecting(params, earlier),
+                timeline.torch_schedule() if timeline else nullcontext(),
+            ):
+                self.runner.train_step(self.key, self.m, self.stage_args, loss_fn)
+        finally:
+            state.phase.reduces = False
 
     def _loss_weights(self, chunks: list[Any], sizes: list[int]) -> tuple[list[float], list[float]]:
         """What each micro-batch's loss is multiplied by before backward, and what it counts (its items).

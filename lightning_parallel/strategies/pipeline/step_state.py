@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.grads.held import HeldGradients
+from lightning_parallel.techniques.contract import StepPhase
 from lightning_parallel.timeline.recorder import Timeline
 
 
@@ -25,6 +26,8 @@ class StepState:
         predict_batches: in a prediction run, how many batches each replica predicts (the sampler does
             not pad), or None.
         channels: the last stage's channel to its replica's stages, per step method (made at first use).
+        phase: what the training batch about to run is to the optimizer step (the techniques' job reads
+            it: the overlapped reduction starts only in a window's last batch).
 
     Example::
 
@@ -38,6 +41,7 @@ class StepState:
     held: HeldGradients = field(default_factory=HeldGradients)
     predict_batches: list[int] | None = None
     channels: dict[str, RecordBroadcast] = field(default_factory=dict)
+    phase: StepPhase = field(default_factory=StepPhase)
     _observer: Timeline | None = None
 
     def register(self, observer: Timeline) -> None:

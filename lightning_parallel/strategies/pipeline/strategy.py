@@ -134,6 +134,8 @@ class PipelineStrategy(
         shard_optimizer_state: bool = False,
         data_parallel: Literal["replicate", "zero1", "fsdp"] | None = None,
         data_parallel_shard_size: int | None = None,
+        overlap_gradient_reduction: bool = True,
+        bucket_cap_mb: float = 25.0,
         parallelize_fn: Callable[[torch.nn.Module, DeviceMesh | None], Any] | None = None,
         save_distributed_checkpoint: bool = False,
         tensor_parallel_size: int = 1,
