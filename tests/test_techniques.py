@@ -43,8 +43,15 @@ CORE_FIELDS = {
 def test_the_list_is_torchtitan_s_order():
     names = [t.name for t in TECHNIQUES]
     assert names == [
-        "sequence_parallel", "recompute", "tensor_parallel", "user_function", "compile", "fsdp", "zero",
-        "replicas", "offload",
+        "sequence_parallel",
+        "recompute",
+        "tensor_parallel",
+        "user_function",
+        "compile",
+        "fsdp",
+        "zero",
+        "replicas",
+        "offload",
     ]  # fmt: skip  (sequence parallelism before recomputation: a recomputed block re-enters its mode)
 
 
