@@ -1,12 +1,10 @@
 """layout/ranks.py and layout/mesh.py: the pipeline-outermost rank layout and its roles (pure logic; the
 groups are built in multi-process tests: tests/test_shared.py)."""
 
-from dataclasses import dataclass
-
 import pytest
 
 from lightning_parallel.layout.mesh import build_mesh
-from lightning_parallel.layout.ranks import DATA_PARALLEL_ROLES, MESH_DIMS, ROLES, Axis, RankLayout
+from lightning_parallel.layout.ranks import DATA_PARALLEL_ROLES, MESH_DIMS, ROLES, RankLayout
 
 
 def test_layout_puts_the_replicas_of_a_pipeline_rank_next_to_each_other():
@@ -57,24 +55,13 @@ def test_tensor_parallel_ranks_are_innermost_and_share_the_data_parallel_rank():
         RankLayout.for_world(6, 2, tp_size=2)
 
 
-# A hypothetical sequence-parallel axis between the data- and tensor-parallel ones (issue 53): one entry in
-# the axes, the roles it joins (not "data": its ranks read one batch, each a slice of its sequence).
-SEQUENCE_ROLES = frozenset(("gradients", "shard", "optimizer_shard", "tokens", "metrics", "logs", "step"))
-
-
-@dataclass(frozen=True)
-class WithSequenceAxis(RankLayout):
-    sp_size: int = 2
-
-    @property
-    def axes(self):
-        pp, replicate, shard, tp = super().axes
-        return (pp, replicate, shard, Axis("sp", self.sp_size, SEQUENCE_ROLES), tp)
-
-
 def test_every_role_of_todays_layout_is_the_data_parallel_ranks_but_the_pipeline_tensor_and_shard():
     layout = RankLayout(pp_size=2, dp_size=4, dp_shard_size=2, tp_size=2)  # 16 ranks
-    assert [a.name for a in layout.axes] == list(MESH_DIMS) and set(ROLES) >= {"gradients", "data", "tokens"}
+    assert [a.name for a in layout.axes] == [d for d in MESH_DIMS if d != "sp"] and set(ROLES) >= {
+        "gradients",
+        "data",
+        "tokens",
+    }
     for rank in range(16):
         pp_rank, dp_rank = layout.coordinates(rank)
         assert layout.rank("pipeline", rank) == pp_rank
@@ -92,9 +79,9 @@ def test_every_role_of_todays_layout_is_the_data_parallel_ranks_but_the_pipeline
         layout.size("replicas")
 
 
-def test_a_new_axis_joins_the_roles_it_names_and_leaves_the_others_alone():
+def test_the_sequence_axis_joins_the_roles_it_names_and_leaves_the_others_alone():
     # pp=2 x (replicate 2 x shard 1) x sp=2 x tp=1: global rank = (pp x 2 + replica) x 2 + sp.
-    layout = WithSequenceAxis(pp_size=2, dp_size=2)
+    layout = RankLayout(pp_size=2, dp_size=2, sp_size=2)
     assert layout.world_size == 8 and layout.mesh_shape == (2, 2, 1, 2, 1)
     assert layout.groups("gradients") == [[0, 1, 2, 3], [4, 5, 6, 7]]  # replicas x sequence slices
     assert layout.groups("data") == layout.groups("predictions") == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -102,3 +89,14 @@ def test_a_new_axis_joins_the_roles_it_names_and_leaves_the_others_alone():
     assert layout.groups("pipeline") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert layout.size("tokens") == 4 and layout.size("data") == 2 and layout.rank("data", 6) == 1
     assert layout.rank("gradients", 6) == 2 and layout.rank("pipeline", 6) == 1
+    assert layout.groups("sequence") == [[0, 1], [2, 3], [4, 5], [6, 7]] and layout.size("step") == 4
+    # The rank formulas read the axes: ((pp x dp + dp_rank) x sp + sp_rank) x tp + tp_rank, and back.
+    wide = RankLayout(pp_size=2, dp_size=2, sp_size=2, tp_size=2)  # 16 ranks
+    for rank in range(16):
+        pp, dp = wide.coordinates(rank)
+        sp, tp = wide.sp_rank_of(rank), wide.tp_rank_of(rank)
+        assert wide.global_rank(pp, dp, tp, sp) == rank == ((pp * 2 + dp) * 2 + sp) * 2 + tp
+        assert wide.rank("sequence", rank) == sp and wide.rank("tensor", rank) == tp
+    assert wide.replicas_of(1) == tuple(range(8, 16))
+    with pytest.raises(ValueError, match=r"pipeline_size x sequence_parallel_size \(2 x 2 = 4\) does not"):
+        RankLayout.for_world(6, 2, sp_size=2)

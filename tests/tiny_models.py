@@ -154,6 +154,27 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
+class SdpaSelfAttention(CausalSelfAttention):
+    """The same attention through ``F.scaled_dot_product_attention`` (what sequence parallelism splits)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def with_sdpa(model: nn.Module) -> nn.Module:
+    """``model`` with every :class:`CausalSelfAttention` made an :class:`SdpaSelfAttention` (its weights)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is CausalSelfAttention:
+                sdpa = SdpaSelfAttention(child.proj.in_features, child.heads)
+                sdpa.load_state_dict(child.state_dict())
+                setattr(module, name, sdpa)
+    return model
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()

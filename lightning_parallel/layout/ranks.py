@@ -44,6 +44,7 @@ ROLES: dict[str, str] = {
     "logs": "the ranks a self.log(..., sync_dist=True) of the last stage reduces over",
     "step": "the ranks a collective in the user's step meets (self.all_gather, strategy.reduce)",
     "predictions": "the ranks whose predictions global rank 0 collects",
+    "sequence": "the sequence-parallel ranks that share each sample, one contiguous shard of its tokens each",
 }
 """Every role a group of ranks plays, in the order the mesh builds their groups."""
 
@@ -53,8 +54,17 @@ DATA_PARALLEL_ROLES = frozenset(
 """What the data-parallel axes join (besides ``"shard"`` for ``dp_shard``): today every role but the
 pipeline's, the tensor-parallel ranks' and FSDP2's sharding is played by the same ranks."""
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-"""The axes' names, outermost first: the device mesh's dimensions."""
+SEQUENCE_ROLES = frozenset(
+    ("gradients", "shard", "optimizer_shard", "tokens", "metrics", "logs", "step", "sequence")
+)
+"""What the sequence-parallel axis joins: the ``k`` ranks of a group hold disjoint shards of the same
+samples, so they average gradients, shard state, count tokens, reduce metrics, logs and the user's step
+collectives as data-parallel ranks do; not ``"data"`` (they read the same batch), not the pipeline's, nor
+the predictions (the group's outputs are gathered in token order: one copy per group)."""
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+"""The axes' names, outermost first: the device mesh's dimensions (``"sp"`` only where the sequence is
+split: ``sequence_parallel_size > 1``)."""
 
 
 @dataclass(frozen=True)
@@ -73,12 +83,14 @@ class Axis:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """The (pipeline, data-parallel, tensor-parallel) grid laid out pipeline-outermost, as torchtitan does.
+    """The (pipeline, data-parallel, sequence-parallel, tensor-parallel) grid laid out pipeline-outermost,
+    as torchtitan does.
 
-    Global rank = ``(pp_rank x dp_size + dp_rank) x tp_size + tp_rank`` and ``dp_rank = replicate x
-    dp_shard_size + shard``: the tensor-parallel ranks, which communicate in every layer, are
-    neighbours; then the data-parallel ranks of one pipeline rank (the same node when they fit); and
-    global rank 0 holds the first stage of replica 0.
+    Global rank = ``((pp_rank x dp_size + dp_rank) x sp_size + sp_rank) x tp_size + tp_rank`` and
+    ``dp_rank = replicate x dp_shard_size + shard`` (row-major over :attr:`axes`): the tensor-parallel
+    ranks, which communicate in every layer, are neighbours; then the sequence-parallel ranks (four
+    all-to-alls per attention layer); then the data-parallel ranks of one pipeline rank (the same node
+    when they fit); and global rank 0 holds the first stage of replica 0.
 
     Example::
 
@@ -93,10 +105,13 @@ class RankLayout:
     dp_size: int
     dp_shard_size: int = 1
     tp_size: int = 1
+    sp_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tp_size!r}")
+        if not isinstance(self.sp_size, int) or self.sp_size < 1:
+            raise ValueError(f"sequence_parallel_size must be a positive int, got {self.sp_size!r}")
         if self.dp_shard_size < 1 or self.dp_size % self.dp_shard_size:
             raise ValueError(
                 f"data_parallel_shard_size ({self.dp_shard_size}) does not divide the {self.dp_size} "
@@ -110,6 +125,9 @@ class RankLayout:
             Axis("pp", self.pp_size, frozenset({"pipeline"})),
             Axis("dp_replicate", self.dp_replicate_size, DATA_PARALLEL_ROLES),
             Axis("dp_shard", self.dp_shard_size, DATA_PARALLEL_ROLES | {"shard"}),
+            # (only when it splits: a plan without it keeps its device mesh, and the "dp" name of its
+            # data-parallel dimensions flattened, as they were)
+            *((Axis("sp", self.sp_size, SEQUENCE_ROLES),) if self.sp_size > 1 else ()),
             Axis("tp", self.tp_size, frozenset({"tensor"})),
         )
 
@@ -126,21 +144,27 @@ class RankLayout:
         """Sizes of the axes (:data:`MESH_DIMS`), in order."""
         return tuple(axis.size for axis in self.axes)
 
-    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
-        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0, sp_rank: int = 0) -> int:
+        """The global rank at these coordinates (row-major over :attr:`axes`)."""
+        replicate, shard = divmod(dp_rank, self.dp_shard_size)
+        place = {"pp": pp_rank, "dp_replicate": replicate, "dp_shard": shard, "sp": sp_rank, "tp": tp_rank}
+        return self._global(place[axis.name] for axis in self.axes)
 
     def coordinates(self, global_rank: int) -> tuple[int, int]:
-        """``(pp_rank, dp_rank)`` of a global rank (its tensor-parallel peers share them)."""
-        return divmod(global_rank // self.tp_size, self.dp_size)
+        """``(pp_rank, dp_rank)`` of a global rank (its sequence- and tensor-parallel peers share them)."""
+        place = self._place(global_rank)
+        return place["pp"], place["dp_replicate"] * self.dp_shard_size + place["dp_shard"]
 
     def tp_rank_of(self, global_rank: int) -> int:
-        return global_rank % self.tp_size
+        return self._place(global_rank)["tp"]
+
+    def sp_rank_of(self, global_rank: int) -> int:
+        return self._place(global_rank).get("sp", 0)
 
     def replicas_of(self, pp_rank: int) -> tuple[int, ...]:
-        """The global ranks that run pipeline rank ``pp_rank`` (each data- and tensor-parallel rank)."""
-        return tuple(
-            self.global_rank(pp_rank, d, t) for d in range(self.dp_size) for t in range(self.tp_size)
-        )
+        """The global ranks that run pipeline rank ``pp_rank`` (each data-, sequence- and tensor-parallel
+        rank)."""
+        return tuple(g for g in range(self.world_size) if self._coordinate(g)[0] == pp_rank)
 
     # ------------------------------------------------------------------------------ roles
     def axes_of(self, role: str) -> tuple[Axis, ...]:
@@ -211,23 +235,36 @@ class RankLayout:
             coordinate.append(place)
         return tuple(reversed(coordinate))
 
+    def _place(self, global_rank: int) -> dict[str, int]:
+        """The rank's coordinate by axis name."""
+        return dict(zip((a.name for a in self.axes), self._coordinate(global_rank)))
+
     def _global(self, coordinate: Iterable[int]) -> int:
         return _row_major(list(coordinate), [a.size for a in self.axes])
 
     @classmethod
-    def for_world(cls, world_size: int, pp_size: int, dp_shard_size: int = 1, tp_size: int = 1) -> RankLayout:
-        """The layout of ``world_size`` ranks in pipelines of ``pp_size`` x ``tp_size``, or a clear error."""
-        group = pp_size * tp_size
+    def for_world(
+        cls, world_size: int, pp_size: int, dp_shard_size: int = 1, tp_size: int = 1, sp_size: int = 1
+    ) -> RankLayout:
+        """The layout of ``world_size`` ranks in pipelines of ``pp_size`` x ``sp_size`` x ``tp_size``, or a
+        clear error."""
+        named = [
+            ("pipeline_size", pp_size),
+            ("sequence_parallel_size", sp_size),
+            ("tensor_parallel_size", tp_size),
+        ]
+        named = [named[0], *((n, s) for n, s in named[1:] if s > 1)]
+        group = math.prod(s for _, s in named)
         if world_size % group:
             lower = world_size - world_size % group
             near = (lower, lower + group) if lower else (group, 2 * group)  # the two nearest multiples
-            what = "pipeline_size" if tp_size == 1 else "pipeline_size x tensor_parallel_size"
-            sizes = f"{pp_size}" if tp_size == 1 else f"{pp_size} x {tp_size} = {group}"
+            what = " x ".join(n for n, _ in named)
+            sizes = f"{pp_size}" if len(named) == 1 else f"{' x '.join(str(s) for _, s in named)} = {group}"
             raise ValueError(
                 f"{what} ({sizes}) does not divide devices x nodes ({world_size}): use a multiple "
                 f"of {group} devices (e.g. {near[0]} or {near[1]}), or change {what}"
             )
-        return cls(pp_size, world_size // group, dp_shard_size, tp_size)
+        return cls(pp_size, world_size // group, dp_shard_size, tp_size, sp_size)
 
 
 def _row_major(places: list[int], sizes: list[int]) -> int:

@@ -82,6 +82,13 @@ class ParallelPlan:
         tensor_parallel_plan: ``{module path pattern: ParallelStyle}`` (as ``parallelize_module``
             takes; paths from the LightningModule, ``*`` one segment) replacing the default plan (a
             traced forward takes ``ColwiseParallel`` and ``RowwiseParallel``).
+        sequence_parallel_size: ranks each sample's sequence is split over (``k``, Ulysses: every rank
+            holds ``1/k`` of each sample's tokens through embeddings, MLPs, norms and the loss; an
+            all-to-all around each attention gives it every token for ``heads/k`` heads). World size
+            = ``pipeline_size x`` data-parallel ``x sequence_parallel_size x tensor_parallel_size``. The
+            ``k`` ranks read the same batches; ``k`` must divide the attention heads (and key/value
+            heads) and every batch's sequence length (``pad_to_multiple``); the attention must be
+            ``F.scaled_dot_product_attention`` (Hugging Face: ``attn_implementation="sdpa"``), causal.
         compile: ``True`` or a dict of ``torch.compile``'s keywords (``{"mode": ...}``, ``{"backend":
             "aot_eager"}``, ``{"dynamic": False}``): each stage's repeated blocks (the Sequential's
             children of its most frequent class; on the traced path, each stage's program) are compiled
@@ -152,6 +159,7 @@ class ParallelPlan:
     bucket_cap_mb: float = 25.0
     tensor_parallel_size: int = 1
     tensor_parallel_plan: Mapping[str, Any] | None = None
+    sequence_parallel_size: int = 1
     compile: CompileOptions | bool | None = None
     offload: tuple[str, ...] | str | None = ()
     offload_pin_memory: bool | None = None
@@ -220,8 +228,10 @@ class ParallelPlan:
 
     def _check_devices(self, devices: int) -> None:
         if self.pipeline_size is None:
-            self._set("pipeline_size", devices // self.tensor_parallel_size or 1)
-        RankLayout.for_world(devices, self.pipeline_size, 1, self.tensor_parallel_size)
+            self._set("pipeline_size", devices // self._split_per_stage or 1)
+        RankLayout.for_world(
+            devices, self.pipeline_size, 1, self.tensor_parallel_size, self.sequence_parallel_size
+        )
 
     # ------------------------------------------------------------------------- derived sizes
     def for_devices(self, devices: int, precision: str | None = None) -> ParallelPlan:
@@ -245,7 +255,7 @@ class ParallelPlan:
         """The data-parallel ranks of each stage (replicas x shards); the devices under DDP."""
         if self.strategy != "pipeline":
             return self.world
-        return self.world // (self._pipeline_ranks * self.tensor_parallel_size)
+        return self.world // (self._pipeline_ranks * self._split_per_stage)
 
     @property
     def shard_size(self) -> int:
@@ -270,18 +280,29 @@ class ParallelPlan:
     @property
     def _pipeline_ranks(self) -> int:
         if self.pipeline_size is None:
-            return self.world // self.tensor_parallel_size
+            return self.world // self._split_per_stage
         return self.pipeline_size
 
+    @property
+    def _split_per_stage(self) -> int:
+        """The ranks one stage replica is split over: its sequence x its tensor slices."""
+        return self.tensor_parallel_size * self.sequence_parallel_size
+
     def layout(self, world_size: int | None = None) -> RankLayout:
-        """The rank grid (pipeline x data-parallel replicate x shard x tensor) the mesh is built from."""
+        """The rank grid (pipeline x data-parallel replicate x shard x sequence x tensor) the mesh is built
+        from."""
         plan = self if world_size is None else self.for_devices(world_size)
         if plan.strategy != "pipeline":
             return RankLayout(1, plan.world)
-        layout = RankLayout.for_world(plan.world, plan._pipeline_ranks, tp_size=plan.tensor_parallel_size)
+        layout = RankLayout.for_world(
+            plan.world,
+            plan._pipeline_ranks,
+            tp_size=plan.tensor_parallel_size,
+            sp_size=plan.sequence_parallel_size,
+        )
         if plan.data_parallel != "fsdp":
             return layout
-        return RankLayout(layout.pp_size, layout.dp_size, plan.shard_size, layout.tp_size)
+        return RankLayout(layout.pp_size, layout.dp_size, plan.shard_size, layout.tp_size, layout.sp_size)
 
     # ----------------------------------------------------------------------------- printing
     def label(self) -> str:

@@ -12,6 +12,7 @@ those folds that need nothing but the list. A technique never imports another.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,9 +22,12 @@ from lightning_parallel.techniques import compile as compiling
 from lightning_parallel.techniques import fsdp, overlap, recompute, replicas, user_function, zero
 from lightning_parallel.techniques.contract import Environment, Job, Technique
 from lightning_parallel.techniques.offload import technique as offload
+from lightning_parallel.techniques.sequence_parallel import technique as sequence_parallel
 from lightning_parallel.techniques.tensor_parallel import technique as tensor_parallel
 
 TECHNIQUES: tuple[Technique, ...] = (
+    # (before recomputation: a recomputed block then re-enters the sequence-parallel mode it was wrapped in)
+    sequence_parallel.TECHNIQUE,  # sequence_parallel_size
     recompute.TECHNIQUE,  # activation_checkpointing
     tensor_parallel.TECHNIQUE,  # tensor_parallel_size, tensor_parallel_plan
     user_function.TECHNIQUE,  # parallelize_fn
@@ -75,6 +79,26 @@ def transform_stages(job: Job) -> list[str]:
             rank_zero_info(f"PipelineStrategy: {note}")
     """
     return [note for technique in TECHNIQUES if (note := technique.stages(job.stages, job))]
+
+
+def batch_transform(plan: Any, mesh: Any, module: torch.nn.Module) -> Callable[[Any], Any] | None:
+    """Every technique's batch transform (:meth:`Technique.batch`), in the list's order; None: none.
+
+    Example::
+
+        shard = batch_transform(plan, mesh, lightning_module)
+        batch = shard(batch) if shard is not None else batch
+    """
+    transforms = [t for technique in TECHNIQUES if (t := technique.batch(plan, mesh, module)) is not None]
+    if not transforms:
+        return None
+
+    def transform(batch: Any) -> Any:
+        for one in transforms:
+            batch = one(batch)
+        return batch
+
+    return transform
 
 
 def searched_fields() -> tuple[str, ...]:

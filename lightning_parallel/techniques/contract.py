@@ -364,6 +364,14 @@ class Technique:
         yield {}
 
     # --- the job (strategies/pipeline/setup.py and strategy.py fold these)
+    def batch(self, plan: Any, mesh: Any, module: nn.Module) -> Callable[[Any], Any] | None:
+        """A transform of every batch this rank's steps get (training, evaluation, prediction) and of the
+        first input the sources split at, before anything reads it (micro-batches, item counts, the
+        user's step); None: the batch as it comes. Made once per job, before the split, on every rank
+        (sequence parallelism: this rank's shard of each sequence). It may hook the module's calls that
+        the batch's shape decides (``position_ids``)."""
+        return None
+
     def environment(self, plan: Any, env: Environment) -> None:
         """What the job needs before its process group exists (``env.host_backend = ...``); refusals
         the device decides (a ValueError with the fix)."""

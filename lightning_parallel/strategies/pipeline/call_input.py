@@ -7,6 +7,7 @@ it. Reading the first batch at strategy setup needs Lightning's private loader h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,22 +27,31 @@ class TrainerInput:
         args = inputs.example() or inputs.capture(call)    # the pipelined call's arguments
     """
 
-    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        self.trainer, self.module = trainer, module
+    def __init__(
+        self, trainer: pl.Trainer, module: pl.LightningModule, transform: Callable[[Any], Any] | None = None
+    ) -> None:
+        self.trainer, self.module, self.transform = trainer, module, transform
         self.training = trainer.state.fn == TrainerFn.FITTING
 
     def example(self) -> tuple[Any, ...] | None:
         example = getattr(self.module, "example_input_array", None)
         if example is None:
             return None
-        return tuple(example) if isinstance(example, (tuple, list)) else (example,)
+        example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+        return self.transform(example) if self.transform is not None else example
 
     def capture(self, capture: Any) -> tuple[Any, ...]:
-        return captured_input(self.trainer, self.module, capture)
+        return captured_input(self.trainer, self.module, capture, self.transform)
 
 
-def captured_input(trainer: pl.Trainer, module: pl.LightningModule, capture: Any) -> tuple[Any, ...]:
-    """Run the step of the trainer's current stage on its first batch up to the pipelined call."""
+def captured_input(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    capture: Any,
+    transform: Callable[[Any], Any] | None = None,
+) -> tuple[Any, ...]:
+    """Run the step of the trainer's current stage on its first batch (as the techniques transform every
+    batch: ``transform``) up to the pipelined call."""
     step_name = {
         TrainerFn.FITTING: "training_step",
         TrainerFn.VALIDATING: "validation_step",
@@ -49,6 +59,7 @@ def captured_input(trainer: pl.Trainer, module: pl.LightningModule, capture: Any
         TrainerFn.PREDICTING: "predict_step",
     }[trainer.state.fn]
     batch = trainer.strategy.batch_to_device(first_batch(trainer))
+    batch = transform(batch) if transform is not None else batch
     with LogRecorder().recording(module, 1), torch.no_grad():
         return capture.capture(getattr(module, step_name), batch, 0)
 

@@ -28,7 +28,13 @@ from lightning_parallel.strategies.pipeline.call_input import TrainerInput
 from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
 from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
-from lightning_parallel.techniques import TECHNIQUES, before_split, environment, transform_stages
+from lightning_parallel.techniques import (
+    TECHNIQUES,
+    batch_transform,
+    before_split,
+    environment,
+    transform_stages,
+)
 from lightning_parallel.techniques.compile import CompileWatch
 from lightning_parallel.techniques.contract import Environment, Job
 
@@ -52,7 +58,11 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
     source = source_for(module, plan)
     with failing_together():
         read = before_split(plan, source.unsplit(module))  # (the techniques' reading and refusals)
-    inputs, mesh = TrainerInput(trainer, module), strategy._mesh
+    mesh = strategy._mesh
+    strategy._batch_transform = batch_transform(
+        plan, mesh, module
+    )  # (every batch the steps get, and the first)
+    inputs = TrainerInput(trainer, module, strategy._batch_transform)
     parts = build_pipeline(
         source, plan, inputs, module, mesh, strategy.root_device, rank_zero_warn, strategy._item_count
     )

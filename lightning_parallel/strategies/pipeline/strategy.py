@@ -114,6 +114,8 @@ class PipelineStrategy(
         PipelineStrategy(pipeline_size=2, data_parallel="fsdp", data_parallel_shard_size=2)
         # 8 devices: 2 stages x 2 replicas x 2 tensor-parallel ranks (3-D)
         PipelineStrategy(pipeline_size=2, tensor_parallel_size=2)
+        # 4 devices: 2 stages x each sequence split over 2 ranks (long context: Ulysses attention)
+        PipelineStrategy(pipeline_size=2, sequence_parallel_size=2)
         # each stage's blocks compiled with torch.compile (inductor), after the split
         PipelineStrategy(pipeline_size=2, compile=True)
     """
@@ -140,6 +142,7 @@ class PipelineStrategy(
         save_distributed_checkpoint: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
+        sequence_parallel_size: int = 1,
         compile: bool | dict[str, Any] = False,
         offload: str | list[str] | None = None,
         offload_pin_memory: bool | None = None,
@@ -187,6 +190,7 @@ class PipelineStrategy(
         self._compile_watch: CompileWatch | None = None
         self._sync: GradientSync | None = None  # the optimizer step's gradient synchronisation
         self._job: Job | None = None  # this rank's job as the techniques saw it at set-up
+        self._batch_transform: Callable[[Any], Any] | None = None  # the techniques' (a sequence's shard)
 
     # ----------------------------------------------------------------------------------- layout
     @classmethod
@@ -352,6 +356,8 @@ class PipelineStrategy(
         assert self.parts is not None
         if train:
             self._check_training_batch(args)  # the first ones: the same on a replica's ranks, micro-batches
+        if self._batch_transform is not None:  # (before anything reads the batch: its micro-batches, items)
+            args = (self._batch_transform(args[0]), *args[1:])
         if self._compile_watch is None:
             return run_step(self.parts, self.step_state, self.lightning_module, step_name, args, train)
         with self._compile_watch.reporting(f"this {step_name} (batch {args[1] if len(args) > 1 else '?'})"):

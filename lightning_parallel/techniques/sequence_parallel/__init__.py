@@ -4,7 +4,7 @@ Every rank holds ``t = T/k`` consecutive tokens of every sample through the embe
 the loss; around the attention core an all-to-all turns "my tokens, all heads" into "all tokens, heads/k"
 and back (DeepSpeed's Ulysses, ALST; Megatron's ``cp_comm_type="a2a"``). Pure torch, no Lightning.
 
-The mechanics, one concern a module (phase 1 of issue 53; the strategy does not use them yet):
+The mechanics, one concern a module (phase 1 of issue 53), and the technique that wires them (phase 2):
 
 ==============  =====================================================================================
 ``exchange``    the all-to-alls with autograd (``tokens_to_heads`` / ``heads_to_tokens``, each the
@@ -22,6 +22,7 @@ The mechanics, one concern a module (phase 1 of issue 53; the strategy does not 
 ``labels``      ``shift_across_shards`` / ``group_labels``: a ``labels=`` loss's boundary labels
 ``shards``      ``shard_batch``: the batch transform (contiguous shards, right-padding masks, refusals)
 ``loss``        ``token_weight``: a shard's mean weighted by its share of the group's labelled tokens
+``technique``   ``TECHNIQUE``: the plan field, the batch transform, the stages, the checks (the contract)
 ==============  =====================================================================================
 
 Checked against one device (tests/test_sequence_parallel_exact.py, gloo): Ulysses attention bit for bit

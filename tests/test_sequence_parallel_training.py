@@ -1,0 +1,186 @@
+"""PipelineStrategy(sequence_parallel_size=k): each sequence split over k ranks, against one device.
+
+One spawned job of 4 gloo ranks runs each configuration in turn (the imports paid once): a Sequential
+GPT written with ``F.scaled_dot_product_attention`` at k=2 beside 2 replicas, a traced GPT at k=2 x 2
+pipeline stages, and a Hugging Face Llama with grouped-query attention (4 query heads, 2 key/value heads)
+at k=2 beside 2 replicas. Every target carries ``-100`` prompt labels (the first shard holds more of them
+than the second, so only a token-weighted mean is exact: ``TokenWeightedLoss``). A GPT whose attention is
+a hand-written softmax is refused on every rank after its first step, naming what was looked for.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hf_env
+import pytest
+import torch
+from mp_harness import (
+    GatheredRecorder,
+    assert_close_dicts,
+    fit,
+    merged_records,
+    quiet_trainer,
+    reference_loader,
+    spawn_gloo,
+)
+from tiny_models import SequentialGPT, TinyGPT, loader, token_data, with_sdpa
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from lightning_parallel import PipelineStrategy, TokenWeightedLoss, labelled_tokens
+from lightning_parallel.pipeline.stage_source import UnsplitModel
+from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.techniques.sequence_parallel.technique import (
+    TECHNIQUE,
+    FoundAttention,
+    declared_heads,
+)
+
+pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")]
+
+WORLD, GLOBAL_BATCH, PROMPT = 4, 8, 3
+TRAIN = dict(max_epochs=2)  # 16 samples: 2 optimizer steps an epoch
+
+# name -> (model, strategy kwargs); data-parallel replicas are what the 4 ranks leave.
+CONFIGS = {
+    "sequential-dp2-sp2": ("sequential", dict(pipeline_size=1, sequence_parallel_size=2)),
+    "traced-pp2-sp2": ("traced", dict(pipeline_size=2, sequence_parallel_size=2)),
+    "llama-gqa-dp2-sp2": ("llama", dict(pipeline_size=1, sequence_parallel_size=2)),
+}
+
+
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "sequential":
+        return with_sdpa(SequentialGPT(depth=2))
+    if kind == "traced":
+        return with_sdpa(TinyGPT(depth=2))
+    if kind == "softmax":
+        return TinyGPT(depth=2)  # (its attention: softmax(q @ k^T), no SDPA)
+    from hf_models import HFCausalLM  # (skips where transformers is missing, outside CI)
+
+    return HFCausalLM("llama", call="logits", lr=1e-3)
+
+
+def _data(kind: str) -> TensorDataset:
+    """16 samples whose first ``PROMPT`` targets are ``-100`` (a prompt), and one more in every third."""
+    if kind == "llama":
+        from hf_models import hf_token_data
+
+        x, y, mask = hf_token_data(16, t=8).tensors
+    else:
+        x, y = token_data(16, t=8).tensors
+    y = y.clone()
+    y[:, :PROMPT] = -100
+    y[::3, -1] = -100
+    return TensorDataset(x, y, mask) if kind == "llama" else TensorDataset(x, y)
+
+
+def _callbacks() -> list:
+    return [TokenWeightedLoss(labelled_tokens(1))]
+
+
+def _job(rank: int, world: int, out_dir: str) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    for name, (kind, kwargs) in CONFIGS.items():
+        dp = world // (kwargs["pipeline_size"] * kwargs["sequence_parallel_size"])
+        trainer = quiet_trainer(
+            devices=world, strategy=PipelineStrategy(num_microbatches=2, **kwargs),
+            callbacks=[*_callbacks(), GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")], **TRAIN,
+        )  # fmt: skip
+        trainer.fit(_model(kind), loader(_data(kind), GLOBAL_BATCH // dp))
+    refused = ""
+    try:
+        trainer = quiet_trainer(
+            devices=world, strategy=PipelineStrategy(pipeline_size=1, sequence_parallel_size=2), max_steps=1
+        )
+        trainer.fit(_model("softmax"), loader(_data("softmax"), GLOBAL_BATCH))
+    except RuntimeError as err:
+        refused = str(err)
+    torch.save({"refused": refused}, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_training_matches_one_device(tmp_path):
+    hf_env.require("transformers")
+    refs = {
+        kind: fit(_model(kind), reference_loader(_data(kind), GLOBAL_BATCH), tmp_path / f"ref-{kind}",
+                  callbacks=_callbacks(), **TRAIN)[0]
+        for kind, _ in CONFIGS.values()
+    }  # fmt: skip
+    records = spawn_gloo(_job, WORLD, tmp_path)
+    for name, (kind, _) in CONFIGS.items():
+        params, losses, _ = merged_records(tmp_path, name, WORLD)
+        assert_close_dicts(params, refs[kind]["params"], rtol=1e-5, atol=1e-5)
+        assert len(losses) == len(refs[kind]["losses"]) == 4
+    # Every rank refused the GPT without SDPA, with what was looked for and the fix.
+    for record in records:
+        assert "found no attention to split in TinyGPT" in record["refused"]
+        assert (
+            "scaled_dot_product_attention" in record["refused"]
+            and "attn_implementation='sdpa'" in record["refused"]
+        )
+
+
+# ------------------------------------------------------------------------------ refusals, one process
+class _Heads(nn.Module):
+    def __init__(self, heads: int, kv: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = heads, kv
+        self.proj = nn.Linear(4, 4)
+
+
+def test_a_head_count_k_does_not_divide_is_refused_at_setup_naming_the_sizes_that_work():
+    plan = ParallelPlan(sequence_parallel_size=4)
+    gqa = nn.Sequential(_Heads(8, 2))
+    assert declared_heads(gqa) == {"_Heads at '0'": (8, 2)}
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=4 .* 8 query heads and 2 key/value heads.*"
+                       r"the sizes that work are 1, 2 \(_Heads at '0'\)"):  # fmt: skip
+        TECHNIQUE.before_split(plan, UnsplitModel(gqa, gqa))
+    TECHNIQUE.before_split(ParallelPlan(sequence_parallel_size=2), UnsplitModel(gqa, gqa))
+    gpt = with_sdpa(TinyGPT(depth=1, heads=2))
+    with pytest.raises(ValueError, match=r"2 heads: 4 must divide them; the sizes that work are 1, 2"):
+        TECHNIQUE.before_split(plan, UnsplitModel(gpt, gpt))
+
+
+class _Mesh:
+    def rank(self, role: str) -> int:
+        assert role == "sequence"
+        return 1
+
+
+def test_each_batch_becomes_this_ranks_shard_and_a_length_k_does_not_divide_names_pad_to_multiple():
+    shard = TECHNIQUE.batch(ParallelPlan(sequence_parallel_size=2), _Mesh(), TinyGPT(depth=1))
+    x, y = torch.arange(16).view(2, 8), torch.arange(16).view(2, 8) + 1
+    sx, sy = shard((x, y))
+    assert sx.tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]] and sy.tolist() == [[5, 6, 7, 8], [13, 14, 15, 16]]
+    with pytest.raises(ValueError, match=r"sequences are 7 tokens long.*pad_to_multiple"):
+        shard((x[:, :7], y[:, :7]))
+    assert TECHNIQUE.batch(ParallelPlan(), _Mesh(), TinyGPT(depth=1)) is None
+
+
+def test_the_plan_refuses_what_cannot_split_the_sequence_and_sizes_the_grid():
+    plan = ParallelPlan(pipeline_size=2, sequence_parallel_size=2).for_devices(8)
+    assert plan.data_parallel_size == 2 and plan.label() == "pp 2x2 1f1b m=4 +sp 2"
+    assert plan.layout().mesh_shape == (2, 2, 1, 2, 1)
+    assert plan.code() == "PipelineStrategy(pipeline_size=2, sequence_parallel_size=2)"
+    with pytest.raises(ValueError, match="sequence_parallel_size must be a positive int"):
+        ParallelPlan(sequence_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: both split the attention heads"):
+        ParallelPlan(sequence_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="compile"):
+        ParallelPlan(sequence_parallel_size=2, compile=True)
+    with pytest.raises(
+        ValueError, match=r"pipeline_size x sequence_parallel_size \(2 x 2 = 4\) does not divide"
+    ):
+        ParallelPlan(pipeline_size=2, sequence_parallel_size=2).for_devices(6)
+
+
+def test_no_attention_found_is_refused_after_the_first_step_naming_what_was_looked_for():
+    found = FoundAttention(None, 1, "MyModel")
+    found.counts.append(lambda: 0)
+    with pytest.raises(RuntimeError, match=r"no attention to split in MyModel.*scaled_dot_product"), found:
+        pass
+    with found:  # (checked once)
+        pass
