@@ -185,7 +185,9 @@ class StepTime:
     ``bubble``: the idle share of the busiest rank's schedule; ``imbalance``: its compute over the mean
     rank's; ``communication``: seconds of collectives plus the transfers the busiest rank waited for;
     ``recompute``: recomputed forwards; ``offload``: host copies and the host step's extra over the
-    device's.
+    device's; ``overhead``: what every step pays whatever the plan computes (the links'
+    :class:`~lightning_parallel.memory.links.StepOverhead`, on the last rank: per step, per batch, per
+    action).
     """
 
     seconds: float
@@ -196,12 +198,13 @@ class StepTime:
     recompute: float
     offload: float
     optimizer: float
+    overhead: float = 0.0
 
     def describe(self) -> str:
         return (
             f"bubble {self.bubble:.0%}, imbalance {self.imbalance:.2f}, communication "
             f"{self.communication * 1e3:.1f} ms, recomputation {self.recompute * 1e3:.1f} ms, offload "
-            f"{self.offload * 1e3:.1f} ms"
+            f"{self.offload * 1e3:.1f} ms" + (f", overhead {self.overhead * 1e3:.1f} ms" if self.overhead else "")
         )
 
 
@@ -241,15 +244,17 @@ def step_time(
     stages = sorted((s for ledger in ledgers for s in _stage_times(ledger)), key=lambda s: s.index)
     actions = rank_actions(plan.schedule, p, plan.stages_per_rank, plan.num_microbatches)
     gathers = [ledger.start for ledger in ledgers]
+    overhead = links.overhead
     sim = simulate(
         actions,
-        lambda a: _duration(stages[a.stage], a.kind),
+        lambda a: _duration(stages[a.stage], a.kind) + overhead.per_action,
         lambda a: links.send(stages[a.stage - 1 if a.kind == "F" else a.stage].send),
         rank_of.__getitem__,
         gathers,
     )
     tails = [_tail(ledger) for ledger in ledgers]
-    ends = [accumulate * sim.finish[r] + tails[r][0] for r in range(p)]
+    fixed = overhead.per_step + accumulate * overhead.per_batch  # (every rank pays it at the step's end)
+    ends = [accumulate * sim.finish[r] + tails[r][0] + fixed for r in range(p)]
     last = max(range(p), key=lambda r: (ends[r], sim.busy[r]))
     busiest = max(range(p), key=lambda r: sim.busy[r])
     m = plan.num_microbatches * accumulate
@@ -264,6 +269,7 @@ def step_time(
         recompute=m * sum(s.share("recompute") for s in mine),
         offload=m * sum(s.share("offload") for s in mine) + tails[last][2],
         optimizer=tails[last][3],
+        overhead=fixed + accumulate * len(actions[last]) * overhead.per_action,
     )  # fmt: skip
 
 

@@ -49,15 +49,31 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
     refuse_environment(environment_of(strategy), strategy.root_device)
     if fitting:
         summarize_before_split(trainer, module, strategy)  # the whole model's table
-    source = source_for(module, plan)
-    with failing_together():
-        tensors = source.tensor_plan(module, plan)  # (read on the unsplit module)
-    inputs, mesh = TrainerInput(trainer, module), strategy._mesh
-    parts = build_pipeline(
-        source, plan, inputs, module, mesh, strategy.root_device, rank_zero_warn, strategy._item_count
+    parts, tensors = split_module(
+        trainer, module, plan, strategy._mesh, strategy.root_device, strategy._item_count, rank_zero_warn
     )
     rank_zero_info(f"PipelineStrategy stage plan ({plan.schedule}):\n{parts.plan.format_table()}")
     return parts, tensors
+
+
+def split_module(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    plan: Any,
+    mesh: Any,
+    device: Any,
+    count: Any = None,
+    warn: Any = rank_zero_warn,
+) -> tuple[PipelineParts, Any]:
+    """Split ``module`` with ``plan`` on ``mesh`` (every rank calls it): this rank's pipeline, and the
+    tensor-parallel plan (or None) read on the unsplit module. What :func:`split` and ``plan="auto"``'s
+    trials (each candidate on a copy of the module) share."""
+    refuse_environment(environment(plan, device), device)
+    source = source_for(module, plan)
+    with failing_together():
+        tensors = source.tensor_plan(module, plan)  # (read on the unsplit module)
+    inputs = TrainerInput(trainer, module)
+    return build_pipeline(source, plan, inputs, module, mesh, device, warn, count), tensors
 
 
 def parallelize(
@@ -65,25 +81,48 @@ def parallelize(
 ) -> tuple[Job, GradientSync, CompileWatch | None]:
     """After the split: the techniques on this rank's stages, in the list's order; the job they saw, the
     optimizer step's gradient sync, and the watch on torch.compile (when the stages are compiled)."""
-    plan, module, mesh = strategy.parallel_plan, strategy.lightning_module, parts.mesh
-    stages = parts.runner.stages
-    job = Job(plan, mesh, strategy.root_device, stages, module, parts.plan, tensors,
-              warn=rank_zero_warn, info=rank_zero_info)  # fmt: skip
+    job, sync = apply_techniques(strategy.parallel_plan, strategy.lightning_module, strategy.root_device,
+                                 parts, tensors)  # fmt: skip
+    watch = None
+    if job.plan.compiled:  # (its time is the strategy's compile_seconds, around every kind of step)
+        watch = CompileWatch(rank_zero_warn, rank_zero_info)
+        watch.start()
+    return job, sync, watch
+
+
+def apply_techniques(
+    plan: Any, module: pl.LightningModule, device: Any, parts: PipelineParts, tensors: Any, log: bool = True
+) -> tuple[Job, GradientSync]:
+    """The techniques on this rank's stages of ``module``, in the list's order; the job they saw and the
+    optimizer step's gradient sync (``log``: rank 0 prints their notes; a trial's are not printed)."""
+    mesh, stages = parts.mesh, parts.runner.stages
+    info = rank_zero_info if log else _quiet
+    job = Job(plan, mesh, device, stages, module, parts.plan, tensors, warn=rank_zero_warn if log else _quiet,
+              info=info)  # fmt: skip
     before = dict(module.named_parameters())
     notes = transform_stages(job)
     after = dict(module.named_parameters())
     replaced = {id(p): after[n] for n, p in before.items() if after.get(n, p) is not p}
     parts.parallelized(stages.sharded(), replaced)
     for note in notes:
-        rank_zero_info(f"PipelineStrategy: {note}")
+        info(f"PipelineStrategy: {note}")
     parts.runner.use_step_contexts([c for t in TECHNIQUES if (c := t.step_context(job)) is not None])
-    watch = None
-    if plan.compiled:  # (its time is the strategy's compile_seconds, around every kind of step)
-        watch = CompileWatch(rank_zero_warn, rank_zero_info)
-        watch.start()
     window = parts.items.window if parts.items is not None else None
     reductions = [r for t in TECHNIQUES for r in t.reductions(job)]
-    return job, GradientSync(module, parts.shared, reductions, mesh.dp_size, window), watch
+    return job, GradientSync(module, parts.shared, reductions, mesh.dp_size, window)
+
+
+def transformed_optimizers(optimizers: list[Any], job: Job) -> list[Any]:
+    """``optimizers`` through each technique in the list's order (sharded, their state and step on the
+    host, ...); an error is every rank's, before training."""
+    with failing_together():
+        for technique in TECHNIQUES:
+            optimizers = technique.optimizers(optimizers, job)
+    return optimizers
+
+
+def _quiet(message: str) -> None:
+    """A trial's logging: nothing (the trials' own table says what ran)."""
 
 
 def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts, job: Job) -> None:
@@ -93,10 +132,6 @@ def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts,
     strategy.setup_optimizers(trainer)
     _optimizers_to_device(strategy.optimizers, strategy.root_device)  # (fresh: their state is empty)
     job = replace(job, schedulers=tuple(config.scheduler for config in strategy.lr_scheduler_configs))
-    optimizers = list(strategy.optimizers)
-    with failing_together():  # (an error is every rank's, before training)
-        for technique in TECHNIQUES:
-            optimizers = technique.optimizers(optimizers, job)
-    strategy.optimizers = optimizers
+    strategy.optimizers = transformed_optimizers(list(strategy.optimizers), job)
     install_global_clipping(strategy.precision_plugin, parts.mesh.pp_group, parts.shared)
     install_loss_scaling(strategy.precision_plugin, strategy.optimizers)  # 16-mixed: one skip decision

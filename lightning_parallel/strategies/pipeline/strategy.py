@@ -144,6 +144,7 @@ class PipelineStrategy(
         memory: str | int | None = None,
         host_memory: str | int | None = None,
         global_batch_size: int | None = None,
+        trials: int | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         stop_grace_period: float | timedelta = DEFAULT_GRACE,
         timeout: timedelta | None = default_pg_timeout,
@@ -170,7 +171,9 @@ class PipelineStrategy(
         self.parallel_plan = plan_from_options(
             {name: arguments[name] for name in (*PLAN_OPTIONS, *OLDER_NAMES)}
         )
-        self._auto = autoplan.auto_request(plan, memory, host_memory, global_batch_size, self.parallel_plan)
+        self._auto = autoplan.auto_request(
+            plan, memory, host_memory, global_batch_size, self.parallel_plan, trials
+        )
         self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
         self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
         self._stop_agreement = StopAgreement()
