@@ -154,7 +154,8 @@ def _group_ops(
         ops["all_reduce"].append(lambda t=whole: dist.all_reduce(t, group=group))
         ops["all_gather"].append(lambda o=gathered, i=part: dist.all_gather_into_tensor(o, i, group=group))
         ops["reduce_scatter"].append(lambda o=part, i=gathered: dist.reduce_scatter_tensor(o, i, group=group))
-        ops["all_to_all"].append(lambda o=gathered.clone(), i=gathered: dist.all_to_all_single(o, i, group=group))
+        spread = gathered.clone()
+        ops["all_to_all"].append(lambda o=spread, i=gathered: dist.all_to_all_single(o, i, group=group))
     return ops
 
 
@@ -226,7 +227,8 @@ def _loopback_ops(pg: Any, sizes: tuple[int, ...], r: int) -> dict[str, list[Cal
         ops["all_reduce"].append(lambda t=whole: pg.allreduce([t]).wait())
         ops["all_gather"].append(lambda o=gathered, i=part: pg._allgather_base(o, i).wait())
         ops["reduce_scatter"].append(lambda o=part, i=gathered: pg._reduce_scatter_base(o, i).wait())
-        ops["all_to_all"].append(lambda o=gathered.clone(), i=gathered: pg.alltoall_base(o, i, [], []).wait())
+        spread = gathered.clone()
+        ops["all_to_all"].append(lambda o=spread, i=gathered: pg.alltoall_base(o, i, [], []).wait())
     return ops
 
 

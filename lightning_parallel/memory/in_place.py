@@ -55,8 +55,8 @@ def measure_in_place(
         try:
             agree(error)
         except Exception as err:
-            notes.append(f"{technique.name} not measured in place ({type(err).__name__}: {err}".splitlines()[0]
-                         + "): its time from the links")  # fmt: skip
+            why = f"{type(err).__name__}: {err}".splitlines()[0]
+            notes.append(f"{technique.name} not measured in place ({why}): its time from the links")
             continue
         if result is not None:
             measured[technique.name] = result

@@ -230,7 +230,7 @@ class Links:
 
     def overlapped(self, compute: float, communication: float) -> float:
         """Seconds for ``compute`` and ``communication`` run at once: while both run, each goes at
-        ``1 / overlap`` of its speed alone (:class:`~lightning_parallel.distributed.link_timing.OverlapTiming`).
+        ``1 / overlap`` of its speed alone (``distributed/link_timing.py``'s ``OverlapTiming``).
 
         Example::
 

@@ -222,8 +222,9 @@ def measure_for(
     """
     sizes = search.micro_batch_sizes(find_units(module).max_stages)
     return {
-        tp: measure_model(module, batch, search.precision, optimizer, step, tp, time_sizes=sizes, sync=sync,
-                          repeats=repeats)
+        tp: measure_model(
+            module, batch, search.precision, optimizer, step, tp, time_sizes=sizes, sync=sync, repeats=repeats
+        )
         for tp in search.tensor_parallel_sizes
     }
 

@@ -201,10 +201,11 @@ class StepTime:
     overhead: float = 0.0
 
     def describe(self) -> str:
+        overhead = f", overhead {self.overhead * 1e3:.1f} ms" if self.overhead else ""
         return (
             f"bubble {self.bubble:.0%}, imbalance {self.imbalance:.2f}, communication "
             f"{self.communication * 1e3:.1f} ms, recomputation {self.recompute * 1e3:.1f} ms, offload "
-            f"{self.offload * 1e3:.1f} ms" + (f", overhead {self.overhead * 1e3:.1f} ms" if self.overhead else "")
+            f"{self.offload * 1e3:.1f} ms{overhead}"
         )
 
 

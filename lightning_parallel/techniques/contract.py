@@ -316,7 +316,7 @@ class TimeBench:
         return tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, sample.inputs[size])
 
     def timed(self, fn: Callable[[], Any]) -> float:
-        """The median seconds of ``fn`` over ``repeats`` runs after a warm-up, the ranks lined up before each."""
+        """The median seconds of ``fn`` over ``repeats`` runs after a warm-up, the ranks lined up first."""
         samples = []
         for _ in range(self.repeats + 1):
             self.sync()

@@ -20,6 +20,7 @@ as the all-reduce of plain replicas does.
 from __future__ import annotations
 
 import copy
+import itertools
 import statistics
 import time
 import warnings
@@ -219,13 +220,11 @@ def measure_units(bench: TimeBench) -> FsdpTimes:
         sharded = copy.deepcopy(sample.module).to(bench.device)
         fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
         sharded.set_requires_gradient_sync(False)
-        plain_forward = bench.timed(lambda m=plain: m(*args, **kwargs))
-        plain_both = bench.timed(lambda m=plain: _backward(m(*args, **kwargs)))
+        plain_forward = bench.timed(lambda m=plain, a=args, k=kwargs: m(*a, **k))
+        plain_both = bench.timed(lambda m=plain, a=args, k=kwargs: _backward(m(*a, **k)))
         gather, forward, both, end, reduce = _sharded_step(sharded, args, kwargs, bench)
-        points.append(
-            (sample.nbytes, gather + end, forward - plain_forward, (both - forward) - (plain_both - plain_forward),
-             reduce)
-        )  # fmt: skip
+        extra_backward = (both - forward) - (plain_both - plain_forward)
+        points.append((sample.nbytes, gather + end, forward - plain_forward, extra_backward, reduce))
         for p in sharded.parameters():
             p.grad = None
     return FsdpTimes(bench.ranks, *(Line.through((p[0], p[i]) for p in points) for i in range(1, 5)))
@@ -236,9 +235,9 @@ def _sharded_step(sharded: Any, args: Any, kwargs: Any, bench: TimeBench) -> tup
     (gradients kept), the reduce-scatter; one micro-batch per repeat, as a schedule step runs it."""
     runs: list[list[float]] = []
     for repeat in range(bench.repeats + 1):
-        marks = []
+        marks: list[float] = []
 
-        def mark() -> None:
+        def mark(marks: list[float] = marks) -> None:
             bench.sync()
             if bench.device.type == "cuda":
                 torch.cuda.synchronize(bench.device)
@@ -256,7 +255,7 @@ def _sharded_step(sharded: Any, args: Any, kwargs: Any, bench: TimeBench) -> tup
         finish_backward(sharded, reduce=True)
         mark()
         if repeat:
-            runs.append([b - a for a, b in zip(marks, marks[1:])])
+            runs.append([b - a for a, b in itertools.pairwise(marks)])
         sharded.reshard()
     return tuple(statistics.median(r[i] for r in runs) for i in range(5))
 

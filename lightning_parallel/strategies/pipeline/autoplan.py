@@ -135,6 +135,26 @@ MEASURE = Measurement()
 """What the job measures (this process's; a test replaces it in its ranks)."""
 
 
+@dataclass(frozen=True)
+class AutoPlanned:
+    """What ``plan="auto"`` weighed, on global rank 0 (``strategy.planned``; ``None`` on the other ranks):
+    every plan sized and timed (fastest first), the budget, the links, the trials (predicted beside
+    measured; empty without ``trials``), what the techniques measured in place.
+
+    Example::
+
+        planned = trainer.strategy.planned
+        if planned is not None:
+            print([(c.plan.label(), c.seconds) for c in planned.candidates[:3]])
+    """
+
+    candidates: list[Candidate]
+    budget: Budget
+    links: Links
+    trials: list[Trial] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the techniques measured in place, or why not
+
+
 def auto_request(
     plan: Any, memory: Any, host_memory: Any, global_batch_size: Any, given: ParallelPlan, trials: Any = None
 ) -> AutoRequest | None:
@@ -238,10 +258,11 @@ def decide(strategy: Any, trainer: pl.Trainer) -> None:
         trainer.num_devices,
         request.margin,
     )
+    planned: list[AutoPlanned] = []  # (rank 0's)
     with torch.random.fork_rng(devices=_rng_devices(device)):
         links = job_links(trainer, meshes, settings)
         facts, search, notes = _measured_everywhere(strategy, trainer, request, budget, settings)
-        chosen = decide_on(0, lambda: _choose(facts, search, budget, links, request, notes))
+        chosen = decide_on(0, lambda: _choose(facts, search, budget, links, request, notes, planned))
         plan, report, top = chosen
         rank_zero_info(report)
         if len(top) > 1:
@@ -249,6 +270,8 @@ def decide(strategy: Any, trainer: pl.Trainer) -> None:
             tried = run_trials(trainer, strategy.lightning_module, top, batch, meshes, settings.trial_steps)
             plan, report = decide_on(0, lambda: _best_measured(tried, plan))
             rank_zero_info(report)
+            planned = [replace(p, trials=tried) for p in planned]
+    strategy.planned = planned[0] if planned else None
     strategy.parallel_plan = plan.for_devices(strategy.world_size)  # label() and code() work in a hook
     strategy._mesh = meshes.of(strategy.layout)
 
@@ -291,10 +314,18 @@ def _measured_everywhere(
 
 
 def _choose(
-    facts: dict[int, Any], search: Search, budget: Budget, links: Links, request: AutoRequest, notes: list[str]
+    facts: dict[int, Any],
+    search: Search,
+    budget: Budget,
+    links: Links,
+    request: AutoRequest,
+    notes: list[str],
+    planned: list[AutoPlanned],
 ) -> tuple[ParallelPlan, str, list[Trial]]:
-    """On rank 0: every plan sized and timed, the fastest that fits, the report; the plans to try."""
+    """On rank 0: every plan sized and timed (kept in ``planned``), the fastest that fits, the report; the
+    plans to try."""
     candidates = plan_search(facts, search, links)
+    planned.append(AutoPlanned(candidates, budget, links, notes=list(notes)))
     best = choose(facts, search, budget, links, candidates)
     plan = _with_kept(best.plan, request)
     top = []
@@ -333,7 +364,7 @@ def _best_measured(tried: list[Trial], predicted: ParallelPlan) -> tuple[Paralle
     if best is None:
         return predicted, f"{head}\n{table}\nno trial ran: the fastest predicted plan runs"
     rank = tried.index(best) + 1
-    verdict = "the fastest predicted" if rank == 1 else f"predicted {rank}th fastest"
+    verdict = "the fastest predicted" if rank == 1 else f"ranked {rank} of {len(tried)} by prediction"
     return best.plan, f"{head}\n{table}\nchosen: {best.plan.label()} (the fastest measured; {verdict})"
 
 

@@ -183,6 +183,7 @@ class PipelineStrategy(
         self._compile_watch: CompileWatch | None = None
         self._sync: GradientSync | None = None  # the optimizer step's gradient synchronisation
         self._job: Job | None = None  # this rank's job as the techniques saw it at set-up
+        self.planned: autoplan.AutoPlanned | None = None  # plan="auto": what rank 0 weighed (at setup)
 
     # ----------------------------------------------------------------------------------- layout
     @classmethod

@@ -99,6 +99,7 @@ def run_trials(
             seconds = time_plan(trainer, module, trial.plan, batch, meshes, steps)
         except Exception as err:
             error = err
+        _release(trainer.strategy.root_device)  # (the trial's copy is unreachable now)
         try:
             agree(error)
         except Exception as err:
@@ -147,10 +148,15 @@ def time_plan(
 
         return _median_step(step, steps, device)
     finally:
-        del trial
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(device)
+
+
+def _release(device: torch.device) -> None:
+    """Free a trial's stages and optimizer state before the next one (they are unreachable once it returns:
+    collected here, as the next trial builds)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _median_step(step: Callable[[int], None], steps: tuple[int, int], device: torch.device) -> float:
@@ -168,7 +174,7 @@ def _median_step(step: Callable[[int], None], steps: tuple[int, int], device: to
 
 
 def slowest(seconds: float) -> float:
-    """The largest of every rank's ``seconds`` (every rank calls it): the job's step ends with its slowest rank."""
+    """The largest of every rank's ``seconds`` (every rank calls it): a step ends with its slowest rank."""
     if world_size() < 2:
         return seconds
     t = torch.tensor([seconds], dtype=torch.float64)

@@ -68,8 +68,8 @@ class TensorParallel(Technique):
         return apply(view, job.tensor_plan, job.mesh.device_mesh, job.module)
 
     def measure(self, bench: TimeBench) -> TensorParallelTimes | None:
-        """One block split over each tensor-parallel size's ranks and run as its stage runs it
-        (:func:`measure_block`): what the local model's time leaves out (DTensor's dispatch, the all-reduces)."""
+        """One block split over each tensor-parallel size's ranks, run as its stage runs it
+        (:func:`measure_block`): what the local model's time leaves out (DTensor's dispatch, all-reduces)."""
         if bench.ranks < 2 or bench.mesh is None or not bench.samples or not bench.tensor_plans:
             return None
         blocks = {}
@@ -93,9 +93,9 @@ class TensorParallel(Technique):
         for c in ledger.stages:
             if block is not None:
                 split = [n for n in c.units if facts.tp_reduces.get(n, 0)]
-                own = [ledger.times.units.get(n) for n in split]
-                forward = sum(max(0.0, block.forward.at(mb) - (u.forward.at(mb) if u else 0.0)) for u in own)
-                backward = sum(max(0.0, block.backward.at(mb) - (u.backward.at(mb) if u else 0.0)) for u in own)
+                own = [ledger.times.units.get(n) or UnitTimes() for n in split]
+                forward = sum(max(0.0, block.forward.at(mb) - u.forward.at(mb)) for u in own)
+                backward = sum(max(0.0, block.backward.at(mb) - u.backward.at(mb)) for u in own)
                 ledger.forward[c.index] += forward
                 ledger.backward[c.index] += backward
                 ledger.share(c.index, "communication", forward + backward)
@@ -109,6 +109,14 @@ class TensorParallel(Technique):
 
 
 TECHNIQUE = TensorParallel()
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """A unit with no time of its own measured: nothing to take out of a split block's."""
+
+    forward: Line = field(default_factory=Line)
+    backward: Line = field(default_factory=Line)
 
 
 @dataclass(frozen=True)
@@ -168,8 +176,8 @@ def measure_block(sample: UnitSample, plan: Any, mesh: DeviceMesh, bench: TimeBe
             args, kwargs = tree_map(lambda t: _replicated(t, mesh), (args, kwargs))
         context = implicit_replication if on_dtensors else contextlib.nullcontext
         with context():
-            alone = bench.timed(lambda: block(*args, **kwargs))
-            both = bench.timed(lambda: _backward(block(*args, **kwargs)))
+            alone = bench.timed(lambda a=args, k=kwargs: block(*a, **k))
+            both = bench.timed(lambda a=args, k=kwargs: _backward(block(*a, **k)))
         forward.append((size, alone))
         backward.append((size, both - alone))
     return BlockTimes(Line.through(forward), Line.through(backward))
@@ -186,7 +194,8 @@ def _dtensor_output(style: ParallelStyle) -> ParallelStyle:
 def _replicated(t: Any, mesh: DeviceMesh) -> Any:
     if not torch.is_tensor(t) or not t.is_floating_point() or isinstance(t, DTensor):
         return t
-    return DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False).requires_grad_(t.requires_grad)
+    whole = DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
+    return whole.requires_grad_(t.requires_grad)
 
 
 def _backward(out: Any) -> None:
