@@ -1,5 +1,6 @@
-"""PipelineStrategy(plan="auto"): the arguments, the choice with its margin, nothing fits, and one spawned job
-in which the auto-planned run computes exactly what the same plan given by hand computes."""
+"""PipelineStrategy(plan="auto"): the arguments, the choice with its margin, nothing fits, the trials' choice,
+and one spawned job in which the auto-planned run computes exactly what the same plan given by hand computes
+(also with trials=2: strategies/pipeline/trials.py; the techniques measured in place: memory/in_place.py)."""
 
 from pathlib import Path
 from types import SimpleNamespace

@@ -247,6 +247,13 @@ def test_tensor_parallelism_s_time_reads_its_split_block_measured_in_place():
     extra = sum((5e-3 - u.forward.at(4)) + (7e-3 - u.backward.at(4)) for u in own)
     assert split and timed.seconds - base.seconds == pytest.approx(2 * extra)  # 2 micro-batches of 4
     assert timed.communication - base.communication == pytest.approx(2 * extra)
+    # Recomputed, a split block's forward runs on DTensors again in backward: charged twice.
+    ac = dataclasses.replace(plan, activation_checkpointing=True)
+    base_ac = step_time(_measured("tp", tensor_parallel=zero), LINKS, ac, 8)
+    timed_ac = step_time(_measured("tp", tensor_parallel=measured), LINKS, ac, 8)
+    again = sum(5e-3 - u.forward.at(4) for u in own)
+    assert timed_ac.seconds - base_ac.seconds == pytest.approx(2 * (extra + again))
+    assert timed_ac.recompute - base_ac.recompute == pytest.approx(2 * again)
     # Another tensor-parallel size than the one measured: the links' all-reduces, as unmeasured.
     other = TensorParallelTimes({4: BlockTimes(Line(5e-3), Line(7e-3))})
     unmeasured = step_time(facts, LINKS, plan, 8)

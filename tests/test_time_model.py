@@ -76,6 +76,19 @@ def test_the_probe_times_every_unit_and_the_optimizer(facts):
     assert cost.per_element >= 0 and optimizer_step_cost([], torch.device("cpu")).of(1e6, 10) == 0
 
 
+def test_the_probe_keeps_a_block_and_the_smallest_unit_with_their_inputs(facts):
+    """What the techniques time in place on the job (TimeBench.samples): recorded at the warm-up."""
+    block, small = facts.times.samples
+    shapes = [tuple(tuple(p.shape) for p in u.module.parameters()) for u in facts.layout.units]
+    mine = tuple(tuple(p.shape) for p in block.module.parameters())
+    assert shapes.count(mine) == max(shapes.count(s) for s in shapes) > 1  # of the most common structure
+    assert 0 < small.nbytes < block.nbytes
+    for sample in (block, small):
+        assert set(sample.inputs) == {2, 8}
+        (x, *_), _kwargs = sample.inputs[8]
+        assert x.shape[0] == 8 and x.grad_fn is None  # detached copies
+
+
 def test_the_step_charges_bubble_recomputation_communication_and_offload(facts):
     fast = given_links(bandwidth=100e9, latency=1e-6, host_bandwidth=50e9)
     slow = given_links(bandwidth=1e6, latency=1e-3, host_bandwidth=1e6)

@@ -7,9 +7,10 @@ times from :mod:`~lightning_parallel.memory.time_probe`) and the links
 1. **Each stage's forward and backward per micro-batch**: its units' measured lines at the
    micro-batch's size, then what each technique adds (``Technique.time``, folded over a
    :class:`~lightning_parallel.techniques.contract.TimeLedger` per pipeline rank in the list's order):
-   in backward, the forward of each recomputed unit once more; with tensor parallelism the all-reduces
-   of each split block; with offloaded activations, their copy to the host in forward and back in
-   backward.
+   in backward, the forward of each recomputed unit once more; with tensor parallelism each split block
+   as it measured in place (or the all-reduces of each split block); FSDP2's hooks on each unit (measured
+   in place); with offloaded activations, their copy to the host in forward and back in backward. Each
+   forward or backward also pays the runtime's bookkeeping (the links' ``StepOverhead.per_action``).
 2. **The schedule, simulated**: each pipeline rank runs its actions in torch's own order
    (:func:`~lightning_parallel.memory.schedule.rank_actions`), an action starting when its rank is free
    and its input has arrived (the previous stage's forward, or the next stage's backward, plus the
@@ -23,8 +24,12 @@ times from :mod:`~lightning_parallel.memory.time_probe`) and the links
    optimizer step (per element and per tensor, on the device unless a technique moved it). Every
    collective message pays the latency.
 
-The step time is the last rank's finish. What is not modelled: the Trainer's own per-batch work (the
-same for every plan), the overlap of communication with compute, other jobs on the machine.
+The step time is the last rank's finish, plus what every step pays whatever the plan (the links'
+:class:`~lightning_parallel.memory.links.StepOverhead`, measured on the job by a trivial stage run through
+the strategy's own step: per step and per batch). What is not modelled: Lightning's loop around the
+strategy's step (its hooks, callbacks and logger connector: about a millisecond a step here), the overlap
+of communication with compute (the links carry its measured slowdown, ``Links.overlapped``, for a
+technique that overlaps), other jobs on the machine.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Measure how long each pipeline unit's forward and backward take, and the optimizer step per element.
 
 The time model's counterpart of :mod:`~lightning_parallel.memory.probe`: the same units, the same step
-(``training_step``), timed on this machine at two micro-batch sizes so that each unit gets a straight
-line ``seconds = a + b x samples`` (the intercept is what a micro-batch costs whatever its size:
+(``training_step``), timed on this machine at two micro-batch sizes (under ``plan="auto"`` on every rank
+at once, as the steps will share the machine) so that each unit gets a straight line
+``seconds = a + b x samples`` (the intercept is what a micro-batch costs whatever its size:
 Python, kernel launches; the slope what each sample adds). Module hooks time each unit's forward
 (outermost calls only) and backward; what runs between units (a residual add, the loss) is charged
 to the unit before it, or before the first one (:data:`~lightning_parallel.memory.probe.BEFORE`), as

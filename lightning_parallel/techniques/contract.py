@@ -232,7 +232,7 @@ class Line:
 
     Example::
 
-        >>> Line.through([(2, 0.003), (8, 0.009)]).at(4)
+        >>> round(Line.through([(2, 0.003), (8, 0.009)]).at(4), 6)
         0.005
     """
 
@@ -363,6 +363,8 @@ class TimeLedger:
         gradients: bytes of the rank's gradients; ``unreduced``: those no reduction has charged yet.
         step_elements, step_tensors: what the rank's optimizer step updates.
         tail: seconds after the schedule, by :data:`TIME_SHARES` entry, and ``"optimizer"``.
+        recomputed: the units whose forward runs again in backward (recomputation's): a technique that
+            changes a unit's forward after it (tensor parallelism's split blocks) charges the change twice.
 
     Example::
 
@@ -387,6 +389,7 @@ class TimeLedger:
     step_elements: float = 0.0
     step_tensors: float = 0.0
     tail: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_SHARES, 0.0))
+    recomputed: set[str] = field(default_factory=set)
 
     @property
     def times(self) -> Any:

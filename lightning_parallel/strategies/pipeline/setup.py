@@ -21,7 +21,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.grads.sync import GradientSync
-from lightning_parallel.strategies.pipeline import autoplan
 from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline, source_for
 from lightning_parallel.strategies.pipeline.call_input import TrainerInput
 from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
@@ -42,8 +41,6 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
 
     Every rank calls it (it is collective); an error on one rank is raised on every rank.
     """
-    if strategy._auto is not None:  # plan="auto": the plan chosen on rank 0, applied on every rank; the mesh
-        autoplan.decide(strategy, trainer)
     module, plan = strategy.lightning_module, strategy.parallel_plan
     refuse_compiled_module(module)  # (every rank holds the same module)
     refuse_environment(environment_of(strategy), strategy.root_device)

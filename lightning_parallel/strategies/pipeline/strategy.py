@@ -282,6 +282,8 @@ class PipelineStrategy(
             check_fit_supported(trainer)
         first = self.parts is None
         if first:
+            if self._auto is not None:  # plan="auto": chosen on rank 0, applied on every rank; the mesh
+                autoplan.decide(self, trainer)
             self.parts, tensors = pipeline_setup.split(self, trainer, fitting)
             self._register_release()
         self.precision_plugin.convert_module(self.model)

@@ -83,7 +83,8 @@ class TensorParallel(Technique):
         """Measured in place (:class:`TensorParallelTimes`, ``plan="auto"``): each split unit (a block) costs
         what the real split block measured per micro-batch, forward and backward, its all-reduces and
         DTensor's dispatch included (the difference from the local model's unit charged as
-        communication). Else from the links: one all-reduce per row-wise split layer in forward, as many
+        communication; a recomputed block's forward again in backward). Else from the links: one
+        all-reduce per row-wise split layer in forward, as many
         in backward, each of the unit's output (activation-sized), over the tensor-parallel ranks."""
         tp, facts, mb = ledger.plan.tensor_parallel_size, ledger.facts, ledger.micro_batch
         if tp == 1:
@@ -93,12 +94,15 @@ class TensorParallel(Technique):
         for c in ledger.stages:
             if block is not None:
                 split = [n for n in c.units if facts.tp_reduces.get(n, 0)]
-                own = [ledger.times.units.get(n) or UnitTimes() for n in split]
-                forward = sum(max(0.0, block.forward.at(mb) - u.forward.at(mb)) for u in own)
-                backward = sum(max(0.0, block.backward.at(mb) - u.backward.at(mb)) for u in own)
+                own = {n: ledger.times.units.get(n) or UnitTimes() for n in split}
+                more = {n: max(0.0, block.forward.at(mb) - u.forward.at(mb)) for n, u in own.items()}
+                forward = sum(more.values())
+                backward = sum(max(0.0, block.backward.at(mb) - u.backward.at(mb)) for u in own.values())
+                again = sum(more[n] for n in split if n in ledger.recomputed)  # (recomputed: on DTensors too)
                 ledger.forward[c.index] += forward
-                ledger.backward[c.index] += backward
+                ledger.backward[c.index] += backward + again
                 ledger.share(c.index, "communication", forward + backward)
+                ledger.share(c.index, "recompute", again)
                 continue
             outputs = [facts.probe.unit(n).outputs.at(mb) for n in c.units]
             reduces = sum(facts.tp_reduces.get(n, 0) * ledger.links.all_reduce(tp, nbytes)
