@@ -354,6 +354,7 @@ def memory_validation(rows: Rows) -> str:
 
 
 HOST_COLUMNS = ("predicted_host_bytes", "measured_host_bytes")
+AUTOPLAN_FAMILIES = ("replicas", "ZeRO-1", "FSDP2", "tensor parallel", "offload", "interleaved", "pipeline")
 
 
 def autoplan(rows: Rows) -> str:
@@ -367,43 +368,62 @@ def autoplan(rows: Rows) -> str:
             if auto is best
             else ("within the goal" if ratio <= goal else "misses the goal")
         )
+        tried = auto["trials_vs_best_tried"]
+        trials = f"`{auto['trials_chose']}`: {_f(tried, 2)} of the best it tried" if tried else "-"
         body.append(
             [model, budget, _mib(float(auto["budget_bytes"])), f"`{auto['plan']}`",
              _f(auto["predicted_ms"], 1), timed_col(auto, "measured_ms", 1), f"`{best['plan']}`",
-             timed_col(best, "measured_ms", 1), timed_col(auto, "auto_vs_best", 2, words),
+             timed_col(best, "measured_ms", 1), timed_col(auto, "auto_vs_best", 2, words), trials,
              _mib(float(auto["measured_peak_bytes"])), "yes" if auto["fits_measured"] == "True" else "**no**",
              len(mine)]
         )  # fmt: skip
     header = ["model", "budget", "MiB per device", "plan='auto' chose", "predicted milliseconds",
-              "its measured ms", "best measured of the six", "best ms", "auto / best ratio",
-              "its measured peak MiB (worst rank)", "fits", "plans run"]  # fmt: skip
+              "its measured ms", "best measured", "best ms", "auto / best ratio",
+              "with trials=3: chose, measured / best of the tried", "its measured peak MiB (worst rank)",
+              "fits", "plans run"]  # fmt: skip
     detail = [
-        [r["model"], r["budget"], r["predicted_rank"], f"`{r['plan']}`", _f(r["predicted_ms"], 1),
-         timed_col(r, "measured_ms", 1), _mib(float(r["predicted_peak_bytes"])),
+        [r["model"], r["budget"], r["predicted_rank"], f"`{r['plan']}`", r["families"],
+         _f(r["predicted_ms"], 1), timed_col(r, "measured_ms", 1), _f(r["error"], 3),
+         _f(r["trial_ms"], 1) if r["trial_ms"] else "-", _mib(float(r["predicted_peak_bytes"])),
          _mib(float(r["measured_peak_bytes"])), _f(r["peak_error"], 3),
          *(_mib(float(r[k])) if float(r[k]) else "-" for k in HOST_COLUMNS)]
         for r in rows
     ]  # fmt: skip
-    detail_header = ["model", "budget", "predicted rank", "plan", "predicted milliseconds", "measured ms",
+    detail_header = ["model", "budget", "predicted rank", "plan", "families", "predicted milliseconds",
+                     "measured ms", "error (measured / predicted - 1)", "its trial's ms",
                      "predicted peak MiB", "measured peak MiB (worst rank)", "peak error",
                      "predicted host MiB", "measured host MiB (optimizer)"]  # fmt: skip
+    r0 = rows[0]
+    families = [
+        [f, _f(r0[f"family_{_key(f)}_median"], 2), _f(r0[f"family_{_key(f)}_worst"], 2),
+         r0[f"family_{_key(f)}_plans"]]
+        for f in AUTOPLAN_FAMILIES if r0.get(f"family_{_key(f)}_median")
+    ]  # fmt: skip
+    family_header = ["family", "median measured / predicted", "furthest from 1", "plans"]
     models = {r["model"]: r for r in rows}
     within = "; ".join(
         f"{m} {_f(r['spearman_model'], 2)} ({r['plans_model']} plans)" for m, r in models.items()
     )
-    r0 = rows[0]
     return (
-        _table(header, body) + f"\n\nSpearman rank correlation between predicted and measured step time: "
-        f"{_f(r0['spearman_all'], 2)} over all {r0['plans_all']} plans measured (goal "
-        f"{r0['spearman_goal']}); within each model: {within}. Step time: the median of each plan's timed "
-        "steps over two passes (the second in reverse order), min-max beside it; the ratio's range pairs "
-        "the extremes. Peaks: MemTracker on one step, every rank; host and device are one memory here, so "
-        "an offloaded optimizer's host copies, gradient buffers and state (held through the step) are taken "
-        "out of the device peak and shown as the host's (activations offloaded to the host stay in the "
-        "device peak); fits = the measured device peak within the budget on every rank; the goal for the "
-        f"auto choice: a median ratio to the best measured of at most {r0['time_goal']}.\n\n"
-        + _table(detail_header, detail)
+        _table(header, body) + f"\n\nOver all {r0['plans_all']} plans measured: median absolute error "
+        f"{_f(r0['median_abs_error'], 3)} (goal {r0['error_goal']}); Spearman rank correlation between "
+        f"predicted and measured step time {_f(r0['spearman_all'], 2)} (goal {r0['spearman_goal']}); within "
+        f"each model: {within}. Load average {r0['load_start']} when the runs started, {r0['load_end']} when "
+        "they ended (the machine is shared). Step time: the median of each plan's timed optimizer steps over "
+        "two passes (the second in reverse order), from one step's start to the next, min-max beside it; "
+        "the ratio's range pairs the extremes. Peaks: MemTracker on one step, every rank; host and device "
+        "are one memory here, so an offloaded optimizer's host copies, gradient buffers and state (held "
+        "through the step) are taken out of the device peak and shown as the host's (activations offloaded "
+        "to the host stay in the device peak); fits = the measured device peak within the budget on every "
+        f"rank; the goal for the auto choice: within {r0['time_goal']} of the best measured.\n\n"
+        + _table(family_header, families)
+        + f"\n\nA plan is in every family of its techniques; goal: no family off by more than "
+        f"{r0['family_goal']}x.\n\n" + _table(detail_header, detail)
     )
+
+
+def _key(family: str) -> str:
+    return family.replace(" ", "_").replace("-", "")
 
 
 def _groups_of(rows: Rows, keys: tuple[str, ...]) -> dict[tuple[str, ...], Rows]:

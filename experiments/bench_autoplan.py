@@ -3,9 +3,10 @@
 For three models (the Sequential CharLM with split q, k, v projections, ``models.SequentialCharLM(
 split_qkv=True)``, which FSDP2 and tensor parallelism both split; the main job's GPT ``models.CharLM``,
 split by tracing; a Hugging Face Llama from a small config, ``hf_decoders.HFDecoderLM``, traced, whose
-tensor-parallel stages run on DTensors) on 2 gloo ranks of this machine:
+tensor-parallel stages run on DTensors) on 2 gloo ranks of this machine, each model in one job of its own
+(its plans predicted and measured minutes apart, under the same load):
 
-1. **Planned as** ``PipelineStrategy(plan="auto")`` **plans**, in the spawned ranks themselves: a Trainer
+1. **Planned as** ``PipelineStrategy(plan="auto")`` **plans**, in the job's ranks themselves: a Trainer
    with ``plan="auto"`` (a budget everything fits, the global batch, the loader's batch of global / 2)
    and ``max_steps=0`` sets up, so the job's links are timed (each collective at several sizes), what
    every step pays is measured on a trivial stage, every rank times the units at once and the techniques
@@ -49,6 +50,7 @@ from typing import Any
 
 import _harness as h
 import torch
+import torch.distributed as dist
 from _meters import StepMeter
 from models import CharLM, SequentialCharLM
 from torch.utils.data import DataLoader, TensorDataset
@@ -181,19 +183,28 @@ def picks_for(candidates: list[dict[str, Any]], budget: Budget, quick: bool) -> 
 # ------------------------------------------------------------------------------------------ measuring
 
 
-def run_worker(
-    rank: int, world: int, jobs: list[dict[str, Any]], passes: int, budgets: dict[str, dict[str, int]],
-    quick: bool,
-) -> dict[str, Any]:  # fmt: skip
-    """Each job (model, plan) fitted for WARMUP + TRACKED + TIMED steps, twice, the second pass reversed;
-    then, per model and budget, ``plan="auto", trials=3`` (the plan it keeps, its trials)."""
-    h.quiet()
-    out = []
-    for pass_, order in enumerate((jobs, list(reversed(jobs)))[:passes]):
+def model_worker(rank: int, world: int, model: str, quick: bool) -> dict[str, Any]:
+    """One model in one job, so that its plans are predicted and measured under the same load: planned as
+    ``plan="auto"`` plans (rank 0's plans handed to every rank), the budgets and the plans to run, each
+    run twice (the second pass reversed), then ``plan="auto", trials=3`` per budget."""
+    load = os.getloadavg()[0]
+    box = [plan_worker(rank, world, model, quick, None)]
+    dist.broadcast_object_list(box, src=0)
+    found = box[0]
+    budgets = budgets_for(found["candidates"])
+    if quick:  # the first budget only
+        budgets = dict(list(budgets.items())[:1])
+    picks = {name: picks_for(found["candidates"], b, quick) for name, b in budgets.items()}
+    plans = {c["label"]: c for mine in picks.values() for c in mine}
+    jobs = [{"key": f"{model}|{label}", "model": model, "plan": c["plan"], "accumulate": c["accumulate"]}
+            for label, c in plans.items()]  # fmt: skip
+    runs = []
+    for pass_, order in enumerate((jobs, list(reversed(jobs)))[: 1 if quick else 2]):
         for job in order:
-            out.append(one_run(rank, world, job) | {"pass": pass_})
-    tried = {model: plan_worker(rank, world, model, quick, wanted) for model, wanted in budgets.items()}
-    return {"runs": out, "tried": tried}
+            runs.append(one_run(rank, world, job) | {"pass": pass_})
+    tried = plan_worker(rank, world, model, quick, {name: b.device for name, b in budgets.items()})
+    return dict(found=found, budgets=budgets, picks=picks, runs=runs, tried=tried, load=load,
+                load_end=os.getloadavg()[0])  # fmt: skip
 
 
 def one_run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
@@ -355,43 +366,24 @@ def main(argv: list[str] | None = None) -> int:
     h.quiet()
     start, load_start = time.perf_counter(), os.getloadavg()[0]
     models = MODELS[:1] if args.quick else MODELS
-    planned: dict[str, tuple[dict[str, Budget], dict[str, list[dict[str, Any]]]]] = {}
-    jobs: dict[str, dict[str, Any]] = {}
-    for model in models:
-        found = h.spawn(plan_worker, DEVICES, model, args.quick, None)[0]
-        print(f"{model}: {found['links']}", flush=True)
-        candidates = found["candidates"]
-        budgets = budgets_for(candidates)
-        if args.quick:  # the first budget only
-            budgets = dict(list(budgets.items())[:1])
-        picks = {name: picks_for(candidates, b, args.quick) for name, b in budgets.items()}
-        planned[model] = (budgets, picks)
-        for name, mine in picks.items():
-            print(f"{model}, {name} ({budgets[name].describe()}): {', '.join(c['label'] for c in mine)}",
-                  flush=True)  # fmt: skip
-            for c in mine:
-                key = f"{model}|{c['label']}"
-                jobs[key] = {"key": key, "model": model, "plan": c["plan"], "accumulate": c["accumulate"]}
-    times = "once" if args.quick else "twice"
-    print(f"planned in {time.perf_counter() - start:.0f} s; running {len(jobs)} plans {times}", flush=True)
-    wanted = {model: {name: b.device for name, b in budgets.items()} for model, (budgets, _) in
-              planned.items()}  # fmt: skip
-    per_rank = h.spawn(run_worker, DEVICES, list(jobs.values()), 1 if args.quick else 2, wanted, args.quick)
-    tried = per_rank[0]["tried"]
-    load_end = os.getloadavg()[0]
-    measured = {}
-    for key in jobs:
-        runs = [r for records in per_rank for r in records["runs"] if r["key"] == key]
-        seconds = [t * 1e3 for r in runs if r["rank"] == 0 for t in r["times"]]
-        s = h.spread(seconds)
-        measured[key] = dict(ms=round(s.median, 2), ms_min=round(s.lo, 2), ms_max=round(s.hi, 2),
-                             steps=s.n, peak=max(r["peak"] for r in runs),
-                             host=max(r["host"] for r in runs))  # fmt: skip
     rows = []
-    for model, (budgets, picks) in planned.items():
-        for name, mine in picks.items():
+    for model in models:
+        per_rank = h.spawn(model_worker, DEVICES, model, args.quick)
+        done = per_rank[0]
+        loads = f"load average {done['load']:.1f} -> {done['load_end']:.1f}"
+        print(f"{model} ({loads}): {done['found']['links']}", flush=True)
+        measured = {}
+        for c in {c["label"]: c for mine in done["picks"].values() for c in mine}.values():
+            key = f"{model}|{c['label']}"
+            mine = [r for records in per_rank for r in records["runs"] if r["key"] == key]
+            s = h.spread(t * 1e3 for r in mine if r["rank"] == 0 for t in r["times"])
+            measured[key] = dict(ms=round(s.median, 2), ms_min=round(s.lo, 2), ms_max=round(s.hi, 2),
+                                 steps=s.n, peak=max(r["peak"] for r in mine),
+                                 host=max(r["host"] for r in mine))  # fmt: skip
+        for name, mine in done["picks"].items():
             if mine:
-                rows += rows_for(model, name, budgets[name], mine, measured, tried[model].get(name))
+                rows += rows_for(model, name, done["budgets"][name], mine, measured, done["tried"].get(name))
+    load_end = os.getloadavg()[0]
     summary = with_summary(rows, load_start, load_end)
     h.write_csv(args.out_dir / "autoplan.csv", rows)
     plot(args.out_dir / "autoplan.png", rows)
