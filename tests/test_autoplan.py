@@ -2,6 +2,7 @@
 and one spawned job in which the auto-planned run computes exactly what the same plan given by hand computes
 (also with trials=2: strategies/pipeline/trials.py; the techniques measured in place: memory/in_place.py)."""
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -147,9 +148,10 @@ MODELS = {"sequential": lambda: SequentialRegressor(adam=True, depth=4), "flat":
 """A model the pipeline can split, and one it cannot (run whole: the search offers pipeline_size=1)."""
 
 
-TINY = autoplan.Measurement(link_sizes=(1 << 10, 1 << 16), link_repeats=1, repeats=1, overhead_steps=(1, 1),
+TINY = autoplan.Measurement(link_sizes=(1 << 10, 1 << 16), link_repeats=1, repeats=1, overhead_steps=(0, 0),
                             trial_steps=(1, 1))  # fmt: skip
-"""What the job measures before it plans: a step or two and one repeat of everything (the suite's time)."""
+"""What the job measures before it plans: a step and one repeat of everything (the suite's time); what every
+step pays is measured in the run with trials only (a trivial stage built twice)."""
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
@@ -161,20 +163,22 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         variants = ("auto", "hand") + (("trials", "trials_hand") if model_name == "sequential" else ())
         for name in variants:
             key = f"{model_name}_{name}"
+            plan_key = f"{model_name}_plan" if name in ("auto", "hand") else f"{model_name}_trials_plan"
             torch.manual_seed(0)
             if name in ("auto", "trials"):
                 trials = 2 if name == "trials" else None
+                autoplan.MEASURE = replace(TINY, overhead_steps=(1, 1)) if trials else TINY
                 strategy = PipelineStrategy(plan="auto", memory="1GiB", global_batch_size=16, trials=trials)
                 callbacks = []
             else:
-                strategy = PipelineStrategy.from_plan(records[f"{key.removesuffix('_hand')}_plan"])
+                strategy = PipelineStrategy.from_plan(records[plan_key])
                 callbacks = [GradientAccumulationScheduler(global_batch_size=16)]
             callbacks.append(_PlanSeen(records, f"{key}_seen"))
             trainer = quiet_trainer(devices=world, strategy=strategy, callbacks=callbacks, max_steps=3)
             model = make()
             trainer.fit(model, loader(data, 4))
             records[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            records[f"{key.removesuffix('_hand')}_plan"] = trainer.strategy.parallel_plan
+            records[plan_key] = trainer.strategy.parallel_plan
             records[f"{key}_loss"] = float(trainer.callback_metrics["train_loss"])
             planned = trainer.strategy.planned
             if planned is not None:  # (rank 0's)

@@ -119,36 +119,59 @@ def time_plan(
 ) -> float:
     """This rank's median seconds per optimizer step of ``plan`` (``plan.accumulate_grad_batches`` batches
     each) on a copy of ``module``, after ``steps[0]`` warm-up steps; every rank calls it."""
+    return time_windows(trainer, module, plan, batch, meshes, steps, (plan.accumulate_grad_batches,))[0]
+
+
+def time_windows(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    plan: ParallelPlan,
+    batch: Any,
+    meshes: Meshes,
+    steps: tuple[int, int],
+    windows: tuple[int, ...],
+) -> list[float]:
+    """:func:`time_plan` for each accumulation window of ``windows`` (batches per optimizer step), on one
+    build of ``plan``."""
     device = trainer.strategy.root_device
-    trial = trial_copy(module, trainer)
-    mesh = meshes.of(plan.layout())
     try:
-        parts, tensors = pipeline_setup.split_module(trainer, trial, plan, mesh, device, None, _quiet)
-        trainer.precision_plugin.convert_module(trial)
-        trainer.precision_plugin.convert_module(parts.twin)
-        if environment(plan, device).parameters_on_host:
-            buffers_to(trial, device)
-        else:
-            trial.to(device)
-        job, sync = pipeline_setup.apply_techniques(plan, trial, device, parts, tensors, log=False)
-        optimizers = optimizers_without_trainer(trial)
-        _optimizers_to_device(optimizers, device)
-        optimizers = pipeline_setup.transformed_optimizers(optimizers, job)
-        batches = plan.accumulate_grad_batches
-
-        def step(index: int) -> None:
-            for b in range(batches):
-                run_step(parts, trial, "training_step", (batch, index * batches + b), train=True)
-                parts.held.add_to_grads()
-            sync()
-            for o in optimizers:
-                o.step()
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
-
-        return _median_step(step, steps, device)
+        step = _built(trainer, module, plan, batch, meshes.of(plan.layout()))
+        return [_median_step(lambda i, w=w: step(i, w), steps, device) for w in windows]
     finally:
         _release(device)
+
+
+def _built(
+    trainer: pl.Trainer, module: pl.LightningModule, plan: ParallelPlan, batch: Any, mesh: PipelineMesh
+) -> Callable[[int, int], None]:
+    """``plan`` built on a copy of ``module`` as the strategy builds its own (the split, the techniques, the
+    optimizers); its optimizer step: ``step(index, batches)`` runs ``batches`` batches, then the sync and
+    the optimizers' step."""
+    device = trainer.strategy.root_device
+    trial = trial_copy(module, trainer)
+    parts, tensors = pipeline_setup.split_module(trainer, trial, plan, mesh, device, None, _quiet)
+    trainer.precision_plugin.convert_module(trial)
+    trainer.precision_plugin.convert_module(parts.twin)
+    if environment(plan, device).parameters_on_host:
+        buffers_to(trial, device)
+    else:
+        trial.to(device)
+    job, sync = pipeline_setup.apply_techniques(plan, trial, device, parts, tensors, log=False)
+    optimizers = optimizers_without_trainer(trial)
+    _optimizers_to_device(optimizers, device)
+    optimizers = pipeline_setup.transformed_optimizers(optimizers, job)
+
+    def step(index: int, batches: int) -> None:
+        for b in range(batches):
+            run_step(parts, trial, "training_step", (batch, index * batches + b), train=True)
+            parts.held.add_to_grads()
+        sync()
+        for o in optimizers:
+            o.step()
+        for o in optimizers:
+            o.zero_grad(set_to_none=True)
+
+    return step
 
 
 def _release(device: torch.device) -> None:
@@ -242,7 +265,7 @@ def measure_overhead(
 ) -> StepOverhead:
     """What every step pays whatever the plan, on every rank of the job (every rank calls it): a trivial
     stage (two 1x1 layers, a logged loss) run by the strategy's own step as replicas over every rank, at
-    one micro-batch, at four, and accumulating two batches; what the time model charges for it (the
+    one micro-batch (one batch per step, then two), and at four; what the time model charges for it (the
     replicas' all-reduce of its four numbers) taken out.
 
     Example::
@@ -256,11 +279,11 @@ def measure_overhead(
     batch = torch.zeros(4, 1, device=device)
     world = world_size()
 
-    def timed(m: int, accumulate: int) -> float:
-        plan = ParallelPlan("pipeline", world, 1, m, accumulate_grad_batches=accumulate)
-        return slowest(time_plan(trainer, trivial, plan, batch, meshes, steps))
+    def timed(m: int, windows: tuple[int, ...]) -> list[float]:
+        plan = ParallelPlan("pipeline", world, 1, m)
+        return [slowest(s) for s in time_windows(trainer, trivial, plan, batch, meshes, steps, windows)]
 
-    one, four, two = timed(1, 1), timed(4, 1), timed(1, 2)
+    (one, two), (four,) = timed(1, (1, 2)), timed(4, (1,))
     per_action = max(0.0, (four - one) / 6)  # three micro-batches more: a forward and a backward each
     per_batch = max(0.0, two - one - 2 * per_action)
     modelled = links.all_reduce(world, 4 * sum(p.numel() for p in trivial.parameters()))
@@ -276,4 +299,12 @@ def _quiet(message: str) -> None:
     """A trial's warnings: none (the same plan's would show in the run)."""
 
 
-__all__ = ["Meshes", "Trial", "measure_overhead", "optimizers_without_trainer", "run_trials", "time_plan"]
+__all__ = [
+    "Meshes",
+    "Trial",
+    "measure_overhead",
+    "optimizers_without_trainer",
+    "run_trials",
+    "time_plan",
+    "time_windows",
+]
