@@ -156,6 +156,7 @@ def test_measured_links_are_curves_rescaled_as_rings_for_another_group_size():
         2, "measured on a test's group", {
             "send": _timed(sizes, (1e-4, 1e-3, 1e-2)), "all_reduce": _timed(sizes, (2e-4, 2e-3, 3e-2)),
             "all_gather": _timed(sizes, (1.5e-4, 1e-3, 1.5e-2)), "copy": _timed(sizes, (1e-6, 1e-4, 2e-3)),
+            "broadcast": _timed(sizes, (1e-4, 9e-4, 1.2e-2)),
         }, OverlapTiming(compute=0.010, collective=0.008, together=0.014),
     )  # fmt: skip
     links = links_from(timings, overhead=StepOverhead(1e-3))
@@ -165,6 +166,9 @@ def test_measured_links_are_curves_rescaled_as_rings_for_another_group_size():
     assert links.all_reduce(1, 1 << 20) == 0 and links.all_gather(2, 0) == 0
     # Four ranks: 3 ring steps of a quarter, each what the 2-rank curve's one step costs at that chunk.
     assert links.all_reduce(4, 1 << 22) == pytest.approx(3 * links.curves["all_reduce"].time(1 << 21))
+    # A broadcast moves the whole message at each of its k - 1 steps.
+    assert links.broadcast(2, 1 << 20) == pytest.approx(9e-4)
+    assert links.broadcast(4, 1 << 20) == pytest.approx(3 * 9e-4)
     # Kinds not timed fall back: a reduce-scatter is an all-gather's; a collective with no curve at all
     # (given links) is the alpha-beta ring.
     assert links.reduce_scatter(2, 1 << 20) == links.all_gather(2, 1 << 20)
@@ -173,7 +177,18 @@ def test_measured_links_are_curves_rescaled_as_rings_for_another_group_size():
     assert "slows both 1.50x" in links.describe() and "1.00 ms per step" in links.describe()
     given = given_links(bandwidth=1e9, latency=1e-5)
     assert given.reduce_scatter(4, 4e6) == given.all_gather(4, 4e6) and given.all_to_all(4, 4e6) > 0
+    assert given.broadcast(4, 1e6) == pytest.approx(3 * (1e-5 + 1e6 / 1e9))
     assert given.more_messages(4, 3) == pytest.approx(2 * 3 * 1e-5)
+
+
+def test_zero1_broadcasts_each_parameter_on_the_measured_curve(facts):
+    sizes = (1 << 10, 1 << 20)
+    curves = {"broadcast": Curve(sizes, (2e-4, 1e-3)), "all_reduce": Curve(sizes, (3e-4, 2e-3))}
+    links = replace(given_links(bandwidth=1e9, latency=1e-5), curves=curves, ranks=2)
+    plain = step_time(facts, links, ParallelPlan("pipeline", 2, 1, 1), samples=8)
+    zero = step_time(facts, links, ParallelPlan("pipeline", 2, 1, 1, data_parallel="zero1"), samples=8)
+    broadcasts = sum(links.broadcast(2, t.nbytes) for t in facts.tensors.values() if t.grad)
+    assert zero.communication - plain.communication == pytest.approx(broadcasts)
 
 
 def test_overlap_slows_both_while_they_run_at_once():

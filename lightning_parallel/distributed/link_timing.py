@@ -34,10 +34,11 @@ SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24)
 REPEATS = 5
 """Timed repeats of each message (after one warm-up); the median is kept."""
 
-KINDS = ("send", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+KINDS = ("send", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 """The messages timed over the group, each of ``size`` bytes in all: a send from the first rank to the
 second (and a one-element acknowledgement back); an all-reduce of a ``size`` tensor; an all-gather into a
-``size`` tensor; a reduce-scatter of a ``size`` tensor; an all-to-all of a ``size`` tensor per rank."""
+``size`` tensor; a reduce-scatter of a ``size`` tensor; an all-to-all of a ``size`` tensor per rank; a
+broadcast of a ``size`` tensor from the first rank."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,8 @@ def _group_ops(
         ops["reduce_scatter"].append(lambda o=part, i=gathered: dist.reduce_scatter_tensor(o, i, group=group))
         spread = gathered.clone()
         ops["all_to_all"].append(lambda o=spread, i=gathered: dist.all_to_all_single(o, i, group=group))
+        source = dist.get_global_rank(group, 0) if group is not None else 0
+        ops["broadcast"].append(lambda t=whole, s=source: dist.broadcast(t, s, group=group))
     return ops
 
 
@@ -229,6 +232,7 @@ def _loopback_ops(pg: Any, sizes: tuple[int, ...], r: int) -> dict[str, list[Cal
         ops["reduce_scatter"].append(lambda o=part, i=gathered: pg._reduce_scatter_base(o, i).wait())
         spread = gathered.clone()
         ops["all_to_all"].append(lambda o=spread, i=gathered: pg.alltoall_base(o, i, [], []).wait())
+        ops["broadcast"].append(lambda t=whole: pg.broadcast([t], dist.BroadcastOptions()).wait())
     return ops
 
 

@@ -148,8 +148,9 @@ class StepOverhead:
         )
 
 
-RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
-"""Ring steps of each collective per ``k - 1`` ranks (an all-reduce is a reduce-scatter + an all-gather)."""
+RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1}
+"""Ring steps of each collective per ``k - 1`` ranks (an all-reduce is a reduce-scatter + an all-gather);
+each step moves ``b / k`` bytes, but a broadcast's the whole message."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,13 @@ class Links:
         """An all-to-all of ``nbytes`` per rank over ``ranks`` (an all-gather's, without its curve)."""
         return self._collective("all_to_all" if "all_to_all" in self.curves else "all_gather", ranks, nbytes)
 
+    def broadcast(self, ranks: int, nbytes: float) -> float:
+        """A broadcast of ``nbytes`` from one rank to ``ranks`` (an all-gather's of ``k`` times the bytes,
+        without its curve: ``k - 1`` steps of the whole message)."""
+        if "broadcast" not in self.curves:
+            return self._collective("all_gather", ranks, nbytes * ranks)
+        return self._collective("broadcast", ranks, nbytes)
+
     def _collective(self, kind: str, ranks: int, nbytes: float) -> float:
         if ranks < 2 or nbytes <= 0:
             return 0.0
@@ -207,7 +215,8 @@ class Links:
         if ranks == self.ranks:
             return curve.time(nbytes)
         # Another group size: the curve's ring step at this chunk size, as many steps as this ring takes.
-        step = curve.time(nbytes / ranks * self.ranks) / (self.ranks - 1)
+        whole = kind == "broadcast"
+        step = curve.time(nbytes if whole else nbytes / ranks * self.ranks) / (self.ranks - 1)
         return (ranks - 1) * step
 
     def more_messages(self, ranks: int, messages: float, kind: str = "all_gather") -> float:
