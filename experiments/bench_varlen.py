@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.sources.traced.call_binding import CallBinding
-from lightning_parallel.sources.traced.split import TracedStages
+from lightning_parallel.sources.traced.stages import TracedStages
 from lightning_parallel.sources.traced.trace import trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 

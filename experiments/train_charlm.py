@@ -19,6 +19,7 @@ after 100 warm-up steps) learns far more in that time than a larger one taking f
     python experiments/train_charlm.py                      # 2 processes, pipeline, ~3.5 minutes
     python experiments/train_charlm.py --strategy ddp       # 2 data-parallel processes
     python experiments/train_charlm.py --devices 1 --strategy auto
+    python experiments/train_charlm.py --refresh-docs .     # then quote the run in README.md, docs/demo.md
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from _demo_summary import SAMPLE_PROMPT, refresh_docs, summary_lines
 from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from models import CharLM, StdlibText, stdlib_text, unigram_bits_per_byte
@@ -202,6 +204,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--top-k", type=int, default=5, help="sample among the k likeliest bytes only (default 5)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--refresh-docs",
+        type=Path,
+        default=None,
+        metavar="ROOT",
+        help="then quote this run in ROOT's README.md and docs/demo.md (the repository's: .)",
+    )
     args = p.parse_args(argv)
     if args.temperature <= 0:
         p.error(f"--temperature ({args.temperature}) must be positive: e.g. 0.8")
@@ -244,30 +253,14 @@ def summarise(
         "samples_per_s": throughput.samples_per_second(trainer.global_step),
         "fit_seconds": throughput.seconds,
         "wall_s": wall,
+        "load_avg_1min": args.load_avg_1min,
         "threads_per_process": torch.get_num_threads(),
         **paths,
     }
 
 
 def print_summary(summary: dict[str, Any], path: Path) -> None:
-    print(
-        "\n=== run summary ===\n"
-        f"strategy            {summary['strategy']} on {summary['processes']} process(es), "
-        f"{summary['data_parallel']} data-parallel replica(s)\n"
-        f"optimizer steps     {summary['optimizer_steps']} x {summary['global_batch_size']} samples\n"
-        f"final train loss    {summary['train_loss']:.4f}\n"
-        f"final val loss      {summary['val_loss']:.4f} nats/byte = {summary['val_bits_per_byte']:.2f} "
-        f"bits/byte (the bytes' unigram entropy: {summary['unigram_bits_per_byte']:.2f} bits/byte)\n"
-        f"samples per second  {summary['samples_per_s']:.1f}\n"
-        f"CSV log             {summary['log_csv']}\n"
-        f"checkpoint          {summary['checkpoint']}\n"
-        f"summary (JSON)      {path}\n"
-    )
-    if summary.get("sample"):
-        print(f"=== a sample from the trained model (prompt {SAMPLE_PROMPT!r}) ===\n{summary['sample']}\n")
-
-
-SAMPLE_PROMPT = b"    def __init__(self"  # a method's first line: the model continues in code
+    print("\n" + "\n".join(summary_lines(summary, path)) + "\n")
 
 
 def sample_text(checkpoint: str, args: argparse.Namespace) -> str:
@@ -304,6 +297,7 @@ def build_trainer(args: argparse.Namespace, logger: CSVLogger, callbacks: list[C
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
+    args.load_avg_1min = os.getloadavg()[0]  # the machine's load as the run starts, for the docs' quote
     hide_lightning_deprecations()
     L.seed_everything(args.seed, verbose=False)
     dp = data_parallel_size(args)
@@ -335,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     summary_path = args.summary or Path(args.out) / "summary.json"
     write_summary(summary_path, summary)
     print_summary(summary, summary_path)
+    if args.refresh_docs:
+        refresh_docs(args.refresh_docs, summary)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def test_every_step_applies_the_exact_mean_gradient_of_its_window(
     dataset = _data(77)
     callback = GradientAccumulationScheduler(global_batch_size=global_batch_size)
     initial, record = _fit_one_device(tmp_path, dataset, 8, callback)
-    plan = plan_from_global_batch(global_batch_size, per_device=8, dp_size=1)
+    plan = plan_from_global_batch(global_batch_size, per_device=8, data_parallel_size=1)
     windows = epoch_windows(epoch_batch_sizes(77, 8, 10, drop_last=False), plan.factor_at)
     assert [(w.start, w.stop) for w in windows] == expected_windows
     batch_indices = [list(range(b * 8, min(b * 8 + 8, 77))) for b in range(10)]

@@ -77,7 +77,7 @@ def test_a_ramp_entry_the_loader_cannot_give_names_its_step():
 
 
 def test_plan_from_global_batch_ramp_and_table():
-    plan = plan_from_global_batch({0: 64, 1000: 256}, per_device=8, dp_size=2)
+    plan = plan_from_global_batch({0: 64, 1000: 256}, per_device=8, data_parallel_size=2)
     assert isinstance(plan, AccumulationPlan)
     assert [plan.factor_at(s) for s in (0, 999, 1000, 5000)] == [4, 4, 16, 16]
     assert plan.changes_mid_epoch
@@ -98,7 +98,7 @@ def test_plan_from_global_batch_ramp_and_table():
 
 
 def test_plan_from_factors_is_lightnings_epoch_form():
-    plan = plan_from_factors({0: 8, 4: 4}, per_device=32, dp_size=1)
+    plan = plan_from_factors({0: 8, 4: 4}, per_device=32, data_parallel_size=1)
     assert [plan.factor_at(e) for e in (0, 3, 4, 10)] == [8, 8, 4, 4]
     assert plan.phase_at(0).global_batch_size == 256
     # As in Lightning, epochs before the first key accumulate 1 batch.

@@ -5,12 +5,12 @@
 - The harness (``experiments/_harness.py``): CSV and PNG writing, the machine record, spawn-and-collect
   (plain collectives and a Lightning fit on 2 processes, every rank's result back through files), and
   a failed child's own traceback in the error (a rank of ``spawn``, a process of ``run_child``).
-- The scripts' row building from synthetic samples, ``train_charlm.py``'s JSON summary, and every
-  script's ``--quick`` run end to end, all in one process (``tests/scripts/experiments_quick.py``; a
-  script the suite does not run fails ``test_every_experiment_script_runs_in_the_suite``), with values
-  that hold whatever the machine's speed where a script has them (the hand loop and the Trainer
-  compute the same losses; a pipeline rank holds a fraction of DDP's bytes; gpu_check's runs equal
-  one device's).
+- The scripts' row building from synthetic samples, ``train_charlm.py``'s JSON summary (and the docs'
+  quotes of it that ``--refresh-docs`` rewrites, ``_demo_summary.py``), and every script's ``--quick``
+  run end to end, all in one process (``tests/scripts/experiments_quick.py``; a script the suite does
+  not run fails ``test_every_experiment_script_runs_in_the_suite``), with values that hold whatever the
+  machine's speed where a script has them (the hand loop and the Trainer compute the same losses; a
+  pipeline rank holds a fraction of DDP's bytes; gpu_check's runs equal one device's).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def ex() -> ModuleType:
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(EXPERIMENTS))
         names = ("_repeats", "_harness", "bench_metric_sync", "bench_pipeline", "scaling_charlm")
-        names += ("bench_hf_pipeline", "bench_compile", "bench_trace_share")
+        names += ("bench_hf_pipeline", "bench_compile", "bench_trace_share", "refresh_outputs")
         yield _namespace({n: importlib.import_module(n) for n in names})
 
 
@@ -369,11 +369,14 @@ def test_compile_rows_take_ratios_per_repeat_and_the_cold_compile_apart(ex):
 
 
 def test_train_charlm_shows_its_steps_without_library_warnings_and_writes_its_json_summary(tmp_path):
-    summary = tmp_path / "summary.json"
+    summary, docs = tmp_path / "summary.json", tmp_path / "docs_root"
+    (docs / "docs").mkdir(parents=True)
+    for page in ("README.md", "docs/demo.md"):  # copies, whose quotes of the demo the run rewrites
+        (docs / page).write_text((ROOT / page).read_text())
     cmd = [sys.executable, str(EXPERIMENTS / "train_charlm.py"), "--devices", "1", "--strategy", "auto"]
     cmd += ["--max-steps", "3", "--val-every", "3", "--dim", "16", "--depth", "1", "--seq-len", "16"]
     cmd += ["--global-batch-size", "4", "--text-bytes", "40000", "--out", str(tmp_path / "run")]
-    cmd += ["--summary", str(summary)]
+    cmd += ["--summary", str(summary), "--sample-bytes", "20", "--refresh-docs", str(docs)]
     env = script_env(ROOT)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -387,6 +390,32 @@ def test_train_charlm_shows_its_steps_without_library_warnings_and_writes_its_js
     shown = proc.stdout + proc.stderr
     assert "Steps" in shown and " 3/3 " in shown and "Epoch 0/-2" not in shown and "v_num" not in shown
     assert "LeafSpec" not in shown and "FutureWarning" not in shown
+    # The docs' quotes of the demo, rewritten from this run between their markers, nothing else.
+    sample_lines = len(data["sample"].splitlines())  # demo.md: the summary, its paths in one line, the sample
+    for page, shown_lines in (("README.md", 5), ("docs/demo.md", 6 + 1 + 2 + sample_lines)):
+        before, after = (ROOT / page).read_text(), (docs / page).read_text()
+        head, quote, tail = re.split(r"<!-- demo:start -->\n|<!-- demo:end -->", after)
+        assert before.startswith(head) and before.endswith(tail)
+        assert "optimizer steps     3 x 4 samples\nfinal" in quote  # (README: no train loss line)
+        assert f"samples per second  {data['samples_per_s']:.1f}\n" in quote and str(tmp_path) not in quote
+        assert re.search(r"^What it printed .*load average \d+\.\d when it started; training \d+ s", quote)
+        assert len(re.search(r"```text\n(.*)```", quote, re.S).group(1).splitlines()) == shown_lines
+    assert data["sample"] in (docs / "docs/demo.md").read_text()
+
+
+def test_refresh_outputs_pastes_what_the_command_above_prints_and_nothing_else(ex, tmp_path):
+    page = tmp_path / "page.md"
+    text = (
+        "# Page\n\n```bash\npython -c \\\n    'print(6 * 7); print(\"line 2\")'\n```\n\nIt prints:\n\n"
+        "<!-- output of the command above -->\n```text\nold\n```\n\nAfter.\n"
+    )
+    page.write_text(text)
+    assert ex.refresh_outputs.refresh(page, tmp_path) == 1
+    assert page.read_text() == text.replace("```text\nold\n```", "```text\n42\nline 2\n```")
+    page.write_text(text.replace("print(6 * 7)", "print(6 * 7); 1 / 0"))
+    with pytest.raises(SystemExit, match=r"(?s)failed \(1\):\n42\n.*ZeroDivisionError"):
+        ex.refresh_outputs.refresh(page, tmp_path)
+    assert "```text\nold\n```" in page.read_text()  # a failed command leaves the page as it was
 
 
 # ------------------------------------------------------------- every script's --quick, end to end
@@ -425,6 +454,9 @@ ELSEWHERE = {
     "memory_validation": "tests/test_memory_validation.py (--quick)",
     "train_charlm": "test_train_charlm_shows_its_steps_without_library_warnings_and_writes_its_json_summary",
     "run_all": "tests/test_run_all.py (--skip-run)",
+    "refresh_outputs": "test_refresh_outputs_pastes_what_the_command_above_prints_and_nothing_else",
+    "gpu_offload_tiers": "a GPU machine, beside gpu_check.py (tests/test_offload_disk.py and "
+    "test_offload_shards.py check its mechanics here)",
 }
 # They write nothing: eight_way_fsdp's rank 0 asserts that every rank holds the stage table's bytes (its
 # failure fails the run), gpu_check prints its differences from one device (checked below).

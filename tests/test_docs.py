@@ -1,4 +1,4 @@
-"""The documentation's links and commands point at things that exist.
+"""The documentation's links and commands point at things that exist, and its Python runs as pasted.
 
 The pages are README.md, docs/*.md and experiments/README.md. Every relative link (and image) must name
 an existing file, and a ``#anchor`` into a Markdown page one of its headings, as GitHub spells anchors.
@@ -6,19 +6,36 @@ Every ``python path/to/script.py``, ``python -m module`` and ``make target`` nam
 code span must refer to a script, a runnable module or a Makefile target of this repository. The README's
 headline results must show the numbers of the docs/results.md section each row links to.
 
-Pure text (nothing is run or imported from the package), milliseconds.
+Each page's ```python blocks, in order, are one program (see "the pages' programs" below): every block
+compiles and reads only names the page defines before it (pure text, milliseconds), and each page's
+program runs on the CPU as ``python program.py`` runs it, a Trainer of 2 devices on 2 processes
+(seconds; transformers and peft from .hf_packages for the pages that say `pip install` them), printing
+the outputs the page quotes.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import importlib.util
+import os
 import re
+import runpy
 import shlex
+import symtable
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
+import hf_env
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from mp_harness import START_METHOD, free_port
+
 ROOT = Path(__file__).resolve().parent.parent
+HF_PACKAGES = hf_env.HF_PACKAGES
 # Files the pages name as the reader's own, not this repository's (LightningCLI's page runs `main.py`).
 READERS_FILES = {"main.py"}
 
@@ -210,6 +227,153 @@ def unsupported_headline_numbers(readme: str, results: str) -> list[str]:
     return problems if rows else ["the README's Results section has no row linking to docs/results.md"]
 
 
+# ---------------------------------------------------------------------------- the pages' programs
+#
+# A page's ```python blocks, in order, are one program: what a reader who pastes them gets. A block that
+# cannot run on this machine says why in an HTML comment on the line before its fence (invisible on the
+# rendered page): `<!-- not run: needs 8 GPUs -->`; the program then keeps only its imports, and the block
+# must still compile and read only names that the page's earlier blocks (or itself) define. A quoted
+# output that the program prints carries `<!-- output -->`: the program must print it as quoted. (One
+# that a ```bash command above it prints, `<!-- output of the command above -->`, is pasted from a
+# fresh run by experiments/refresh_outputs.py: its timings are the machine's, no test can check them.)
+
+MARKER = re.compile(r"^\s*<!--\s*(.*?)\s*-->\s*$")
+NOT_RUN = re.compile(r"not run: \S.*")
+OUTPUT = "output"
+COMMAND_OUTPUT = "output of the command above"  # experiments/refresh_outputs.py's
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page: its fence's line (from 1), language, code, and the marker before it."""
+
+    line: int
+    lang: str
+    code: str
+    marker: str
+
+    @property
+    def runs(self) -> bool:
+        return not NOT_RUN.fullmatch(self.marker)
+
+
+def fenced_blocks(text: str) -> list[Block]:
+    """The page's fenced blocks, each dedented by its fence's indent (a block inside a list item)."""
+    lines, found, i = text.splitlines(), [], 0
+    while i < len(lines):
+        stripped = lines[i].lstrip()
+        if not stripped.startswith(FENCE):
+            i += 1
+            continue
+        indent, fence, body = len(lines[i]) - len(stripped), stripped[:3], []
+        j = i + 1
+        while j < len(lines) and not lines[j].lstrip().startswith(fence):
+            line = lines[j]
+            body.append(line[indent:] if not line[:indent].strip() else line.lstrip())
+            j += 1
+        before = next((line for line in reversed(lines[:i]) if line.strip()), "")
+        marker = MARKER.match(before)
+        found.append(Block(i + 1, stripped[3:].strip(), "\n".join(body), marker.group(1) if marker else ""))
+        i = j + 1
+    return found
+
+
+def python_blocks(page: Path) -> list[Block]:
+    return [b for b in fenced_blocks(page.read_text()) if b.lang == "python"]
+
+
+def marker_problems(page: Path) -> list[str]:
+    """Each marker the test would not understand: a misspelt one would silently run or skip a block."""
+    problems = []
+    for b in fenced_blocks(page.read_text()):
+        known = NOT_RUN.fullmatch(b.marker) if b.lang == "python" else b.marker in (OUTPUT, COMMAND_OUTPUT)
+        if b.marker and not known:
+            problems.append(f"line {b.line}: unknown marker <!-- {b.marker} --> before a ```{b.lang} block")
+    return problems
+
+
+def _global_reads(table: symtable.SymbolTable, top: bool) -> set[str]:
+    """The names ``table`` and its nested scopes read from the module's namespace."""
+    reads = {s.get_name() for s in table.get_symbols() if s.is_referenced() and (top or s.is_global())}
+    for child in table.get_children():
+        reads |= _global_reads(child, top=False)
+    return reads
+
+
+def block_names(code: str, where: str = "<block>") -> tuple[set[str], set[str]]:
+    """(the names a block binds in the module's namespace, the module names it reads); SyntaxError if
+    it does not compile."""
+    table = symtable.symtable(code, where, "exec")
+    binds = {
+        s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()
+    }
+    return binds, _global_reads(table, top=True)
+
+
+def undefined_names(page: Path) -> list[str]:
+    """Each python block that does not compile, or reads a name that neither the page's earlier blocks
+    nor the block itself define (a builtin aside)."""
+    defined, problems = set(dir(builtins)), []
+    for b in python_blocks(page):
+        try:
+            binds, reads = block_names(b.code, f"{page.name}:{b.line}")
+        except SyntaxError as err:
+            problems.append(f"line {b.line}: does not compile: {err.msg} (its line {err.lineno})")
+            continue
+        missing = sorted(reads - binds - defined)
+        if missing:
+            problems.append(
+                f"line {b.line}: {', '.join(missing)} not defined by this block or an earlier one"
+            )
+        defined |= binds
+    return problems
+
+
+def imports_of(code: str) -> str:
+    """The top-level import statements of ``code``."""
+    return "\n".join(
+        ast.get_source_segment(code, node)
+        for node in ast.parse(code).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    )
+
+
+def program(page: Path, root: Path = ROOT) -> str:
+    """The page's python blocks as one program (a block marked not run: its imports only)."""
+    parts = []
+    for b in python_blocks(page):
+        where = f"# {page.relative_to(root).as_posix()}, line {b.line}"
+        parts.append(
+            f"{where}\n{b.code}\n" if b.runs else f"{where} ({b.marker}): its imports\n{imports_of(b.code)}\n"
+        )
+    return "\n".join(parts)
+
+
+def quoted_outputs(page: Path) -> list[Block]:
+    return [b for b in fenced_blocks(page.read_text()) if b.lang != "python" and b.marker == OUTPUT]
+
+
+def unprinted(quoted: str, printed: str) -> bool:
+    """Whether the quoted lines are not a run of consecutive printed lines (trailing spaces aside)."""
+    want = [line.rstrip() for line in quoted.splitlines()]
+    have = [line.rstrip() for line in printed.splitlines()]
+    return not any(have[i : i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+def refreshed(text: str, block: Block, printed: str) -> str:
+    """``text`` with ``block`` (a quoted output) replaced by as many printed lines, from the first printed
+    line equal to its first line (its header, which a change of numbers leaves alone); ``text`` itself
+    when that line is not printed."""
+    quoted = block.code.splitlines()
+    have = [line.rstrip() for line in printed.splitlines()]
+    if not quoted or quoted[0].rstrip() not in have:
+        return text
+    start = have.index(quoted[0].rstrip())
+    lines = text.splitlines(keepends=True)
+    lines[block.line : block.line + len(quoted)] = [line + "\n" for line in have[start : start + len(quoted)]]
+    return "".join(lines)
+
+
 # ------------------------------------------------------------------------------------------ tests
 
 
@@ -225,12 +389,16 @@ def test_every_command_names_an_existing_script_module_or_make_target():
     assert ("make", "test") in readme, "CI runs the README's test command (.ci/run): the README names it"
 
 
-def test_every_docs_page_is_linked_from_the_readme_and_the_index():
+def test_every_docs_page_and_notebook_is_linked_from_the_readme_and_the_index():
     docs = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
     readme = {Path(t).name for t in link_targets((ROOT / "README.md").read_text()) if t.startswith("docs/")}
     index = {t.partition("#")[0] for t in link_targets((ROOT / "docs" / "README.md").read_text())}
     assert docs - readme == set(), "pages the README does not link to"
     assert docs - index == set(), "pages docs/README.md does not list"
+    notebooks = {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
+    for page in (ROOT / "README.md", ROOT / "docs" / "README.md"):
+        linked = {Path(t).name for t in link_targets(page.read_text())}
+        assert notebooks - linked == set(), f"notebooks {page.relative_to(ROOT)} does not link to"
 
 
 def test_the_readme_headline_shows_the_numbers_of_the_results_it_links_to():
@@ -275,3 +443,102 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     results = "# Results\n\n## A\n\n| 0.97 (0.84 .. 1.00) | 2 |\n\n## B\n\n0.5\n"
     assert unsupported_headline_numbers(readme, results) == []
     assert unsupported_headline_numbers(readme.replace("0.97", "0.5"), results) == ["#a: 0.5"]
+
+
+def test_every_python_block_compiles_and_reads_only_names_its_page_defines():
+    problems = {p.relative_to(ROOT).as_posix(): undefined_names(p) + marker_problems(p) for p in pages()}
+    assert {page: p for page, p in problems.items() if p} == {}
+
+
+def _run_page(_rank: int, workdir: str, environ: dict[str, str]) -> None:
+    """A page's program (``workdir/program.py``, run from ``workdir``), its output in ``workdir/printed.txt``.
+
+    As ``python program.py`` runs it, in a process forked from the suite's preloaded server (no imports
+    to pay); a Trainer on several devices starts the other ranks as Lightning's launcher does, by running
+    ``program.py`` again (their output goes to the same file)."""
+    os.chdir(workdir)
+    os.environ.clear()
+    os.environ.update(environ)
+    with open("printed.txt", "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        try:
+            runpy.run_path("program.py", run_name="__main__")
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "page", [p for p in pages() if python_blocks(p)], ids=lambda p: p.relative_to(ROOT).as_posix()
+)
+def test_each_page_runs_as_pasted(page, tmp_path):
+    # The page's python blocks, in order, as a reader pastes them into a script and runs it. The main
+    # process is forked from the suite's preloaded server (no imports to pay); a page that trains on 2
+    # devices pays its second process's imports (~7 CPU s), as Lightning's launcher starts it afresh.
+    text = program(page)
+    hf = [p for p in ("transformers", "peft") if re.search(rf"^(from|import) {p}\b", text, re.M)]
+    for package in hf:
+        hf_env.require(package)
+    if hf:  # the pages say `pip install transformers peft`; `make test` installs them aside, which a
+        # program finds as the HF tests do (tests/hf_env.py: on the path once Lightning is imported)
+        path = f"import lightning\nimport sys\n\nsys.path.append({str(HF_PACKAGES)!r})\n"
+        text = f"{path}\n{text}"
+    (tmp_path / "program.py").write_text(text)
+    # Trainer defaults for what a page leaves out, from Lightning's own PL_TRAINER_* variables (an
+    # argument the page gives wins): the CPU, one epoch; a port from this worker's range for a job.
+    environ = dict(os.environ, PL_TRAINER_ACCELERATOR="cpu", PL_TRAINER_MAX_EPOCHS="1")
+    environ.update(PL_TRAINER_ENABLE_PROGRESS_BAR="False")
+    environ.update(MASTER_PORT=str(free_port()))
+    try:
+        mp.start_processes(_run_page, args=(str(tmp_path), environ), nprocs=1, start_method=START_METHOD)
+    except Exception as err:
+        printed = (tmp_path / "printed.txt").read_text() if (tmp_path / "printed.txt").exists() else ""
+        raise AssertionError(f"{page.name} as pasted fails: {err}\nit printed:\n{printed[-6000:]}") from None
+    printed = (tmp_path / "printed.txt").read_text()
+    stale = [b for b in quoted_outputs(page) if unprinted(b.code, printed)]
+    if stale and os.environ.get("REFRESH_DOCS_OUTPUTS") == "1":
+        for block in reversed(stale):  # bottom up: the line numbers above stay true
+            page.write_text(refreshed(page.read_text(), block, printed))
+        stale = [b for b in quoted_outputs(page) if unprinted(b.code, printed)]
+    assert [b.line for b in stale] == [], (
+        f"{page.name}: the outputs quoted at lines {[b.line for b in stale]} are not what it prints (rerun "
+        f"with REFRESH_DOCS_OUTPUTS=1 to copy them from the output, from each one's first line):\n{printed}"
+    )
+
+
+def test_the_program_checks_catch_what_they_are_for(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n\n```python\nimport math\nx = math.pi\n```\n\n"
+        "<!-- not run: needs 8 GPUs -->\n"
+        "```python\nimport os\ntrainer = Trainer(devices=8)\ntrainer.fit(model)\n```\n\n"
+        "- an item:\n\n  ```python\n  def f(a):\n      return a + x + y\n  class C:\n      z = trainer\n"
+        "  print(os.sep, [k * x for k in range(3)])\n  ```\n\n"
+        "<!-- not ran: typo -->\n```python\npass\n```\n\n"
+        "```python\nif x\n```\n\n"
+        "<!-- output -->\n```text\nline 1\nline 2\n```\n"
+    )
+    assert undefined_names(page) == [
+        "line 9: Trainer, model not defined by this block or an earlier one",
+        "line 17: y not defined by this block or an earlier one",  # read in a function: a global
+        "line 30: does not compile: expected ':' (its line 1)",
+    ]
+    assert marker_problems(page) == [
+        "line 26: unknown marker <!-- not ran: typo --> before a ```python block"
+    ]
+    text = program(page, tmp_path)
+    assert "# page.md, line 9 (not run: needs 8 GPUs): its imports\nimport os\n\n# page.md, line 17\n" in text
+    assert "Trainer(" not in text and "def f(a):\n    return a + x + y\n" in text  # dedented from the item
+    [quoted] = quoted_outputs(page)
+    assert not unprinted(quoted.code, "a\nline 1  \nline 2\nb") and unprinted(
+        quoted.code, "line 1\nb\nline 2"
+    )
+    assert refreshed(page.read_text(), quoted, "a\nline 1\nline 3\nline 4\n").endswith(
+        "line 1\nline 3\n```\n"
+    )
+    assert refreshed(page.read_text(), quoted, "line 0\nline 2\n") == page.read_text()  # its header gone

@@ -1,5 +1,6 @@
 """The package's floors, read from the source: the ground floor never imports Lightning, no cycles of
-modules or of packages, and no module imports another package's private module.
+modules or of packages, the stage sources and the techniques apart (they meet in the stage view), and no
+module imports another package's private module.
 
 Pure ``ast`` (nothing is imported), milliseconds. Imports under ``if TYPE_CHECKING:`` count too: a cycle
 that only type checkers follow still makes two modules one concept.
@@ -111,6 +112,18 @@ def test_no_two_packages_import_each_other():
     assert expected <= set(graph)
     cycles = [cycle for p in sorted(graph) if (cycle := _cycle_through(graph, p))]
     assert not cycles, f"package import cycles: {cycles[:3]}"
+
+
+def test_the_sources_and_the_techniques_meet_only_in_the_stage_view():
+    """A stage source imports no technique and a technique no source: the techniques act on the stages
+    through ``pipeline/stage_source.py`` (the same verbs on both sources), so a technique is one module
+    whatever splits the model, and a source serves every technique."""
+    offending = []
+    for module, deps in _graph().items():
+        for here, other in (("sources", "techniques"), ("techniques", "sources")):
+            if _package(module) == here:
+                offending += [f"{module} imports {d}" for d in sorted(deps) if _package(d) == other]
+    assert not offending, offending
 
 
 def test_no_module_imports_another_packages_private_module():

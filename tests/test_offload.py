@@ -37,8 +37,14 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import PipelineStrategy
+from lightning_parallel.optim.home import home_device
 from lightning_parallel.techniques.offload.activations import ActivationOffload
-from lightning_parallel.techniques.offload.host_optimizer import host_kernel, host_step, is_host_stepping
+from lightning_parallel.techniques.offload.host_optimizer import (
+    host_kernel,
+    host_step,
+    is_host_stepping,
+    use_host_kernels,
+)
 from lightning_parallel.techniques.offload.memory import memory
 
 STEPS = 4
@@ -124,6 +130,13 @@ def test_state_dicts_load_both_ways_and_written_parameters_are_taken():
     _train(plain_model, plain, plain_scheduler, 2, start=2)
     assert_close_dicts(resumed_model.state_dict(), plain_model.state_dict(), rtol=1e-6, atol=1e-7)
     assert_close_dicts(resumed_plain_model.state_dict(), plain_model.state_dict(), rtol=1e-6, atol=1e-7)
+    # Where a loaded state goes (checkpoint loading asks the optimizer, not the plan): the host.
+    device = torch.device("cuda", 0)
+    assert (
+        home_device(resumed, device) == torch.device("cpu") and home_device(resumed_plain, device) == device
+    )
+    use_host_kernels(resumed_plain)  # (an optimizer over FSDP2's host shards)
+    assert home_device(resumed_plain, device) == torch.device("cpu")
 
 
 def test_the_host_kernel_is_the_fastest_one_the_class_has_and_optimizers_without_one_are_refused(one_rank):
@@ -277,7 +290,7 @@ class Record(GatheredRecorder):
             if isinstance(hooks, ActivationOffload)
             else None,
             "pp_rank": trainer.strategy.mesh.pp_rank,
-            "dp_rank": trainer.strategy.mesh.dp_rank,
+            "dp_rank": trainer.strategy.mesh.rank("data"),
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
         }
 

@@ -9,6 +9,7 @@ tests/test_pipeline_tensor.py run them. Here: the user's function, the roots ret
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.layout.mesh import build_mesh
 from lightning_parallel.layout.ranks import RankLayout
@@ -20,10 +21,10 @@ from lightning_parallel.techniques.contract import Job
 MESH = build_mesh("cpu", RankLayout(1, 1))  # one process: no device mesh
 
 
-def parallelize(stages, plan, mesh, module, tensor_plan=None):
+def parallelize(stages, plan, mesh, module, read=None):
     """The stage transforms of ``plan``'s techniques; (the FSDP2 roots, the log's lines)."""
-    notes = transform_stages(Job(plan, mesh, torch.device("cpu"), stages, module, tensor_plan=tensor_plan))
-    return stages.sharded(), notes
+    notes = transform_stages(Job(plan, mesh, torch.device("cpu"), stages, module, before_split=read or {}))
+    return [m for m in stages.modules if isinstance(m, FSDPModule)], notes
 
 
 def _stages():
@@ -66,4 +67,4 @@ def test_fsdp_and_tensor_parallelism_without_a_mesh_are_refused_with_the_fix():
     ):
         parallelize(_stages(), ParallelPlan(data_parallel="fsdp"), MESH, nn.Module())
     with pytest.raises(ValueError, match=r"tensor parallelism needs a process group"):
-        parallelize(_stages(), ParallelPlan(), MESH, nn.Module(), tensor_plan=object())
+        parallelize(_stages(), ParallelPlan(), MESH, nn.Module(), read={"tensor_parallel": object()})

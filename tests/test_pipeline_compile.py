@@ -161,7 +161,7 @@ def _compiled_fits(rank: int, world: int, port: int, out_dir: str, cases: dict[s
         trainer.fit(
             model, loader(data, BATCH), **(dict(val_dataloaders=loader(val, BATCH)) if case.validated else {})
         )
-        layers = [m for stage in getattr(strategy.parts.runner.stages, "modules", []) for m in stage]
+        layers = [m for stage in strategy.parts.runner.stages.modules for m in stage.children()]
         params = {k: v.detach().cpu() for k, v in full_tensors(model.state_dict()).items()}  # FSDP2: gathered
         facts = dict(compile_seconds=strategy.compile_seconds, compiled=any(map(is_compiled, layers)),
                      fsdp=any(isinstance(m, FSDPModule) for m in model.modules()), params=params,

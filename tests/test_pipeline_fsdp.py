@@ -3,9 +3,9 @@
 The multi-process configurations share one spawned job of 4 gloo ranks: each rank runs several
 Trainers in turn on the process group the job set up (as under torchrun), so the imports are paid once.
 
-Covers techniques/_fsdp_internals.py (finish_backward, spied on), techniques/fsdp.py's technique and
-the stage sources' shard() (parallelize_fn, then FSDP2, on each stage), sources/traced/fsdp.py (the
-traced configurations' one FSDP root per stage) and techniques/recompute.py's recomputation
+Covers techniques/_fsdp_internals.py (finish_backward, spied on), techniques/fsdp.py's technique
+through the stage view (parallelize_fn, then FSDP2, on each stage module; the traced configurations' one
+FSDP root per stage, ShardedTracedStage) and techniques/recompute.py's recomputation
 (activation_checkpointing=True).
 """
 
@@ -353,4 +353,6 @@ def test_parallelize_fn_gets_each_stage_and_the_mesh_seen_in_configure_model(tmp
     )
     assert model.seen == {"dims": ("pp", "dp_replicate", "dp_shard", "tp"), "shape": (1, 1, 1, 1)}
     assert calls == [("StageModule", (1, 1, 1, 1))]
-    assert strategy.mesh.dp_mesh.size() == 1 and strategy.mesh.dp_group is not None
+    gradients = strategy.mesh.device_mesh_of("gradients")  # the replicate x shard ranks, flattened
+    assert gradients.size() == 1 and gradients.mesh_dim_names == ("dp",)
+    assert strategy.mesh.group("gradients") is not None

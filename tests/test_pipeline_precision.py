@@ -54,7 +54,7 @@ class _Fp16Checks:
         name, step, replica = self.inject
         grad = getattr(dict(self.named_parameters()).get(name), "grad", None)
         mesh = getattr(self.trainer.strategy, "mesh", None)  # one device: no mesh, one replica
-        on_this_replica = mesh is None or mesh.dp_rank == replica
+        on_this_replica = mesh is None or mesh.rank("data") == replica
         if grad is not None and self.trainer.global_step == step and on_this_replica:
             grad.view(-1)[0] = float("inf")  # on this rank only: the others must skip the step too
             self._injected = True

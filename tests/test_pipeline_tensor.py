@@ -38,19 +38,20 @@ from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model, planned_tensors
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.traced.source import TracedSource
-from lightning_parallel.sources.traced.stage_graphs import point_at
-from lightning_parallel.sources.traced.tensor_parallel import (
-    TensorParallelGraph,
-    place_split_ops,
-    register_missing_shardings,
-    tensor_parallel_step,
-)
+from lightning_parallel.sources.traced.stage_graphs import graph_modules, point_at
 from lightning_parallel.sources.traced.trace import trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 from lightning_parallel.strategies.pipeline.build import source_for
+from lightning_parallel.techniques.tensor_parallel import technique as tensor_parallel
 from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
 from lightning_parallel.techniques.tensor_parallel.memory import local_model
 from lightning_parallel.techniques.tensor_parallel.plan import default_plan, user_plan
+from lightning_parallel.techniques.tensor_parallel.traced import (
+    TensorParallelGraph,
+    TensorParallelStep,
+    place_split_ops,
+    register_missing_shardings,
+)
 
 # 48 samples, global batch 16: 3 batches an epoch; accumulate_grad_batches=2 gives the windows [0, 1]
 # and [2]: a full and a partial window per epoch. The clip value is below the gradient norm.
@@ -218,11 +219,11 @@ def _megatron_collectives() -> dict[str, dict[str, int]]:
     register_missing_shardings()
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     point_at(gm, {aliases.get(n, n): t for n, t in tensors}, aliases)
-    assert place_split_ops(gm, held, aliases) == set(held)
+    assert place_split_ops(graph_modules(gm), held, aliases) == set(held)
     counts = {}
-    with tensor_parallel_step():
+    with TensorParallelStep():
         with CommDebugMode() as forward:
-            out = TensorParallelGraph(gm, tp)(x)
+            out = TensorParallelGraph(gm, tp, [m for _, m in graph_modules(gm)])(x)
         with CommDebugMode() as backward:
             out.square().sum().backward()
     for name, mode in (("forward", forward), ("backward", backward)):
@@ -439,5 +440,5 @@ def test_the_planner_measures_a_traced_model_s_local_model():
 
 
 def tensor_plan(module, plan):
-    """The tensor-parallel plan the strategy resolves on the unsplit module (by the source that splits it)."""
-    return source_for(module, plan).tensor_plan(module, plan)
+    """The tensor-parallel plan the strategy resolves on the unsplit module (as the source splits it)."""
+    return tensor_parallel.TECHNIQUE.before_split(plan, source_for(module, plan).unsplit(module))

@@ -5,7 +5,7 @@ plan's table.
 """
 
 from lightning_parallel.layout.ranks import RankLayout
-from lightning_parallel.pipeline.plan import describe_layers, describe_paths, make_plan
+from lightning_parallel.pipeline.plan import describe_layers, describe_paths, make_plan, shard_bytes
 
 
 def test_stage_table_names_stages_ranks_contents_and_parameters():
@@ -47,8 +47,6 @@ def test_module_paths_are_described_with_runs_of_blocks_collapsed():
 
 
 def test_a_sharded_layout_shows_each_ranks_share_of_a_stage():
-    from lightning_parallel.techniques.fsdp import shard_bytes
-
     assert (
         shard_bytes((13, 8), 4, 4) == 4 * 8 * 4
         and shard_bytes((8,), 2, 4) == 2 * 2

@@ -1,8 +1,11 @@
-"""grads/tied.py: tied weights named once, re-tied, found across ranks, and kept identical (gloo)."""
+"""grads/tied.py: tied weights named once, re-tied, found across ranks, and kept identical (gloo); the
+same job builds layout/mesh.py's groups by role, with a hypothetical extra axis."""
 
 import pytest
 import torch
+import torch.distributed as dist
 from mp_harness import spawn_gloo
+from test_mesh import WithSequenceAxis
 from torch import nn
 
 from lightning_parallel.grads.tied import SharedParameter, SharedReplicas, find_shared
@@ -91,7 +94,21 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         p.grad = torch.full((2,), float(rank + 1))
     replicas.sum_gradients()
     out["pp2dp2_grads"] = {n: p.grad.clone() for n, p in local.items()}
+    out["roles"] = _roles_with_a_sequence_axis()
     torch.save(out, f"{out_dir}/rank{rank}.pt")
+
+
+def _roles_with_a_sequence_axis():
+    """2 replicas x 2 sequence slices: each role's group (its ranks, as torch has them), and a sum over it."""
+    mesh = build_mesh("cpu", WithSequenceAxis(pp_size=1, dp_size=2))
+    roles = {}
+    for role in ("gradients", "shard", "data", "tokens", "predictions", "pipeline"):
+        total = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(total, group=mesh.group(role))
+        roles[role] = (dist.get_process_group_ranks(mesh.group(role)), mesh.rank(role), total.item())
+    sharding = mesh.data_parallel_mesh()
+    roles["fsdp mesh"] = (sharding.mesh_dim_names, tuple(sharding.shape))
+    return roles
 
 
 def full(value):
@@ -124,3 +141,18 @@ def test_replicas_start_from_the_owner_and_sum_gradients_over_exactly_their_hold
         other = "u" if rank < 2 else "v"
         torch.testing.assert_close(r[rank]["pp2dp2_values"][other], full(rank))  # not shared: untouched
         torch.testing.assert_close(r[rank]["pp2dp2_grads"][other], full(rank + 1))
+
+    # A sequence axis (global rank = replica x 2 + slice) joins the gradients' and the shard's groups,
+    # not the data's: the samplers' replicas are still 2, each group sums exactly its ranks.
+    for rank in range(4):
+        replica, piece = divmod(rank, 2)
+        data = [piece, piece + 2]
+        assert r[rank]["roles"] == {
+            "gradients": ([0, 1, 2, 3], rank, 6.0),
+            "shard": ([2 * replica, 2 * replica + 1], piece, float(4 * replica + 1)),
+            "data": (data, replica, float(sum(data))),
+            "tokens": ([0, 1, 2, 3], rank, 6.0),
+            "predictions": (data, replica, float(sum(data))),
+            "pipeline": ([rank], 0, float(rank)),
+            "fsdp mesh": (("dp_replicate", "dp_shard_sp"), (2, 2)),
+        }

@@ -18,10 +18,11 @@ def _windows_of_a_run(plan, num_batches: int, max_epochs: int) -> list[list]:
 
 
 PLANS = [
-    plan_from_global_batch(32, per_device=8, dp_size=1),
-    plan_from_global_batch({0: 8, 2: 32}, per_device=8, dp_size=1),
-    plan_from_global_batch({0: 16, 3: 48, 11: 96}, per_device=8, dp_size=2),  # a change lands mid-epoch
-    plan_from_factors({0: 4, 1: 2, 3: 3}, per_device=8, dp_size=1),
+    plan_from_global_batch(32, per_device=8, data_parallel_size=1),
+    plan_from_global_batch({0: 8, 2: 32}, per_device=8, data_parallel_size=1),
+    # a change lands mid-epoch
+    plan_from_global_batch({0: 16, 3: 48, 11: 96}, per_device=8, data_parallel_size=2),
+    plan_from_factors({0: 4, 1: 2, 3: 3}, per_device=8, data_parallel_size=1),
 ]
 
 
@@ -38,7 +39,7 @@ def test_the_step_count_is_the_number_of_windows(plan, num_batches):
 
 
 def test_a_long_run_is_counted_without_walking_every_epoch():
-    plan = plan_from_global_batch({0: 8, 2: 32}, per_device=8, dp_size=1)
+    plan = plan_from_global_batch({0: 8, 2: 32}, per_device=8, data_parallel_size=1)
     assert count_optimizer_steps(plan, 8, max_epochs=2) == 6  # windows of 1, 1, 4, 2 then 4, 4 batches
     first_epoch = 2 + (10**6 - 2 + 3) // 4  # two windows of 1 batch, then of 4 (the last one short)
     assert count_optimizer_steps(plan, 10**6, max_epochs=10**6) == first_epoch + (10**6 - 1) * 10**6 // 4

@@ -1,6 +1,7 @@
 """The pipeline timeline without processes: the torch names it wraps, the ideal, the summary, the files.
 
-Covers callbacks/timeline.py's argument and strategy checks (its recording: test_pipeline_schedules.py).
+Covers callbacks/timeline.py's argument and strategy checks (its recording: test_pipeline_schedules.py)
+and the observer it registers with strategies/pipeline/step_state.py.
 """
 
 import inspect
@@ -13,6 +14,7 @@ from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from lightning_parallel import PipelineTimeline
+from lightning_parallel.strategies.pipeline.step_state import StepState
 from lightning_parallel.timeline import _torch_hooks as _timeline_hooks
 from lightning_parallel.timeline.recorder import Event, StepRecord, Timeline
 from lightning_parallel.timeline.report import chrome_trace, ideal_makespan, summarize, write_gantt
@@ -93,6 +95,21 @@ def _gpipe_like_step():
              _compute("F", 1, 1, 5, 6), _compute("B", 1, 1, 6, 8),
              Event("optimizer step", "optimizer", 8 * MS, 11 * MS)]  # fmt: skip
     return [StepRecord(0, 0, "stage 0", 0, 11 * MS, rank0), StepRecord(0, 1, "stage 1", 0, 11 * MS, rank1)]
+
+
+def test_the_steps_observe_a_registered_timeline_only_while_it_records():
+    state, timeline, other = StepState(), Timeline("stage 0"), Timeline("stage 1")
+    state.register(timeline)
+    assert state.observer is None  # registered, not recording: the steps time nothing
+    timeline.begin_step(5)
+    assert state.observer is timeline
+    state.unregister(other)  # (not the registered one: nothing changes)
+    assert state.observer is timeline
+    timeline.end_step()
+    assert state.observer is None
+    timeline.begin_step(6)
+    state.unregister(timeline)
+    assert state.observer is None and state.channels == {} and state.predict_batches is None
 
 
 def test_the_ideal_replays_the_recorded_order_with_free_communication():

@@ -286,7 +286,7 @@ class MaskReader(nn.Module):
     raises=ValueError,
     reason="no upstream issue found (searched 'pipelining metadata inference forward on empty uninitialized "
     "tensors index out of range' on 2026-12-03): a manual stage that infers its shapes runs its forward "
-    "once on uninitialised inputs; worked around by split.py (TracedStages.build, shapes given to the "
+    "once on uninitialised inputs; worked around by stages.py (TracedStages.build, shapes given to the "
     "stages)",
 )
 def test_torch_stages_infer_their_shapes_without_running_on_uninitialised_inputs(one_rank):
@@ -379,7 +379,7 @@ _REGISTRY = """def registered():  # DTensor's rules by op (private, torch 2.13)
     reason="no upstream issue found (searched 'DTensor sharding strategy missing "
     "_scaled_dot_product_flash_attention_for_cpu' on 2026-12-03): DTensor has no sharding rule for torch "
     "2.13's CPU flash attention (forward, backward) nor for _assert_tensor_metadata; worked around by "
-    "tensor_parallel.py (register_missing_shardings)",
+    "traced.py (register_missing_shardings)",
 )
 def test_dtensor_has_sharding_rules_for_cpu_flash_attention_and_tensor_metadata_checks():
     # A process of its own: the registration this package makes is global to the process. (On a mesh of
@@ -415,7 +415,7 @@ def test_the_dtensor_canary_reads_the_registry_where_torch_keeps_it():
     raises=RuntimeError,
     reason="no upstream issue found (searched 'implicit_replication nested context manager exit disables "
     "outer' on 2026-12-03): DTensor's implicit_replication does not nest (an inner one's exit turns it off "
-    "for the outer); worked around by tensor_parallel.py (tensor_parallel_step, one context for the step)",
+    "for the outer); worked around by traced.py (TensorParallelStep, one context for the step)",
 )
 def test_dtensor_implicit_replication_nests(one_rank):
     from torch.distributed.tensor import Replicate, distribute_tensor

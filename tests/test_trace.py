@@ -1,5 +1,5 @@
-"""sources/traced/trace.py and sources/traced/split.py: a module's forward traced on a meta twin and split
-at its blocks.
+"""sources/traced/trace.py, sources/traced/split.py and sources/traced/stages.py: a module's forward traced
+on a meta twin, split at its blocks, and this rank's stages built from it.
 
 The twin is traced as fake tensors of the stages' device: a CPU trace takes the CPU's branches, and a
 trace for ``cuda:0`` (fake, no GPU needed) the CUDA ones.
@@ -17,14 +17,9 @@ from tiny_models import DeviceAwareGPT, TinyGPT
 from torch import nn
 
 from lightning_parallel.pipeline.blocks import find_block_list
-from lightning_parallel.sources.traced.split import (
-    TracedStages,
-    block_entry,
-    block_extras,
-    check_split_points,
-    keep_only,
-)
+from lightning_parallel.sources.traced.split import block_entry, block_extras, check_split_points, keep_only
 from lightning_parallel.sources.traced.stage_graphs import point_at, stage_contents
+from lightning_parallel.sources.traced.stages import TracedStages
 from lightning_parallel.sources.traced.trace import call_order, trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 

@@ -7,7 +7,7 @@ by graph and on real weights. Two gloo ranks then share for real: one export for
 exporting rank raised on both, a rank whose model or settings differ refused on both, and the bytes on a
 gloo twin of a group whose backend takes no CPU tensors.
 
-Covers distributed/host_group.py.
+Covers distributed/host_group.py (the gloo twin; the backend the device mesh's groups get).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tiny_models import DeviceAwareGPT, TinyGPT
 from torch import nn
 
 import lightning_parallel.sources.traced.share as share_module
-from lightning_parallel.distributed.host_group import host_group
+from lightning_parallel.distributed.host_group import group_backend, host_group, runs_cpu_tensors
 from lightning_parallel.sources.traced.errors import EXPORT, PipelineTraceError, TraceStepFailed, explain
 from lightning_parallel.sources.traced.share import (
     SHARE_ENV,
@@ -34,7 +34,7 @@ from lightning_parallel.sources.traced.share import (
     refuse_mismatch,
     tally,
 )
-from lightning_parallel.sources.traced.split import TracedStages
+from lightning_parallel.sources.traced.stages import TracedStages
 from lightning_parallel.sources.traced.trace import trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
 
@@ -200,6 +200,16 @@ def test_a_failed_step_pickles_as_itself():
 def test_nothing_is_shared_in_a_world_of_one(one_rank):
     assert ProgramShare.over(None) is None
     assert host_group(None) is None  # gloo runs CPU tensors: the group itself
+
+
+def test_the_mesh_gets_a_host_backend_only_where_host_tensors_meet_a_group_without_one(one_rank, monkeypatch):
+    assert runs_cpu_tensors() and group_backend("cuda", host_tensors=True) is None  # (gloo takes them)
+    # A process group started with NCCL alone (by hand, or by an earlier fit in this process).
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert not runs_cpu_tensors()
+    assert group_backend("cuda", host_tensors=True) == "cuda:nccl,cpu:gloo"
+    assert group_backend("cuda", host_tensors=False) is None and group_backend("cpu", True) is None
 
 
 def _one_process_group() -> None:

@@ -174,10 +174,10 @@ class GradientAccumulationScheduler(Callback):
         return count_optimizer_steps(plan, int(trainer.num_training_batches), epochs, trainer.max_steps)
 
     def _make_plan(self, per_device: int, trainer: pl.Trainer) -> AccumulationPlan:
-        dp_size = _data_parallel_size(trainer.strategy)
+        replicas = _data_parallel_size(trainer.strategy)
         if self.global_batch_size is not None:
-            return plan_from_global_batch(self.global_batch_size, per_device, dp_size)
-        return plan_from_factors(self.scheduling, per_device, dp_size)
+            return plan_from_global_batch(self.global_batch_size, per_device, replicas)
+        return plan_from_factors(self.scheduling, per_device, replicas)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

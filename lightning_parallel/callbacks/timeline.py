@@ -86,10 +86,11 @@ class PipelineTimeline(Callback):
             if self._timeline is None:
                 indices = [s.index for s in parts.plan.local_stages(parts.mesh.pp_rank)]
                 label = f"stage{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
-                if parts.mesh.dp_size > 1:
-                    label += f", replica {parts.mesh.dp_rank}"
-                self._timeline = Timeline(label, parts.mesh.dp_rank)
-            parts.timeline = self._timeline
+                replica = parts.mesh.rank("data")
+                if parts.mesh.size("data") > 1:
+                    label += f", replica {replica}"
+                self._timeline = Timeline(label, replica)
+            trainer.strategy.step_state.register(self._timeline)
             self._timeline.begin_step(self._batches)
 
     @override
@@ -98,7 +99,7 @@ class PipelineTimeline(Callback):
         if self._timeline is None or not self._timeline.recording:
             return
         self._timeline.end_step()
-        trainer.strategy.parts.timeline = None
+        trainer.strategy.step_state.unregister(self._timeline)
         # The gather (a collective) and rank 0's writing hold rank 0 back while the other ranks start
         # the next batch: not before a recorded batch, which would count it as their waiting.
         if self._batches not in self.steps:

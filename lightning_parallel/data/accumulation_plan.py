@@ -100,7 +100,7 @@ class ValidChoices:
         return ", or ".join(parts)
 
 
-def nearest_valid_choices(global_batch_size: int, per_device: int, dp_size: int) -> ValidChoices:
+def nearest_valid_choices(global_batch_size: int, per_device: int, data_parallel_size: int) -> ValidChoices:
     """The nearest global batch sizes reachable with this loader, and per-device sizes that reach this one.
 
     Example::
@@ -108,13 +108,13 @@ def nearest_valid_choices(global_batch_size: int, per_device: int, dp_size: int)
         >>> nearest_valid_choices(100, 8, 2)  # per-device 10 or 5: 2 x 10 x 5 = 2 x 5 x 10 = 100
         ValidChoices(global_batch_sizes=(96, 112), per_device_batch_sizes=(10, 5))
     """
-    step = per_device * dp_size
+    step = per_device * data_parallel_size
     below = (global_batch_size // step) * step
     above = below + step if below < global_batch_size else below
     globals_ = tuple(sorted({g for g in (below, above) if g >= step}))
     per_device_sizes: tuple[int, ...] = ()
-    if global_batch_size % dp_size == 0:
-        per_replica = global_batch_size // dp_size
+    if global_batch_size % data_parallel_size == 0:
+        per_replica = global_batch_size // data_parallel_size
         divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
         larger = [d for d in divisors if d > per_device][:1]
         smaller = [d for d in divisors if d < per_device][-1:]
@@ -122,7 +122,7 @@ def nearest_valid_choices(global_batch_size: int, per_device: int, dp_size: int)
     return ValidChoices(globals_, per_device_sizes)
 
 
-def factor_for_global_batch(global_batch_size: int, per_device: int, dp_size: int) -> int:
+def factor_for_global_batch(global_batch_size: int, per_device: int, data_parallel_size: int) -> int:
     """The accumulation factor that gives exactly ``global_batch_size`` samples per optimizer step.
 
     Raises:
@@ -134,14 +134,15 @@ def factor_for_global_batch(global_batch_size: int, per_device: int, dp_size: in
         >>> factor_for_global_batch(256, 32, 4)
         2
     """
-    step = per_device * dp_size
+    step = per_device * data_parallel_size
     if global_batch_size % step == 0:
         return global_batch_size // step
-    choices = nearest_valid_choices(global_batch_size, per_device, dp_size).describe()
+    choices = nearest_valid_choices(global_batch_size, per_device, data_parallel_size).describe()
     what = "is smaller than" if global_batch_size < step else "is not a multiple of"
     raise ValueError(
         f"global_batch_size ({global_batch_size}) {what} the samples of one batch on every replica: "
-        f"per-device batch size ({per_device}) x data-parallel size ({dp_size}) = {step}. Use {choices}"
+        f"per-device batch size ({per_device}) x data-parallel size ({data_parallel_size}) = {step}. "
+        f"Use {choices}"
     )
 
 
@@ -163,7 +164,7 @@ class AccumulationPlan:
 
     Example::
 
-        >>> plan = plan_from_global_batch({0: 64, 1000: 256}, per_device=8, dp_size=2)
+        >>> plan = plan_from_global_batch({0: 64, 1000: 256}, per_device=8, data_parallel_size=2)
         >>> plan.factor_at(1500)
         16
         >>> print(plan.format_table())
@@ -212,7 +213,7 @@ class AccumulationPlan:
 
 
 def plan_from_global_batch(
-    global_batch_size: int | Mapping[int, int], per_device: int, dp_size: int
+    global_batch_size: int | Mapping[int, int], per_device: int, data_parallel_size: int
 ) -> AccumulationPlan:
     """Resolve ``global_batch_size`` (an int, or ``{optimizer step: size}``) into accumulation factors.
 
@@ -222,7 +223,7 @@ def plan_from_global_batch(
 
     Example::
 
-        >>> plan_from_global_batch(64, per_device=8, dp_size=2).factor_at(0)
+        >>> plan_from_global_batch(64, per_device=8, data_parallel_size=2).factor_at(0)
         4
     """
     schedule = validate_schedule(global_batch_size, "global_batch_size", "optimizer step")
@@ -234,27 +235,29 @@ def plan_from_global_batch(
     phases = []
     for start, size in schedule.items():
         try:
-            factor = factor_for_global_batch(size, per_device, dp_size)
+            factor = factor_for_global_batch(size, per_device, data_parallel_size)
         except ValueError as err:
             raise ValueError(f"global_batch_size at step {start}: {err}") from None
         phases.append(AccumulationPhase(start, factor, size))
-    return AccumulationPlan(per_device, dp_size, "step", tuple(phases))
+    return AccumulationPlan(per_device, data_parallel_size, "step", tuple(phases))
 
 
-def plan_from_factors(scheduling: Mapping[int, int], per_device: int, dp_size: int) -> AccumulationPlan:
+def plan_from_factors(
+    scheduling: Mapping[int, int], per_device: int, data_parallel_size: int
+) -> AccumulationPlan:
     """Lightning's ``{epoch: factor}`` form; as in Lightning, epochs before the first key accumulate 1.
 
     Example::
 
-        >>> plan_from_factors({0: 8, 4: 4}, per_device=32, dp_size=1).factor_at(5)
+        >>> plan_from_factors({0: 8, 4: 4}, per_device=32, data_parallel_size=1).factor_at(5)
         4
     """
     schedule = validate_schedule(scheduling, "scheduling", "epoch")
     if 0 not in schedule:
         schedule = {0: 1, **schedule}
-    step = per_device * dp_size
+    step = per_device * data_parallel_size
     phases = tuple(AccumulationPhase(e, f, f * step) for e, f in schedule.items())
-    return AccumulationPlan(per_device, dp_size, "epoch", phases)
+    return AccumulationPlan(per_device, data_parallel_size, "epoch", phases)
 
 
 def epoch_batch_sizes(

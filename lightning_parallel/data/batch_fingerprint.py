@@ -258,7 +258,7 @@ def check_same_batch(batch: Any, replica: int, pipeline_rank: int, batch_idx: An
 
     Example::
 
-        warnings = check_same_batch(batch, replica=mesh.dp_rank, pipeline_rank=mesh.pp_rank, batch_idx=0)
+        warnings = check_same_batch(batch, replica=mesh.rank("data"), pipeline_rank=mesh.pp_rank, batch_idx=0)
     """
     device = collective_device()
     error: BaseException | None = None

@@ -34,7 +34,7 @@ def count_optimizer_steps(
 
     Example::
 
-        plan = plan_from_global_batch({0: 8, 2: 32}, per_device=8, dp_size=1)
+        plan = plan_from_global_batch({0: 8, 2: 32}, per_device=8, data_parallel_size=1)
         count_optimizer_steps(plan, num_batches=8, max_epochs=2)  # windows 1,1,4,2 then 4,4 batches: 6
     """
     steps = 0
@@ -59,7 +59,7 @@ def batches_until_step(
 
     Example::
 
-        plan = plan_from_global_batch(32, per_device=8, dp_size=1)   # 4 batches a step
+        plan = plan_from_global_batch(32, per_device=8, data_parallel_size=1)   # 4 batches a step
         batches_until_step(plan, num_batches=100, epoch=0, first_step=0, max_steps=3)  # 12
     """
     remaining = max_steps - first_step

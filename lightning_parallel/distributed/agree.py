@@ -26,7 +26,6 @@ __all__ = [
     "distributed_ready",
     "failing_together",
     "packed_error",
-    "reduces_host_tensors",
     "unpacked_error",
 ]
 
@@ -48,21 +47,6 @@ def collective_device(group: Any | None = None) -> torch.device:
     if distributed_ready() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def reduces_host_tensors(group: Any | None = None) -> bool:
-    """Whether ``group``'s backend takes host (CPU) tensors: gloo, or a device backend with a host one
-    beside it (``"cuda:nccl,cpu:gloo"``); NCCL alone does not. True without a process group.
-
-    Example::
-
-        if not reduces_host_tensors():
-            raise ValueError("start the job with process_group_backend='cuda:nccl,cpu:gloo'")
-    """
-    if not distributed_ready():
-        return True
-    backend = str(dist.get_backend(group))
-    return backend == "gloo" or "cpu:" in backend
 
 
 def agree(error: BaseException | None, group: Any | None = None) -> None:

@@ -28,7 +28,7 @@ def all_reduce_coalesced(
 
     Example::
 
-        all_reduce_coalesced([p.grad for p in params], dp_group, average=True)
+        all_reduce_coalesced([p.grad for p in params], mesh.group("gradients"), average=True)
     """
     size = world_size(group)
     if size == 1 or not tensors:
@@ -58,14 +58,15 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any | 
             t.copy_(synced)
 
 
-def new_subgroups(rank_lists: Sequence[Sequence[int]]) -> Any | None:
+def new_subgroups(rank_lists: Sequence[Sequence[int]], backend: str | None = None) -> Any | None:
     """Create one process group per list of global ranks (disjoint lists); return this rank's, or None.
 
     A collective: every rank calls it with the same lists, also ranks that belong to none of them.
+    ``backend``: the groups' backend (``None``: the default group's).
     """
     if not distributed_ready():
         return None
-    mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in rank_lists])
+    mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in rank_lists], backend=backend)
     return mine
 
 

@@ -48,13 +48,14 @@ class GradientSync:
         module: the LightningModule (its parameters are this rank's stages').
         shared: the tied weights' replicas on this rank.
         reductions: the techniques' gradient reductions, in the techniques' order.
-        replicas: the stage's data-parallel ranks (what the token count is over).
+        replicas: the ranks the gradients are averaged over (``mesh.size("gradients")``): the token
+            scaling undoes that mean.
         items: the window of counted items (token-exact losses), or ``None`` (sample-weighted).
 
     Example::
 
         reductions = [r for t in TECHNIQUES for r in t.reductions(job)]
-        sync = GradientSync(module, parts.shared, reductions, mesh.dp_size)
+        sync = GradientSync(module, parts.shared, reductions, mesh.size("gradients"))
         sync()       # in optimizer_step's closure, after Lightning's backward
     """
 

@@ -9,6 +9,7 @@ rank share one tensor, as in the unsplit module. Gradient-norm clipping counts t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.distributed.dtensors import local
-from lightning_parallel.distributed.tensors import all_reduce_coalesced, broadcast_coalesced, new_subgroups
+from lightning_parallel.distributed.tensors import all_reduce_coalesced, broadcast_coalesced
 from lightning_parallel.layout.mesh import PipelineMesh
 from lightning_parallel.pipeline.plan import stage_rank
 
@@ -80,13 +81,9 @@ class SharedReplicas:
         for p in self.shared:
             by_ranks.setdefault(p.pp_ranks, []).append(p.name)
         for pp_ranks, names in sorted(by_ranks.items()):
-            # One group per (data-parallel, tensor-parallel) coordinate: each is its own pipeline.
-            replicas = [
-                [mesh.layout.global_rank(r, d, t) for r in pp_ranks]
-                for d in range(mesh.dp_size)
-                for t in range(mesh.layout.tp_size)
-            ]
-            group = new_subgroups(replicas)
+            # One group per pipeline (each data- and tensor-parallel coordinate runs its own).
+            replicas = [[pipeline[r] for r in pp_ranks] for pipeline in mesh.layout.groups("pipeline")]
+            group = mesh.new_groups(replicas)
             if mesh.pp_rank in pp_ranks:
                 params = [local[n] for n in names]
                 self._groups.append((group, mesh.global_rank(pp_ranks[0]), params))
@@ -109,7 +106,12 @@ class SharedReplicas:
             # A sharded replica sums its local shard: the tied replicas are sharded alike.
             all_reduce_coalesced([local(p.grad) for p in params], group)
 
-    def rebind(self, new: Mapping[int, nn.Parameter]) -> None:
-        """Follow parameters that were replaced (``id(old) -> new``: FSDP swaps in DTensor parameters)."""
-        self._groups = [(g, owner, [new.get(id(p), p) for p in params]) for g, owner, params in self._groups]
-        self.not_counted = [new.get(id(p), p) for p in self.not_counted]
+    def rebound(self, new: Mapping[int, nn.Parameter]) -> SharedReplicas:
+        """These replicas, following parameters that were replaced (``id(old) -> new``: FSDP swaps in
+        DTensor parameters); the same groups."""
+        rebound = copy.copy(self)
+        rebound._groups = [
+            (g, owner, [new.get(id(p), p) for p in params]) for g, owner, params in self._groups
+        ]
+        rebound.not_counted = [new.get(id(p), p) for p in self.not_counted]
+        return rebound

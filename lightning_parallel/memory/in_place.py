@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_parallel.distributed.agree import agree, distributed_ready, world_size
 from lightning_parallel.memory.facts import ModelFacts, planned_tensors
-from lightning_parallel.sources.traced.tensor_parallel import register_missing_shardings
 from lightning_parallel.techniques import TECHNIQUES
 from lightning_parallel.techniques.contract import TimeBench
+from lightning_parallel.techniques.tensor_parallel.traced import register_missing_shardings
 
 
 def measure_in_place(

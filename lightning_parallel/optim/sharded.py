@@ -38,7 +38,7 @@ def shard_optimizer_state(
 
     Args:
         optimizer: as ``configure_optimizers`` built it, before any step.
-        group: the replicas of this rank's stage (``PipelineMesh.dp_group``).
+        group: the ranks that share this rank's stage's optimizer state (``mesh.group("optimizer_shard")``).
         schedulers: LR schedulers (``torch.optim.lr_scheduler`` objects) to retarget.
         optimizer_class: the class each replica builds over its shard (default: ``optimizer``'s own;
             offload passes it made host-stepping), taking ``optimizer``'s defaults.
@@ -48,10 +48,11 @@ def shard_optimizer_state(
 
     Example::
 
-        optimizer = shard_optimizer_state(torch.optim.AdamW(stage.parameters()), mesh.dp_group, [sched])
+        group = mesh.group("optimizer_shard")
+        optimizer = shard_optimizer_state(torch.optim.AdamW(stage.parameters()), group, [sched])
         ...
         consolidate(optimizer)             # every replica of the stage
-        if mesh.dp_rank == 0:
+        if mesh.rank("optimizer_shard") == 0:
             full = optimizer.state_dict()  # the unsharded state
     """
     if not dist.is_initialized() or group is None or dist.get_world_size(group) == 1:
@@ -94,7 +95,7 @@ def consolidate(optimizer: torch.optim.Optimizer, to: int = 0) -> None:
     Example::
 
         consolidate(optimizer)
-        full = optimizer.state_dict() if dp_rank == 0 else None
+        full = optimizer.state_dict() if mesh.rank("optimizer_shard") == 0 else None
     """
     optimizer = getattr(optimizer, "_optimizer", optimizer)
     if isinstance(optimizer, ZeroRedundancyOptimizer):

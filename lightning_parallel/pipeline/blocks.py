@@ -1,7 +1,10 @@
 """Where a model keeps its blocks: the list a traced pipeline is cut at (and the tensor-parallel
-default plan is read from)."""
+default plan is read from), and the class a Sequential repeats (what ``compile`` compiles there)."""
 
 from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -30,3 +33,23 @@ def find_block_list(module: nn.Module) -> tuple[str, list[str]]:
 
 def _numbered(m: nn.Module) -> bool:
     return isinstance(m, nn.ModuleDict) and all(name.isdigit() for name in m._modules)
+
+
+def block_type(layers: Sequence[nn.Module]) -> type | None:
+    """The class of the repeated blocks among ``layers`` (the most frequent class), None if none repeats.
+
+    Read on the whole Sequential before the split, so every stage compiles the same kind of layer.
+
+    Example::
+
+        >>> seq = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.LayerNorm(2))
+        >>> block_type(list(seq)).__name__
+        'Linear'
+        >>> block_type([nn.Linear(2, 2), nn.ReLU()]) is None
+        True
+    """
+    counts = collections.Counter(type(m) for m in layers)
+    if not counts:
+        return None
+    cls, count = counts.most_common(1)[0]
+    return cls if count > 1 else None

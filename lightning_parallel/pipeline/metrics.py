@@ -41,19 +41,20 @@ class StageMetrics:
 
     Args:
         scope: marks the user's step code (inside it a Metric computes locally).
-        dp_group: this rank's data-parallel group: a Metric's sync gathers over it.
+        group: the ranks a Metric's sync gathers over (``mesh.group("metrics")``): on the last stage,
+            its data-parallel ranks.
         pp_group: this replica's pipeline ranks (``None``: no pipeline, nothing to broadcast).
         last_rank: the global rank of this replica's last stage, which computes.
 
     Example::
 
-        metrics = StageMetrics(scope, mesh.dp_group, mesh.pp_group, last_rank=2)
+        metrics = StageMetrics(scope, mesh.group("metrics"), mesh.pp_group, last_rank=2)
         metrics.adapt_module(lightning_module)
         lightning_module.val_acc.compute()     # the last stage's value, on every stage
     """
 
-    def __init__(self, scope: StepScope, dp_group: Any, pp_group: Any | None, last_rank: int) -> None:
-        self.scope, self.dp_group, self.pp_group, self.last_rank = scope, dp_group, pp_group, last_rank
+    def __init__(self, scope: StepScope, group: Any, pp_group: Any | None, last_rank: int) -> None:
+        self.scope, self.group, self.pp_group, self.last_rank = scope, group, pp_group, last_rank
         self.is_last = not torch.distributed.is_initialized() or torch.distributed.get_rank() == last_rank
         self.paths: dict[int, str] = {}  # id(metric) -> its path in the module (what Lightning logs it by)
         self.adapted: dict[int, Metric] = {}
@@ -76,7 +77,7 @@ class StageMetrics:
         if id(metric) in self.adapted:
             return metric
         sync = _unwrapped(metric.dist_sync_fn) or gather_all_tensors
-        metric.dist_sync_fn = _synced_over(sync, self.dp_group)
+        metric.dist_sync_fn = _synced_over(sync, self.group)
         metric.compute = self._computed_everywhere(metric, _unwrapped(metric.compute))
         self.adapted[id(metric)] = metric
         return metric

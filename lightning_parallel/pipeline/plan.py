@@ -1,4 +1,5 @@
-"""StagePlan: what each pipeline stage holds and which ranks run it; prints the stage table."""
+"""StagePlan: what each pipeline stage holds and which ranks run it; prints the stage table (with the
+bytes of the fullest FSDP2 shard each rank of a sharded stage keeps)."""
 
 from __future__ import annotations
 
@@ -199,3 +200,30 @@ def describe_paths(paths: Sequence[str]) -> str:
 def _run_text(run: tuple[str, int, int]) -> str:
     parent, first, last = run
     return f"{parent}.{first}" if first == last else f"{parent}.{first}-{last}"
+
+
+def shard_rows(rows: int, shards: int) -> int:
+    """Rows of dim 0 on the fullest of ``shards`` FSDP2 shards (FSDP2 pads to equal whole rows).
+
+    Example::
+
+        >>> shard_rows(13, 2)
+        7
+    """
+    return -(-rows // shards)
+
+
+def shard_bytes(shape: Sequence[int], element_size: int, shards: int) -> int:
+    """Bytes of the fullest of ``shards`` FSDP2 shards of a tensor: whole rows of dim 0, rounded up.
+
+    Example::
+
+        >>> shard_bytes((13, 8), 4, 2)   # 7 of the 13 rows
+        224
+    """
+    if not shape:
+        return element_size
+    per_row = element_size
+    for d in shape[1:]:
+        per_row *= d
+    return shard_rows(shape[0], shards) * per_row

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -29,7 +29,7 @@ class PipelineRunner:
     Args:
         stages: where this rank's torch stages come from, a
             :class:`~lightning_parallel.pipeline.stage_source.StageSource` (the Sequential's or the
-            traced forward's): its stages for each new shape, and what runs around their steps.
+            traced forward's): its stages for each new shape.
         num_stages: stages in the whole pipeline.
         schedule: a name from :data:`~lightning_parallel.layout.choices.SCHEDULES`.
         num_microbatches: micro-batches per batch (fewer for a batch it does not divide).
@@ -56,11 +56,13 @@ class PipelineRunner:
         self._loss_fn: Callable[[Any, int], torch.Tensor] | None = None
         self._metadata_call_pending = False
         self._seen: list[int] = []
-        # The techniques' contexts around every training schedule step (offload's saved-tensor hooks).
+        # The techniques' contexts around every schedule step (offload's saved-tensor hooks, traced
+        # tensor-parallel stages' implicit replication): the only contexts a step runs in.
         self.step_contexts: tuple[AbstractContextManager[Any], ...] = ()
 
     def use_step_contexts(self, contexts: Sequence[AbstractContextManager[Any]]) -> None:
-        """Enter ``contexts`` (in order, each reused step after step) around every training schedule step."""
+        """Enter ``contexts`` (in order, each reused step after step) around every schedule step, training
+        and forward-only (which runs under no_grad: saved-tensor hooks see nothing there)."""
         self.step_contexts = tuple(contexts)
 
     def needs_input(self, key: Hashable, num_microbatches: int, train: bool) -> bool:
@@ -97,9 +99,7 @@ class PipelineRunner:
             # The step's outputs reach the user's step through loss_fn, one micro-batch at a time: not
             # asking for them merged lets the last stage free each output at its backward (and a
             # forward that returns a scalar loss beside its logits, as nanoGPT's does, needs no merge).
-            with self.stages.step_context(), contextlib.ExitStack() as around:
-                for context in self.step_contexts:
-                    around.enter_context(context)
+            with self._in_step_contexts():
                 schedule.step(*(args if self.has_first else ()), target=target, return_outputs=False)
         finally:
             self._loss_fn = None
@@ -123,8 +123,15 @@ class PipelineRunner:
         inside the model) are merged into the batch's (default: equally).
         """
         schedule = self._schedule(("eval", key, num_microbatches), num_microbatches, args, train=False)
-        with self.stages.merging(merge_weights), self.stages.step_context():
+        with self.stages.merging(merge_weights), self._in_step_contexts():
             return schedule.step(*(args if self.has_first else ()))
+
+    @contextlib.contextmanager
+    def _in_step_contexts(self) -> Iterator[None]:
+        with contextlib.ExitStack() as around:
+            for context in self.step_contexts:
+                around.enter_context(context)
+            yield
 
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         # The schedule splits `target` = arange(m) into one index per micro-batch.

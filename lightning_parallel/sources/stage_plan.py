@@ -11,8 +11,7 @@ from lightning_parallel.distributed.agree import decide_on
 from lightning_parallel.grads.tied import find_shared
 from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.pipeline.partition import check_explicit, partition_balanced, partition_uniform
-from lightning_parallel.pipeline.plan import StagePlan, make_plan
-from lightning_parallel.techniques.fsdp import shard_bytes
+from lightning_parallel.pipeline.plan import StagePlan, make_plan, shard_bytes
 
 
 def units_per_stage(

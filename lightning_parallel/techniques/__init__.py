@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lightning_parallel.pipeline.stage_source import UnsplitModel
 from lightning_parallel.techniques import compile as compiling
 from lightning_parallel.techniques import fsdp, recompute, replicas, user_function, zero
 from lightning_parallel.techniques.contract import Environment, Job, Technique
@@ -50,6 +51,17 @@ def environment(plan: Any, device: torch.device) -> Environment:
     for technique in TECHNIQUES:
         technique.environment(plan, env)
     return env
+
+
+def before_split(plan: Any, model: UnsplitModel) -> dict[str, Any]:
+    """What each technique reads on the unsplit module (every rank calls it, and raises the same
+    refusals), by its name: the job's ``before_split``.
+
+    Example::
+
+        read = before_split(plan, source.unsplit(module))   # {"tensor_parallel": TensorPlan(...)}
+    """
+    return {t.name: found for t in TECHNIQUES if (found := t.before_split(plan, model)) is not None}
 
 
 def transform_stages(job: Job) -> list[str]:

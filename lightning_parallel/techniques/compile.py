@@ -30,8 +30,8 @@ a stage silently runs eagerly) into this package's warning with the fix.
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,6 +42,7 @@ from torch import nn
 
 from lightning_parallel._options import unknown_option_error
 from lightning_parallel.layout.choices import SPLIT_BACKWARD_SCHEDULES
+from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource
 from lightning_parallel.techniques.contract import Job, MemoryLedger, Technique
 
 CompileOptions = dict[str, Any]
@@ -155,35 +156,33 @@ def check_compile(options: CompileOptions | None, schedule: str, tensor_parallel
         )
 
 
-def apply(stages: Any, options: CompileOptions) -> str:
-    """Compile this rank's stages (a ``StageSource``: each compiles its blocks, or its programs as they
-    are prepared); what was compiled, in words.
+def apply(stages: StageSource, options: CompileOptions) -> str:
+    """Compile each of this rank's stages in place (the stage view's ``each_stage``): its blocks (the
+    units of the view's ``block_class``, every unit without one), or a traced stage's whole program
+    as it is prepared; what is compiled, in words.
 
     Example::
 
         compile.apply(runner.stages, {"dynamic": True})
     """
-    return stages.compile(options)
+    if stages.graphs:
+        stages.each_stage(functools.partial(_compile_program, options))
+        return f"each stage's program is compiled (torch.compile, {options})"
+    block = stages.block_class
+
+    def compile_blocks(stage: PreparedStage) -> None:
+        compile_in_place([(name, unit) for name, unit in stage.units if block in (None, type(unit))], options)
+
+    stages.each_stage(compile_blocks)
+    what = f"its {block.__name__} layers" if block is not None else "its layers"
+    return f"each stage compiles {what} in place (torch.compile, {options})"
 
 
-def block_type(layers: Sequence[nn.Module]) -> type | None:
-    """The class of the repeated blocks among ``layers`` (the most frequent class), None if none repeats.
-
-    Read on the whole Sequential before the split, so every stage compiles the same kind of layer.
-
-    Example::
-
-        >>> seq = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.LayerNorm(2))
-        >>> block_type(list(seq)).__name__
-        'Linear'
-        >>> block_type([nn.Linear(2, 2), nn.ReLU()]) is None
-        True
-    """
-    counts = collections.Counter(type(m) for m in layers)
-    if not counts:
-        return None
-    cls, count = counts.most_common(1)[0]
-    return cls if count > 1 else None
+def _compile_program(options: CompileOptions, stage: PreparedStage) -> None:
+    """A traced stage's program compiled in place, with its own compiled entries (one per stage)."""
+    compile_in_place([(f"stage {stage.index}", stage.module)], options, isolated=True)
+    if stage.index == 0 and stage.runs is None:  # its inputs are slices of the batch (see OwnInputs)
+        stage.runs = OwnInputs(stage.module)
 
 
 def compile_in_place(

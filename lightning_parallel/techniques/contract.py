@@ -4,23 +4,25 @@ A technique (recomputation, tensor parallelism, FSDP2, offload, ...) is one modu
 subclass of :class:`Technique` and one instance of it (``TECHNIQUE``); ``techniques/__init__.py`` holds
 them in one ordered tuple, and every composer folds that tuple: the plan (its fields' canonical
 values, its refusals, its label), the planner's search (the variants it tries), the set-up (the job's
-environment, the stages, the optimizers, a context around each training step, the gradient
-reductions of the optimizer step) and the planner (what one micro-batch costs a stage, a rank's memory,
-a step's time: :class:`CostLedger`, :class:`MemoryLedger`, :class:`TimeLedger`; what its time needs
-measured on the job: :class:`TimeBench`). Each member's default
-leaves everything as it is, so a technique writes only what it does. No registry, no lookup by name:
-the tuple is read top to bottom.
+environment, what it reads on the unsplit module, the stages, the optimizers, a context around each
+step, the gradient reductions of the optimizer step) and the planner (what one micro-batch costs a
+stage, a rank's memory, a step's time: :class:`CostLedger`, :class:`MemoryLedger`,
+:class:`TimeLedger`; what its time needs measured on the job: :class:`TimeBench`). Each member's
+default leaves everything as it is, so a technique writes only what it does. No registry, no lookup by
+name: the tuple is read top to bottom.
 
 A technique reads the plan duck-typed (any of its fields: FSDP2 reads ``plan.offload`` to keep its
 shards on the host), never imports another technique, ``plan/``, ``sources/``, ``strategies/`` or
 Lightning; what several techniques share lives one floor below (``layout/``, ``optim/``, ``grads/``).
+It sees this rank's stages through the stage view (``pipeline/stage_source.py``: the same verbs on both
+sources) and the unsplit module as an ``UnsplitModel``, never asking which source split it.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
+
+from lightning_parallel.pipeline.stage_source import UnsplitModel
 
 
 def _quiet(message: str) -> None:
@@ -68,7 +72,8 @@ class Job:
         stages: this rank's stage source (``StageSource``): the stage view the techniques act on.
         module: the LightningModule after the split (this rank's modules).
         table: the stage table (``StagePlan``): which stage holds which units.
-        tensor_plan: the tensor-parallel plan the stage source resolved on the unsplit module, or None.
+        before_split: what each technique read on the unsplit module (:meth:`Technique.before_split`),
+            by its name (a tensor-parallel plan under ``"tensor_parallel"``).
         schedulers: the LR schedulers of the optimizers (set before the optimizers are transformed).
         warn, info: rank 0's logging, passed by the strategy (a technique imports no Lightning).
 
@@ -84,7 +89,7 @@ class Job:
     stages: Any
     module: nn.Module
     table: Any = None
-    tensor_plan: Any = None
+    before_split: Mapping[str, Any] = field(default_factory=dict)
     schedulers: tuple[Any, ...] = ()
     warn: Callable[[str], Any] = _quiet
     info: Callable[[str], Any] = _quiet
@@ -446,6 +451,11 @@ class Technique:
         """What the job needs before its process group exists (``env.host_backend = ...``); refusals
         the device decides (a ValueError with the fix)."""
 
+    def before_split(self, plan: Any, model: UnsplitModel) -> Any:
+        """What it reads on the unsplit module, on every rank alike (kept as ``job.before_split[name]``;
+        None: nothing); refusals of what the source's stages cannot take (a ValueError with the fix)."""
+        return None
+
     def stages(self, view: Any, job: Job) -> str | None:
         """Transform this rank's stages (through the stage view's methods); a line for the log, or None."""
         return None
@@ -455,7 +465,8 @@ class Technique:
         return optimizers
 
     def step_context(self, job: Job) -> AbstractContextManager[Any] | None:
-        """A context entered around each training schedule step (reused step after step), or None."""
+        """A context entered around each schedule step (reused step after step), or None: the runner's
+        only contexts. Training steps and forward-only ones (evaluation, under no_grad) alike."""
         return None
 
     def reductions(self, job: Job) -> list[Reduction]:

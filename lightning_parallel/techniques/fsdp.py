@@ -2,13 +2,23 @@
 
 The technique (:data:`TECHNIQUE`, ``data_parallel="fsdp"``, ``data_parallel_shard_size``): its settings
 checked, its label, its variant in the search, its transform of the stages (:func:`apply`; per stage
-module :func:`shard_stage`) and its gradient reduction (:class:`ReduceScatter`); for the planner, what
-it does to a rank's bytes (:func:`memory`, :meth:`Fsdp.memory`) and to its step's time (the all-gather
-before the first forward, the reduce-scatter after the schedule: :meth:`Fsdp.time`).
+module :func:`shard_stage`, or one root for traced stages, :class:`ShardedTracedStage`) and its gradient
+reduction (:class:`ReduceScatter`); for the planner, what it does to a rank's bytes (:func:`memory`,
+:meth:`Fsdp.memory`) and to its step's time (the all-gather before the first forward, the reduce-scatter
+after the schedule: :meth:`Fsdp.time`).
 
 As torchtitan does: ``fully_shard`` on each block (a child of the stage that holds parameters), then
 on the stage root, with ``reshard_after_forward=False`` (under a pipeline a stage runs forward once
 per micro-batch: resharding after each would all-gather again for every micro-batch).
+
+A traced stage is an export graph that reads its weights with ``get_attr``: it never calls the user's
+blocks, so FSDP hooks put on them would never all-gather them. There the FSDP unit is
+:class:`ShardedTracedStage`, a root that holds the user's modules (the same objects, under the same
+names) and runs the current input shape's graph: its pre-forward hook all-gathers the whole stage and
+``forward`` points the graph's attributes at the unsharded parameters, so the graph reads full weights
+and autograd puts its gradients where FSDP reduce-scatters them. The stage stays unsharded for the whole
+step (``reshard_after_forward=False``): one all-gather per step per stage, so per-block units would save
+no memory there.
 
 Gradients are reduce-scattered once per optimizer step: :class:`DeferredReduceStage` ends each
 ``schedule.step()`` without reducing (FSDP accumulates the unsharded gradients), and
@@ -20,11 +30,12 @@ as the all-reduce of plain replicas does.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import statistics
 import time
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +46,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_leaves
 
+from lightning_parallel.pipeline.plan import shard_rows
+from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnsplitModel
 from lightning_parallel.techniques._fsdp_internals import finish_backward
 from lightning_parallel.techniques.contract import (
     Job,
@@ -99,11 +112,20 @@ class Fsdp(Technique):
         ):
             yield {"data_parallel": "fsdp"}
 
+    def before_split(self, plan: Any, model: UnsplitModel) -> None:
+        if plan.data_parallel == "fsdp" and model.graphs and plan.stages_per_rank > 1:
+            raise ValueError(
+                f'data_parallel="fsdp" with stages_per_rank={plan.stages_per_rank} is not supported for a '
+                f"traced forward: each traced stage is sharded as one FSDP root holding this rank's modules, "
+                f"so a rank can hold one stage. Use stages_per_rank=1 (schedule='1f1b' or 'gpipe'), or hold "
+                f"the layers in one top-level nn.Sequential"
+            )
+
     def stages(self, view: Any, job: Job) -> str | None:
         return describe(job.mesh) if apply(view, job.plan, job.mesh, job.pin_memory) else None
 
     def reductions(self, job: Job) -> list[Reduction]:
-        roots = job.stages.sharded()  # (a stage a user's parallelize_fn sharded too)
+        roots = sharded_roots(job.stages.modules)  # (a stage a user's parallelize_fn sharded too)
         return [ReduceScatter(roots)] if roots else []
 
     def memory(self, ledger: MemoryLedger) -> None:
@@ -284,11 +306,12 @@ class ReduceScatter(Reduction):
         reduce_gradients(self.roots)
 
 
-def apply(stages: Any, plan: Any, mesh: Any, pin_memory: bool = False) -> list[nn.Module]:
-    """Shard this rank's stages with FSDP2 when the plan says ``data_parallel="fsdp"`` (their shards on
-    the host with ``offload="parameters"``, page-locked with ``pin_memory``); the stage modules that are
-    FSDP roots (also those a user's ``parallelize_fn`` made roots), whose gradients are then reduced
-    once per optimizer step (:class:`DeferredReduceStage`).
+def apply(stages: StageSource, plan: Any, mesh: Any, pin_memory: bool = False) -> list[nn.Module]:
+    """Shard this rank's stages (the stage view's ``modules``) with FSDP2 when the plan says
+    ``data_parallel="fsdp"`` (their shards on the host with ``offload="parameters"``, page-locked with
+    ``pin_memory``): each stage module, or traced stages' one root (:func:`shard_traced`). The modules
+    that are FSDP roots (also those a user's ``parallelize_fn`` made roots), whose gradients are then
+    reduced once per optimizer step (:class:`DeferredReduceStage`).
 
     Raises:
         ValueError: FSDP2 without a process group (no device mesh).
@@ -307,7 +330,13 @@ def apply(stages: Any, plan: Any, mesh: Any, pin_memory: bool = False) -> list[n
     policy = CPUOffloadPolicy(pin_memory=pin_memory) if sharding and "parameters" in plan.offload else None
     if sharding:
         quiet_view_output_warning()
-    roots = stages.shard(mesh.data_parallel_mesh() if sharding else None, policy)
+    if sharding and stages.graphs:
+        shard_traced(stages, mesh.data_parallel_mesh(), policy)
+    elif sharding:
+        for module in stages.modules:
+            if not isinstance(module, FSDPModule):  # (a user-sharded one is left to it)
+                shard_stage(module, mesh.data_parallel_mesh(), offload_policy=policy)
+    roots = sharded_roots(stages.modules)
     if roots:
         stages.use_stage_class(DeferredReduceStage)
     return roots
@@ -341,7 +370,8 @@ def quiet_view_output_warning() -> None:
 
 def describe(mesh: Any) -> str:
     """The log line for sharded stages: over how many ranks, replicated how many times (HSDP)."""
-    shards, replicas = mesh.layout.dp_shard_size, mesh.layout.dp_replicate_size
+    shards = mesh.size("shard")
+    replicas = mesh.size("gradients") // shards
     hybrid = f", replicated {replicas} times (HSDP)" if replicas > 1 else ""
     return f"each stage sharded with FSDP2 over {shards} ranks{hybrid}"
 
@@ -375,6 +405,111 @@ def shard_stage(
             fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     return module  # type: ignore[return-value]
+
+
+def shard_traced(stages: StageSource, mesh: DeviceMesh, offload_policy: OffloadPolicy | None = None) -> None:
+    """Shard the module holding this rank's traced stage as one FSDP2 root, in its place in the view's
+    ``modules``; each stage then runs through the root, which is told before each schedule steps which
+    graph it runs (that schedule's program: shapes differ).
+
+    Example::
+
+        shard_traced(runner.stages, mesh.data_parallel_mesh())
+    """
+    [held] = stages.modules  # (one stage per rank: refused otherwise before the split)
+    root = shard_traced_stage(ShardedTracedStage(held), mesh, offload_policy)
+    stages.modules[0] = root
+
+    def run_through_root(stage: PreparedStage) -> None:
+        runs = stage.module if stage.runs is None else stage.runs
+        links = root.links(stage.module, stages.aliases)
+        stage.runs, stage.activate = root, functools.partial(root.use_graph, runs, links)
+
+    stages.each_stage(run_through_root)
+
+
+# (the graph's slot dict, its name there, the root's slot dict, the name there)
+_Link = tuple[dict[str, Any], str, dict[str, Any], str]
+
+
+class ShardedTracedStage(nn.Module):
+    """The FSDP root of one traced stage: holds the user's modules, runs the current export graph.
+
+    Args:
+        module: the user's module, pruned to this rank's stage; its children are held as they are
+            (shared, so the user's module sees the sharded parameters FSDP puts in their place) and
+            its own parameters are registered here too (and put back in it after sharding).
+
+    Example::
+
+        root = ShardedTracedStage(pruned_gpt)
+        shard_traced_stage(root, mesh.device_mesh["dp_shard"])
+        root.use_graph(stage_graph, root.links(stage_graph, aliases))   # this input shape's graph
+        # (or what runs the graph: a tensor-parallel stage's wrapper, which runs it on DTensors)
+        root(x)                                 # all-gathers the stage, runs the graph
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._owner = [module]  # a list: not registered as a submodule (it is the LightningModule)
+        for name, child in module.named_children():
+            self.add_module(name, child)
+        for name, param in module._parameters.items():
+            if param is not None:
+                self.register_parameter(name, param)
+        self._graph: nn.Module | None = None  # what runs the current graph (not a submodule)
+        self._links: list[_Link] = []
+
+    def links(self, graph: nn.Module, aliases: Mapping[str, str]) -> list[_Link]:
+        """Where each parameter attribute of ``graph`` takes its tensor from in this root (by canonical
+        name): computed once per graph, followed at every forward."""
+        mine: dict[str, tuple[dict[str, Any], str]] = {}
+        for path, _ in self.named_parameters(remove_duplicate=False):
+            owner, _, leaf = path.rpartition(".")
+            mine[aliases.get(path, path)] = (self.get_submodule(owner)._parameters, leaf)
+        links = []
+        for path, _ in graph.named_parameters(remove_duplicate=False):
+            owner, _, leaf = path.rpartition(".")
+            slot, name = mine[aliases.get(path, path)]
+            links.append((graph.get_submodule(owner)._parameters, leaf, slot, name))
+        return links
+
+    def use_graph(self, runs: nn.Module, links: list[_Link]) -> None:
+        """Run ``runs`` (a stage graph, or a module running it) from now on, the graph's parameter
+        attributes following ``links`` (:meth:`links`)."""
+        self.__dict__["_graph"], self._links = runs, links
+
+    def forward(self, *args: Any) -> Any:
+        if self._graph is None:
+            raise RuntimeError("internal error: a sharded traced stage ran before use_graph")
+        # FSDP's pre-forward has just set the unsharded parameters on the held modules.
+        for graph_slot, graph_name, slot, name in self._links:
+            graph_slot[graph_name] = slot[name]
+        return self._graph(*args)
+
+    def restore_owner_parameters(self) -> None:
+        """Give the user's module the (sharded) parameters FSDP registered here in place of its own."""
+        owner = self._owner[0]
+        for name in list(owner._parameters):
+            if name in self._parameters:
+                owner._parameters[name] = self._parameters[name]
+
+
+def shard_traced_stage(
+    root: ShardedTracedStage, mesh: DeviceMesh, offload_policy: OffloadPolicy | None = None
+) -> ShardedTracedStage:
+    """``fully_shard`` the root over ``mesh`` (one unit per stage; see the module's docstring), with
+    FSDP2's ``offload_policy`` (``CPUOffloadPolicy``: the shards on the host).
+
+    Example::
+
+        shard_traced_stage(ShardedTracedStage(pruned_module), mesh.data_parallel_mesh())
+    """
+    fully_shard(
+        root, mesh=mesh, reshard_after_forward=False, offload_policy=offload_policy or OffloadPolicy()
+    )
+    root.restore_owner_parameters()
+    return root
 
 
 def sharded_roots(modules: Iterable[nn.Module]) -> list[FSDPModule]:
@@ -415,33 +550,6 @@ class DeferredReduceStage(PipelineStage):
             finish_backward(self.submod, reduce=False)
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
-
-
-def shard_rows(rows: int, shards: int) -> int:
-    """Rows of dim 0 on the fullest of ``shards`` FSDP2 shards (FSDP2 pads to equal whole rows).
-
-    Example::
-
-        >>> shard_rows(13, 2)
-        7
-    """
-    return -(-rows // shards)
-
-
-def shard_bytes(shape: Sequence[int], element_size: int, shards: int) -> int:
-    """Bytes of the fullest of ``shards`` FSDP2 shards of a tensor: whole rows of dim 0, rounded up.
-
-    Example::
-
-        >>> shard_bytes((13, 8), 4, 2)   # 7 of the 13 rows
-        224
-    """
-    if not shape:
-        return element_size
-    per_row = element_size
-    for d in shape[1:]:
-        per_row *= d
-    return shard_rows(shape[0], shards) * per_row
 
 
 @dataclass(frozen=True)

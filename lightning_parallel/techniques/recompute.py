@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_parallel.pipeline.stage_source import StageSource, UnitNaming
+from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnitNaming
 from lightning_parallel.techniques.contract import CostLedger, Job, SearchOptions, Technique, TimeLedger
 
 Units = Sequence[tuple[str, nn.Module]]
@@ -228,9 +228,9 @@ def local_selection(select: Selection, naming: UnitNaming, units: Units) -> Sele
 
 
 def apply(stages: StageSource, select: Selection, every_unit: Sequence[str]) -> None:
-    """Recompute the selected units of this rank's stages (now, or as each stage is prepared).
-    ``every_unit``: the names of every stage's units, so an unknown name raises the same error on every
-    rank (the plan is the same everywhere).
+    """Recompute the selected units of each of this rank's stages (the stage view's ``each_stage``: now,
+    or as each stage is prepared). ``every_unit``: the names of every stage's units, so an unknown name
+    raises the same error on every rank (the plan is the same everywhere).
 
     Example::
 
@@ -247,11 +247,10 @@ def apply(stages: StageSource, select: Selection, every_unit: Sequence[str]) -> 
                 f"{list(every_unit)}"
             )
 
-    def wrap(units: Units) -> None:
-        named = naming.named(units)
-        apply_activation_checkpointing(named, local_selection(select, naming, named))
+    def wrap(stage: PreparedStage) -> None:
+        apply_activation_checkpointing(stage.units, local_selection(select, naming, stage.units))
 
-    stages.recompute(wrap)
+    stages.each_stage(wrap)
 
 
 def recomputed_units(facts: Any, select: Selection) -> list[str]:

@@ -31,7 +31,7 @@ class Replicas(Technique):
     name = "replicas"
 
     def reductions(self, job: Job) -> list[Reduction]:
-        return [Average(job.module, job.mesh.dp_group)]
+        return [Average(job.module, job.mesh.group("gradients"))]
 
     def time(self, ledger: TimeLedger) -> None:
         """One all-reduce (one coalesced message) of the gradients no reduction before it finished."""
@@ -50,7 +50,7 @@ class Average(Reduction):
 
     Example::
 
-        Average(module, mesh.dp_group)(finished=())
+        Average(module, mesh.group("gradients"))(finished=())
     """
 
     def __init__(self, module: nn.Module, group: Any) -> None:

@@ -4,8 +4,12 @@ after tensor parallelism and before ``compile`` and data-parallel sharding (torc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
+from lightning_parallel.pipeline.stage_source import UnsplitModel
 from lightning_parallel.techniques.contract import Job, Technique
 
 
@@ -27,10 +31,41 @@ class UserFunction(Technique):
             )
         return {}
 
+    def before_split(self, plan: Any, model: UnsplitModel) -> None:
+        if plan.parallelize_fn is not None and model.graphs:
+            raise ValueError(
+                "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split "
+                "by tracing its forward: a traced stage is an export graph that reads its weights directly, "
+                "with no modules of yours to parallelize. Hold the layers in one top-level nn.Sequential, or "
+                'drop parallelize_fn (data_parallel="fsdp" shards traced stages too)'
+            )
+
     def stages(self, view: Any, job: Job) -> str | None:
-        if job.plan.parallelize_fn is not None:
-            view.run_user_function(job.plan.parallelize_fn, job.mesh.device_mesh)
+        fn = job.plan.parallelize_fn
+        if fn is None:
+            return None
+        if view.graphs:  # (refused before the split, with the reason)
+            raise RuntimeError("internal error: parallelize_fn reached a traced stage")
+        view.each_stage(lambda stage: run(fn, stage.module, job.mesh.device_mesh))
         return None
 
 
 TECHNIQUE = UserFunction()
+
+
+def run(fn: Callable[..., Any], module: nn.Module, device_mesh: Any) -> None:
+    """``fn(module, device_mesh)``, which must change the stage module in place.
+
+    Raises:
+        TypeError: ``fn`` returned another module (the stage would not run it).
+
+    Example::
+
+        run(lambda stage, mesh: None, stage_module, None)
+    """
+    returned = fn(module, device_mesh)
+    if returned is not None and returned is not module:
+        raise TypeError(
+            f"parallelize_fn returned a new {type(returned).__name__}: it must change the stage module it "
+            f"receives in place (fully_shard, parallelize_module, ...) and return it or None"
+        )

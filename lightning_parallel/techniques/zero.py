@@ -58,8 +58,9 @@ class Zero(Technique):
         if job.plan.data_parallel != "zero1":
             return optimizers
         if "optimizer" not in job.plan.offload:  # (offloaded: its host step shards itself)
-            optimizers = apply(optimizers, job.schedulers, job.mesh.dp_group)
-        job.info(f"PipelineStrategy: optimizer state sharded over {job.mesh.dp_size} replica(s)")
+            optimizers = apply(optimizers, job.schedulers, job.mesh.group("optimizer_shard"))
+        shards = job.mesh.size("optimizer_shard")
+        job.info(f"PipelineStrategy: optimizer state sharded over {shards} replica(s)")
         return optimizers
 
     def memory(self, ledger: MemoryLedger) -> None:
@@ -100,7 +101,8 @@ def apply(
 
     Example::
 
-        optimizers = zero.apply(optimizers, [c.scheduler for c in scheduler_configs], mesh.dp_group)
+        group = mesh.group("optimizer_shard")
+        optimizers = zero.apply(optimizers, [c.scheduler for c in scheduler_configs], group)
     """
     schedulers = list(schedulers)
     return [shard_optimizer_state(o, group, schedulers) for o in optimizers]

@@ -11,10 +11,11 @@ from torch import nn
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.layout.choices import placement
 from lightning_parallel.layout.mesh import PipelineMesh
+from lightning_parallel.pipeline.blocks import block_type
 from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.proxy import PipelinedCall
 from lightning_parallel.pipeline.runner import PipelineRunner
-from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming
+from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming, UnsplitModel
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.profile import layer_times
 from lightning_parallel.sources.sequential.split import (
@@ -28,8 +29,7 @@ from lightning_parallel.sources.sequential.split import (
 from lightning_parallel.sources.sequential.stages import SequentialStages
 from lightning_parallel.sources.split_result import SplitResult
 from lightning_parallel.sources.stage_plan import measured, stage_plan, units_per_stage
-from lightning_parallel.techniques.compile import block_type
-from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, default_plan, user_plan
+from lightning_parallel.sources.twin import alias_table
 
 
 class SequentialSource:
@@ -45,14 +45,9 @@ class SequentialSource:
         self.name, self.seq = found
         self.naming = UnitNaming(f"{self.name}.")
 
-    def tensor_plan(self, module: nn.Module, plan: ParallelPlan) -> TensorPlan | None:
-        """The tensor-parallel plan of the Sequential's layers (the user's, else the default), or None."""
-        tp = plan.tensor_parallel_size
-        if tp == 1:
-            return None
-        if plan.tensor_parallel_plan is not None:
-            return user_plan(self.seq, self.name, tp, plan.tensor_parallel_plan)
-        return default_plan(self.seq, self.name, tp)
+    def unsplit(self, module: nn.Module) -> UnsplitModel:
+        """``module`` before the split: its units are the Sequential's layers (stage modules of them)."""
+        return UnsplitModel(module, self.seq, self.name, graphs=False)
 
     def build(
         self,
@@ -65,7 +60,8 @@ class SequentialSource:
     ) -> SplitResult:
         """Plan the stages and keep this rank's layers (every rank calls it: errors are raised by all)."""
         name, seq = self.name, self.seq
-        blocks = block_type(list(seq)) if plan.compile is not None else None  # (before the split)
+        blocks = block_type(list(seq))  # (before the split: every stage compiles the same class)
+        aliases = alias_table(module)
         num_stages = mesh.pp_size * plan.stages_per_rank
         with failing_together():
             check_parameters_inside(module, name)
@@ -93,7 +89,16 @@ class SequentialSource:
             twins = stage_twins(seq, stages_plan)  # (before the split drops the other stages' layers)
             proxy, modules, indices = split_sequential(module, name, seq, stages_plan, mesh.pp_rank, device)
         stages = SequentialStages(
-            modules, indices, stages_plan.num_stages, device, mesh.pp_group, twins, warn, self.naming, blocks
+            modules,
+            indices,
+            stages_plan.num_stages,
+            device,
+            mesh.pp_group,
+            twins,
+            warn,
+            self.naming,
+            blocks,
+            aliases,
         )
         runner = PipelineRunner(stages, stages_plan.num_stages, plan.schedule, plan.num_microbatches)
         # (the strategy gives the twins the precision it gives the model)

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_parallel.pipeline.stage_source import UnitNaming
+from lightning_parallel.pipeline.stage_source import PreparedStage, UnitNaming
 from lightning_parallel.sources.export import export_for_pipeline
 from lightning_parallel.sources.sequential.split import StageModule
 from lightning_parallel.sources.stage_shapes import ChainedShapes, StageExample, meta_like, run_on_fake
-from lightning_parallel.techniques.compile import compile_in_place
-from lightning_parallel.techniques.fsdp import shard_stage
-from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
 
 
 class SequentialStages:
@@ -35,6 +31,7 @@ class SequentialStages:
         naming: how the plan names the layers (``"layers."`` + the child's name).
         block_class: the class of the Sequential's repeated blocks (what ``compile`` compiles), read
             on the whole Sequential before the split (None: every layer).
+        aliases: the unsplit module's alias table (a tensor's name -> its canonical name).
 
     Example::
 
@@ -43,6 +40,7 @@ class SequentialStages:
     """
 
     stage_cls: type[PipelineStage] = PipelineStage  # DeferredReduceStage once the stages are FSDP roots
+    graphs = False  # its stage modules are the user's layers, held for the whole fit
 
     def __init__(
         self,
@@ -55,9 +53,17 @@ class SequentialStages:
         warn: Callable[[str], Any] = warnings.warn,
         naming: UnitNaming | None = None,
         block_class: type | None = None,
+        aliases: Mapping[str, str] | None = None,
     ) -> None:
         self.naming, self.block_class = naming or UnitNaming(), block_class
-        self.modules, self.stage_indices = list(modules), list(indices)
+        self.aliases = dict(aliases or {})
+        self.modules: list[nn.Module] = list(modules)
+        self.stage_indices = list(indices)
+        # Each stage module as the techniques see it (each_stage): what its torch stage runs, built once.
+        self.prepared = [
+            PreparedStage(index, module, self.naming.named(list(module.named_children())))
+            for module, index in zip(self.modules, self.stage_indices)
+        ]
         self.num_stages, self.device, self.group = num_stages, device, group
         self.twins = list(twins) if twins is not None else None
         self.warn = warn
@@ -84,15 +90,17 @@ class SequentialStages:
     def merging(self, weights: Sequence[float] | None) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()  # (no scalar outputs to merge)
 
-    def step_context(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
     def activate(self, stages: Sequence[Any]) -> None:
-        """Nothing to do: each stage's module is its own for the whole fit."""
+        """Each stage's ``activate``, if a technique set one (a stage module is its own for the whole fit)."""
+        for stage in stages:
+            prepared = self.prepared[self.stage_indices.index(stage.stage_index)]
+            if prepared.activate is not None:
+                prepared.activate()
 
-    def recompute(self, wrap: Callable[[list[tuple[str, nn.Module]]], Any]) -> None:
-        """Wrap this rank's layers now: the stage modules are built once."""
-        wrap(self.units())
+    def each_stage(self, fn: Callable[[PreparedStage], Any]) -> None:
+        """Call ``fn`` on each stage module now: they are built once, at the split."""
+        for stage in self.prepared:
+            fn(stage)
 
     def use_stage_class(self, cls: type[PipelineStage]) -> None:
         self.stage_cls = cls
@@ -101,10 +109,12 @@ class SequentialStages:
         shapes = self._shapes(mode == "train", example) if self.twins is not None else None
         self._shapes_given = shapes is not None
         stages = []
-        for module, index in zip(self.modules, self.stage_indices):
+        for module, prepared in zip(self.modules, self.prepared):
+            index = prepared.index
+            runs = module if prepared.runs is None else prepared.runs
             given = {"input_args": shapes[index][0], "output_args": shapes[index][1]} if shapes else {}
             stages.append(
-                self.stage_cls(module, index, self.num_stages, self.device, group=self.group, **given)
+                self.stage_cls(runs, index, self.num_stages, self.device, group=self.group, **given)
             )
         return stages
 
@@ -147,38 +157,3 @@ class SequentialStages:
             self._chained[train] = ChainedShapes.export(self.twins, shapes, train, export_for_pipeline)
         except Exception:  # a layer export cannot capture: its shapes keep coming from fake runs
             self._chained[train] = False
-
-    def units(self) -> list[tuple[str, nn.Module]]:
-        """The layers of this rank's stages (what activation checkpointing may wrap)."""
-        return [(name, layer) for m in self.modules for name, layer in m.named_children()]
-
-    # --- the techniques, on this rank's stage modules (in techniques/__init__.py's order)
-    def split_tensors(self, plan: Any, mesh: Any, module: nn.Module) -> None:
-        names = [[self.naming.prefix + child for child in m._modules] for m in self.modules]
-        apply_plan(self.modules, names, plan, mesh)
-
-    def run_user_function(self, fn: Callable[..., Any], device_mesh: Any) -> None:
-        for module in self.modules:
-            returned = fn(module, device_mesh)
-            if returned is not None and returned is not module:
-                raise TypeError(
-                    f"parallelize_fn returned a new {type(returned).__name__}: it must change the stage "
-                    f"module it receives in place (fully_shard, parallelize_module, ...) and return it "
-                    f"or None"
-                )
-
-    def compile(self, options: dict[str, Any]) -> str:
-        for module in self.modules:
-            blocks = [(n, c) for n, c in module.named_children() if self.block_class in (None, type(c))]
-            compile_in_place(blocks, options)
-        what = f"its {self.block_class.__name__} layers" if self.block_class is not None else "its layers"
-        return f"each stage compiles {what} in place (torch.compile, {options})"
-
-    def shard(self, mesh: Any | None, offload_policy: Any | None = None) -> list[nn.Module]:
-        for module in self.modules:
-            if mesh is not None and not isinstance(module, FSDPModule):  # (a user-sharded one is left to it)
-                shard_stage(module, mesh, offload_policy=offload_policy)
-        return self.sharded()
-
-    def sharded(self) -> list[nn.Module]:
-        return [m for m in self.modules if isinstance(m, FSDPModule)]

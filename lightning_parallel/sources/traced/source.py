@@ -27,7 +27,7 @@ from lightning_parallel.pipeline.partition import stage_costs
 from lightning_parallel.pipeline.plan import StagePlan, describe_paths
 from lightning_parallel.pipeline.proxy import CapturedInput
 from lightning_parallel.pipeline.runner import PipelineRunner
-from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming
+from lightning_parallel.pipeline.stage_source import FirstInput, UnitNaming, UnsplitModel
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.materialize import materialize
 from lightning_parallel.sources.profile import block_times
@@ -36,18 +36,11 @@ from lightning_parallel.sources.stage_plan import measured, stage_plan, units_pe
 from lightning_parallel.sources.traced.call_binding import CallBinding, TracedCall, bound_forward
 from lightning_parallel.sources.traced.errors import TraceStepFailed, explain, export_check, ours
 from lightning_parallel.sources.traced.share import ProgramShare
-from lightning_parallel.sources.traced.split import (
-    TracedStages,
-    block_entry,
-    block_extras,
-    check_split_points,
-    keep_only,
-)
+from lightning_parallel.sources.traced.split import block_entry, block_extras, check_split_points, keep_only
 from lightning_parallel.sources.traced.stage_graphs import stage_contents
-from lightning_parallel.sources.traced.tensor_parallel import style_layouts
+from lightning_parallel.sources.traced.stages import TracedStages
 from lightning_parallel.sources.traced.trace import call_order, trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
-from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, traced_plan
 
 
 class TracedSource:
@@ -60,15 +53,9 @@ class TracedSource:
         split = source.build(plan, inputs, gpt, mesh, device, warn)   # this rank's stages
     """
 
-    def tensor_plan(self, module: nn.Module, plan: ParallelPlan) -> TensorPlan | None:
-        """The user's plan, else a Hugging Face model's own ``base_model_tp_plan``, else the default plan of
-        the block list; every style checked to be one a traced stage can place. None without tp."""
-        if plan.tensor_parallel_size == 1:
-            return None
-        tensors = traced_plan(module, plan.tensor_parallel_size, plan.tensor_parallel_plan)
-        for path, style in tensors.styles.items():
-            style_layouts(style, path)
-        return tensors
+    def unsplit(self, module: nn.Module) -> UnsplitModel:
+        """``module`` before the split: its units are what its traced forward calls (export graphs)."""
+        return UnsplitModel(module, module, "", graphs=True)
 
     def build(
         self,
@@ -80,8 +67,6 @@ class TracedSource:
         warn: Callable[[str], Any],
     ) -> SplitResult:
         """Trace, plan and keep this rank's tensors (every rank calls it: errors are raised by all)."""
-        with failing_together():
-            refuse_traced_parallelize(plan)
         aliases = alias_table(module)
         num_stages = mesh.pp_size * plan.stages_per_rank
         naming = _unit_naming(module)  # (on the unsplit module)
@@ -335,21 +320,3 @@ def example_input(
     finally:
         for path in paths:
             call.uninstall(module, path)
-
-
-def refuse_traced_parallelize(plan: ParallelPlan) -> None:
-    """What the traced path's stages cannot take: say why, before its split."""
-    if plan.parallelize_fn is not None:
-        raise ValueError(
-            "parallelize_fn needs the stage modules of a split nn.Sequential, but this module is split by "
-            "tracing its forward: a traced stage is an export graph that reads its weights directly, with "
-            "no modules of yours to parallelize. Hold the layers in one top-level nn.Sequential, or drop "
-            'parallelize_fn (data_parallel="fsdp" shards traced stages too)'
-        )
-    if plan.data_parallel == "fsdp" and plan.stages_per_rank > 1:
-        raise ValueError(
-            f'data_parallel="fsdp" with stages_per_rank={plan.stages_per_rank} is not supported for a '
-            f"traced forward: each traced stage is sharded as one FSDP root holding this rank's modules, "
-            f"so a rank can hold one stage. Use stages_per_rank=1 (schedule='1f1b' or 'gpipe'), or hold the "
-            f"layers in one top-level nn.Sequential"
-        )

@@ -65,6 +65,7 @@ from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
 from lightning_parallel.strategies.pipeline.trials import (
     Meshes,
     Trial,
+    host_tensors,
     measure_overhead,
     optimizers_without_trainer,
     run_trials,
@@ -205,7 +206,7 @@ def environment_mesh(strategy: Any) -> PipelineMesh | None:
     """At ``setup_environment``: the mesh of the given plan; under ``plan="auto"`` none yet (it waits for
     the choice at ``setup``), the budget checked and the global batch's scheduler in place."""
     if strategy._auto is None:
-        return build_mesh(strategy.root_device.type, strategy.layout)
+        return job_mesh(strategy)
     module = strategy._lightning_module
     if module is not None and module._trainer is not None:
         prepare(strategy, module.trainer)
@@ -273,7 +274,14 @@ def decide(strategy: Any, trainer: pl.Trainer) -> None:
             planned = [replace(p, trials=tried) for p in planned]
     strategy.planned = planned[0] if planned else None
     strategy.parallel_plan = plan.for_devices(strategy.world_size)  # label() and code() work in a hook
-    strategy._mesh = meshes.of(strategy.layout)
+    strategy._mesh = meshes.of(strategy.layout, host_tensors(strategy.parallel_plan, device))
+
+
+def job_mesh(strategy: Any) -> PipelineMesh:
+    """The device mesh of the strategy's plan, every role's group (a collective); its groups take host
+    tensors where the plan's techniques bring them to collectives (``Environment.host_backend``)."""
+    host = host_tensors(strategy.parallel_plan, strategy.root_device)
+    return build_mesh(strategy.root_device.type, strategy.layout, host)
 
 
 def job_links(trainer: pl.Trainer, meshes: Meshes, settings: Measurement = MEASURE) -> Links:

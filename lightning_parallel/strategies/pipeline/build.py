@@ -14,16 +14,14 @@ Every collective here is reached by every rank: the local work that may fail on 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_parallel.distributed.agree import failing_together
-from lightning_parallel.distributed.record_broadcast import RecordBroadcast
-from lightning_parallel.grads.held import HeldGradients
 from lightning_parallel.grads.item_weights import ItemCount
 from lightning_parallel.grads.tied import SharedReplicas, find_shared
 from lightning_parallel.layout.mesh import PipelineMesh
@@ -39,7 +37,6 @@ from lightning_parallel.sources.sequential.split import find_sequential
 from lightning_parallel.sources.traced.source import TracedSource
 from lightning_parallel.sources.twin import alias_table
 from lightning_parallel.strategies.pipeline.items import StepItems, step_items
-from lightning_parallel.timeline.recorder import Timeline
 
 
 def source_for(module: nn.Module, plan: ParallelPlan) -> SequentialSource | TracedSource:
@@ -48,19 +45,25 @@ def source_for(module: nn.Module, plan: ParallelPlan) -> SequentialSource | Trac
     Example::
 
         source = source_for(model, strategy.parallel_plan)
-        source.tensor_plan(model, plan), source.build(plan, inputs, model, mesh, device, warn)
+        source.unsplit(model), source.build(plan, inputs, model, mesh, device, warn)
     """
     with failing_together():
         found = find_sequential(module, plan.module_name) if plan.split_points is None else None
     return SequentialSource(found) if found is not None else TracedSource()
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineParts:
-    """This rank's pipeline: what the strategy's steps, backward and state code work with.
+    """This rank's pipeline as the build made it: what the strategy's steps, backward and state code read.
 
-    The first fields are the build's and never reassigned; the last ones (from ``held`` on) are the
-    steps' runtime state.
+    Immutable: :func:`build_pipeline` makes it after the split, :meth:`parallelized` the value after the
+    techniques' transforms of the stages (the FSDP roots, the parameters they put in place); what the
+    steps carry from one to the next lives apart (``step_state.py: StepState``).
+
+    Example::
+
+        parts = build_pipeline(source, plan, inputs, module, mesh, device, warn)
+        parts = parts.parallelized(runner.stages.sharded(), replaced)     # after the techniques
     """
 
     mesh: PipelineMesh
@@ -68,7 +71,7 @@ class PipelineParts:
     runner: PipelineRunner
     call: PipelinedCall  # the stand-in the user's step calls (``self.layers(x)`` or ``self(x)``)
     shared: SharedReplicas
-    param_names: dict[nn.Parameter, str]  # this rank's parameters -> canonical names (FSDP2 rebinds them)
+    param_names: Mapping[nn.Parameter, str]  # this rank's parameters -> canonical names (FSDP2 swaps them)
     model_keys: list[str]  # the unsplit module's state-dict keys
     model_param_order: list[str]  # the unsplit module's parameter names, in parameters() order
     twin: nn.Module  # the meta twin stages are sized (and traced) on; precision applies to it too
@@ -76,17 +79,14 @@ class PipelineParts:
     scope: StepScope  # marks the user's step code while it runs
     metrics: StageMetrics  # the module's torchmetrics Metrics, adapted to the stages
     sharded: list[nn.Module] = field(default_factory=list)  # the FSDP roots, once parallelized
-    held: HeldGradients = field(default_factory=HeldGradients)
-    predict_batches: list[int] | None = None  # per replica, in a predict run
-    channels: dict[str, RecordBroadcast] = field(default_factory=dict)  # last stage -> others, per step
-    timeline: Timeline | None = None  # while the PipelineTimeline callback records a step
 
-    def parallelized(self, roots: list[nn.Module], replaced: dict[int, nn.Parameter]) -> None:
-        """After the techniques: the FSDP roots, and the parameters they put in place of the old ones."""
-        self.sharded = list(roots)
-        if replaced:
-            self.param_names = {replaced.get(id(p), p): n for p, n in self.param_names.items()}
-            self.shared.rebind(replaced)
+    def parallelized(self, roots: list[nn.Module], replaced: Mapping[int, nn.Parameter]) -> PipelineParts:
+        """This pipeline after the techniques: their FSDP roots, and the parameters they put in place of
+        the old ones (``id(old) -> new``) wherever the build named them."""
+        if not replaced:
+            return replace(self, sharded=list(roots))
+        names = {replaced.get(id(p), p): n for p, n in self.param_names.items()}
+        return replace(self, sharded=list(roots), param_names=names, shared=self.shared.rebound(replaced))
 
 
 def build_pipeline(
@@ -117,7 +117,7 @@ def build_pipeline(
     pipelined = mesh.pp_size > 1
     scope = StepScope(frozenset(mesh.layout.replicas_of(mesh.pp_rank)) if pipelined else None)
     last = mesh.global_rank(stages.pp_rank_of(stages.num_stages - 1))
-    metrics = StageMetrics(scope, mesh.dp_group, mesh.pp_group if pipelined else None, last)
+    metrics = StageMetrics(scope, mesh.group("metrics"), mesh.pp_group if pipelined else None, last)
     metrics.adapt_module(module)
     return PipelineParts(
         mesh, stages, split.runner, split.call, shared, param_names, model_keys, model_param_order,

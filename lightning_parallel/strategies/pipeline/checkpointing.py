@@ -14,6 +14,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from typing_extensions import override
 
 import lightning_parallel.strategies.pipeline.distributed_checkpoint as dcp_glue
+from lightning_parallel.optim.home import home_device
 from lightning_parallel.strategies.pipeline.consolidated import (
     consolidated_optimizer_state,
     consolidated_state_dict,
@@ -88,6 +89,8 @@ class PipelineCheckpointHooks:
             dcp_glue.load_optimizers(self.optimizers, self.parts, checkpoint)
         else:
             load_stage_optimizer_states(self.optimizers, self.parts, checkpoint["optimizer_states"])
-        # Offloaded optimizer state stays on the host (it loaded there: FSDP2's shards, or host-stepping).
-        if "optimizer" not in self.parallel_plan.offload:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        # Each optimizer's state where the optimizer keeps it: the device, or the host (offloaded: FSDP2's
+        # shards, or host-stepping; it loaded there).
+        for optimizer in self.optimizers:
+            if home_device(optimizer, self.root_device) == self.root_device:
+                _optimizers_to_device([optimizer], self.root_device)

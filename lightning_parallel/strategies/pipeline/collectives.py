@@ -27,11 +27,12 @@ class StepCollectives:
     parts: Any
 
     def _step_group(self, group: Any) -> Any:
-        """In the user's step, the default (world) group means the step's data-parallel ranks."""
+        """In the user's step, the default (world) group means the ranks the step meets (its ``"step"``
+        role: the data-parallel ranks of the stage running it)."""
         parts = self.parts
         if parts is None or not parts.scope.active or not (group is None or group is dist.group.WORLD):
             return group
-        return parts.mesh.dp_group
+        return parts.mesh.group("step")
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:

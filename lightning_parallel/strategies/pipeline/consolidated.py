@@ -33,7 +33,7 @@ def consolidated_state_dict(module: nn.Module, parts: PipelineParts | None) -> d
         return {}
     if parts is None or parts.mesh.pp_size == 1 or not distributed_ready():
         return local
-    if parts.mesh.dp_rank != 0:
+    if parts.mesh.rank("gradients") != 0:  # (another copy of this stage: the ranks averaging its gradients)
         return {}
     gathered = gather_object_to(stage_state.to_cpu(dict(local)), 0, parts.mesh.pp_group)
     if gathered is None:
@@ -53,11 +53,12 @@ def consolidated_optimizer_state(
     if parts is None:
         return optimizer.state_dict()
     consolidate(optimizer)  # a sharded (ZeRO) optimizer gathers on replica 0: every replica calls it
-    if parts.mesh.dp_rank != 0 and not parts.sharded:
+    copy = parts.mesh.rank("gradients")  # (0: the copy of this stage that saves it)
+    if copy != 0 and not parts.sharded:
         return {}
     # FSDP2 / tensor-parallel stages: every rank of each DTensor's mesh joins the all-gathers of its state.
     named = stage_state.named_optimizer_state(optimizer, parts.param_names, full_tensors)
-    if parts.mesh.dp_rank != 0 or parts.mesh.tp_rank != 0:
+    if copy != 0 or parts.mesh.tp_rank != 0:
         return {}
     gathered = gather_object_to(named, 0, parts.mesh.pp_group)
     if gathered is None:

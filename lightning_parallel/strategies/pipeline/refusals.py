@@ -5,26 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-
-from lightning_parallel.distributed.agree import reduces_host_tensors
-from lightning_parallel.techniques.contract import Environment
-
-
-def refuse_environment(env: Environment, device: torch.device) -> None:
-    """What the techniques need of the job (``env``, folded from the plan) that its process group cannot
-    give (the plan refused what they cannot do anywhere): say why and the fix.
-
-    Raises:
-        ValueError: a host backend needed on an accelerator whose process group has none (host tensors
-            would reach NCCL).
-    """
-    if env.host_backend and device.type != "cpu" and not reduces_host_tensors():
-        raise ValueError(
-            f"{env.host_backend}, but this job's process group has no host backend (only "
-            f"{device.type}'s): let PipelineStrategy start the process group (it adds 'cpu:gloo'), or start "
-            f"it yourself with backend='{device.type}:nccl,cpu:gloo'"
-        )
 
 
 def refuse_compiled_module(module: Any) -> None:

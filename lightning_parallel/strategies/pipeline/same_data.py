@@ -75,7 +75,7 @@ class SameData:
         self._batches_compared += 1
         if parts.mesh.pp_size * parts.mesh.tp_size == 1:
             return  # a replica is one rank: nothing to compare
-        warnings = check_same_batch(batch, parts.mesh.dp_rank, parts.mesh.pp_rank, batch_idx)
+        warnings = check_same_batch(batch, parts.mesh.rank("data"), parts.mesh.pp_rank, batch_idx)
         if warnings and not self._batch_warned:
             self._batch_warned = True
             rank_zero_warn(f"PipelineStrategy: {warnings[0]}")

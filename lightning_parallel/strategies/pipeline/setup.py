@@ -18,15 +18,16 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.grads.sync import GradientSync
 from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline, source_for
 from lightning_parallel.strategies.pipeline.call_input import TrainerInput
 from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
-from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module, refuse_environment
+from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module
 from lightning_parallel.strategies.pipeline.summary import summarize_before_split
-from lightning_parallel.techniques import TECHNIQUES, environment, transform_stages
+from lightning_parallel.techniques import TECHNIQUES, before_split, environment, transform_stages
 from lightning_parallel.techniques.compile import CompileWatch
 from lightning_parallel.techniques.contract import Environment, Job
 
@@ -36,21 +37,20 @@ def environment_of(strategy: Any) -> Environment:
     return environment(strategy.parallel_plan, strategy.root_device)
 
 
-def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelineParts, Any]:
-    """This rank's pipeline; and the tensor-parallel plan (or None), read on the unsplit module.
+def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelineParts, dict[str, Any]]:
+    """This rank's pipeline; and what the techniques read on the unsplit module (by technique).
 
     Every rank calls it (it is collective); an error on one rank is raised on every rank.
     """
     module, plan = strategy.lightning_module, strategy.parallel_plan
     refuse_compiled_module(module)  # (every rank holds the same module)
-    refuse_environment(environment_of(strategy), strategy.root_device)
     if fitting:
         summarize_before_split(trainer, module, strategy)  # the whole model's table
-    parts, tensors = split_module(
+    parts, read = split_module(
         trainer, module, plan, strategy._mesh, strategy.root_device, strategy._item_count, rank_zero_warn
     )
     rank_zero_info(f"PipelineStrategy stage plan ({plan.schedule}):\n{parts.plan.format_table()}")
-    return parts, tensors
+    return parts, read
 
 
 def split_module(
@@ -61,52 +61,53 @@ def split_module(
     device: Any,
     count: Any = None,
     warn: Any = rank_zero_warn,
-) -> tuple[PipelineParts, Any]:
-    """Split ``module`` with ``plan`` on ``mesh`` (every rank calls it): this rank's pipeline, and the
-    tensor-parallel plan (or None) read on the unsplit module. What :func:`split` and ``plan="auto"``'s
-    trials (each candidate on a copy of the module) share."""
-    refuse_environment(environment(plan, device), device)
+) -> tuple[PipelineParts, dict[str, Any]]:
+    """Split ``module`` with ``plan`` on ``mesh`` (every rank calls it): this rank's pipeline, and what the
+    techniques read on the unsplit module (by technique). What :func:`split` and ``plan="auto"``'s trials
+    (each candidate on a copy of the module) share."""
     source = source_for(module, plan)
     with failing_together():
-        tensors = source.tensor_plan(module, plan)  # (read on the unsplit module)
+        read = before_split(plan, source.unsplit(module))  # (the techniques' reading and refusals)
     inputs = TrainerInput(trainer, module)
-    return build_pipeline(source, plan, inputs, module, mesh, device, warn, count), tensors
+    return build_pipeline(source, plan, inputs, module, mesh, device, warn, count), read
 
 
 def parallelize(
-    strategy: Any, parts: PipelineParts, tensors: Any
-) -> tuple[Job, GradientSync, CompileWatch | None]:
-    """After the split: the techniques on this rank's stages, in the list's order; the job they saw, the
-    optimizer step's gradient sync, and the watch on torch.compile (when the stages are compiled)."""
-    job, sync = apply_techniques(strategy.parallel_plan, strategy.lightning_module, strategy.root_device,
-                                 parts, tensors)  # fmt: skip
+    strategy: Any, parts: PipelineParts, read: dict[str, Any]
+) -> tuple[PipelineParts, Job, GradientSync, CompileWatch | None]:
+    """After the split: the techniques on this rank's stages, in the list's order; the pipeline after them,
+    the job they saw, the optimizer step's gradient sync, and the watch on torch.compile (when the stages
+    are compiled)."""
+    parts, job, sync = apply_techniques(strategy.parallel_plan, strategy.lightning_module,
+                                        strategy.root_device, parts, read)  # fmt: skip
     watch = None
     if job.plan.compiled:  # (its time is the strategy's compile_seconds, around every kind of step)
         watch = CompileWatch(rank_zero_warn, rank_zero_info)
         watch.start()
-    return job, sync, watch
+    return parts, job, sync, watch
 
 
 def apply_techniques(
-    plan: Any, module: pl.LightningModule, device: Any, parts: PipelineParts, tensors: Any, log: bool = True
-) -> tuple[Job, GradientSync]:
-    """The techniques on this rank's stages of ``module``, in the list's order; the job they saw and the
-    optimizer step's gradient sync (``log``: rank 0 prints their notes; a trial's are not printed)."""
+    plan: Any, module: pl.LightningModule, device: Any, parts: PipelineParts, read: dict[str, Any],
+    log: bool = True,
+) -> tuple[PipelineParts, Job, GradientSync]:  # fmt: skip
+    """The techniques on this rank's stages of ``module``, in the list's order; the pipeline after them,
+    the job they saw and the optimizer step's gradient sync (``log``: rank 0 prints their notes; a
+    trial's are not printed)."""
     mesh, stages = parts.mesh, parts.runner.stages
-    info = rank_zero_info if log else _quiet
-    job = Job(plan, mesh, device, stages, module, parts.plan, tensors, warn=rank_zero_warn if log else _quiet,
-              info=info)  # fmt: skip
+    info, warn = (rank_zero_info, rank_zero_warn) if log else (_quiet, _quiet)
+    job = Job(plan, mesh, device, stages, module, parts.plan, read, warn=warn, info=info)
     before = dict(module.named_parameters())
     notes = transform_stages(job)
     after = dict(module.named_parameters())
     replaced = {id(p): after[n] for n, p in before.items() if after.get(n, p) is not p}
-    parts.parallelized(stages.sharded(), replaced)
+    parts = parts.parallelized([m for m in stages.modules if isinstance(m, FSDPModule)], replaced)
     for note in notes:
         info(f"PipelineStrategy: {note}")
     parts.runner.use_step_contexts([c for t in TECHNIQUES if (c := t.step_context(job)) is not None])
     window = parts.items.window if parts.items is not None else None
     reductions = [r for t in TECHNIQUES for r in t.reductions(job)]
-    return job, GradientSync(module, parts.shared, reductions, mesh.dp_size, window)
+    return parts, job, GradientSync(module, parts.shared, reductions, mesh.size("gradients"), window)
 
 
 def transformed_optimizers(optimizers: list[Any], job: Job) -> list[Any]:

@@ -1,28 +1,24 @@
-"""One Lightning step through the pipeline: capture the input, run the schedule, return loss and logs.
+"""One Lightning step through the pipeline: training, evaluation (validation, test) and prediction, each
+one function read top to bottom.
 
 The user's step runs unchanged: on the first stage up to its pipelined call (to capture that call's
 input), on the last stage around the pipeline's output (once per micro-batch in training, as the
-schedule's loss function; once per batch in evaluation). What it logs and returns is sent from the
-last stage to every stage of the replica and logged there through ``self.log``; so is an error it
-raises there, so that every rank stops with it instead of waiting for the last stage.
+schedule's loss function; once per batch in evaluation and prediction). What it logs and returns is
+sent from the last stage to every stage of the replica and logged there through ``self.log``; so is an
+error it raises there, so that every rank stops with it instead of waiting for the last stage.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from lightning_parallel.distributed.agree import packed_error, unpacked_error
 from lightning_parallel.pipeline.microbatches import StepMicrobatches
 from lightning_parallel.pipeline.state import to_cpu
-from lightning_parallel.pipeline.step_logs import (
-    LogRecorder,
-    from_record,
-    to_record,
-    weighted_mean,
-)
+from lightning_parallel.pipeline.step_logs import LogRecorder, from_record, to_record, weighted_mean
 from lightning_parallel.strategies.pipeline.earlier_gradients import earlier_gradients
 from lightning_parallel.strategies.pipeline.precision import scaled_loss
 from lightning_parallel.strategies.pipeline.step_results import (
@@ -34,125 +30,173 @@ from lightning_parallel.strategies.pipeline.step_results import (
     replay_logs,
 )
 from lightning_parallel.techniques.fsdp import reshard
-from lightning_parallel.timeline.recorder import span_of
+from lightning_parallel.timeline.recorder import Timeline, span_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_parallel.pipeline.metrics import BatchWindow
     from lightning_parallel.strategies.pipeline.build import PipelineParts
+    from lightning_parallel.strategies.pipeline.step_state import StepState
 
 
 def run_step(
-    parts: PipelineParts, module: pl.LightningModule, step_name: str, args: tuple[Any, ...], train: bool
+    parts: PipelineParts,
+    state: StepState,
+    module: pl.LightningModule,
+    step_name: str,
+    args: tuple,
+    train: bool,
 ) -> Any:
-    """Run ``step_name`` (``training_step``, ...) for one batch through the pipeline.
-
-    An error the user's step raises on the last stage (or one in what it logged) travels to every stage
-    in the place of the logged values: every rank raises it at the same point.
-    """
-    mesh = parts.mesh
-    step = _Step(parts, module, step_name, args, train)
-    split = train and step.m > 1 and parts.runner.has_last  # the step runs once per micro-batch here
-    window = parts.metrics.window() if split and parts.metrics is not None else None
-    with window.collecting() if window is not None else nullcontext():
-        result = step.train() if train else step.evaluate()
+    """Run ``step_name`` (``training_step``, ...) for one batch through the pipeline: what the user's step
+    returns to Lightning (the loss in training, the predictions in prediction, None in evaluation)."""
+    if train:
+        return training_step(parts, state, module, args)
     if step_name == "predict_step":
-        return _predicted(parts, module, step, result, args)
-    record, error = None, step.failure
-    if parts.runner.has_last and error is None:
-        try:
-            if window is not None:
-                window.finish()  # each Metric's step value: over the whole batch, not its last micro-batch
-            record = to_record(step.recorder.entries(), *([result["loss"]] if train else []))
-        except Exception as err:
-            error = err
-    with span_of(parts.timeline, "log broadcast", "collective"):
-        numbers = numbers_from_last_stage(parts, step_name, record, error)
-    leading, logs = from_record(*numbers, leading=int(train))
-    replay_logs(module, logs, mesh.dp_group, parts.metrics)
-    return torch.tensor(leading[0], device=module.device) if train else None
+        return prediction_step(parts, state, module, args)
+    return evaluation_step(parts, state, module, step_name, args)
 
 
-def _predicted(
-    parts: PipelineParts, module: pl.LightningModule, step: _Step, result: dict[str, Any], args: tuple
-) -> Any:
-    mesh = parts.mesh
-    if parts.runner.has_last:
-        result["logs"] = [(e.name, e.combined(), e.replay_kwargs()) for e in step.recorder.entries()]
-        if step.failure is not None:
-            result = {"error": packed_error(step.failure)}
-    result = from_last_stage(result, mesh, last_pp_rank(parts))
+def training_step(
+    parts: PipelineParts, state: StepState, module: pl.LightningModule, args: tuple
+) -> torch.Tensor:
+    """One training batch: the schedule runs the forward and backward of every micro-batch, with the
+    user's step as each one's loss function on the last stage (the gradients held aside for Lightning's
+    backward); then the last stage's loss and logs, or its error, reach every stage of the replica."""
+    step = _Step(parts, module, "training_step", args, train=True)
+    window = step.batch_window()
+    with window.collecting() if window is not None else nullcontext():
+        loss = step.train(state)
+    record, error = step.record_on_last_stage(window, loss)
+    (loss_everywhere,), logs = _to_every_stage(parts, state, "training_step", record, error, leading=1)
+    replay_logs(module, logs, parts.mesh.group("logs"), parts.metrics)
+    return torch.tensor(loss_everywhere, device=module.device)
+
+
+def evaluation_step(
+    parts: PipelineParts, state: StepState, module: pl.LightningModule, step_name: str, args: tuple
+) -> None:
+    """One validation or test batch: forward through the pipeline, then the user's step on the last stage
+    around the output; its logs, or its error, reach every stage of the replica."""
+    step = _Step(parts, module, step_name, args, train=False)
+    step.evaluate()
+    record, error = step.record_on_last_stage(None)
+    _, logs = _to_every_stage(parts, state, step_name, record, error, leading=0)
+    replay_logs(module, logs, parts.mesh.group("logs"), parts.metrics)
+
+
+def prediction_step(parts: PipelineParts, state: StepState, module: pl.LightningModule, args: tuple) -> Any:
+    """One prediction batch: forward, the user's step on the last stage; its output and logs (any Python
+    objects), or its error, reach every stage of the replica; global rank 0 collects every replica's."""
+    step = _Step(parts, module, "predict_step", args, train=False)
+    output = step.evaluate()
+    result = step.prediction_record(output) if parts.runner.has_last else {}
+    result = from_last_stage(result, parts.mesh, last_pp_rank(parts))
     if "error" in result:
         raise step.failure if step.failure is not None else unpacked_error(result["error"])
-    replay_logs(module, result["logs"], mesh.dp_group)
-    if mesh.dp_size > 1:
-        return collect_predictions(parts, result.get("output"), batch_idx=args[1])
+    replay_logs(module, result["logs"], parts.mesh.group("logs"))
+    if parts.mesh.size("predictions") > 1:
+        return collect_predictions(parts, state, result.get("output"), batch_idx=args[1])
     return result.get("output")
 
 
+def _to_every_stage(
+    parts: PipelineParts, state: StepState, step_name: str, record: tuple | None, error: Exception | None,
+    leading: int,
+) -> tuple[list[float], list]:  # fmt: skip
+    """The last stage's ``leading`` numbers (the loss) and logs on every stage of the replica, or its
+    error raised on every one: one small tensor broadcast."""
+    with span_of(state.observer, "log broadcast", "collective"):
+        numbers = numbers_from_last_stage(parts, state, step_name, record, error)
+    return from_record(*numbers, leading=leading)
+
+
+class _LossInputs(NamedTuple):
+    """What the schedule's loss function reads for micro-batch ``i`` (on the ranks that read it)."""
+
+    chunks: list[Any]  # the batch's micro-batches, as the user's step gets them
+    sizes: list[int]  # their samples
+    weights: list[float]  # what each micro-batch's loss is multiplied by before backward
+    counts: list[float]  # what each one counts (its samples, or its items)
+
+
 class _Step:
-    """One batch of one step method on this rank: the input capture, then training or evaluation."""
+    """One batch of one step method on this rank: its micro-batches and the pipelined call's captured input,
+    then training (:meth:`train`) or evaluation (:meth:`evaluate`)."""
 
     def __init__(
-        self,
-        parts: PipelineParts,
-        module: pl.LightningModule,
-        step_name: str,
-        args: tuple[Any, ...],
-        train: bool,
+        self, parts: PipelineParts, module: pl.LightningModule, step_name: str, args: tuple, train: bool
     ) -> None:
         self.parts, self.runner, self.call, self.module = parts, parts.runner, parts.call, module
-        self.step_name, self.step, self.args = step_name, getattr(module, step_name), args
+        self.step_name, self.args = step_name, args
         # The batch size and its micro-batches, decided once for everything this step does.
         self.mb = StepMicrobatches.of(args[0], self.runner.num_microbatches)
         self.n, self.m = self.mb.size, self.mb.count
         self.key = shape_key(args[0])
         self.recorder = LogRecorder(parts.metrics.paths if parts.metrics is not None else None)
         self.failure: Exception | None = None  # the user's step raised it on the last stage
-        self.step = self._in_scope(self.step)
+        self.step = self._in_scope(getattr(module, step_name))
         self.call.train = train  # the traced path's stand-in keeps one way of calling per mode
         self.items = parts.items if step_name != "predict_step" else None
-        # Items read from the call's labels: every rank counts them in training, the last stage in
-        # evaluation (to weight the micro-batches' mean losses it merges).
+        self.stage_args = self._captured_input(train)
+
+    def _captured_input(self, train: bool) -> tuple[Any, ...] | None:
+        """The pipelined call's input, captured by running the user's step up to it, where it is needed:
+        on the first stage, or on every rank whose items are read from the call's labels (every rank in
+        training, the last stage in evaluation, to weight the micro-batches' mean losses it merges)."""
         from_call = self.items is not None and self.items.from_call and (train or self.runner.has_last)
-        needed = self.runner.needs_input(self.key, self.m, train) or from_call
-        self.stage_args = self.call.capture(self.step, *args) if needed else None
+        if self.runner.needs_input(self.key, self.m, train) or from_call:
+            return self.call.capture(self.step, *self.args)
+        return None
 
-    def train(self) -> dict[str, Any]:
-        rest = self.args[1:]
-        chunks, weights, counts, sizes = [], [], [], []  # what loss_fn reads: on the last stage only
-        if self.runner.has_last or self.items is not None:  # (counting items is every rank's collective)
-            chunks, sizes = self.mb.batch_chunks(), self.mb.sizes
-            weights, counts = self._loss_weights(chunks, sizes)
+    # ------------------------------------------------------------------------------- training
+    def train(self, state: StepState) -> float | None:
+        """The schedule over the batch's micro-batches; the batch's loss on the last stage, else None."""
+        inputs = self._loss_inputs()
         losses: list[torch.Tensor] = []
-        plugin = self.module.trainer.precision_plugin
-
-        timeline = self.parts.timeline if self.parts.timeline and self.parts.timeline.recording else None
-
-        def loss_fn(output: Any, index: int) -> torch.Tensor:
-            with span_of(timeline, "loss_fn", "loss", mb=index):
-                recording = self.recorder.recording(self.module, sizes[index], counts[index])
-                with self.call.replaying(output), recording:
-                    loss = loss_of(self.step(chunks[index], *rest), self.step_name)
-                losses.append(loss.detach())
-                # Scale the loss, not the gradients: each micro-batch carries its share of the step's
-                # mean (and, under fp16, the GradScaler's scale).
-                return scaled_loss(plugin, loss * weights[index])
-
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        loss_fn = self._loss_function(inputs, losses, state.observer)
         batch_idx = self.args[1] if len(self.args) > 1 else None
         earlier = earlier_gradients(self.module.trainer, self.module, batch_idx)
         if not self.runner.has_last and self.parts.mesh.pp_size > 1:
             # The last stage's loss and logs come back after the schedule: the receive waits from now.
-            log_channel(self.parts, self.step_name).post()
-        with (
-            self.parts.held.collecting(params, earlier),
-            timeline.torch_schedule() if timeline else nullcontext(),
-        ):
-            self.runner.train_step(self.key, self.m, self.stage_args, loss_fn)
+            log_channel(self.parts, state, self.step_name).post()
+        self._run_schedule(loss_fn, earlier, state)
         if not self.runner.has_last:
-            return {}
-        return {"loss": weighted_mean([float(v) for v in torch.stack(losses).float().tolist()], counts)}
+            return None
+        return weighted_mean([float(v) for v in torch.stack(losses).float().tolist()], inputs.counts)
+
+    def _loss_inputs(self) -> _LossInputs:
+        """The micro-batches and their loss weights: on the last stage, and on every rank that counts
+        items (counting them is every rank's collective)."""
+        if not (self.runner.has_last or self.items is not None):
+            return _LossInputs([], [], [], [])
+        chunks, sizes = self.mb.batch_chunks(), self.mb.sizes
+        weights, counts = self._loss_weights(chunks, sizes)
+        return _LossInputs(chunks, sizes, weights, counts)
+
+    def _loss_function(self, inputs: _LossInputs, losses: list, timeline: Timeline | None) -> Any:
+        """The schedule's loss function: the user's step around micro-batch ``index``'s output."""
+        plugin, rest = self.module.trainer.precision_plugin, self.args[1:]
+
+        def loss_fn(output: Any, index: int) -> torch.Tensor:
+            with span_of(timeline, "loss_fn", "loss", mb=index):
+                recording = self.recorder.recording(self.module, inputs.sizes[index], inputs.counts[index])
+                with self.call.replaying(output), recording:
+                    loss = loss_of(self.step(inputs.chunks[index], *rest), self.step_name)
+                losses.append(loss.detach())
+                # Scale the loss, not the gradients: each micro-batch carries its share of the step's
+                # mean (and, under fp16, the GradScaler's scale).
+                return scaled_loss(plugin, loss * inputs.weights[index])
+
+        return loss_fn
+
+    def _run_schedule(self, loss_fn: Any, earlier: str, state: StepState) -> None:
+        """Forward and backward of every micro-batch; this batch's gradients held aside (``earlier``: what
+        happens to those already there) for Lightning's backward; timed while a timeline records."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        timeline = state.observer
+        with state.held.collecting(params, earlier), timeline.torch_schedule() if timeline else nullcontext():
+            self.runner.train_step(self.key, self.m, self.stage_args, loss_fn)
 
     def _loss_weights(self, chunks: list[Any], sizes: list[int]) -> tuple[list[float], list[float]]:
         """What each micro-batch's loss is multiplied by before backward, and what it counts (its items).
@@ -167,7 +211,7 @@ class _Step:
         if counts is None:
             scale = 1.0 / self.module.trainer.accumulate_grad_batches
             return [n_i / self.n * scale for n_i in samples], samples
-        reference = self.items.window.add_batch(sum(counts), self.parts.mesh.dp_group)
+        reference = self.items.window.add_batch(sum(counts), self.parts.mesh.group("tokens"))
         return [c / reference for c in counts], counts
 
     def _item_counts(self, chunks: list[Any]) -> list[float] | None:
@@ -176,11 +220,59 @@ class _Step:
             return None
         return self.items.per_microbatch(chunks, self.stage_args, self.call)
 
+    def batch_window(self) -> BatchWindow | None:
+        """Where the user's step runs once per micro-batch (training, on the last stage): the window that
+        gives each Metric its step value over the whole batch, not over its last micro-batch."""
+        if self.m > 1 and self.runner.has_last and self.parts.metrics is not None:
+            return self.parts.metrics.window()
+        return None
+
+    # ----------------------------------------------------------------------------- evaluation
+    def evaluate(self) -> Any:
+        """Forward through the pipeline (the micro-batches' outputs merged into the batch's), then the
+        user's step around the output on the last stage; what it returns there (on the host, in
+        prediction; None in evaluation), None elsewhere."""
+        output = self.runner.forward(self.key, self.m, self.stage_args, self._merge_weights())
+        reshard(self.parts.sharded)  # FSDP2 stages keep their gathered weights after forward-only steps
+        if not self.runner.has_last:
+            return None
+        with self.call.replaying(output), self.recorder.recording(self.module, self.n):
+            out = self.step(*self.args)
+        return to_cpu(out) if self.step_name == "predict_step" else None
+
+    def _merge_weights(self) -> list[float] | None:
+        """A mean loss the model returns per micro-batch (``labels=``) merges weighted by their items."""
+        if self.items is None or not self.runner.has_last:
+            return None
+        return self._item_counts(self.mb.batch_chunks())
+
+    # --------------------------------------------------------------- what the last stage sends
+    def record_on_last_stage(self, window: BatchWindow | None, *leading: float | None) -> tuple:
+        """On the last stage: the step's numbers (``leading``: the loss) and logs as one record, or the
+        error the user's step (or its logging) raised; ``(None, None)`` elsewhere."""
+        record, error = None, self.failure
+        if self.runner.has_last and error is None:
+            try:
+                if window is not None:
+                    window.finish()  # each Metric's step value: over the whole batch
+                record = to_record(self.recorder.entries(), *leading)
+            except Exception as err:
+                error = err
+        return record, error
+
+    def prediction_record(self, output: Any) -> dict[str, Any]:
+        """On the last stage: the predictions and the logs as objects, or the user's step's error."""
+        if self.failure is not None:
+            return {"error": packed_error(self.failure)}
+        logs = [(e.name, e.combined(), e.replay_kwargs()) for e in self.recorder.entries()]
+        return {"output": output, "logs": logs}
+
+    # ------------------------------------------------------------------------ the user's step
     def _in_scope(self, step: Any) -> Any:
         """The user's step, marked as step code while it runs; an error it raises in replay is kept.
 
         Kept, not raised: in training the schedule must still run every micro-batch on every stage (the
-        step is then skipped and the loss is a zero of the stage's output), and :func:`run_step` sends
+        step is then skipped and the loss is a zero of the stage's output), and the step functions send
         the error to the other stages in the place of the logged values. Errors in capture (the first
         stage, up to the pipelined call) are raised as they come.
         """
@@ -212,19 +304,6 @@ class _Step:
         for t in leaves[1:]:
             total = total + t.sum() * 0.0
         return total
-
-    def evaluate(self) -> dict[str, Any]:
-        merge_weights = None
-        if self.items is not None and self.runner.has_last:
-            # A mean loss the model returns per micro-batch (labels=) merges weighted by their items.
-            merge_weights = self._item_counts(self.mb.batch_chunks())
-        output = self.runner.forward(self.key, self.m, self.stage_args, merge_weights)
-        reshard(self.parts.sharded)  # FSDP2 stages keep their gathered weights after forward-only steps
-        if not self.runner.has_last:
-            return {}
-        with self.call.replaying(output), self.recorder.recording(self.module, self.n):
-            out = self.step(*self.args)
-        return {"output": to_cpu(out) if self.step_name == "predict_step" else None}
 
 
 def shape_key(batch: Any) -> tuple:

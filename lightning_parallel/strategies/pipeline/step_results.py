@@ -25,39 +25,45 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_parallel.strategies.pipeline.build import PipelineParts
+    from lightning_parallel.strategies.pipeline.step_state import StepState
 
 
-def count_predict_batches(parts: PipelineParts, trainer: Any) -> None:
+def count_predict_batches(parts: PipelineParts, state: StepState, trainer: Any) -> None:
     """How many batches each replica predicts (the sampler does not pad), on every rank: rank 0 must
     know which replicas send it predictions at each step. A collective (every rank, before predicting)."""
-    if parts.mesh.dp_size == 1:
+    if parts.mesh.size("predictions") == 1:
         return
     counts = all_gather_objects(int(sum(trainer.num_predict_batches)))
-    last = last_pp_rank(parts)
-    parts.predict_batches = [counts[parts.mesh.global_rank(last, r)] for r in range(parts.mesh.dp_size)]
+    state.predict_batches = [counts[rank] for rank in prediction_senders(parts)]
 
 
-def collect_predictions(parts: PipelineParts, output: Any, batch_idx: int) -> Any:
+def collect_predictions(parts: PipelineParts, state: StepState, output: Any, batch_idx: int) -> Any:
     """Send each replica's predictions of this batch step to global rank 0, in dataset order there.
 
     Replicas may run different numbers of batches (the prediction sampler does not pad): rank 0,
     whose replica runs the most, receives from every replica that has batch ``batch_idx``.
     """
-    mesh, counts = parts.mesh, parts.predict_batches
+    counts = state.predict_batches
     assert counts is not None
-    last = last_pp_rank(parts)
-    if mesh.tp_rank > 0:  # its tensor-parallel rank 0 holds the same predictions
-        return None
-    if mesh.pp_rank == last and mesh.dp_rank > 0:
+    senders = prediction_senders(parts)
+    if parts.mesh.world_rank in senders[1:]:
         send_object(output, dst=0)
         return None
-    if mesh.global_rank(mesh.pp_rank) != 0:
+    if parts.mesh.world_rank != 0:  # (global rank 0 holds replica 0's, broadcast over its pipeline)
         return None
     received = [output]
-    for replica in range(1, mesh.dp_size):
+    for replica in range(1, len(senders)):
         if batch_idx < counts[replica]:
-            received.append(recv_object(src=mesh.global_rank(last, replica)))
+            received.append(recv_object(src=senders[replica]))
     return interleave_replicas(received)
+
+
+def prediction_senders(parts: PipelineParts) -> list[int]:
+    """The last stage's rank of each replica whose predictions global rank 0 collects, replica 0 first:
+    the ``"predictions"`` group of the last stage of global rank 0's pipeline (its other ranks, its
+    tensor-parallel peers, hold the same predictions and send none)."""
+    first_pipeline = parts.mesh.layout.group_of("pipeline", 0)
+    return parts.mesh.members("predictions", of=first_pipeline[last_pp_rank(parts)])
 
 
 def last_pp_rank(parts: PipelineParts) -> int:
@@ -73,7 +79,11 @@ def from_last_stage(result: dict[str, Any], mesh: PipelineMesh, last: int) -> di
 
 
 def numbers_from_last_stage(
-    parts: PipelineParts, step_name: str, record: tuple | None, error: BaseException | None = None
+    parts: PipelineParts,
+    state: StepState,
+    step_name: str,
+    record: tuple | None,
+    error: BaseException | None = None,
 ) -> tuple[Any, list[float]]:
     """The last stage's loss and logged numbers on every stage of this replica: one small tensor broadcast.
 
@@ -85,15 +95,15 @@ def numbers_from_last_stage(
             raise error
         assert record is not None
         return record
-    return log_channel(parts, step_name).broadcast(record, error=error)
+    return log_channel(parts, state, step_name).broadcast(record, error=error)
 
 
-def log_channel(parts: PipelineParts, step_name: str) -> RecordBroadcast:
+def log_channel(parts: PipelineParts, state: StepState, step_name: str) -> RecordBroadcast:
     """The last stage's channel to this replica's stages for ``step_name`` (created at its first use)."""
-    channel = parts.channels.get(step_name)
+    channel = state.channels.get(step_name)
     if channel is None:
         mesh = parts.mesh
-        channel = parts.channels[step_name] = RecordBroadcast(
+        channel = state.channels[step_name] = RecordBroadcast(
             mesh.global_rank(last_pp_rank(parts)), mesh.pp_group
         )
     return channel
@@ -102,10 +112,11 @@ def log_channel(parts: PipelineParts, step_name: str) -> RecordBroadcast:
 def replay_logs(
     module: pl.LightningModule,
     logs: list[tuple[str, Any, dict[str, Any]]],
-    dp_group: Any,
+    group: Any,
     metrics: StageMetrics | None = None,
 ) -> None:
-    """Log the last stage's combined values through the real ``self.log`` on this rank.
+    """Log the last stage's combined values through the real ``self.log`` on this rank; a
+    ``sync_dist=True`` value is reduced over ``group`` (``mesh.group("logs")``).
 
     A logged Metric is logged as this rank's copy of it (the module's attribute at its path), carrying
     the last stage's step value; its ``compute()`` returns the last stage's value (``metrics``).
@@ -116,7 +127,7 @@ def replay_logs(
     Lightning does not advise ``sync_dist=True`` for it at the epoch's end. With several replicas
     their values differ, and the advice stands.
     """
-    one_replica = dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) == 1
+    one_replica = group is not None and dist.is_initialized() and dist.get_world_size(group) == 1
     for name, value, kwargs in logs:
         if isinstance(value, LoggedMetric):
             metric = module.get_submodule(value.path)
@@ -129,7 +140,7 @@ def replay_logs(
             continue
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
             # Every stage holds the same values: reduce over the replicas only.
-            kwargs = {**kwargs, "sync_dist_group": dp_group}
+            kwargs = {**kwargs, "sync_dist_group": group}
         elif one_replica and not kwargs.get("sync_dist"):
-            kwargs = {**kwargs, "sync_dist": True, "sync_dist_group": dp_group}
+            kwargs = {**kwargs, "sync_dist": True, "sync_dist_group": group}
         module.log(name, value, **kwargs)

@@ -56,6 +56,7 @@ from lightning_parallel.strategies.pipeline.same_data import SameData
 from lightning_parallel.strategies.pipeline.script_launcher import StoppingScriptLauncher
 from lightning_parallel.strategies.pipeline.step import run_step
 from lightning_parallel.strategies.pipeline.step_results import count_predict_batches
+from lightning_parallel.strategies.pipeline.step_state import StepState
 from lightning_parallel.strategies.pipeline.stop import StopAgreement, StopHooks, start_rank_guard
 from lightning_parallel.techniques.compile import CompileWatch
 from lightning_parallel.techniques.contract import Job, buffers_to
@@ -177,7 +178,8 @@ class PipelineStrategy(
         self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
         self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
         self._stop_agreement = StopAgreement()
-        self.parts: PipelineParts | None = None
+        self.parts: PipelineParts | None = None  # this rank's pipeline, as the build made it
+        self.step_state = StepState()  # what the steps carry between them (held gradients, the timeline)
         self._mesh: PipelineMesh | None = None
         self._item_count: ItemCount | None = None
         self._compile_watch: CompileWatch | None = None
@@ -221,7 +223,8 @@ class PipelineStrategy(
 
     @property
     def data_parallel_size(self) -> int:
-        return self.layout.dp_size
+        """The ranks that read different batches (the sampler's ``num_replicas``)."""
+        return self.layout.size("data")
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -238,14 +241,14 @@ class PipelineStrategy(
 
     @property
     def data_parallel_group(self) -> Any:
-        """The replicas of this rank's stage (metrics and gradients are reduced over it)."""
-        return self.parts.mesh.dp_group if self.parts is not None else None
+        """The replicas of this rank's stage: what ``AllReducedMetrics`` reduces over (``"metrics"``)."""
+        return self.parts.mesh.group("metrics") if self.parts is not None else None
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shard the data by replica: the stages (and tensor-parallel ranks) of one replica see the same batch.
-        return {"num_replicas": self.data_parallel_size, "rank": self.layout.coordinates(self.global_rank)[1]}
+        return {"num_replicas": self.data_parallel_size, "rank": self.layout.rank("data", self.global_rank)}
 
     @override
     def _configure_launcher(self) -> None:
@@ -284,13 +287,14 @@ class PipelineStrategy(
         if first:
             if self._auto is not None:  # plan="auto": chosen on rank 0, applied on every rank; the mesh
                 autoplan.decide(self, trainer)
-            self.parts, tensors = pipeline_setup.split(self, trainer, fitting)
+            self.parts, read = pipeline_setup.split(self, trainer, fitting)
             self._register_release()
         self.precision_plugin.convert_module(self.model)
         self.precision_plugin.convert_module(self.parts.twin)  # (in place, as for the model)
         self.model_to_device()
         if first:
-            self._job, self._sync, self._compile_watch = pipeline_setup.parallelize(self, self.parts, tensors)
+            parallelized = pipeline_setup.parallelize(self, self.parts, read)
+            self.parts, self._job, self._sync, self._compile_watch = parallelized
         if fitting:
             pipeline_setup.prepare_optimizers(self, trainer, self.parts, self._job)
         self.setup_precision_plugin()
@@ -345,15 +349,15 @@ class PipelineStrategy(
         if train:
             self._check_training_batch(args)  # the first ones: the same on a replica's ranks, micro-batches
         if self._compile_watch is None:
-            return run_step(self.parts, self.lightning_module, step_name, args, train)
+            return run_step(self.parts, self.step_state, self.lightning_module, step_name, args, train)
         with self._compile_watch.reporting(f"this {step_name} (batch {args[1] if len(args) > 1 else '?'})"):
-            return run_step(self.parts, self.lightning_module, step_name, args, train)
+            return run_step(self.parts, self.step_state, self.lightning_module, step_name, args, train)
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
         if self.parts is not None:
-            count_predict_batches(self.parts, self.lightning_module.trainer)
+            count_predict_batches(self.parts, self.step_state, self.lightning_module.trainer)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -361,13 +365,13 @@ class PipelineStrategy(
         # gradients it held aside, between Lightning's before/after-backward hooks.
         assert self.lightning_module is not None and self.parts is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.parts.held.add_to_grads()
+        self.step_state.held.add_to_grads()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         assert self.parts is not None and self._sync is not None
-        timeline = self.parts.timeline if self.parts.timeline and self.parts.timeline.recording else None
+        timeline = self.step_state.observer
         synced: list[int] = []
 
         def closure_then_sync() -> Any:

@@ -39,6 +39,7 @@ from lightning_parallel.memory.time_model import simulate
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline import setup as pipeline_setup
 from lightning_parallel.strategies.pipeline.step import run_step
+from lightning_parallel.strategies.pipeline.step_state import StepState
 from lightning_parallel.techniques import environment
 from lightning_parallel.techniques.contract import buffers_to
 
@@ -66,17 +67,22 @@ class Trial:
 
 
 class Meshes:
-    """The device meshes of the plans tried, one per rank layout (every rank builds them in the same
-    order): the chosen plan's is the run's, the others stay unused."""
+    """The device meshes of the plans tried, one per rank layout and need of host tensors (every rank
+    builds them in the same order): the chosen plan's is the run's, the others stay unused."""
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
-        self._built: dict[RankLayout, PipelineMesh] = {}
+        self._built: dict[tuple[RankLayout, bool], PipelineMesh] = {}
 
-    def of(self, layout: RankLayout) -> PipelineMesh:
-        if layout not in self._built:
-            self._built[layout] = build_mesh(self.device_type, layout)
-        return self._built[layout]
+    def of(self, layout: RankLayout, host: bool = False) -> PipelineMesh:
+        if (layout, host) not in self._built:
+            self._built[layout, host] = build_mesh(self.device_type, layout, host)
+        return self._built[layout, host]
+
+
+def host_tensors(plan: ParallelPlan, device: torch.device) -> bool:
+    """Whether ``plan``'s techniques bring host tensors to its mesh's collectives on ``device``."""
+    return environment(plan, device).host_backend is not None
 
 
 def run_trials(
@@ -137,7 +143,7 @@ def time_windows(
     build of ``plan``."""
     device = trainer.strategy.root_device
     try:
-        step = _built(trainer, module, plan, batch, meshes.of(plan.layout()))
+        step = _built(trainer, module, plan, batch, meshes.of(plan.layout(), host_tensors(plan, device)))
         return [_median_step(lambda i, w=w: step(i, w), steps, device) for w in windows]
     finally:
         _release(device)
@@ -151,22 +157,24 @@ def _built(
     the optimizers' step."""
     device = trainer.strategy.root_device
     trial = trial_copy(module, trainer)
-    parts, tensors = pipeline_setup.split_module(trainer, trial, plan, mesh, device, None, _quiet)
+    parts, read = pipeline_setup.split_module(trainer, trial, plan, mesh, device, None, _quiet)
     trainer.precision_plugin.convert_module(trial)
     trainer.precision_plugin.convert_module(parts.twin)
     if environment(plan, device).parameters_on_host:
         buffers_to(trial, device)
     else:
         trial.to(device)
-    job, sync = pipeline_setup.apply_techniques(plan, trial, device, parts, tensors, log=False)
+    parts, job, sync = pipeline_setup.apply_techniques(plan, trial, device, parts, read, log=False)
     optimizers = optimizers_without_trainer(trial)
     _optimizers_to_device(optimizers, device)
     optimizers = pipeline_setup.transformed_optimizers(optimizers, job)
 
+    state = StepState()  # (the trial's own: the strategy's steps keep theirs)
+
     def step(index: int, batches: int) -> None:
         for b in range(batches):
-            run_step(parts, trial, "training_step", (batch, index * batches + b), train=True)
-            parts.held.add_to_grads()
+            run_step(parts, state, trial, "training_step", (batch, index * batches + b), train=True)
+            state.held.add_to_grads()
         sync()
         for o in optimizers:
             o.step()
@@ -364,6 +372,7 @@ def _quiet(message: str) -> None:
 __all__ = [
     "Meshes",
     "Trial",
+    "host_tensors",
     "measure_overhead",
     "optimizers_without_trainer",
     "run_trials",

@@ -143,6 +143,7 @@ class HostStepping:
 
     _user_class: type
     _pin_memory: bool = False
+    home_device = HOST  # its state lives on the host (optim/home.py: where a loaded state goes)
 
     def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
         self._user_class.__init__(self, params, *args, **kwargs)
@@ -343,3 +344,4 @@ def use_host_kernels(optimizer: torch.optim.Optimizer) -> None:
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
+    optimizer.home_device = HOST  # type: ignore[attr-defined]  # (its state is over the host shards)

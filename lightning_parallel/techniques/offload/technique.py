@@ -95,8 +95,8 @@ class Offload(Technique):
             )
         if "parameters" in plan.offload:
             env.host_backend = (
-                "offload='parameters' keeps FSDP2's gradients on the host, and clipping and the fp16 "
-                "overflow check reduce them there"
+                "offload='parameters' keeps FSDP2's shards and gradients on the host, where clipping "
+                "reduces their norm and a checkpoint gathers them"
             )
             env.parameters_on_host = True
 
@@ -104,7 +104,7 @@ class Offload(Technique):
         if not job.plan.offload:
             return optimizers
         job.info(f"PipelineStrategy: {describe(job.plan.offload, job.pin_memory)}")
-        return apply(optimizers, job.schedulers, job.plan, job.mesh.dp_group, job.pin_memory)
+        return apply(optimizers, job.schedulers, job.plan, job.mesh.group("optimizer_shard"), job.pin_memory)
 
     def step_context(self, job: Job) -> ActivationOffload | None:
         return ActivationOffload(job.pin_memory) if "activations" in job.plan.offload else None
@@ -270,11 +270,13 @@ def apply(optimizers: Sequence[torch.optim.Optimizer], schedulers: Iterable[Any]
           pin_memory: bool) -> list[torch.optim.Optimizer]:  # fmt: skip
     """The optimizers as the plan's offload puts them (right after ``configure_optimizers``): unchanged
     without ``"optimizer"``; FSDP2 stages: their own, stepping with the host kernel; replicas and ZeRO-1
-    (``group``: the stage's replicas): rebuilt host-stepping (:func:`host_step`).
+    (``group``: the ranks ZeRO-1 shards over, ``mesh.group("optimizer_shard")``): rebuilt host-stepping
+    (:func:`host_step`).
 
     Example::
 
-        optimizers = offload.apply(optimizers, [c.scheduler for c in configs], plan, mesh.dp_group, False)
+        group = mesh.group("optimizer_shard")
+        optimizers = offload.apply(optimizers, [c.scheduler for c in configs], plan, group, False)
     """
     if "optimizer" not in plan.offload:
         return list(optimizers)

@@ -7,8 +7,6 @@ ranks of a tensor-parallel group hold the same replicas.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,23 +16,6 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lightning_parallel.distributed.tensors import broadcast_coalesced
 from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan
-
-
-def apply(stages: Any, plan: TensorPlan, device_mesh: DeviceMesh | None, module: nn.Module) -> str:
-    """Split this rank's stages (a ``StageSource``) over the ``"tp"`` dimension of ``device_mesh``;
-    the plan's table, for the log.
-
-    Raises:
-        ValueError: no device mesh (one process without a process group).
-
-    Example::
-
-        tensor_parallel.apply(runner.stages, plan, mesh.device_mesh, module)
-    """
-    if device_mesh is None:
-        raise ValueError("tensor parallelism needs a process group (a device mesh) and there is none")
-    stages.split_tensors(plan, device_mesh["tp"], module)
-    return plan.format_table()
 
 
 def apply_plan(modules: list[nn.Module], names: list[list[str]], plan: TensorPlan, mesh: DeviceMesh) -> None:

@@ -1,9 +1,9 @@
 """Tensor parallelism as a technique (``tensor_parallel_size``, ``tensor_parallel_plan``): its settings
-checked, its label, its transform of this rank's stages (the plan the stage source resolved on the
-unsplit module, carried out by ``apply.py``), and its time in the planner (one split block measured in
-place on the job, or the activation all-reduces).
-Its memory in the planner is the measurement's: the planner measures one tensor-parallel rank's local
-model (``memory.py``), whose bytes are the rank's."""
+checked, its label, its transform of this rank's stages (the plan resolved on the unsplit module, carried
+out on each stage module by ``apply.py``, or on each traced stage's graph by ``traced.py``), for traced
+stages its context around each step, and its time in the planner (one split block measured in place on
+the job, or the activation all-reduces). Its memory in the planner is the measurement's: the planner
+measures one tensor-parallel rank's local model (``memory.py``), whose bytes are the rank's."""
 
 from __future__ import annotations
 
@@ -21,8 +21,20 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnsplitModel
 from lightning_parallel.techniques.contract import Job, Line, Technique, TimeBench, TimeLedger, UnitSample
-from lightning_parallel.techniques.tensor_parallel.apply import apply
+from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
+from lightning_parallel.techniques.tensor_parallel.plan import (
+    TensorPlan,
+    default_plan,
+    traced_plan,
+    user_plan,
+)
+from lightning_parallel.techniques.tensor_parallel.traced import (
+    TensorParallelStep,
+    split_traced,
+    style_layouts,
+)
 
 
 class TensorParallel(Technique):
@@ -62,10 +74,17 @@ class TensorParallel(Technique):
     def label(self, plan: Any) -> str:
         return f" tp={plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""
 
+    def before_split(self, plan: Any, model: UnsplitModel) -> TensorPlan | None:
+        return resolve(plan, model)
+
     def stages(self, view: Any, job: Job) -> str | None:
-        if job.tensor_plan is None:
-            return None
-        return apply(view, job.tensor_plan, job.mesh.device_mesh, job.module)
+        tensors = job.before_split.get(self.name)
+        return None if tensors is None else apply(view, tensors, job.mesh.device_mesh)
+
+    def step_context(self, job: Job) -> TensorParallelStep | None:
+        # Traced stages' graphs meet plain tensors with DTensors (stage modules of the user's run their
+        # own modules' hooks, which make the DTensors they need).
+        return TensorParallelStep() if self.name in job.before_split and job.stages.graphs else None
 
     def measure(self, bench: TimeBench) -> TensorParallelTimes | None:
         """One block split over each tensor-parallel size's ranks, run as its stage runs it
@@ -206,3 +225,50 @@ def _backward(out: Any) -> None:
     floats = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in floats]
     sum(t.float().sum() for t in local).backward()
+
+
+def resolve(plan: Any, model: UnsplitModel) -> TensorPlan | None:
+    """The plan of the layers the source splits, read on the unsplit module (None without tensor
+    parallelism): the user's ``tensor_parallel_plan``, else the default one (a traced forward's: a Hugging
+    Face model's own ``base_model_tp_plan`` first), each style checked to be one a traced stage can place.
+
+    Example::
+
+        resolve(ParallelPlan(tensor_parallel_size=2), source.unsplit(module)).styles   # {path: style}
+    """
+    tp = plan.tensor_parallel_size
+    if tp == 1:
+        return None
+    if not model.graphs:
+        if plan.tensor_parallel_plan is not None:
+            return user_plan(model.layers, model.path, tp, plan.tensor_parallel_plan)
+        return default_plan(model.layers, model.path, tp)
+    tensors = traced_plan(model.layers, tp, plan.tensor_parallel_plan)
+    for path, style in tensors.styles.items():
+        style_layouts(style, path)
+    return tensors
+
+
+def apply(stages: StageSource, plan: TensorPlan, device_mesh: DeviceMesh | None) -> str:
+    """Split this rank's stages (the stage view) over the ``"tp"`` dimension of ``device_mesh``: each
+    stage module's layers, or each traced stage's graph as it is prepared; the plan's table, for the log.
+
+    Raises:
+        ValueError: no device mesh (one process without a process group).
+
+    Example::
+
+        tensor_parallel.apply(runner.stages, plan, mesh.device_mesh)
+    """
+    if device_mesh is None:
+        raise ValueError("tensor parallelism needs a process group (a device mesh) and there is none")
+    mesh = device_mesh["tp"]
+    if stages.graphs:
+        split_traced(stages, plan, mesh)
+    else:
+
+        def split(stage: PreparedStage) -> None:
+            apply_plan([stage.module], [[name for name, _ in stage.units]], plan, mesh)
+
+        stages.each_stage(split)
+    return plan.format_table()

@@ -1,4 +1,4 @@
-"""Tensor parallelism for a traced stage: its export graph runs on DTensors.
+"""Tensor parallelism for traced stages: each stage's export graph runs on DTensors (:func:`split_traced`).
 
 A traced stage is an export graph: it calls none of the user's modules (``parallelize_module``'s
 hooks never run) and its view ops carry the *whole* tensors' shapes (``view(b, t, 4, 8)`` for four
@@ -19,14 +19,15 @@ Two ops of torch 2.13 have no DTensor sharding rule: the CPU flash-attention ker
 ``scaled_dot_product_attention`` (the CUDA ones have theirs) and ``_assert_tensor_metadata`` (a check
 export records for ``.to(dtype)``); :func:`register_missing_shardings` gives them one, with torch's
 public ``register_sharding``.
+
+The traced source prepares each stage's graph per traced program; this module's work is done on each as
+it is prepared, through the stage view (``StageSource.each_stage``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +40,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils._pytree import tree_map
 
-from lightning_parallel.sources.traced.stage_graphs import graph_modules
+from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource
+from lightning_parallel.techniques.tensor_parallel.apply import apply_held_styles
+from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan
 
 aten = torch.ops.aten
 
@@ -47,13 +50,35 @@ aten = torch.ops.aten
 _SPLIT_OPS = {aten.linear.default: (0, 1), aten.embedding.default: (1, 0)}
 
 
+def split_traced(stages: StageSource, plan: TensorPlan, mesh: DeviceMesh) -> None:
+    """Split the modules that hold this rank's traced stages with ``plan``'s styles, then, as each stage
+    is prepared, write the layouts into its graph and run it on DTensors (:class:`TensorParallelGraph`).
+
+    Example::
+
+        split_traced(runner.stages, plan, mesh.device_mesh["tp"])
+    """
+    register_missing_shardings()
+    styles: dict[str, ParallelStyle] = {}
+    for held in stages.modules:
+        styles.update(apply_held_styles(held, plan, mesh))
+
+    def split(stage: PreparedStage) -> None:
+        place_split_ops(stage.graph_modules, styles, stages.aliases)
+        graphs = [module for _, module in stage.graph_modules]
+        stage.runs = TensorParallelGraph(stage.module if stage.runs is None else stage.runs, mesh, graphs)
+
+    stages.each_stage(split)
+
+
 def place_split_ops(
-    stage_module: nn.Module, styles: Mapping[str, ParallelStyle], aliases: Mapping[str, str]
+    graphs: Sequence[tuple[str, nn.Module]], styles: Mapping[str, ParallelStyle], aliases: Mapping[str, str]
 ) -> set[str]:
     """Write each split module's input and output layouts into the graph around the op reading its weight.
 
     Args:
-        stage_module: a traced stage module (its graphs are changed in place and recompiled).
+        graphs: the modules of a traced stage that run a graph, with their paths in the stage module
+            (``PreparedStage.graph_modules``): changed in place and recompiled.
         styles: module path (canonical, in the user's module) -> the ``ColwiseParallel`` /
             ``RowwiseParallel`` it is split with.
         aliases: the unsplit module's alias table (name -> canonical name).
@@ -65,11 +90,11 @@ def place_split_ops(
 
     Example::
 
-        place_split_ops(stage_module, {"h.0.attn.q": ColwiseParallel()}, alias_table(model))
+        place_split_ops(stage.graph_modules, {"h.0.attn.q": ColwiseParallel()}, alias_table(model))
     """
     placed: set[str] = set()
     read: set[str] = set()
-    for scope, mod in graph_modules(stage_module):
+    for scope, mod in graphs:
         graph: fx.Graph = mod.graph
         owners = {
             n: aliases.get(path, path).rpartition(".")[0]
@@ -161,29 +186,36 @@ class TensorParallelGraph(nn.Module):
 
     Args:
         graph: the stage module (its split weights already DTensors over ``mesh``, its split ops placed
-            by :func:`place_split_ops`).
+            by :func:`place_split_ops`), or what runs it.
         mesh: the tensor-parallel mesh.
+        graphs: the modules that run its graphs (``PreparedStage.graph_modules``): where its parameters
+            sit, found once (the tensors there are read at each call: a sharded root points them at the
+            gathered parameters before it runs this).
 
     Example::
 
-        stage = PipelineStage(TensorParallelGraph(stage_module, mesh["tp"]), index, n, device)
+        stage = PipelineStage(TensorParallelGraph(stage_module, mesh["tp"], graphs), index, n, device)
     """
 
-    def __init__(self, graph: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, graph: nn.Module, mesh: DeviceMesh, graphs: Sequence[nn.Module]) -> None:
         super().__init__()
         self.graph, self.mesh = graph, mesh
+        self._slots = [(mod._parameters, name) for mod in graphs for name in mod._parameters]
 
     def forward(self, *args: Any) -> Any:
-        return run_on_dtensors(self.graph, args, self.mesh)
+        return run_on_dtensors(self.graph, args, self.mesh, self._slots)
 
 
-def run_on_dtensors(graph: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -> Any:
+def run_on_dtensors(
+    graph: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh, slots: Sequence[tuple[dict[str, Any], str]]
+) -> Any:
     """``graph(*args)`` with the tensors in ``args`` entering as replicated DTensors, plain ones coming out.
 
     Every tensor-parallel rank holds the same input (its peers get the same data), so the input is
     wrapped without communication; its gradient leaves summed over the ranks (each holds a partial
     one after a column-wise op). Each output is made whole (``Replicate``) and then local. Runs inside
-    :func:`tensor_parallel_step` (constants made inside forward, masks and positions, are plain tensors).
+    :class:`TensorParallelStep` (constants made inside forward, masks and positions, are plain tensors).
+    ``slots``: where the graph's parameters sit (the owning module's parameter dict, the name).
     """
 
     def enter(t: Any) -> Any:
@@ -193,7 +225,7 @@ def run_on_dtensors(graph: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -
 
     # The whole (unsplit) parameters enter as replicated DTensors too, for the call only: so their
     # gradients come back plain (summed where partial), as the optimizer and the replicas expect.
-    whole = [(slot, name, slot[name]) for slot, name in _parameter_slots(graph)]
+    whole = [(slot, name, slot[name]) for slot, name in slots]
     whole = [(slot, name, p) for slot, name, p in whole if p is not None and not isinstance(p, DTensor)]
     try:
         for slot, name, p in whole:
@@ -204,19 +236,6 @@ def run_on_dtensors(graph: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -
             slot[name] = p
 
 
-# graph -> where its parameters sit ((the owning module's parameter dict, name) pairs): found once per
-# graph, not at every micro-batch's forward. The tensors in them are read at each call (a sharded root
-# points them at the gathered parameters before it runs the graph).
-_slots: weakref.WeakKeyDictionary[nn.Module, list[tuple[dict[str, Any], str]]] = weakref.WeakKeyDictionary()
-
-
-def _parameter_slots(graph: nn.Module) -> list[tuple[dict[str, Any], str]]:
-    if graph not in _slots:
-        modules = [mod for _, mod in graph_modules(graph)]
-        _slots[graph] = [(mod._parameters, name) for mod in modules for name in mod._parameters]
-    return _slots[graph]
-
-
 def _leave(t: Any) -> Any:
     if not isinstance(t, DTensor):
         return t
@@ -225,17 +244,27 @@ def _leave(t: Any) -> Any:
 
 # torch workaround: no upstream issue found
 #   canary: test_dtensor_implicit_replication_nests
-@contextlib.contextmanager
-def tensor_parallel_step() -> Iterator[None]:
+class TensorParallelStep:
     """Around a schedule step of tensor-parallel traced stages: their graphs mix plain tensors and DTensors.
 
     Forward makes plain constants (a causal mask, positions, rotary tables) and meets the DTensors;
     backward multiplies DTensor gradients with what forward saved. DTensor treats the plain ones as
     replicated (they are: every tensor-parallel rank makes the same) only when asked to. One context
-    for the whole step: torch's ``implicit_replication`` does not nest (its exit turns it off).
+    for the whole step: torch's ``implicit_replication`` does not nest (its exit turns it off). Entered
+    again at each step (the technique's ``step_context``).
+
+    Example::
+
+        with TensorParallelStep():
+            schedule.step(x, target=y)
     """
-    with implicit_replication():
-        yield
+
+    def __enter__(self) -> None:
+        self._inside = implicit_replication()
+        self._inside.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._inside.__exit__(*exc)
 
 
 _registered = False
