@@ -46,7 +46,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import replace
 from typing import Any
 
 import _harness as h
@@ -134,13 +133,7 @@ def plan_worker(rank: int, world: int, model: str, quick: bool, budgets: dict[st
 def _planned(world: int, model: str, memory: Any, trials: int | None) -> Any:
     strategy = PipelineStrategy(plan="auto", memory=memory, global_batch_size=GLOBAL_BATCH, trials=trials)
     trainer = h.quiet_trainer(devices=world, strategy=strategy, max_steps=0)
-    uncrossed: dict[str, float] = {}
-    search = autoplan.plan_search
-    autoplan.plan_search = _also_uncrossed(search, uncrossed)
-    try:
-        trainer.fit(build(model), loader(1))
-    finally:
-        autoplan.plan_search = search
+    trainer.fit(build(model), loader(1))
     planned = trainer.strategy.planned
     if planned is None:  # (rank 1)
         return None
@@ -150,24 +143,10 @@ def _planned(world: int, model: str, memory: Any, trials: int | None) -> Any:
     rows = [
         dict(plan=c.plan, label=c.plan.label(), predicted_s=c.seconds, peak=c.peak,
              host=max(r.host for r in c.estimate.ranks), accumulate=c.accumulate, samples=c.samples,
-             bubble=c.time.bubble, communication_s=c.time.communication, overhead_s=c.time.overhead,
-             uncrossed_s=uncrossed.get(c.plan.label(), c.seconds))
+             bubble=c.time.bubble, communication_s=c.time.communication, overhead_s=c.time.overhead)
         for c in planned.candidates
     ]  # fmt: skip
     return {"candidates": rows, "links": planned.links.describe()}
-
-
-def _also_uncrossed(search: Any, into: dict[str, float]) -> Any:
-    """``plan_search`` that also times every plan without the crossing cost (what a send or receive
-    between pipeline ranks costs its rank) into ``into``: is the term making the predictions better?"""
-
-    def searched(facts: Any, found: Any, links: Any) -> Any:
-        if links is not None and links.overhead.crossing is not None:
-            plain = replace(links, overhead=replace(links.overhead, crossing=None))
-            into.update({c.plan.label(): c.seconds for c in search(facts, found, plain)})
-        return search(facts, found, links)
-
-    return searched
 
 
 def budgets_for(candidates: list[dict[str, Any]]) -> dict[str, Budget]:
@@ -294,8 +273,6 @@ def rows_for(
                  predicted_ms=round(c["predicted_s"] * 1e3, 2), measured_ms=m["ms"],
                  measured_ms_min=m["ms_min"], measured_ms_max=m["ms_max"], steps_timed=m["steps"],
                  error=round(m["ms"] / (c["predicted_s"] * 1e3) - 1, 4),
-                 uncrossed_ms=round(c["uncrossed_s"] * 1e3, 2),
-                 error_uncrossed=round(m["ms"] / (c["uncrossed_s"] * 1e3) - 1, 4),
                  overhead_ms=round(c["overhead_s"] * 1e3, 2), predicted_peak_bytes=c["peak"],
                  measured_peak_bytes=m["peak"], peak_error=round(c["peak"] / m["peak"] - 1, 4),
                  predicted_host_bytes=c["host"], measured_host_bytes=m["host"],
@@ -340,15 +317,6 @@ def with_summary(rows: list[dict[str, Any]], load_start: float, load_end: float)
         "spearman_all": round(every, 4),
         "plans_all": len(unique),
         "median_abs_error": round(statistics.median(abs(r["error"]) for r in unique.values()), 4),
-        "spearman_all_uncrossed": round(
-            spearman(
-                [r["uncrossed_ms"] for r in unique.values()], [r["measured_ms"] for r in unique.values()]
-            ),
-            4,
-        ),
-        "median_abs_error_uncrossed": round(
-            statistics.median(abs(r["error_uncrossed"]) for r in unique.values()), 4
-        ),
         "load_start": round(load_start, 2),
         "load_end": round(load_end, 2),
     }
@@ -426,9 +394,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"over {summary['plans_all']} plans: median |error| {summary['median_abs_error']:.1%}, Spearman "
           f"{summary['spearman_all']:.3f}; load average {load_start:.1f} -> {load_end:.1f}; done in "
           f"{time.perf_counter() - start:.0f} s")  # fmt: skip
-    print(f"  without the crossing cost: median |error| {summary['median_abs_error_uncrossed']:.1%}, "
-          f"Spearman "
-          f"{summary['spearman_all_uncrossed']:.3f}")  # fmt: skip
     for family in FAMILIES:
         key = family.replace(" ", "_").replace("-", "")
         print(f"  {family}: median measured / predicted {summary[f'family_{key}_median']}, worst "

@@ -214,22 +214,3 @@ def test_what_every_step_pays_is_added_to_every_plan(facts):
     pp = ParallelPlan("pipeline", 2, 2, 4)
     assert step_time(facts, paying, pp, 16).seconds > step_time(facts, plain, pp, 16).seconds + 3e-3
     assert "overhead 3.8 ms" in step_time(facts, paying, ParallelPlan("pipeline", 2, 1, 4), 8).describe()
-
-
-def test_a_send_or_receive_to_another_rank_costs_its_rank_the_crossing(facts):
-    """``StepOverhead.crossing``: per send or receive between pipeline ranks, charged to the action's rank."""
-    plain = given_links(bandwidth=10e9, latency=1e-5)
-    cost = 1e-2
-    crossing = replace(plain, overhead=StepOverhead(crossing=Curve((1.0, 1e12), (cost, cost))))
-    assert crossing.overhead.cross(1e6) == pytest.approx(cost) and crossing.overhead.cross(
-        0
-    ) == 0 == plain.overhead.cross(1e6)
-    assert "per send or receive between ranks" in crossing.overhead.describe()
-    # pp 2 (a stage per rank), 4 micro-batches: each of a rank's 8 forwards and backwards has one neighbour
-    # on the other rank, so a rank's busy time grows by 8 crossings and the step by 8 to 16 of them.
-    pp = ParallelPlan("pipeline", 2, 2, 4)
-    grown = step_time(facts, crossing, pp, 16).seconds - step_time(facts, plain, pp, 16).seconds
-    assert 8 * cost - 1e-9 <= grown <= 16 * cost + 1e-9
-    # Replicas (one stage on every rank): nothing crosses.
-    dp = ParallelPlan("pipeline", 2, 1, 4)
-    assert step_time(facts, crossing, dp, 8).seconds == pytest.approx(step_time(facts, plain, dp, 8).seconds)

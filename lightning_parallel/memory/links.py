@@ -125,10 +125,7 @@ class StepOverhead:
 
     ``per_step``: once per optimizer step; ``per_batch``: each batch of the accumulation window (one run
     of the schedule, its log broadcast); ``per_action``: each forward or backward of a stage on a
-    micro-batch (the pipeline runtime's bookkeeping around the unit's own compute); ``crossing``: per send
-    or receive of an action whose neighbour stage sits on another rank, by its bytes (the runtime's
-    posting and waiting on the rank, which the transfer's own time on the links leaves out: measured on a
-    trivial pipeline over the job's ranks).
+    micro-batch (the pipeline runtime's bookkeeping around the unit's own compute).
 
     Example::
 
@@ -139,24 +136,15 @@ class StepOverhead:
     per_step: float = 0.0
     per_batch: float = 0.0
     per_action: float = 0.0
-    crossing: Curve | None = None
-
-    def cross(self, nbytes: float) -> float:
-        """What a rank spends posting (and finishing) one send or receive of ``nbytes`` to another pipeline
-        rank, beyond the transfer itself: 0 where not measured (one rank, or given links)."""
-        return self.crossing.time(nbytes) if self.crossing is not None and nbytes > 0 else 0.0
 
     def of(self, batches: int, actions: int) -> float:
         """The overhead of one optimizer step of ``batches`` batches, ``actions`` actions on the rank."""
         return self.per_step + batches * self.per_batch + actions * self.per_action
 
     def describe(self) -> str:
-        crossing = (
-            f", and per send or receive between ranks {self.crossing.describe()}" if self.crossing else ""
-        )
         return (
             f"{self.per_step * 1e3:.2f} ms per step + {self.per_batch * 1e3:.2f} ms per batch + "
-            f"{self.per_action * 1e3:.3f} ms per forward or backward{crossing}"
+            f"{self.per_action * 1e3:.3f} ms per forward or backward"
         )
 
 

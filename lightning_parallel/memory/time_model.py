@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from lightning_parallel.layout.choices import placement
 from lightning_parallel.memory.facts import ModelFacts
-from lightning_parallel.memory.links import Links, StepOverhead
+from lightning_parallel.memory.links import Links
 from lightning_parallel.memory.probe import BEFORE
 from lightning_parallel.memory.schedule import Action, rank_actions
 from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
@@ -253,11 +253,7 @@ def step_time(
     overhead = links.overhead
     sim = simulate(
         actions,
-        lambda a: (
-            _duration(stages[a.stage], a.kind)
-            + overhead.per_action
-            + _crossings(a, stages, rank_of, overhead)
-        ),
+        lambda a: _duration(stages[a.stage], a.kind) + overhead.per_action,
         lambda a: links.send(stages[a.stage - 1 if a.kind == "F" else a.stage].send),
         rank_of.__getitem__,
         gathers,
@@ -312,17 +308,6 @@ def _stage_times(ledger: TimeLedger) -> list[StageTime]:
                   ledger.shares.get(c.index, {}))
         for c in ledger.stages
     ]  # fmt: skip
-
-
-def _crossings(a: Action, stages: list[StageTime], rank_of: dict[int, int], overhead: StepOverhead) -> float:
-    """What ``a``'s rank spends on its sends and receives to stages on other ranks (a forward receives its
-    input and sends its output; a backward, or its input half, the gradients the other way round)."""
-    if overhead.crossing is None or a.kind == "W":
-        return 0.0
-    s, last = a.stage, len(stages) - 1
-    before = stages[s - 1].send if s > 0 and rank_of[s - 1] != rank_of[s] else 0
-    after = stages[s].send if s < last and rank_of[s + 1] != rank_of[s] else 0
-    return overhead.cross(before) + overhead.cross(after)
 
 
 def _duration(stage: StageTime, kind: str) -> float:

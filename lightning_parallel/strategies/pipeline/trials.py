@@ -32,10 +32,8 @@ from torch import nn
 from lightning_parallel.distributed.agree import agree, distributed_ready, world_size
 from lightning_parallel.layout.mesh import PipelineMesh, build_mesh
 from lightning_parallel.layout.ranks import RankLayout
-from lightning_parallel.memory.links import Curve, Links, StepOverhead
+from lightning_parallel.memory.links import Links, StepOverhead
 from lightning_parallel.memory.optimizer import optimizers_from
-from lightning_parallel.memory.schedule import rank_actions
-from lightning_parallel.memory.time_model import simulate
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline import setup as pipeline_setup
 from lightning_parallel.strategies.pipeline.step import run_step
@@ -251,13 +249,12 @@ def optimizers_without_trainer(module: pl.LightningModule) -> list[Any]:
 
 
 class _Trivial(pl.LightningModule):
-    """A trivial stage: two 1x1 layers (or ``layers`` that scale their input by one number each, for a
-    pipeline whose messages have a size), a step that logs its loss (as most steps do)."""
+    """A trivial stage: two 1x1 layers, a step that logs its loss (as most steps do)."""
 
-    def __init__(self, layers: nn.Sequential | None = None, example: torch.Tensor | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.layers = layers if layers is not None else nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
-        self.example_input_array = example if example is not None else torch.zeros(4, 1)
+        self.layers = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
+        self.example_input_array = torch.zeros(4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -271,29 +268,13 @@ class _Trivial(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-class _Scale(nn.Module):
-    """A pipeline unit that computes next to nothing: its input times one number."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight
-
-
-CROSSING_SIZES = (1 << 14, 1 << 20)
-"""Bytes per message of the trivial pipeline that measures what a send or receive between ranks costs."""
-
-
 def measure_overhead(
     trainer: pl.Trainer, links: Links, meshes: Meshes, steps: tuple[int, int]
 ) -> StepOverhead:
     """What every step pays whatever the plan, on every rank of the job (every rank calls it): a trivial
     stage (two 1x1 layers, a logged loss) run by the strategy's own step as replicas over every rank, at
     one micro-batch (one batch per step, then two), and at four; what the time model charges for it (the
-    replicas' all-reduce of its four numbers) taken out. With two ranks or more, also what a send or
-    receive between pipeline ranks costs its rank, at two message sizes (:func:`_crossing`).
+    replicas' all-reduce of its four numbers) taken out.
 
     Example::
 
@@ -314,50 +295,7 @@ def measure_overhead(
     per_action = max(0.0, (four - one) / 6)  # three micro-batches more: a forward and a backward each
     per_batch = max(0.0, two - one - 2 * per_action)
     modelled = links.all_reduce(world, 4 * sum(p.numel() for p in trivial.parameters()))
-    overhead = StepOverhead(max(0.0, one - per_batch - 2 * per_action - modelled), per_batch, per_action)
-    if world < 2:
-        return overhead
-    costs = [_crossing(trainer, links, meshes, steps, overhead, nbytes) for nbytes in CROSSING_SIZES]
-    return replace(overhead, crossing=Curve(tuple(float(b) for b in CROSSING_SIZES), tuple(costs)))
-
-
-def _crossing(
-    trainer: pl.Trainer, links: Links, meshes: Meshes, steps: tuple[int, int], overhead: StepOverhead,
-    nbytes: int,
-) -> float:  # fmt: skip
-    """What a rank spends per send or receive of ``nbytes`` between pipeline ranks beyond the transfer: a
-    trivial pipeline over every rank (one stage each, 1F1B, micro-batches of one sample of ``nbytes``)
-    timed at ``p`` and at ``4 p`` micro-batches; the cost that makes the time model's simulation of the
-    same pipeline (its measured per-action cost, the links' transfers) take as much longer."""
-    device, world = trainer.strategy.root_device, world_size()
-    measured = []
-    for m in (world, 4 * world):
-        example = torch.zeros(m, max(1, nbytes // 4), device=device)
-        pipeline = _Trivial(nn.Sequential(*(_Scale() for _ in range(world))), example)
-        pipeline.trainer = trainer
-        plan = ParallelPlan("pipeline", world, world, m)
-        measured.append(slowest(time_plan(trainer, pipeline, plan, example, meshes, steps)))
-
-    def extra(cost: float) -> float:
-        """How much longer the simulated pipeline takes at ``4 p`` micro-batches than at ``p``."""
-        spans = []
-        for m in (world, 4 * world):
-            actions = rank_actions("1f1b", world, 1, m)
-            crossings = [[(a.stage > 0) + (a.stage < world - 1) for a in rank] for rank in actions]
-            costs = {(a.kind, a.stage, a.microbatch): n for rank, ns in zip(actions, crossings)
-                     for a, n in zip(rank, ns)}  # fmt: skip
-            duration = lambda a, c=costs: overhead.per_action + cost * c[(a.kind, a.stage, a.microbatch)]  # noqa: E731
-            spans.append(simulate(actions, duration, lambda a: links.send(nbytes)).makespan)
-        return spans[1] - spans[0]
-
-    target = measured[1] - measured[0]
-    low, high = 0.0, max(target, 0.0)
-    if extra(0.0) >= target:
-        return 0.0
-    for _ in range(40):  # the simulation's extra time grows with the cost: bisect
-        middle = (low + high) / 2
-        low, high = (middle, high) if extra(middle) < target else (low, middle)
-    return (low + high) / 2
+    return StepOverhead(max(0.0, one - per_batch - 2 * per_action - modelled), per_batch, per_action)
 
 
 def _barrier() -> None:
