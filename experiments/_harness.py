@@ -1,6 +1,10 @@
 """The experiments' one harness: results directory, CSV and PNG writing, the machine record,
 multi-process runs, and (from ``_repeats``) interleaved repeats with medians and min-max ranges.
 
+The multi-process runs (ports, ranks, a child's failure shown, the quiet Trainer) are
+``lightning_parallel/_testing.py``'s, shared with the tests' harness (``tests/mp_harness.py``): the
+scripts import no test module, the tests no script, and both import the package.
+
 Every benchmark script in ``experiments/`` uses it; scripts never import each other or the tests, and
 read each other's results from files. Run scripts from the repository root (``python experiments/x.py``):
 Python puts the script's own directory on ``sys.path``, so ``import _harness as h`` just works, also in
@@ -52,28 +56,22 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import logging
 import os
 import platform
-import socket
 import statistics
-import subprocess
-import tempfile
 import time
-import traceback
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _repeats import MIN_REPEATS, Spread, compare, interleave, order, per_repeat_ratios, spread, verdict
-from torch.multiprocessing.spawn import ProcessException
 from typing_extensions import override
+
+from lightning_parallel import _testing as testing
+from lightning_parallel._testing import ChildFailed, free_port, quiet, run_child
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -91,6 +89,7 @@ __all__ = [  # the method, re-exported: a script needs only ``import _harness as
     "compare",
     "errorbars",
     "figure",
+    "free_port",
     "interleave",
     "order",
     "parser",
@@ -275,91 +274,6 @@ def record_machine(
 # ------------------------------------------------------------------------ multi-process runs
 
 
-# STANDALONE_PORT's value -> where the next search from it starts (past every port already handed out)
-_next_port: dict[str, int] = {}
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for the gloo rendezvous).
-
-    With ``STANDALONE_PORT`` set (Lightning's variable for the port a single-node job rendezvouses on;
-    the test suite sets it), the first free port from it upward, a new one at each call. Without it,
-    one the kernel picks (bind to port 0) from its ephemeral range: there, between this check and the
-    store's bind, the port can become the local port of another job's client socket (EADDRINUSE), which
-    the suite, two jobs at once, would meet now and then.
-    """
-    base = os.environ.get("STANDALONE_PORT")
-    if base is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    start = _next_port.get(base, int(base))
-    for port in range(start, int(base) + 100):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _next_port[base] = port + 1
-        return port
-    raise RuntimeError(f"no free port in the 100 from STANDALONE_PORT={base} on; unset it or pick another")
-
-
-def quiet() -> None:
-    """One thread, and none of Lightning's start-up chatter or warnings (in a worker, or a script's main)."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-
-
-class ChildFailed(RuntimeError):
-    """A script's child failed: a rank of :func:`spawn` (the message holds the traceback of each rank
-    that raised) or a process of :func:`run_child` (its command, exit code, and the end of its stderr
-    and stdout)."""
-
-
-def _rank_entry(
-    rank: int, target: Callable, world: int, port: int, out_dir: str, args: tuple, environ: dict
-) -> None:
-    # The variables a launcher like torchrun sets: Lightning then takes the processes as launched
-    # externally and joins the process group initialised here, so a target can mix Trainer fits
-    # (devices=world) with plain torch.distributed code on the same ranks. The rest of the
-    # environment is the script's now (a forkserver worker starts with the server's).
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-    )
-    quiet()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        try:
-            result = target(rank, world, *args)
-        except BaseException:
-            # The traceback for spawn()'s error: torch reports whichever rank it saw die first, often a
-            # bystander whose collective broke when the failing rank exited, not the failing rank.
-            Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
-            raise
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _rank_errors(out_dir: str, target: Callable, world: int) -> str:
-    """The tracebacks the ranks' ``target`` raised, the first one raised first ('' if none did)."""
-    files = sorted(Path(out_dir).glob("rank*.error"), key=lambda f: f.stat().st_mtime_ns)
-    name = getattr(target, "__name__", target)
-    return "".join(f"--- rank {f.stem[4:]} of {world} raised in {name} ---\n{f.read_text()}" for f in files)
-
-
 # What the forkserver imports before forking the ranks. Not "__main__": CPython before 3.13.8 never
 # preloads it (the server looks for a "main_path" key that spawn.get_preparation_data stopped writing in
 # 2013, python/cpython#126631), so every rank re-ran the script's imports. Names from the experiments
@@ -369,7 +283,8 @@ PRELOAD = ["torch", "lightning.pytorch", "lightning_parallel"]
 
 def spawn(target: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """Run ``target(rank, world, *args)`` on ``world`` fresh processes (gloo initialised, one thread
-    each); return what each rank returned, by rank, brought back through files.
+    each, quiet); return what each rank returned, by rank (``lightning_parallel._testing.spawn``, which
+    the tests' harness shares).
 
     The processes are forkserver workers: the server imports torch, Lightning and lightning_parallel once
     (:data:`PRELOAD`), so a rank starts in a fraction of a second instead of ~5 s of imports.
@@ -387,37 +302,7 @@ def spawn(target: Callable[..., Any], world: int, *args: Any) -> list[Any]:
 
         h.spawn(worker, 2, 10)   # [{"rank": 0, "sum": 0}, {"rank": 1, "sum": 10}]
     """
-    mp.set_forkserver_preload(PRELOAD)  # (read when the server starts: at the script's first spawn)
-    with tempfile.TemporaryDirectory(prefix="lp-experiment-") as tmp:
-        entry_args = (target, world, free_port(), tmp, args, dict(os.environ))
-        try:
-            mp.start_processes(_rank_entry, entry_args, nprocs=world, start_method="forkserver")
-        except ProcessException as err:
-            raised = _rank_errors(tmp, target, world)
-            if not raised:  # a rank died without raising (a signal, os._exit): torch's message says how
-                raise
-            raise ChildFailed(f"a rank of {world} failed; first the one that raised first\n{raised}") from err
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-
-
-def run_child(cmd: Sequence[str], env: Mapping[str, str] | None = None, tail: int = 6000) -> str:
-    """Run ``cmd`` to its end and return its stdout; if it fails, raise :class:`ChildFailed` with the
-    last ``tail`` characters of its stderr and stdout in the message (a bare ``CalledProcessError``
-    names the command only, and the child's traceback is lost).
-
-    Example::
-
-        out = h.run_child([sys.executable, "-c", CHILD, directory], env={**os.environ, "X": "1"})
-    """
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=None if env is None else dict(env))
-    if proc.returncode:
-        shown = " ".join(str(c) if len(str(c)) < 200 else "<...>" for c in cmd)  # (a -c program: elided)
-        raise ChildFailed(
-            f"child process failed with exit code {proc.returncode}: {shown}\n"
-            f"--- its stderr (last {tail} characters) ---\n{proc.stderr[-tail:]}"
-            f"--- its stdout (last {tail} characters) ---\n{proc.stdout[-tail:]}"
-        )
-    return proc.stdout
+    return testing.spawn(target, world, *args, preload=PRELOAD, quiet_ranks=True)
 
 
 def barrier() -> None:
@@ -433,15 +318,7 @@ def quiet_trainer(**kwargs: Any) -> L.Trainer:
 
         h.quiet_trainer(devices=2, strategy="ddp", max_steps=20).fit(model, loader)
     """
-    defaults = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return L.Trainer(**(defaults | kwargs))
+    return testing.quiet_trainer(**{"num_sanity_val_steps": 0, **kwargs})
 
 
 class StepClock(L.Callback):

@@ -1,11 +1,13 @@
-"""Opt-in pytest plugin: each test's wall and CPU seconds, the CPU of the whole machine (its ranks too).
+"""Opt-in pytest plugin: each test's wall and CPU seconds, its spawned ranks' included.
 
     PYTHONPATH=tests pytest -p cpu_per_test   # writes cpu_per_test.csv (CPU_PER_TEST_CSV: another file)
 
 Spawned ranks are not pytest's children once a forkserver starts them, so their CPU is read where it
-is counted for every process: the busy time of ``/proc/stat``, before and after each test. Run it on a
-quiet machine and in one process (not under ``make test``'s workers, whose tests overlap): what
-docs/development.md says of where the suite's CPU goes was measured this way.
+is counted for every process of a group: pytest's own cpuacct cgroup when it runs in one (then other
+jobs on a shared machine do not count; ``tests/scripts/cpu_cgroup.sh`` starts a command in a fresh
+one), else the busy time of the whole machine (``/proc/stat``: run it on a quiet machine). Run it in
+one process (not under ``make test``'s workers, whose tests overlap): what docs/development.md says
+of where the suite's CPU goes was measured this way.
 """
 
 from __future__ import annotations
@@ -18,8 +20,29 @@ _rows: list[tuple[str, float, float]] = []
 _started: dict[str, tuple[float, float]] = {}
 
 
+def _own_cgroup_usage() -> str | None:
+    """The ``cpuacct.usage`` file of this process's cgroup (cgroup v1), if it is not the root's."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.strip().split(":", 2) for line in f]
+    except OSError:
+        return None
+    for _, controllers, path in lines:
+        if "cpuacct" in controllers.split(",") and path != "/":
+            usage = f"/sys/fs/cgroup/cpuacct{path}/cpuacct.usage"
+            return usage if os.path.exists(usage) else None
+    return None
+
+
+_USAGE = _own_cgroup_usage()
+
+
 def _busy_seconds() -> float:
-    """The machine's CPU seconds spent outside idle and I/O wait since boot (every core)."""
+    """CPU seconds since the start: of this process's cgroup (every process in it, every core), else
+    the machine's outside idle and I/O wait since boot."""
+    if _USAGE is not None:
+        with open(_USAGE) as f:
+            return int(f.read()) / 1e9
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:]]
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")

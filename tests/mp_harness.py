@@ -3,25 +3,29 @@
 The tests use Lightning the way users do: ``Trainer(accelerator="cpu", devices=N, strategy=...)``.
 Each rank writes what the test wants to see to ``out_dir/rank{R}.pt`` when fitting ends, so the
 test reads all ranks, not only the rank-0 value that Lightning's spawn launcher returns.
+
+The ports, the ranks and the quiet Trainer are ``lightning_parallel/_testing.py``'s, which the
+experiments' harness (``experiments/_harness.py``) shares; what only the tests need is here: the
+records each rank writes, the references on one device, the comparisons, the leftover-process checks.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_parallel import _testing as testing
+from lightning_parallel._testing import free_port, spawn
 from lightning_parallel.distributed.dtensors import full_tensors, local
 from lightning_parallel.strategies.launcher import CleanExitMultiProcessingLauncher
 
@@ -34,6 +38,7 @@ __all__ = [
     "assert_close_dicts",
     "ddp_spawn",
     "fit",
+    "free_port",
     "load_rank_results",
     "merged_params",
     "merged_records",
@@ -132,19 +137,9 @@ def fit(
     return load_rank_results(out_dir, "fit")
 
 
-QUIET_DEFAULTS = dict(
-    accelerator="cpu",
-    max_epochs=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-)
-
-
 def quiet_trainer(**kwargs: Any) -> L.Trainer:
-    """A CPU Trainer without logger, checkpoints, progress bar or summary unless asked for."""
-    return L.Trainer(**{**QUIET_DEFAULTS, **kwargs})
+    """A CPU Trainer without logger, checkpoints, progress bar or summary unless asked for, one epoch."""
+    return testing.quiet_trainer(**{"max_epochs": 1, **kwargs})
 
 
 def load_rank_results(out_dir: str | os.PathLike, stage: str = "fit") -> list[dict[str, Any]]:
@@ -284,40 +279,6 @@ def _session_helper(pid: str) -> bool:
     return parent == os.getpid()
 
 
-# The suite's rendezvous ports come from below the kernel's ephemeral range (32768-60999 by default),
-# where every client socket (gloo opens a mesh of them per job) takes its port: a port picked with
-# bind(0) and released is anyone's until the job's store binds it (EADDRINUSE, seen with two pytest
-# workers side by side). Each xdist worker draws from its own slice, in turn, so two workers never
-# pick the same port and a port is not picked again before thousands of others.
-_PORTS = range(20000, 32000)
-_next_port: list[int] = []
-
-
-def _worker_ports() -> range:
-    """This pytest worker's slice of :data:`_PORTS` (the whole range without xdist)."""
-    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % count
-    size = len(_PORTS) // count
-    return _PORTS[index * size : (index + 1) * size]
-
-
-def free_port() -> int:
-    """A port no process listens on, for a job's ``MASTER_PORT`` (see :data:`_PORTS`)."""
-    ports = _worker_ports()
-    if not _next_port:  # a process's first pick: start where another process of this worker would not
-        _next_port.append(os.getpid() * 7919 % len(ports))
-    for _ in range(len(ports)):
-        port = ports[_next_port[0] % len(ports)]
-        _next_port[0] += 1
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {ports}")
-
-
 def script_env(root: str | os.PathLike) -> dict[str, str]:
     """The environment for an experiment script a test runs: one thread, the repository importable, and
     ``STANDALONE_PORT`` from this worker's range (experiments/_harness.py takes its ports from there)."""
@@ -340,20 +301,9 @@ def join_jobs(jobs: list[mp.ProcessContext]) -> None:
         kill_jobs(jobs)
 
 
-def _gloo_entry(rank: int, fn: Any, world: int, port: int, out_dir: str, environ: dict, seed: Any) -> None:
-    os.environ.clear()
-    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
-    torch.set_rng_state(seed)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, world, out_dir)
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn_gloo(fn: Any, world: int, out_dir: str | os.PathLike) -> list[Any]:
-    """Run ``fn(rank, world, out_dir)`` on ``world`` spawned gloo ranks, the process group started.
+    """Run ``fn(rank, world, out_dir)`` on ``world`` ranks (forkserver, the gloo process group started:
+    ``lightning_parallel._testing.spawn``) and return the ``out_dir/rank{R}.pt`` records they saved.
 
     Each rank saves what the test checks to ``out_dir/rank{R}.pt``; the records come back by rank. The
     ranks' environment says how they were launched (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
@@ -361,6 +311,5 @@ def spawn_gloo(fn: Any, world: int, out_dir: str | os.PathLike) -> list[Any]:
     believes it was started alone and starts the other ranks itself by running ``sys.argv`` again:
     under the suite, a second pytest session in the background.
     """
-    args = (fn, world, free_port(), str(out_dir), dict(os.environ), torch.get_rng_state())
-    mp.start_processes(_gloo_entry, args=args, nprocs=world, start_method=START_METHOD)
+    spawn(fn, world, str(out_dir), start_method=START_METHOD)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]

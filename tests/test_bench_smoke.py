@@ -2,9 +2,8 @@
 
 - The method of every timing (``experiments/_repeats.py``): interleaving order, samples, per-repeat
   ratios, medians and ranges, and docs/results.md's wording ("within noise").
-- The harness (``experiments/_harness.py``): CSV and PNG writing, the machine record, spawn-and-collect
-  (plain collectives and a Lightning fit on 2 processes, every rank's result back through files), and
-  a failed child's own traceback in the error (a rank of ``spawn``, a process of ``run_child``).
+- The harness (``experiments/_harness.py``): CSV and PNG writing, the machine record, the parser (its
+  multi-process runs are ``lightning_parallel/_testing.py``'s, tested in ``test_harness.py``).
 - The scripts' row building from synthetic samples, ``train_charlm.py``'s JSON summary (and the docs'
   quotes of it that ``--refresh-docs`` rewrites, ``_demo_summary.py``), and every script's ``--quick``
   run end to end, all in one process (``tests/scripts/experiments_quick.py``; a script the suite does
@@ -21,14 +20,13 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from mp_harness import free_port, script_env
+from mp_harness import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
@@ -157,97 +155,6 @@ def test_parser_refuses_a_repeat_count_that_is_not_positive(ex, capsys):
         ex.harness.parser("doc").parse_args(["--repeats", "0"])
     assert "must be a positive whole number of repeats, got '0'" in capsys.readouterr().err
     assert not hasattr(ex.harness.parser("doc", repeats=None).parse_args([]), "repeats")
-
-
-def _collectives_and_fit(rank: int, world: int, scale: float) -> dict:
-    """Runs on each spawned rank: a plain all_reduce, then a 2-process Lightning fit (DDP)."""
-    import _harness as h
-    import lightning as L
-    import torch
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader, TensorDataset
-
-    t = torch.tensor([scale * (rank + 1)])
-    dist.all_reduce(t)
-
-    class Tiny(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
-    model, clock = Tiny(), h.StepClock()
-    trainer = h.quiet_trainer(devices=world, strategy="ddp", max_steps=3, callbacks=[clock])
-    trainer.fit(model, DataLoader(data, batch_size=4))
-    return {
-        "rank": rank,
-        "sum": float(t),
-        "weight": model.net.weight.detach().clone(),
-        "steps": len(clock.ends),
-    }
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_spawn_brings_back_every_rank_of_collectives_and_a_fit(ex, monkeypatch):
-    port = free_port()
-    monkeypatch.setenv("STANDALONE_PORT", str(port))  # the harness's port from this worker's range
-    results = ex.harness.spawn(_collectives_and_fit, 2, 1.5)
-    assert [r["rank"] for r in results] == [0, 1]
-    assert [r["sum"] for r in results] == [4.5, 4.5]
-    assert [r["steps"] for r in results] == [3, 3]
-    # DDP kept the replicas identical: the Trainer joined the harness's process group.
-    assert results[0]["weight"].equal(results[1]["weight"])
-
-
-def _fails_on_rank_one(rank: int, world: int) -> int:
-    import torch.distributed as dist
-
-    if rank == 1:
-        raise ValueError("rank one's own error")
-    dist.barrier()  # rank 0 waits here: its collective breaks when rank 1 is gone
-    return rank
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_spawn_raises_the_traceback_of_the_rank_that_failed_not_of_a_bystander(ex, monkeypatch):
-    monkeypatch.setenv("STANDALONE_PORT", str(free_port()))
-    with pytest.raises(ex.harness.ChildFailed) as raised:
-        ex.harness.spawn(_fails_on_rank_one, 2)
-    message = str(raised.value)
-    first = message.index("--- rank 1 of 2 raised in _fails_on_rank_one ---\nTraceback")
-    assert message.index("ValueError: rank one's own error") > first
-    assert "rank 0 of 2" not in message[:first]  # (rank 0's broken barrier, if it got to raise, comes after)
-
-
-def test_run_child_raises_with_the_end_of_the_child_s_stderr_and_stdout(ex):
-    code = "import sys; print('what it printed'); sys.exit('the reason it gave')"
-    with pytest.raises(ex.harness.ChildFailed) as raised:
-        ex.harness.run_child([sys.executable, "-c", code])
-    message = str(raised.value)
-    assert "exit code 1" in message and "the reason it gave" in message and "what it printed" in message
-    assert ex.harness.run_child([sys.executable, "-c", "print('fine')"]) == "fine\n"
-
-
-def test_ports_come_from_standalone_port_upward_a_new_one_each_time(ex, monkeypatch):
-    base = free_port()
-    monkeypatch.setenv("STANDALONE_PORT", str(base))
-    with socket.socket() as taken:  # the first port is in use: both picks lie past it, each its own
-        taken.bind(("127.0.0.1", base))
-        taken.listen()
-        first, second = ex.harness.free_port(), ex.harness.free_port()
-    assert base < first < second < base + 100
-    monkeypatch.delenv("STANDALONE_PORT")
-    assert ex.harness.free_port() > 0  # the kernel's pick
 
 
 # ------------------------------------------------------------------------- the scripts' logic

@@ -1,34 +1,26 @@
 """Offload (techniques/offload/, the technique in techniques/offload/technique.py): the optimizer step,
 FSDP2's shards and the activations on the host.
 
-Pure tests first (the host-stepping optimizer against the plain one, the host kernel, the activation
-hooks, the refusals), then one spawned job of 4 gloo ranks that trains every multi-process configuration
-in turn (pipeline 2 x data parallel 2 under 1F1B with accumulation and clipping, ZeRO-1, FSDP2 and HSDP
-stages, the interleaved and V schedules with recomputation, 16-mixed on FSDP2's host gradients,
-validation and prediction, resumes from a consolidated file and a distributed checkpoint at another
-shape), each against one device (or, for 16-mixed, the same run without offload) to 1e-5. The model's
-first layer is frozen everywhere (a LoRA base): it gets no host copy and no optimizer state. On this
-CPU-only machine host and device are the same memory: the copies are real, separate tensors.
+What only offload has: the host-stepping optimizer against the plain one, the host kernel, the
+activation hooks, the memory arithmetic, the refusals, and one device (pipeline_size=1) under fp32 and
+bf16-mixed. Every multi-process configuration (each offload target with the replicas, ZeRO-1, FSDP2 and
+HSDP, every schedule, recomputation, 16-mixed, validation, prediction and resumes) is a case of the
+configuration matrix (tests/matrix.py, run by tests/test_matrix.py), with offload's own check there
+(tests/matrix_checks.py: the frozen parameters without state or host copy, where the state and the step
+live, the activations in flight on the host). On this CPU-only machine host and device are the same
+memory: the copies are real, separate tensors.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.plugins import MixedPrecision
 from mp_harness import (
-    GatheredRecorder,
-    SaveAtEpochEnd,
     assert_close_dicts,
     fit,
-    merged_records,
     quiet_trainer,
-    reference_loader,
-    spawn_gloo,
 )
 from tiny_models import SequentialRegressor, loader, regression_data
 from torch import nn
@@ -243,16 +235,9 @@ class LbfgsRegressor(FrozenFirst):
         return torch.optim.LBFGS(self.parameters())
 
 
-N_SAMPLES, GLOBAL_BATCH, WORLD = 48, 16, 4
+GLOBAL_BATCH = 16
 TRAIN = dict(gradient_clip_val=0.5, accumulate_grad_batches=2, num_sanity_val_steps=0)
-DATA, VAL = regression_data(N_SAMPLES), regression_data(16, seed=1)
-
-
-def _reference(tmp: Path, epochs: int, **kwargs) -> dict:
-    torch.manual_seed(0)
-    model = FrozenFirst()
-    record = fit(model, reference_loader(DATA, GLOBAL_BATCH), tmp, max_epochs=epochs, **TRAIN, **kwargs)[0]
-    return {**record, "model": model}
+DATA = regression_data(48)
 
 
 def test_one_device_and_bf16_mixed_train_as_without_offload(tmp_path):
@@ -267,166 +252,3 @@ def test_one_device_and_bf16_mixed_train_as_without_offload(tmp_path):
                                       max_epochs=1, precision=precision, **TRAIN)[0]  # fmt: skip
         assert_close_dicts(runs[True]["params"], runs[False]["params"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(runs[True]["losses"], runs[False]["losses"], rtol=1e-5, atol=1e-6)
-
-
-# ----------------------------------------------------------------------------------- the spawned job
-class Record(GatheredRecorder):
-    """Also: how this rank's optimizer is held, and what the activation hooks moved."""
-
-    def extra(self, trainer, pl_module):
-        optimizer = trainer.optimizers[0]
-        inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1's shard
-        contexts = trainer.strategy.parts.runner.step_contexts
-        hooks = next((c for c in contexts if isinstance(c, ActivationOffload)), None)
-        frozen = {p for n, p in pl_module.named_parameters() if n.startswith("layers.0.")}
-        return {
-            "host_stepping": is_host_stepping(optimizer),
-            "frozen_with_state": sum(p in frozen for p in inner.state),
-            "frozen_with_copy": sum(
-                c is not None and c.device in frozen for g in getattr(inner, "_copies", []) for c in g
-            ),
-            "state_devices": sorted({str(v.device) for s in inner.state.values() for v in s.values()}),
-            "activations": (hooks.packed_bytes, hooks.peak_bytes, hooks.live_bytes)
-            if isinstance(hooks, ActivationOffload)
-            else None,
-            "pp_rank": trainer.strategy.mesh.pp_rank,
-            "dp_rank": trainer.strategy.mesh.rank("data"),
-            "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-        }
-
-
-def _fp16() -> dict:
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=2)
-    return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
-
-
-BOTH = ["optimizer", "activations"]
-# name -> (strategy options, epochs, resumed from, Trainer options); run in this order in the job.
-CONFIGS = {
-    "replicate-1f1b": (dict(pipeline_size=2, offload=BOTH), 1, None, {}),
-    "zero1-dcp": (dict(pipeline_size=2, data_parallel="zero1", offload="optimizer",
-                       save_distributed_checkpoint=True), 1, None, {}),
-    "fsdp": (dict(pipeline_size=2, data_parallel="fsdp", offload=["parameters", "activations"]), 1, None, {}),
-    "hsdp-from-file": (dict(pipeline_size=1, data_parallel="fsdp", data_parallel_shard_size=2,
-                            offload="parameters"), 2, "replicate-1f1b", {}),
-    "zero1-1x4-from-dcp": (dict(pipeline_size=1, data_parallel="zero1", offload="optimizer"), 2,
-                           "zero1-dcp", {}),
-    "interleaved-recompute": (dict(pipeline_size=2, schedule="interleaved_1f1b", stages_per_rank=2,
-                                   activation_checkpointing=True, offload=BOTH), 1, None, {}),
-    "zbv-recompute": (dict(pipeline_size=2, schedule="zbv", activation_checkpointing=True, offload=BOTH),
-                      1, None, {}),
-    "dualpipev": (dict(pipeline_size=2, schedule="dualpipev", offload="activations"), 1, None, {}),
-    "fsdp-16-mixed": (dict(pipeline_size=2, data_parallel="fsdp", offload="parameters"), 1, None, _fp16),
-    "fsdp-16-mixed-without": (dict(pipeline_size=2, data_parallel="fsdp"), 1, None, _fp16),
-}  # fmt: skip
-
-
-def _checkpoint(out_dir: str, name: str) -> str:
-    return f"{out_dir}/{name}.ckpt"
-
-
-def _job(rank: int, world: int, out_dir: str) -> None:
-    # The spawned ranks already share a gloo process group: Lightning joins it as it joins torchrun's.
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    for name, (options, epochs, resumed_from, trainer_options) in CONFIGS.items():
-        dp = world // options["pipeline_size"]
-        torch.manual_seed(0)
-        callbacks = [Record(f"{out_dir}/{name}-rank{rank}.pt"), SaveAtEpochEnd(_checkpoint(out_dir, name))]
-        extra = trainer_options() if callable(trainer_options) else trainer_options
-        trainer = quiet_trainer(
-            devices=world, strategy=PipelineStrategy(num_microbatches=4, **options), callbacks=callbacks,
-            max_epochs=epochs, **TRAIN, **extra,
-        )  # fmt: skip
-        first = name == "replicate-1f1b"
-        model = FrozenFirst()
-        trainer.fit(
-            model, loader(DATA, GLOBAL_BATCH // dp), val_dataloaders=loader(VAL, 16 // dp) if first else None,
-            ckpt_path=_checkpoint(out_dir, resumed_from) if resumed_from else None,
-        )  # fmt: skip
-        if first:  # forward-only schedules of the offloaded run: predictions back on global rank 0
-            predicted = trainer.predict(model, loader(VAL, 16 // dp))
-            torch.save(predicted, f"{out_dir}/predictions-rank{rank}.pt")
-    torch.save(None, f"{out_dir}/rank{rank}.pt")
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_every_offload_trains_as_on_one_device(tmp_path):
-    one, two = _reference(tmp_path / "ref1", 1), _reference(tmp_path / "ref2", 2)
-    spawn_gloo(_job, WORLD, tmp_path)
-    for name, (options, epochs, resumed_from, trainer_options) in CONFIGS.items():
-        if trainer_options:
-            continue
-        params, losses, records = merged_records(tmp_path, name, WORLD)
-        ref = one if epochs == 1 else two
-        want = torch.tensor(ref["losses"])[-3:] if resumed_from else torch.tensor(ref["losses"])
-        assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-        _check_placement(name, options, records)
-    _check_precision(tmp_path)
-    _check_evaluation(tmp_path, one["model"])
-    _check_activations_in_flight(tmp_path)
-    _check_resumed_on_one_device(tmp_path, two)
-
-
-def _check_resumed_on_one_device(tmp: Path, ref: dict) -> None:
-    """The 4-rank runs' checkpoints (a consolidated file, a distributed checkpoint) resumed at world size
-    1, offloaded: the second epoch is the reference's."""
-    for saved in ("replicate-1f1b", "zero1-dcp"):
-        torch.manual_seed(0)
-        strategy = PipelineStrategy(pipeline_size=1, num_microbatches=4, offload="optimizer")
-        record = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), tmp / f"one-{saved}", strategy=strategy,
-                     max_epochs=2, ckpt_path=_checkpoint(str(tmp), saved), **TRAIN)[0]  # fmt: skip
-        assert_close_dicts(record["params"], ref["params"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(record["losses"], ref["losses"][-3:], rtol=1e-5, atol=1e-6)
-
-
-def _check_placement(name: str, options: dict, records: list[dict]) -> None:
-    offload = options["offload"]
-    for r in records:
-        assert r["frozen_with_state"] == 0 and r["frozen_with_copy"] == 0, (name, r)
-        assert r["host_stepping"] == ("optimizer" in offload and options.get("data_parallel") != "fsdp"), name
-        assert r["state_devices"] in ([], ["cpu"]), (name, r["state_devices"])
-        assert (r["activations"] is not None) == ("activations" in offload), name
-
-
-def _check_precision(tmp: Path) -> None:
-    """16-mixed with FSDP2's host gradients (found_inf agreed from them) is the run without offload."""
-    params, losses, _ = merged_records(tmp, "fsdp-16-mixed", WORLD)
-    want_params, want_losses, _ = merged_records(tmp, "fsdp-16-mixed-without", WORLD)
-    assert_close_dicts(params, want_params, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-
-
-def _check_evaluation(tmp: Path, model: nn.Module) -> None:
-    """Validation on each replica's half of VAL, prediction of all of it, with the epoch-1 weights."""
-    x, y = VAL.tensors
-    with torch.no_grad():
-        out = model.eval()(x)
-    _, _, records = merged_records(tmp, "replicate-1f1b", WORLD)
-    for r in records:
-        want = nn.functional.mse_loss(out[r["dp_rank"] :: 2], y[r["dp_rank"] :: 2])
-        assert abs(r["val_loss"] - float(want)) < 1e-5, (r["val_loss"], float(want))
-    predicted = torch.load(tmp / "predictions-rank0.pt", weights_only=False)
-    torch.testing.assert_close(torch.cat(predicted), out, rtol=1e-5, atol=1e-6)
-
-
-def _check_activations_in_flight(tmp: Path) -> None:
-    """What a rank keeps for backward sat on the host, several micro-batches' worth at once where the
-    schedule holds several in flight, and none once each step's backwards ran."""
-    steps_microbatches = 3 * 4  # an epoch: 3 batches of 4 micro-batches
-    for name in ("replicate-1f1b", "fsdp", "interleaved-recompute", "zbv-recompute", "dualpipev"):
-        options = CONFIGS[name][0]
-        stages = 2 if options.get("schedule", "1f1b") != "1f1b" else 1
-        _, _, records = merged_records(tmp, name, WORLD)
-        assert any(r["activations"][0] for r in records), name
-        for r in records:
-            packed, peak, live = r["activations"]
-            assert live == 0, (name, r["activations"])
-            if not packed:  # (a V stage of one recomputed layer keeps only its received input)
-                continue
-            per_microbatch = packed / (steps_microbatches * stages)  # (per stage, on average)
-            if stages == 1:  # 1F1B: p - stage micro-batches in flight on each stage
-                assert peak == (2 - r["pp_rank"]) * per_microbatch, (name, r)
-            else:
-                assert peak >= 2 * per_microbatch, (name, r)

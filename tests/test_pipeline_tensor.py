@@ -1,11 +1,15 @@
-"""PipelineStrategy(tensor_parallel_size=...): tensor parallelism inside pipeline stages, against one device.
+"""PipelineStrategy(tensor_parallel_size=...): tensor parallelism inside pipeline stages, what only it has.
 
-The multi-process configurations share one spawned job of 4 gloo ranks: each rank runs several
-Trainers in turn on the process group the job set up (as under torchrun), so the imports are paid once.
+The plans (default, a user's, a Hugging Face model's own, the traced path's) and their refusals, the
+planner's local model, and one spawned job of 4 gloo ranks: Hugging Face decoders split with their own
+plan, fp16 on the traced stages' DTensor gradients, an overflow in one shard, Megatron's collectives.
+Every configuration with the other techniques (pipeline x tensor x data parallel, FSDP2, recomputation,
+the looped and V placements, both stage sources, resumes at another shape and on one device) is a case
+of the configuration matrix (tests/matrix.py, run by tests/test_matrix.py), with tensor parallelism's
+own check there (the split layers held as DTensors sharded over the tensor-parallel ranks).
 """
 
 import os
-import time
 
 import hf_env
 import pytest
@@ -13,7 +17,6 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 from mp_harness import (
     GatheredRecorder,
-    SaveAtEpochEnd,
     assert_close_dicts,
     fit,
     merged_records,
@@ -32,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_parallel import PipelineStrategy, consolidate_checkpoint
+from lightning_parallel import PipelineStrategy
 from lightning_parallel.grads.loss_scale import agree_on_overflow
 from lightning_parallel.memory.estimate import predict
 from lightning_parallel.memory.facts import measure_model, planned_tensors
@@ -53,55 +56,6 @@ from lightning_parallel.techniques.tensor_parallel.traced import (
     register_missing_shardings,
 )
 
-# 48 samples, global batch 16: 3 batches an epoch; accumulate_grad_batches=2 gives the windows [0, 1]
-# and [2]: a full and a partial window per epoch. The clip value is below the gradient norm.
-N_SAMPLES, GLOBAL_BATCH, WORLD = 48, 16, 4
-TRAIN = dict(max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2)
-
-# name -> (model, strategy kwargs, epochs, checkpoint it saves / resumes). Run in this order inside the
-# spawned job: the Sequential GPT's later runs resume its pp 2 x tp 2 checkpoint (one consolidated
-# file) at other shapes for epoch 2; the traced GPT's FSDP run resumes its own, a distributed (DCP)
-# directory of tensor-parallel shards (a traced stage's graph runs on DTensors).
-CONFIGS = {
-    "pp2-tp2": ("sequential", dict(pipeline_size=2, tensor_parallel_size=2), 2, "save:tp.ckpt"),
-    "dp2-tp2-fsdp": (
-        "sequential",
-        dict(pipeline_size=1, tensor_parallel_size=2, data_parallel="fsdp"),
-        2,
-        "resume:tp.ckpt",
-    ),
-    "dp2-tp2-replicate": ("sequential", dict(pipeline_size=1, tensor_parallel_size=2), 2, "resume:tp.ckpt"),
-    "traced-pp2-tp2": (
-        "traced",
-        dict(pipeline_size=2, tensor_parallel_size=2, save_distributed_checkpoint=True),
-        2,
-        "save:traced.ckpt",
-    ),
-    "traced-dp2-tp2-fsdp": (
-        "traced",
-        dict(pipeline_size=1, tensor_parallel_size=2, data_parallel="fsdp"),
-        2,
-        "resume:traced.ckpt",
-    ),
-    # recomputation and an interleaved schedule (two traced stages per rank) on the same DTensor graphs
-    "traced-interleaved-ac": (
-        "traced-4-blocks",
-        dict(
-            pipeline_size=2,
-            tensor_parallel_size=2,
-            schedule="interleaved_1f1b",
-            stages_per_rank=2,
-            activation_checkpointing=True,
-        ),
-        2,
-        "save:",
-    ),
-}
-MODELS = {
-    "sequential": SplitQkvGPT,
-    "traced": SplitQkvTinyGPT,
-    "traced-4-blocks": lambda: SplitQkvTinyGPT(depth=4),
-}
 # Hugging Face decoders from config (the family begins the name), split with their own
 # base_model_tp_plan: (tied, how the step calls it, strategy kwargs), two optimizer steps each. GPT-NeoX
 # splits its fused query_key_value column-wise (its rows are grouped by head), with partial rotary.
@@ -114,27 +68,12 @@ HF_CONFIGS = {
         dict(pipeline_size=1, tensor_parallel_size=2, data_parallel="fsdp"),
     ),
 }
-HF_STEPS = 2
+HF_STEPS, WORLD, GLOBAL_BATCH = 2, 4, 16
+DATA = token_data(48)
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    data = token_data(N_SAMPLES)
-    for name, (model, kwargs, epochs, ckpt) in CONFIGS.items():
-        dp = world // (kwargs["pipeline_size"] * kwargs["tensor_parallel_size"])
-        action, ckpt = ckpt.split(":")
-        first = action == "save"
-        record = GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")
-        callbacks = [record, *([SaveAtEpochEnd(f"{out_dir}/{ckpt}")] if first and ckpt else [])]
-        trainer = quiet_trainer(
-            devices=world, strategy=PipelineStrategy(num_microbatches=2, **kwargs), callbacks=callbacks,
-            limit_val_batches=2, **{**TRAIN, "max_epochs": epochs},
-        )  # fmt: skip
-        trainer.fit(
-            _seeded(model), loader(data, GLOBAL_BATCH // dp),
-            val_dataloaders=loader(data, GLOBAL_BATCH // dp) if first else None,
-            ckpt_path=None if first else f"{out_dir}/{ckpt}",
-        )  # fmt: skip
     for name, (tied, call, kwargs) in HF_CONFIGS.items():
         dp = world // (kwargs["pipeline_size"] * kwargs["tensor_parallel_size"])
         trainer = quiet_trainer(
@@ -147,7 +86,7 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         callbacks=[GatheredRecorder(f"{out_dir}/traced-pp2-tp2-16-mixed-rank{rank}.pt")], **FP16_TRAIN,
         **_fp16(),
     )  # fmt: skip
-    trainer.fit(_seeded("traced"), loader(data, GLOBAL_BATCH))
+    trainer.fit(_seeded_traced(), loader(DATA, GLOBAL_BATCH))
     torch.save(
         {**_megatron_collectives(), "overflow": _overflow_in_one_shard(rank)}, f"{out_dir}/rank{rank}.pt"
     )
@@ -163,9 +102,9 @@ def _fp16() -> dict:
     return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
 
 
-def _seeded(model: str):
+def _seeded_traced():
     torch.manual_seed(0)
-    return MODELS[model]()
+    return SplitQkvTinyGPT()
 
 
 def _hf_model(name: str, tied: bool, call: str):
@@ -231,28 +170,20 @@ def _megatron_collectives() -> dict[str, dict[str, int]]:
     return counts
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
-    data = token_data(N_SAMPLES)
-    refs = {m: fit(_seeded(m), reference_loader(data, GLOBAL_BATCH), tmp_path / f"ref-{m}", **TRAIN)[0]
-            for m in MODELS}  # fmt: skip
+def test_hugging_face_plans_fp16_on_traced_graphs_and_megatron_s_collectives(tmp_path):
+    """What only tensor parallelism has (its configurations with the other techniques are cases of the
+    configuration matrix, tests/test_matrix.py): Hugging Face decoders split with their own
+    base_model_tp_plan against one device, the traced GPT's DTensor gradients under a GradScaler, an inf
+    in one rank's shard skipping every rank's step, and a traced stage's collectives."""
     hf_refs = {
         name: fit(_hf_model(name, tied, call), reference_loader(_hf_data(call), 8),
                   tmp_path / name, devices=1, max_steps=HF_STEPS)[0]
         for name, (tied, call, _) in HF_CONFIGS.items()
     }  # fmt: skip
-    start = time.perf_counter()
     collectives = spawn_gloo(_job, WORLD, tmp_path)
-    print(f"4-rank job: {time.perf_counter() - start:.1f} s")
-    for name, (model, *_) in CONFIGS.items():
-        params, losses, _ = merged_records(tmp_path, name, WORLD)
-        ref = refs[model]
-        assert_close_dicts(params, ref["params"], rtol=1e-5, atol=1e-6)
-        expected = torch.tensor(ref["losses"])[-len(losses) :]  # the resumed runs: their second epoch
-        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-    fp16_ref = fit(_seeded("traced"), reference_loader(data, GLOBAL_BATCH), tmp_path / "ref-fp16",
+    fp16_ref = fit(_seeded_traced(), reference_loader(DATA, GLOBAL_BATCH), tmp_path / "ref-fp16",
                    **FP16_TRAIN, **_fp16())[0]  # fmt: skip
     params, losses, _ = merged_records(tmp_path, "traced-pp2-tp2-16-mixed", WORLD)
     torch.testing.assert_close(losses, torch.tensor(fp16_ref["losses"]), rtol=2e-3, atol=2e-3)
@@ -262,38 +193,15 @@ def test_tensor_parallel_stages_match_one_device_and_resume_anywhere(tmp_path):
         assert_close_dicts(params, hf_refs[name]["params"], rtol=1e-5, atol=1e-5)
         expected = torch.tensor(hf_refs[name]["losses"])
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-    # pp 2 x tp 2: rank 0 (stage 0, tp rank 0) holds the first half of each split weight, as a DTensor.
-    held = merged_records(tmp_path, "pp2-tp2", WORLD)[2]
-    assert held[0]["held"]["layers.1.attn.q.weight"] == ("DTensor", "(Shard(dim=0),)", (8, 16))
-    assert held[1]["held"]["layers.1.attn.proj.weight"] == ("DTensor", "(Shard(dim=1),)", (16, 8))
-    assert held[0]["held"]["layers.0.wte.weight"][0] == "Parameter"  # the embedding stays whole
-    held = merged_records(tmp_path, "traced-pp2-tp2", WORLD)[2]
-    assert held[0]["held"]["h.0.attn.q.weight"] == ("DTensor", "(Shard(dim=0),)", (8, 16))
-    assert held[3]["held"]["h.1.mlp.proj.weight"] == ("DTensor", "(Shard(dim=1),)", (16, 32))
-    assert held[0]["held"]["h.0.ln_1.weight"][0] == "Parameter"
     held = merged_records(tmp_path, "llama-tied-masked-pp2-tp2", WORLD)[2][1]["held"]  # stage 0, tp rank 1
     assert held["model.model.layers.0.self_attn.k_proj.weight"] == ("DTensor", "(Shard(dim=0),)", (8, 32))
     assert held["model.model.layers.1.mlp.down_proj.weight"] == ("DTensor", "(Shard(dim=1),)", (32, 32))
-    # dp 2 (FSDP) x tp 2: a quarter of each split weight, sharded over dp on top of its tp slice (2-D).
-    for name, path in (
-        ("dp2-tp2-fsdp", "layers.1.attn.q.weight"),
-        ("traced-dp2-tp2-fsdp", "h.0.attn.q.weight"),
-    ):
-        held = merged_records(tmp_path, name, WORLD)[2][0]["held"][path]
-        assert held == ("DTensor", "(_StridedShard(dim=0, sf=2), Shard(dim=0))", (4, 16)), (name, held)
     # A traced stage split over 2 ranks costs Megatron's collectives: per block, one all-reduce after
     # the attention and one after the MLP in forward, one for each block input's gradient in backward.
     for counts in collectives:
         overflow = counts.pop("overflow")
         assert overflow == (True, 2.0, 2.0), overflow  # every rank found it; 8 / 4 unscaled in place
         assert counts == {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}}, counts
-    # The checkpoints saved at pp 2 x tp 2 resume on one device (the DCP directory once consolidated).
-    assert (tmp_path / "traced.ckpt").is_dir()
-    consolidate_checkpoint(tmp_path / "traced.ckpt", tmp_path / "traced-full.ckpt")
-    for model, ckpt in (("sequential", "tp.ckpt"), ("traced", "traced-full.ckpt")):
-        one = fit(_seeded(model), reference_loader(data, GLOBAL_BATCH), tmp_path / f"one-{model}",
-                  ckpt_path=tmp_path / ckpt, **TRAIN)[0]  # fmt: skip
-        assert_close_dicts(one["params"], refs[model]["params"], rtol=1e-5, atol=1e-6)
 
 
 def test_the_default_plan_splits_attention_and_mlp_and_divides_the_heads():

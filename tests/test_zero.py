@@ -76,6 +76,7 @@ def _sharded_worker(rank: int, world: int, out_dir: str) -> None:
             "resumed": model2.state_dict(),
             "local_bytes": local_state_bytes(sharded),
             "full_bytes": plain_bytes_per_param * sum(p.numel() for p in model.parameters()),
+            **_refusals(),
         },
         f"{out_dir}/rank{rank}.pt",
     )
@@ -83,7 +84,7 @@ def _sharded_worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_sharded_adamw_steps_exactly_and_consolidates_the_whole_state(tmp_path):
+def test_sharded_adamw_steps_exactly_consolidates_the_whole_state_and_refuses_a_stepped_one(tmp_path):
     ref_params, ref_state = _reference()
     records = spawn_gloo(_sharded_worker, 2, tmp_path)
     for r in records:
@@ -115,6 +116,10 @@ def test_sharded_adamw_steps_exactly_and_consolidates_the_whole_state(tmp_path):
     for r in records:
         for k, v in model.state_dict().items():
             torch.testing.assert_close(r["resumed"][k], v, rtol=1e-6, atol=1e-7)
+    # An optimizer that already stepped is refused (its state would be lost); a sharded one is kept.
+    for r in records:
+        assert "already holds state: shard it right after it is built" in r["error"]
+        assert r["same"] and r["zero"]
 
 
 def test_one_replica_or_no_process_group_leaves_the_optimizer_alone():
@@ -125,7 +130,8 @@ def test_one_replica_or_no_process_group_leaves_the_optimizer_alone():
     consolidate(optimizer)  # a no-op, not an error
 
 
-def _stepped_worker(rank: int, world: int, out_dir: str) -> None:
+def _refusals() -> dict:
+    """In the same job: a stepped optimizer refused, a sharded one returned as it is."""
     model = _model()
     optimizer, scheduler = _build(model)
     _train(model, optimizer, scheduler, 1)
@@ -136,13 +142,4 @@ def _stepped_worker(rank: int, world: int, out_dir: str) -> None:
         error = str(err)
     sharded = shard_optimizer_state(_build(model)[0], dist.group.WORLD)
     again = shard_optimizer_state(sharded, dist.group.WORLD)
-    record = {"error": error, "same": again is sharded, "zero": isinstance(sharded, ZeroRedundancyOptimizer)}
-    torch.save(record, f"{out_dir}/rank{rank}.pt")
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(60)
-def test_an_optimizer_with_state_is_refused(tmp_path):
-    for r in spawn_gloo(_stepped_worker, 2, tmp_path):
-        assert "already holds state: shard it right after it is built" in r["error"]
-        assert r["same"] and r["zero"]
+    return {"error": error, "same": again is sharded, "zero": isinstance(sharded, ZeroRedundancyOptimizer)}
