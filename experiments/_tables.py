@@ -384,13 +384,13 @@ def autoplan(rows: Rows) -> str:
     detail = [
         [r["model"], r["budget"], r["predicted_rank"], f"`{r['plan']}`", r["families"],
          _f(r["predicted_ms"], 1), timed_col(r, "measured_ms", 1), _f(r["error"], 3),
-         _f(r["trial_ms"], 1) if r["trial_ms"] else "-", _mib(float(r["predicted_peak_bytes"])),
+         "yes" if r["tried"] == "True" else "-", _mib(float(r["predicted_peak_bytes"])),
          _mib(float(r["measured_peak_bytes"])), _f(r["peak_error"], 3),
          *(_mib(float(r[k])) if float(r[k]) else "-" for k in HOST_COLUMNS)]
         for r in rows
     ]  # fmt: skip
     detail_header = ["model", "budget", "predicted rank", "plan", "families", "predicted milliseconds",
-                     "measured ms", "error (measured / predicted - 1)", "its trial's ms",
+                     "measured ms", "error (measured / predicted - 1)", "run by trials=3",
                      "predicted peak MiB", "measured peak MiB (worst rank)", "peak error",
                      "predicted host MiB", "measured host MiB (optimizer)"]  # fmt: skip
     r0 = rows[0]
