@@ -1,6 +1,8 @@
-"""PipelineStrategy(plan="auto"): the arguments, the choice with its margin, nothing fits, and one spawned job
-in which the auto-planned run computes exactly what the same plan given by hand computes."""
+"""PipelineStrategy(plan="auto"): the arguments, the choice with its margin, nothing fits, the trials' choice,
+and one spawned job in which the auto-planned run computes exactly what the same plan given by hand computes
+(also with trials=2: strategies/pipeline/trials.py; the techniques measured in place: memory/in_place.py)."""
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +20,7 @@ from lightning_parallel.memory.links import given_links
 from lightning_parallel.memory.planner import Budget, plan_search
 from lightning_parallel.memory.search import Search
 from lightning_parallel.strategies.pipeline import autoplan
+from lightning_parallel.strategies.pipeline.trials import Trial
 
 LINKS = given_links(bandwidth=10e9, latency=1e-5)
 
@@ -35,6 +38,13 @@ def test_plan_auto_takes_its_budgets_and_refuses_what_it_chooses():
         PipelineStrategy(memory="24GiB")
     with pytest.raises(ValueError, match="plan must be 'auto'"):
         PipelineStrategy(plan="fastest")
+    assert PipelineStrategy(plan="auto", memory="1GiB", trials=3)._auto.trials == 3
+    assert PipelineStrategy(plan="auto", memory="1GiB")._auto.trials == 1  # (off by default)
+    with pytest.raises(ValueError, match=r"trials: only for plan='auto': pass plan='auto' too"):
+        PipelineStrategy(pipeline_size=2, trials=2)
+    for bad in (0, True, 2.5, "3"):
+        with pytest.raises(ValueError, match=rf"trials must be the number of predicted plans .*got {bad!r}"):
+            PipelineStrategy(plan="auto", memory="1GiB", trials=bad)
     with pytest.raises(ValueError, match="cannot read the memory size 'lots'"):
         PipelineStrategy(plan="auto", memory="lots")
     with pytest.raises(
@@ -103,6 +113,26 @@ def test_nothing_fits_names_the_smallest_peak_the_miss_and_what_would_fit(facts)
         choose(facts, Search(devices=2, global_batch_size=7), Budget(2**30), LINKS)
 
 
+def test_trials_keep_the_fastest_measured_per_sample_and_say_why():
+    one, two, three = (ParallelPlan("pipeline", 2, p, m) for p, m in ((1, 1), (2, 2), (1, 2)))
+    tried = [
+        Trial(one, predicted=0.010, samples=16, measured=0.030),
+        Trial(two, predicted=0.012, samples=16, measured=0.020),
+        Trial(three, predicted=0.013, samples=16, error="RuntimeError: out of memory"),
+    ]
+    plan, report = autoplan._best_measured(tried, one)
+    assert plan is two
+    assert "chosen: pp 2x1 1f1b m=2 (the fastest measured; ranked 2 of 3 by prediction)" in report
+    assert "failed: RuntimeError: out of memory" in report and "1.67" in report  # 20 ms over 12 ms predicted
+    # Per sample: a plan that steps twice as many samples may take up to twice as long.
+    more = [Trial(one, 0.01, 16, measured=0.030), Trial(two, 0.01, 32, measured=0.050)]
+    assert autoplan._best_measured(more, one)[0] is two
+    # None ran: the fastest predicted plan runs.
+    failed = [Trial(one, 0.01, 16, error="ValueError: no"), Trial(two, 0.01, 16, error="ValueError: no")]
+    assert autoplan._best_measured(failed, one) == (one, autoplan._best_measured(failed, one)[1])
+    assert "no trial ran: the fastest predicted plan runs" in autoplan._best_measured(failed, one)[1]
+
+
 class _PlanSeen(Callback):
     """What a user's hook reads of the running plan: its label and its code (both need its devices)."""
 
@@ -118,32 +148,49 @@ MODELS = {"sequential": lambda: SequentialRegressor(adam=True, depth=4), "flat":
 """A model the pipeline can split, and one it cannot (run whole: the search offers pipeline_size=1)."""
 
 
+TINY = autoplan.Measurement(link_sizes=(1 << 10, 1 << 16), link_repeats=1, repeats=1, overhead_steps=(0, 0),
+                            trial_steps=(1, 1))  # fmt: skip
+"""What the job measures before it plans: a step and one repeat of everything (the suite's time); what every
+step pays is measured in the run with trials only (a trivial stage built twice)."""
+
+
 def _job(rank: int, world: int, out_dir: str) -> None:
+    autoplan.MEASURE = TINY
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
     records = {}
     for model_name, make in MODELS.items():
-        for name in ("auto", "hand"):
+        # The Sequential model also with trials=2: the two fastest predicted plans run on the job's ranks.
+        variants = ("auto", "hand") + (("trials", "trials_hand") if model_name == "sequential" else ())
+        for name in variants:
             key = f"{model_name}_{name}"
+            plan_key = f"{model_name}_plan" if name in ("auto", "hand") else f"{model_name}_trials_plan"
             torch.manual_seed(0)
-            if name == "auto":
-                strategy, callbacks = PipelineStrategy(plan="auto", memory="1GiB", global_batch_size=16), []
+            if name in ("auto", "trials"):
+                trials = 2 if name == "trials" else None
+                autoplan.MEASURE = replace(TINY, overhead_steps=(1, 1)) if trials else TINY
+                strategy = PipelineStrategy(plan="auto", memory="1GiB", global_batch_size=16, trials=trials)
+                callbacks = []
             else:
-                strategy = PipelineStrategy.from_plan(records[f"{model_name}_plan"])
+                strategy = PipelineStrategy.from_plan(records[plan_key])
                 callbacks = [GradientAccumulationScheduler(global_batch_size=16)]
             callbacks.append(_PlanSeen(records, f"{key}_seen"))
             trainer = quiet_trainer(devices=world, strategy=strategy, callbacks=callbacks, max_steps=3)
             model = make()
             trainer.fit(model, loader(data, 4))
             records[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            records[f"{model_name}_plan"] = trainer.strategy.parallel_plan
+            records[plan_key] = trainer.strategy.parallel_plan
             records[f"{key}_loss"] = float(trainer.callback_metrics["train_loss"])
+            planned = trainer.strategy.planned
+            if planned is not None:  # (rank 0's)
+                records[f"{key}_planned"] = (planned.trials, planned.notes, planned.links.describe())
     torch.save(records, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_plan_auto_runs_exactly_the_plan_given_by_hand(tmp_path):
-    for rank, r in enumerate(spawn_gloo(_job, 2, tmp_path)):
+    spawned = spawn_gloo(_job, 2, tmp_path)
+    for rank, r in enumerate(spawned):
         for model_name in MODELS:
             plan: ParallelPlan = r[f"{model_name}_plan"]
             auto, hand = r[f"{model_name}_auto"], r[f"{model_name}_hand"]
@@ -157,3 +204,16 @@ def test_plan_auto_runs_exactly_the_plan_given_by_hand(tmp_path):
             assert r[f"{model_name}_hand_seen"] == r[f"{model_name}_auto_seen"], rank
         # A model with nothing to split is still planned: pipeline_size=1 (replicas, ZeRO-1, offload).
         assert r["flat_plan"].pipeline_size == 1 and r["flat_plan"].data_parallel_size == 2
+        # trials=2: the run is the plan the trials kept, computed exactly as that plan given by hand.
+        for key in r["sequential_trials"]:
+            assert torch.equal(r["sequential_trials"][key], r["sequential_trials_hand"][key]), key
+        assert r["sequential_trials_loss"] == r["sequential_trials_hand_loss"]
+        assert ("sequential_trials_planned" in r) == (rank == 0)  # (what rank 0 weighed)
+    trials, notes, links = spawned[0]["sequential_trials_planned"]
+    assert len(trials) == 2 and all(t.measured and t.measured > 0 for t in trials), trials
+    kept = min(trials, key=lambda t: t.per_sample)
+    assert spawned[0]["sequential_trials_plan"].label() == kept.plan.label()
+    # Measured on the job: the curves, what every step pays, FSDP2 in place (a split Sequential).
+    assert "all-reduce 1 KiB" in links and "every step pays" in links
+    assert "fsdp measured in place" in notes, notes
+    assert not spawned[0]["sequential_auto_planned"][0]  # (no trials without trials=)

@@ -35,7 +35,9 @@ from lightning_parallel.memory.time_model import step_time
 from lightning_parallel.memory.time_probe import AFTER, StepCost, TimeFacts, TimeLine, UnitTime
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.techniques import TECHNIQUES
-from lightning_parallel.techniques.contract import MemoryLedger, Technique, TimeLedger
+from lightning_parallel.techniques.contract import Line, MemoryLedger, Technique, TimeLedger
+from lightning_parallel.techniques.fsdp import FsdpTimes
+from lightning_parallel.techniques.tensor_parallel.technique import BlockTimes, TensorParallelTimes
 
 PINS = Path(__file__).with_name("planner_fold_pins.json")
 LINKS = Links(Link(2e-5, 3e9), Link(1.5e-5, 1.7e9), Link(3e-6, 2.3e8))
@@ -210,6 +212,52 @@ def test_a_new_technique_is_folded_without_a_change_to_the_planner(monkeypatch):
     assert est.disk == plain.ranks[0].optimizer and "disk" in est.format_table().splitlines()[1]
     assert timed.offload == pytest.approx(2 * LINKS.copy(1e6))
     assert timed.seconds == pytest.approx(plain_time.seconds + 2 * LINKS.copy(1e6))
+
+
+def _measured(name: str, **measured) -> ModelFacts:
+    facts = _facts(name)
+    return dataclasses.replace(facts, times=dataclasses.replace(facts.times, measured=measured))
+
+
+def test_fsdp2_s_time_reads_its_in_place_measurement_per_unit():
+    plan, none = P("pipeline", 2, 1, 2, data_parallel="fsdp"), Line()
+    zero = FsdpTimes(2, none, none, none, none)
+    base = step_time(_measured("mlp", fsdp=zero), LINKS, plan, 8)
+    units = len(_facts("mlp").layout.units) + 1  # each layer, and the stage's root
+    gathered = step_time(_measured("mlp", fsdp=FsdpTimes(2, Line(1e-3), none, none, none)), LINKS, plan, 8)
+    assert gathered.seconds - base.seconds == pytest.approx(units * 1e-3)  # before the first forward
+    reduced = step_time(_measured("mlp", fsdp=FsdpTimes(2, none, none, none, Line(2e-4))), LINKS, plan, 8)
+    assert reduced.communication - base.communication == pytest.approx(units * 2e-4)
+    # A line in the unit's bytes, on every micro-batch's backward (2 of them): the root has none.
+    nbytes = sum(t.nbytes for t in _facts("mlp").tensors.values())
+    slope = step_time(_measured("mlp", fsdp=FsdpTimes(2, none, none, Line(0, 1e-9), none)), LINKS, plan, 8)
+    assert slope.seconds - base.seconds == pytest.approx(2 * 1e-9 * nbytes)
+    # Unmeasured: the links' all-gather and reduce-scatter, with every unit's latency.
+    assert step_time(_facts("mlp"), LINKS, plan, 8).seconds != base.seconds
+
+
+def test_tensor_parallelism_s_time_reads_its_split_block_measured_in_place():
+    plan, facts = P("pipeline", 2, 1, 2, tensor_parallel_size=2), _facts("tp")
+    split = [u.name for u in facts.layout.units if facts.tp_reduces.get(u.name)]
+    zero = TensorParallelTimes({2: BlockTimes(Line(), Line())})  # (nothing beyond the local model's)
+    measured = TensorParallelTimes({2: BlockTimes(Line(5e-3), Line(7e-3))})
+    base = step_time(_measured("tp", tensor_parallel=zero), LINKS, plan, 8)
+    timed = step_time(_measured("tp", tensor_parallel=measured), LINKS, plan, 8)
+    own = [facts.times.units[n] for n in split]
+    extra = sum((5e-3 - u.forward.at(4)) + (7e-3 - u.backward.at(4)) for u in own)
+    assert split and timed.seconds - base.seconds == pytest.approx(2 * extra)  # 2 micro-batches of 4
+    assert timed.communication - base.communication == pytest.approx(2 * extra)
+    # Recomputed, a split block's forward runs on DTensors again in backward: charged twice.
+    ac = dataclasses.replace(plan, activation_checkpointing=True)
+    base_ac = step_time(_measured("tp", tensor_parallel=zero), LINKS, ac, 8)
+    timed_ac = step_time(_measured("tp", tensor_parallel=measured), LINKS, ac, 8)
+    again = sum(5e-3 - u.forward.at(4) for u in own)
+    assert timed_ac.seconds - base_ac.seconds == pytest.approx(2 * (extra + again))
+    assert timed_ac.recompute - base_ac.recompute == pytest.approx(2 * again)
+    # Another tensor-parallel size than the one measured: the links' all-reduces, as unmeasured.
+    other = TensorParallelTimes({4: BlockTimes(Line(5e-3), Line(7e-3))})
+    unmeasured = step_time(facts, LINKS, plan, 8)
+    assert step_time(_measured("tp", tensor_parallel=other), LINKS, plan, 8).seconds == unmeasured.seconds
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:

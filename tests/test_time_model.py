@@ -1,11 +1,15 @@
-"""The time model without processes: the simulated schedule, the step's terms, the time probe, the links."""
+"""The time model without processes: the simulated schedule, the step's terms, the time probe, the links
+(curves, their ring rescaling, the overlap), what every step pays."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 from tiny_models import SequentialRegressor
 
+from lightning_parallel.distributed.link_timing import LinkTimings, OverlapTiming, Timed
 from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.memory.links import Link, fit_link, given_links
+from lightning_parallel.memory.links import Curve, Link, StepOverhead, fit_link, given_links, links_from
 from lightning_parallel.memory.schedule import Action, rank_actions
 from lightning_parallel.memory.time_model import simulate, step_time
 from lightning_parallel.memory.time_probe import TimeLine, optimizer_step_cost
@@ -72,6 +76,19 @@ def test_the_probe_times_every_unit_and_the_optimizer(facts):
     assert cost.per_element >= 0 and optimizer_step_cost([], torch.device("cpu")).of(1e6, 10) == 0
 
 
+def test_the_probe_keeps_a_block_and_the_smallest_unit_with_their_inputs(facts):
+    """What the techniques time in place on the job (TimeBench.samples): recorded at the warm-up."""
+    block, small = facts.times.samples
+    shapes = [tuple(tuple(p.shape) for p in u.module.parameters()) for u in facts.layout.units]
+    mine = tuple(tuple(p.shape) for p in block.module.parameters())
+    assert shapes.count(mine) == max(shapes.count(s) for s in shapes) > 1  # of the most common structure
+    assert 0 < small.nbytes < block.nbytes
+    for sample in (block, small):
+        assert set(sample.inputs) == {2, 8}
+        (x, *_), _kwargs = sample.inputs[8]
+        assert x.shape[0] == 8 and x.grad_fn is None  # detached copies
+
+
 def test_the_step_charges_bubble_recomputation_communication_and_offload(facts):
     fast = given_links(bandwidth=100e9, latency=1e-6, host_bandwidth=50e9)
     slow = given_links(bandwidth=1e6, latency=1e-3, host_bandwidth=1e6)
@@ -107,3 +124,93 @@ def test_links_fit_two_sizes_and_charge_collectives_as_rings():
     assert links.all_gather(4, 4e6) == pytest.approx(links.all_reduce(4, 4e6) / 2)
     with pytest.raises(ValueError, match="positive bandwidth"):
         given_links(bandwidth=0)
+
+
+# ------------------------------------------------------------------------ curves, overlap, overhead
+
+
+def test_a_curve_interpolates_log_log_and_keeps_the_latency_below_and_the_rate_above():
+    curve = Curve((1e3, 1e5, 1e7), (1e-4, 1e-3, 5e-2))
+    assert curve.time(1e3) == 1e-4 and curve.time(1e5) == pytest.approx(1e-3)
+    assert curve.time(1e4) == pytest.approx((1e-4 * 1e-3) ** 0.5)  # halfway on the log scale: geometric mean
+    assert curve.time(1e6) == pytest.approx((1e-3 * 5e-2) ** 0.5)
+    assert curve.time(10) == curve.time(1) == 1e-4 and curve.time(0) == 0  # no cheaper than the smallest
+    per_byte = (5e-2 - 1e-3) / (1e7 - 1e5)  # above the largest: the last segment's rate
+    assert curve.time(3e7) == pytest.approx(5e-2 + 2e7 * per_byte)
+    # A smaller message measured slower than a larger one (a late peer) is taken at the larger one's time.
+    assert Curve((1e3, 1e4, 1e5), (3e-4, 1e-4, 2e-4)).seconds == (1e-4, 1e-4, 2e-4)
+    assert Curve((1e3,), (2e-4,)).time(4e3) == pytest.approx(8e-4)  # one point: its rate
+    with pytest.raises(ValueError, match="increasing"):
+        Curve((1e4, 1e3), (1e-4, 2e-4))
+    with pytest.raises(ValueError, match="as many seconds as sizes"):
+        Curve((1e3, 1e4), (1e-4,))
+
+
+def _timed(sizes, seconds):
+    return Timed(sizes, seconds, tuple(s * 0.9 for s in seconds), tuple(s * 1.2 for s in seconds))
+
+
+def test_measured_links_are_curves_rescaled_as_rings_for_another_group_size():
+    sizes = (1 << 10, 1 << 20, 1 << 24)
+    timings = LinkTimings(
+        2, "measured on a test's group", {
+            "send": _timed(sizes, (1e-4, 1e-3, 1e-2)), "all_reduce": _timed(sizes, (2e-4, 2e-3, 3e-2)),
+            "all_gather": _timed(sizes, (1.5e-4, 1e-3, 1.5e-2)), "copy": _timed(sizes, (1e-6, 1e-4, 2e-3)),
+            "broadcast": _timed(sizes, (1e-4, 9e-4, 1.2e-2)),
+        }, OverlapTiming(compute=0.010, collective=0.008, together=0.014),
+    )  # fmt: skip
+    links = links_from(timings, overhead=StepOverhead(1e-3))
+    assert links.ranks == 2 and links.overlap == pytest.approx(1.5) and links.overhead.per_step == 1e-3
+    assert links.send(1 << 20) == pytest.approx(1e-3) and links.copy(1 << 24) == pytest.approx(2e-3)
+    assert links.all_reduce(2, 1 << 20) == pytest.approx(2e-3)  # on the curve's own group: the curve
+    assert links.all_reduce(1, 1 << 20) == 0 and links.all_gather(2, 0) == 0
+    # Four ranks: 3 ring steps of a quarter, each what the 2-rank curve's one step costs at that chunk.
+    assert links.all_reduce(4, 1 << 22) == pytest.approx(3 * links.curves["all_reduce"].time(1 << 21))
+    # A broadcast moves the whole message at each of its k - 1 steps.
+    assert links.broadcast(2, 1 << 20) == pytest.approx(9e-4)
+    assert links.broadcast(4, 1 << 20) == pytest.approx(3 * 9e-4)
+    # Kinds not timed fall back: a reduce-scatter is an all-gather's; a collective with no curve at all
+    # (given links) is the alpha-beta ring.
+    assert links.reduce_scatter(2, 1 << 20) == links.all_gather(2, 1 << 20)
+    assert links.more_messages(2, 3) == pytest.approx(2 * links.curves["all_gather"].latency)
+    assert "all-reduce 1 KiB 0.20 ms" in links.describe() and "spread 30%" in links.describe()
+    assert "slows both 1.50x" in links.describe() and "1.00 ms per step" in links.describe()
+    given = given_links(bandwidth=1e9, latency=1e-5)
+    assert given.reduce_scatter(4, 4e6) == given.all_gather(4, 4e6) and given.all_to_all(4, 4e6) > 0
+    assert given.broadcast(4, 1e6) == pytest.approx(3 * (1e-5 + 1e6 / 1e9))
+    assert given.more_messages(4, 3) == pytest.approx(2 * 3 * 1e-5)
+
+
+def test_zero1_broadcasts_each_parameter_on_the_measured_curve(facts):
+    sizes = (1 << 10, 1 << 20)
+    curves = {"broadcast": Curve(sizes, (2e-4, 1e-3)), "all_reduce": Curve(sizes, (3e-4, 2e-3))}
+    links = replace(given_links(bandwidth=1e9, latency=1e-5), curves=curves, ranks=2)
+    plain = step_time(facts, links, ParallelPlan("pipeline", 2, 1, 1), samples=8)
+    zero = step_time(facts, links, ParallelPlan("pipeline", 2, 1, 1, data_parallel="zero1"), samples=8)
+    broadcasts = sum(links.broadcast(2, t.nbytes) for t in facts.tensors.values() if t.grad)
+    assert zero.communication - plain.communication == pytest.approx(broadcasts)
+
+
+def test_overlap_slows_both_while_they_run_at_once():
+    assert OverlapTiming(0.010, 0.010, 0.010).slowdown == 1.0  # hidden perfectly
+    assert OverlapTiming(0.010, 0.010, 0.020).slowdown == 2.0  # one after the other
+    assert OverlapTiming(0.010, 0.004, 0.030).slowdown == 2.0  # (worse than serial: capped)
+    links = replace(given_links(bandwidth=1e9), overlap=1.5)
+    # 10 ms of backward beside a 4 ms reduction: 4 ms of both at 1/1.5 speed, so 2 ms more than compute.
+    assert links.overlapped(0.010, 0.004) == pytest.approx(0.012)
+    assert given_links(bandwidth=1e9).overlapped(0.010, 0.004) == pytest.approx(0.010)
+
+
+def test_what_every_step_pays_is_added_to_every_plan(facts):
+    plain = given_links(bandwidth=10e9, latency=1e-5)
+    paying = replace(plain, overhead=StepOverhead(per_step=1e-3, per_batch=2e-3, per_action=1e-4))
+    assert StepOverhead(1e-3, 2e-3, 1e-4).of(batches=2, actions=8) == pytest.approx(5.8e-3)
+    # One stage (replicas): 4 micro-batches, 8 actions, all on the critical path.
+    for accumulate in (1, 2):
+        plan = ParallelPlan("pipeline", 2, 1, 4)
+        base, more = (step_time(facts, links, plan, 8, accumulate) for links in (plain, paying))
+        assert more.seconds - base.seconds == pytest.approx(1e-3 + accumulate * (2e-3 + 8 * 1e-4))
+        assert more.overhead == pytest.approx(more.seconds - base.seconds) and base.overhead == 0
+    pp = ParallelPlan("pipeline", 2, 2, 4)
+    assert step_time(facts, paying, pp, 16).seconds > step_time(facts, plain, pp, 16).seconds + 3e-3
+    assert "overhead 3.8 ms" in step_time(facts, paying, ParallelPlan("pipeline", 2, 1, 4), 8).describe()

@@ -26,13 +26,14 @@ import ast
 import importlib
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_parallel.distributed.link_timing import time_copy, time_loopback
+from lightning_parallel.distributed.link_timing import time_loopback
 from lightning_parallel.layout.choices import PRECISIONS
 from lightning_parallel.memory.advice import NothingFits, choose
 from lightning_parallel.memory.links import Links, given_links, links_from
@@ -208,10 +209,9 @@ def links_of(args: argparse.Namespace) -> Links:
     if args.bandwidth:
         host = parse_rate(args.host_bandwidth) if args.host_bandwidth else None
         return given_links(parse_rate(args.bandwidth), parse_seconds(args.latency), host)
-    links = links_from(time_loopback(), time_copy(1 << 24), 1 << 24, "measured on this machine's loopback")
+    links = links_from(time_loopback(), "measured on this machine's loopback")
     if args.host_bandwidth:
-        host = given_links(parse_rate(args.host_bandwidth)).host
-        links = Links(links.p2p, links.collective, host, links.source)
+        links = replace(links, host=given_links(parse_rate(args.host_bandwidth)).host)
     return links
 
 

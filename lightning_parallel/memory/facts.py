@@ -84,6 +84,8 @@ def measure_model(
     step: StepFn = default_step,
     tensor_parallel_size: int = 1,
     time_sizes: tuple[int, ...] | None = None,
+    sync: Callable[[], None] | None = None,
+    repeats: int = 3,
 ) -> ModelFacts:
     """Find the units, run the probe forwards, and size parameters, gradients and optimizer state.
 
@@ -92,7 +94,9 @@ def measure_model(
     built anew over its parameters, of the given optimizer's class and defaults. With ``time_sizes``
     (two micro-batch sizes, at most the batch's), each unit's forward and backward are also timed at
     those sizes (:func:`~lightning_parallel.memory.time_probe.measure_times`, the time model's facts);
-    a model on the meta device cannot be timed (``times`` stays ``None``).
+    a model on the meta device cannot be timed (``times`` stays ``None``). ``sync``: a barrier the time
+    probe calls before each timed run (``plan="auto"`` times on every rank at once); ``repeats``: its timed
+    runs per size (the median kept).
 
     Raises:
         ValueError: unknown precision; a batch the model rejects; no optimizer to size.
@@ -124,7 +128,7 @@ def measure_model(
     times = None
     if time_sizes and not any(p.is_meta for p in probed.parameters()):
         times = measure_times(
-            probed, probe_layout, batch, time_sizes, optimizers, step, autocast_dtype=autocast_dtype
+            probed, probe_layout, batch, time_sizes, optimizers, step, repeats, autocast_dtype, sync
         )
     return ModelFacts(
         layout, probe, samples, precision, tensors, unit_params, loose, groups, tensor_parallel_size,

@@ -13,7 +13,7 @@ timed, and its chosen plan is the most frugal that fits (the smallest peak), not
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -209,9 +209,12 @@ def measure_for(
     search: Search,
     optimizer: Any = None,
     step: StepFn = default_step,
+    sync: Callable[[], None] | None = None,
+    repeats: int = 3,
 ) -> dict[int, ModelFacts]:
     """The model measured for ``search``: at each tensor-parallel size, with its units timed at the
-    search's smallest and largest micro-batch (``batch`` holds at least the largest).
+    search's smallest and largest micro-batch (``batch`` holds at least the largest), the median of
+    ``repeats`` runs each; ``sync``: a barrier before each timed run (when every rank of a job times at once).
 
     Example::
 
@@ -219,7 +222,9 @@ def measure_for(
     """
     sizes = search.micro_batch_sizes(find_units(module).max_stages)
     return {
-        tp: measure_model(module, batch, search.precision, optimizer, step, tp, time_sizes=sizes)
+        tp: measure_model(
+            module, batch, search.precision, optimizer, step, tp, time_sizes=sizes, sync=sync, repeats=repeats
+        )
         for tp in search.tensor_parallel_sizes
     }
 

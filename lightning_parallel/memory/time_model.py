@@ -7,9 +7,10 @@ times from :mod:`~lightning_parallel.memory.time_probe`) and the links
 1. **Each stage's forward and backward per micro-batch**: its units' measured lines at the
    micro-batch's size, then what each technique adds (``Technique.time``, folded over a
    :class:`~lightning_parallel.techniques.contract.TimeLedger` per pipeline rank in the list's order):
-   in backward, the forward of each recomputed unit once more; with tensor parallelism the all-reduces
-   of each split block; with offloaded activations, their copy to the host in forward and back in
-   backward.
+   in backward, the forward of each recomputed unit once more; with tensor parallelism each split block
+   as it measured in place (or the all-reduces of each split block); FSDP2's hooks on each unit (measured
+   in place); with offloaded activations, their copy to the host in forward and back in backward. Each
+   forward or backward also pays the runtime's bookkeeping (the links' ``StepOverhead.per_action``).
 2. **The schedule, simulated**: each pipeline rank runs its actions in torch's own order
    (:func:`~lightning_parallel.memory.schedule.rank_actions`), an action starting when its rank is free
    and its input has arrived (the previous stage's forward, or the next stage's backward, plus the
@@ -23,8 +24,12 @@ times from :mod:`~lightning_parallel.memory.time_probe`) and the links
    optimizer step (per element and per tensor, on the device unless a technique moved it). Every
    collective message pays the latency.
 
-The step time is the last rank's finish. What is not modelled: the Trainer's own per-batch work (the
-same for every plan), the overlap of communication with compute, other jobs on the machine.
+The step time is the last rank's finish, plus what every step pays whatever the plan (the links'
+:class:`~lightning_parallel.memory.links.StepOverhead`, measured on the job by a trivial stage run through
+the strategy's own step: per step and per batch). What is not modelled: Lightning's loop around the
+strategy's step (its hooks, callbacks and logger connector: about a millisecond a step here), the overlap
+of communication with compute (the links carry its measured slowdown, ``Links.overlapped``, for a
+technique that overlaps), other jobs on the machine.
 """
 
 from __future__ import annotations
@@ -185,7 +190,9 @@ class StepTime:
     ``bubble``: the idle share of the busiest rank's schedule; ``imbalance``: its compute over the mean
     rank's; ``communication``: seconds of collectives plus the transfers the busiest rank waited for;
     ``recompute``: recomputed forwards; ``offload``: host copies and the host step's extra over the
-    device's.
+    device's; ``overhead``: what every step pays whatever the plan computes (the links'
+    :class:`~lightning_parallel.memory.links.StepOverhead`, on the last rank: per step, per batch, per
+    action).
     """
 
     seconds: float
@@ -196,12 +203,14 @@ class StepTime:
     recompute: float
     offload: float
     optimizer: float
+    overhead: float = 0.0
 
     def describe(self) -> str:
+        overhead = f", overhead {self.overhead * 1e3:.1f} ms" if self.overhead else ""
         return (
             f"bubble {self.bubble:.0%}, imbalance {self.imbalance:.2f}, communication "
             f"{self.communication * 1e3:.1f} ms, recomputation {self.recompute * 1e3:.1f} ms, offload "
-            f"{self.offload * 1e3:.1f} ms"
+            f"{self.offload * 1e3:.1f} ms{overhead}"
         )
 
 
@@ -241,15 +250,17 @@ def step_time(
     stages = sorted((s for ledger in ledgers for s in _stage_times(ledger)), key=lambda s: s.index)
     actions = rank_actions(plan.schedule, p, plan.stages_per_rank, plan.num_microbatches)
     gathers = [ledger.start for ledger in ledgers]
+    overhead = links.overhead
     sim = simulate(
         actions,
-        lambda a: _duration(stages[a.stage], a.kind),
+        lambda a: _duration(stages[a.stage], a.kind) + overhead.per_action,
         lambda a: links.send(stages[a.stage - 1 if a.kind == "F" else a.stage].send),
         rank_of.__getitem__,
         gathers,
     )
     tails = [_tail(ledger) for ledger in ledgers]
-    ends = [accumulate * sim.finish[r] + tails[r][0] for r in range(p)]
+    fixed = overhead.per_step + accumulate * overhead.per_batch  # (every rank pays it at the step's end)
+    ends = [accumulate * sim.finish[r] + tails[r][0] + fixed for r in range(p)]
     last = max(range(p), key=lambda r: (ends[r], sim.busy[r]))
     busiest = max(range(p), key=lambda r: sim.busy[r])
     m = plan.num_microbatches * accumulate
@@ -264,6 +275,7 @@ def step_time(
         recompute=m * sum(s.share("recompute") for s in mine),
         offload=m * sum(s.share("offload") for s in mine) + tails[last][2],
         optimizer=tails[last][3],
+        overhead=fixed + accumulate * len(actions[last]) * overhead.per_action,
     )  # fmt: skip
 
 

@@ -1,8 +1,9 @@
 """Measure how long each pipeline unit's forward and backward take, and the optimizer step per element.
 
 The time model's counterpart of :mod:`~lightning_parallel.memory.probe`: the same units, the same step
-(``training_step``), timed on this machine at two micro-batch sizes so that each unit gets a straight
-line ``seconds = a + b x samples`` (the intercept is what a micro-batch costs whatever its size:
+(``training_step``), timed on this machine at two micro-batch sizes (under ``plan="auto"`` on every rank
+at once, as the steps will share the machine) so that each unit gets a straight line
+``seconds = a + b x samples`` (the intercept is what a micro-batch costs whatever its size:
 Python, kernel launches; the slope what each sample adds). Module hooks time each unit's forward
 (outermost calls only) and backward; what runs between units (a residual add, the loss) is charged
 to the unit before it, or before the first one (:data:`~lightning_parallel.memory.probe.BEFORE`), as
@@ -32,6 +33,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_parallel.memory.probe import BEFORE, StepFn, _autocast, default_step
 from lightning_parallel.memory.units import UnitLayout
+from lightning_parallel.techniques.contract import UnitSample
 from lightning_parallel.techniques.offload.host_optimizer import host_kernel
 
 AFTER = "<after>"  # suffix: time spent outside any unit after this one returned (a residual add, the loss)
@@ -91,6 +93,8 @@ class TimeFacts:
     step: StepCost  # the optimizer step on the device
     host_step: StepCost  # the same step on the host (offload)
     device: str = "cpu"
+    samples: list[UnitSample] = field(default_factory=list)  # a block and the smallest unit, with inputs
+    measured: dict[str, Any] = field(default_factory=dict)  # by technique name: its in-place measurement
 
     def unit(self, name: str) -> UnitTime:
         """``name``'s time with what runs after it outside any unit (the residual add, the loss)."""
@@ -107,12 +111,16 @@ def measure_times(
     step: StepFn = default_step,
     repeats: int = 3,
     autocast_dtype: torch.dtype | None = None,
+    sync: Callable[[], None] | None = None,
 ) -> TimeFacts:
     """Time ``step`` and its backward on the first ``n`` samples of ``batch`` for each ``n`` in ``sizes``.
 
     Runs where the module is (the model is left as it was: gradients, buffers, RNG); each size is
-    warmed up once, then the fastest of ``repeats`` runs is kept per unit (other work on the machine
-    only ever adds time), and units of the same structure (a model's blocks) share their mean.
+    warmed up once, then the median of ``repeats`` runs is kept per unit (``plan="auto"`` times on every
+    rank at once, ``sync`` lining them up before each run, so the runs share the machine as the steps
+    will: the typical run is what a step sees), and units of the same structure (a model's blocks) share
+    their mean. The warm-up records the inputs of a block and of the smallest unit with parameters
+    (``TimeFacts.samples``: what the techniques time in place, :class:`TimeBench`).
 
     Raises:
         ValueError: the module rejects the batch, or the batch has fewer samples than ``max(sizes)``.
@@ -128,11 +136,18 @@ def measure_times(
             f"the batch has {have} samples, the time probe needs {max(sizes)}: pass a larger one"
         )
     runs: list[dict[str, tuple[float, float]]] = []
+    samples = _sampled_units(layout)
     for n in sizes:
         inputs = _slice(batch, n, device)
         with _autocast(device, autocast_dtype):
-            timings = [_timed_run(module, layout, inputs, step, device) for _ in range(repeats + 1)][1:]
-        runs.append({k: _fastest([t[k] for t in timings if k in t]) for k in timings[0]})
+            with _recording(samples, n):
+                _timed_run(module, layout, inputs, step, device)  # (the warm-up)
+            timings = []
+            for _ in range(repeats):
+                if sync is not None:
+                    sync()
+                timings.append(_timed_run(module, layout, inputs, step, device))
+        runs.append({k: _typical([t[k] for t in timings if k in t]) for k in timings[0]})
     runs = [_alike_averaged(r, layout) for r in runs]
     units = {
         name: UnitTime(_line(sizes, [r.get(name, (0, 0))[0] for r in runs]),
@@ -141,7 +156,52 @@ def measure_times(
     }  # fmt: skip
     cost = optimizer_step_cost(optimizers or [], device)
     host = optimizer_step_cost(optimizers or [], torch.device("cpu"), on_host=True)
-    return TimeFacts(units, tuple(sizes), cost, host, device.type)
+    return TimeFacts(units, tuple(sizes), cost, host, device.type, [s for s in samples if s.inputs])
+
+
+def _sampled_units(layout: UnitLayout) -> list[UnitSample]:
+    """The units the techniques time in place: a block (of the structure most units share), then the
+    smallest unit with parameters (when it is another)."""
+    groups: dict[tuple, list[Any]] = {}
+    for u in layout.units:
+        shapes = tuple(tuple(p.shape) for p in u.module.parameters())
+        if shapes:
+            groups.setdefault((type(u.module), shapes), []).append(u)
+    if not groups:
+        return []
+    block = max(groups.values(), key=len)[0]
+    with_params = [u for g in groups.values() for u in g]
+    small = min(with_params, key=lambda u: sum(p.numel() * p.element_size() for p in u.module.parameters()))
+    chosen = [block] + ([small] if small is not block else [])
+    return [UnitSample(u.name, u.module, {}) for u in chosen]
+
+
+@contextlib.contextmanager
+def _recording(samples: list[UnitSample], size: int) -> Iterator[None]:
+    """Keep each sampled unit's first call's inputs at ``size`` samples (detached copies)."""
+
+    def keep(sample: UnitSample) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            if size not in sample.inputs:
+                sample.inputs[size] = (_detached(args), _detached(kwargs))
+
+        return hook
+
+    handles = [s.module.register_forward_pre_hook(keep(s), with_kwargs=True) for s in samples]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _detached(tree: Any) -> Any:
+    def one(t: Any) -> Any:
+        if not torch.is_tensor(t):
+            return t
+        return t.detach().clone().requires_grad_(t.requires_grad and t.is_floating_point())
+
+    return tree_map(one, tree)
 
 
 class _Clock:
@@ -345,8 +405,8 @@ def _preserved(module: nn.Module) -> Iterator[None]:
                     b.copy_(buffers[n])
 
 
-def _fastest(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    return min(p[0] for p in pairs), min(p[1] for p in pairs)
+def _typical(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 def _alike_averaged(

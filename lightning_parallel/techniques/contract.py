@@ -7,8 +7,9 @@ values, its refusals, its label), the planner's search (the variants it tries), 
 environment, what it reads on the unsplit module, the stages, the optimizers, a context around each
 step, the gradient reductions of the optimizer step) and the planner (what one micro-batch costs a
 stage, a rank's memory, a step's time: :class:`CostLedger`, :class:`MemoryLedger`,
-:class:`TimeLedger`). Each member's default leaves everything as it is, so a technique writes only what
-it does. No registry, no lookup by name: the tuple is read top to bottom.
+:class:`TimeLedger`; what its time needs measured on the job: :class:`TimeBench`). Each member's
+default leaves everything as it is, so a technique writes only what it does. No registry, no lookup by
+name: the tuple is read top to bottom.
 
 A technique reads the plan duck-typed (any of its fields: FSDP2 reads ``plan.offload`` to keep its
 shards on the host), never imports another technique, ``plan/``, ``sources/``, ``strategies/`` or
@@ -19,6 +20,8 @@ sources) and the unsplit module as an ``UnsplitModel``, never asking which sourc
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from lightning_parallel.pipeline.stage_source import UnsplitModel
 
@@ -255,6 +259,111 @@ class MemoryLedger:
         self.host[what] = self.host.get(what, 0) + nbytes
 
 
+@dataclass(frozen=True)
+class Line:
+    """A measured cost as a straight line, ``intercept + slope x``, never below zero (``x``: samples of a
+    micro-batch, or bytes of a unit's parameters). :meth:`through` fits it to measured points.
+
+    Example::
+
+        >>> round(Line.through([(2, 0.003), (8, 0.009)]).at(4), 6)
+        0.005
+    """
+
+    intercept: float = 0.0
+    slope: float = 0.0
+
+    def at(self, x: float) -> float:
+        return max(0.0, self.intercept + self.slope * x)
+
+    @classmethod
+    def through(cls, points: Iterable[tuple[float, float]]) -> Line:
+        """The line through the first and last of ``(x, seconds)`` points by ``x`` (one point, or a
+        falling pair: a constant, the larger of the two)."""
+        ordered = sorted(points)
+        (x0, y0), (x1, y1) = ordered[0], ordered[-1]
+        if x1 <= x0 or y1 < y0:
+            return cls(max(y0, y1))
+        slope = (y1 - y0) / (x1 - x0)
+        return cls(y0 - slope * x0, slope)
+
+
+@dataclass(frozen=True)
+class UnitSample:
+    """One unit of the model with the inputs it was called with at each micro-batch size the probe timed.
+
+    ``inputs[size]``: ``(args, kwargs)`` of the unit's call on ``size`` samples (tensors detached; those
+    that required a gradient still do). A technique times a copy (``copy.deepcopy(sample.module)``).
+    """
+
+    name: str
+    module: nn.Module
+    inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+
+@dataclass
+class TimeBench:
+    """What :meth:`Technique.measure` may time on the job, once, before the search: every rank of the job
+    calls every technique's ``measure`` with its own bench, at the same point and in the list's order, so
+    a technique may use collectives (every rank makes the same calls).
+
+    Args:
+        ranks: the job's ranks (the world).
+        device: the job's device.
+        layout: how the model's units are laid out (``UnitLayout.kind``: ``"sequential"``: the stages
+            call the modules; ``"blocks"``/``"whole"``: traced graphs, which run split weights on DTensors).
+        samples: the model's units to time, with their inputs: its block first (a unit of the structure
+            most units share), then its smallest unit with parameters.
+        sizes: the micro-batch sizes of ``inputs`` (the search's smallest and largest).
+        tensor_plans: per tensor-parallel size > 1 the model splits at, the plan the strategy would split it
+            with (``TensorPlan``: styles and head counts by module path).
+        repeats: timed repeats after a warm-up (the median is kept); small in tests.
+        sync: lines the ranks up before each timed call (a barrier).
+        mesh: ``mesh(shape, names)``: a ``DeviceMesh`` of the job's ranks (built once per shape, cached).
+        dtensor_rules: registers the sharding rules the traced stages' DTensor graphs rely on.
+
+    Example::
+
+        def measure(self, bench):
+            block = copy.deepcopy(bench.samples[0].module)
+            ...
+            return FsdpTimes(...)      # what ``time`` reads back: ``ledger.times.measured[self.name]``
+    """
+
+    ranks: int
+    device: torch.device
+    layout: str = ""
+    samples: list[UnitSample] = field(default_factory=list)
+    sizes: tuple[int, ...] = ()
+    tensor_plans: dict[int, Any] = field(default_factory=dict)
+    repeats: int = 3
+    sync: Callable[[], None] = lambda: None
+    mesh: Callable[..., Any] | None = None
+    dtensor_rules: Callable[[], None] = lambda: None
+
+    def inputs(self, sample: UnitSample, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``sample``'s recorded inputs at ``size`` samples, on the bench's device."""
+        return tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, sample.inputs[size])
+
+    def timed(self, fn: Callable[[], Any]) -> float:
+        """The median seconds of ``fn`` over ``repeats`` runs after a warm-up, the ranks lined up first."""
+        samples = []
+        for _ in range(self.repeats + 1):
+            self.sync()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            fn()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples[1:])
+
+
 TIME_SHARES = ("communication", "recompute", "offload")
 """What a stage's extra seconds are, as the step's time reports them (``StepTime``'s fields)."""
 
@@ -288,6 +397,8 @@ class TimeLedger:
         gradients: bytes of the rank's gradients; ``unreduced``: those no reduction has charged yet.
         step_elements, step_tensors: what the rank's optimizer step updates.
         tail: seconds after the schedule, by :data:`TIME_SHARES` entry, and ``"optimizer"``.
+        recomputed: the units whose forward runs again in backward (recomputation's): a technique that
+            changes a unit's forward after it (tensor parallelism's split blocks) charges the change twice.
 
     Example::
 
@@ -312,6 +423,7 @@ class TimeLedger:
     step_elements: float = 0.0
     step_tensors: float = 0.0
     tail: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_SHARES, 0.0))
+    recomputed: set[str] = field(default_factory=set)
 
     @property
     def times(self) -> Any:
@@ -410,6 +522,13 @@ class Technique:
     def memory(self, ledger: MemoryLedger) -> None:
         """Move one rank's bytes between the ledger's device, host and disk columns (before the walk of
         the schedule; see :class:`MemoryLedger` for the phases and the order)."""
+
+    def measure(self, bench: TimeBench) -> Any:
+        """Time on the job what its ``time`` needs measured in place (every rank calls it; collectives are
+        allowed); what it returns, ``time`` reads as ``ledger.times.measured[self.name]``. ``None``:
+        nothing measured (``time`` then models its effect from the links). An error on any rank leaves
+        the measurement out on every rank."""
+        return None
 
     def time(self, ledger: TimeLedger) -> None:
         """Add seconds to one rank's stages, start or tail (see :class:`TimeLedger`)."""

@@ -79,6 +79,7 @@ class Recompute(Technique):
         if not chosen:
             return
         times, mb = ledger.times, ledger.micro_batch
+        ledger.recomputed |= chosen
         for c in ledger.stages:
             again = sum(times.units[n].forward.at(mb) for n in c.units if n in chosen and n in times.units)
             ledger.backward[c.index] += again

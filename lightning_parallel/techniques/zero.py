@@ -75,14 +75,18 @@ class Zero(Technique):
         ledger.device["optimizer"] -= facts.state_of(ledger.keys) - memory(groups, dp)
 
     def time(self, ledger: TimeLedger) -> None:
-        """ZeroRedundancyOptimizer broadcasts each updated parameter from its owner; each replica steps a
-        share of the elements and tensors."""
+        """ZeroRedundancyOptimizer broadcasts each updated parameter from its owner (each on the links'
+        measured broadcast curve; given links: an all-gather of them all and every tensor's latency); each
+        replica steps a share of the elements and tensors."""
         dp, links = ledger.plan.data_parallel_size, ledger.links
         if ledger.plan.data_parallel != "zero1":
             return
         trainable = [ledger.facts.tensors[k] for k in ledger.keys if ledger.facts.tensors[k].grad]
         params, tensors = sum(t.nbytes for t in trainable), len(trainable)
-        ledger.tail["communication"] += links.all_gather(dp, params) + links.more_messages(dp, tensors)
+        if "broadcast" in links.curves:  # (torch's: one broadcast per parameter, from its owner)
+            ledger.tail["communication"] += sum(links.broadcast(dp, t.nbytes) for t in trainable)
+        else:
+            ledger.tail["communication"] += links.all_gather(dp, params) + links.more_messages(dp, tensors)
         ledger.step_elements, ledger.step_tensors = ledger.step_elements / dp, ledger.step_tensors / dp
 
 

@@ -8,14 +8,20 @@ Lightning glue around :mod:`lightning_parallel.memory` (the search, the memory a
    to the Trainer's callbacks unless one is there already (the same global batch, or an error): it
    computes the accumulation from the real per-replica batch and the chosen plan's replicas at train
    start, as it does for any plan given by hand. The device mesh waits for the plan.
-2. **At** ``setup``, before the split: every rank times the links of the job's own group (an all-reduce
-   and a send of two sizes) and its host copies; then global rank 0 alone measures the whole model on
-   the first training batch (as its dataloader yields it: one replica's batch), times its units,
-   searches, sizes and times every plan, and chooses the fastest that fits (with the safety margin);
+2. **At** ``setup``, before the split, on every rank: the links of the job's own group are timed (each
+   collective, a send and a host copy at several message sizes, and a collective beside compute), then
+   what every step pays whatever the plan (a trivial stage run by the strategy's own step,
+   :func:`~lightning_parallel.strategies.pipeline.trials.measure_overhead`); every rank measures the whole
+   model on the first training batch at once (its units timed as they will run, every rank busy), and
+   the techniques measure what their time needs in place (FSDP2 on a block, tensor parallelism on a
+   split block: :mod:`lightning_parallel.memory.in_place`). Then global rank 0 alone searches, sizes and
+   times every plan and chooses the fastest that fits (with the safety margin);
    :func:`~lightning_parallel.distributed.agree.decide_on` hands the choice, or the error ("nothing
-   fits", with what would), to every rank. The strategy then runs exactly
-   ``PipelineStrategy.from_plan(choice)``'s plan (with the options given beside ``plan="auto"`` that
-   the search leaves alone), and global rank 0 prints the choice and the next ones with their reasons.
+   fits", with what would), to every rank. With ``trials=k`` the ``k`` fastest predicted plans that fit
+   are run for a few steps each on the job's ranks (:mod:`~lightning_parallel.strategies.pipeline.trials`)
+   and the fastest measured is kept. The strategy then runs exactly ``PipelineStrategy.from_plan(choice)``'s
+   plan (with the options given beside ``plan="auto"`` that the search leaves alone), and global rank 0
+   prints the choice and the next ones with their reasons (and the trials, predicted beside measured).
 
 The measurement leaves the model, its buffers and the random state as they were, so an auto-planned
 run computes what the same plan given by hand computes.
@@ -30,15 +36,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_parallel._table import format_table
 from lightning_parallel.data.batch_samples import samples_in
-from lightning_parallel.distributed.agree import decide_on
-from lightning_parallel.distributed.link_timing import time_copy, time_group
+from lightning_parallel.distributed.agree import decide_on, distributed_ready, failing_together
+from lightning_parallel.distributed.link_timing import REPEATS, SIZES, time_copy, time_group
 from lightning_parallel.layout.mesh import PipelineMesh, build_mesh
 from lightning_parallel.memory.advice import choose
+from lightning_parallel.memory.in_place import measure_in_place
 from lightning_parallel.memory.links import Links, given_links, links_from
-from lightning_parallel.memory.optimizer import optimizers_from
 from lightning_parallel.memory.planner import (
     MARGIN,
     Budget,
@@ -54,7 +62,14 @@ from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
-from lightning_parallel.techniques import environment
+from lightning_parallel.strategies.pipeline.trials import (
+    Meshes,
+    Trial,
+    host_tensors,
+    measure_overhead,
+    optimizers_without_trainer,
+    run_trials,
+)
 
 AUTO = "auto"
 SEARCHED = SEARCHED_FIELDS
@@ -73,7 +88,11 @@ AUTO_ARGUMENT_DOCS = """\
             this machine's RAM).
         global_batch_size: samples per optimizer step for ``plan="auto"``; a
             ``GradientAccumulationScheduler(global_batch_size=...)`` makes it up from the dataloader's
-            batch and the chosen plan's replicas (default: no accumulation, plans compared per sample)."""
+            batch and the chosen plan's replicas (default: no accumulation, plans compared per sample).
+        trials: for ``plan="auto"``, run the ``trials`` fastest predicted plans that fit for a few steps
+            each on the job's ranks (each built on a copy of the model as the strategy builds its plan)
+            and keep the fastest measured; rank 0 prints predicted and measured side by side (default:
+            off, the fastest predicted is kept; an int >= 2 turns it on)."""
 
 
 @dataclass(frozen=True)
@@ -85,10 +104,60 @@ class AutoRequest:
     global_batch_size: int | None = None
     margin: float = MARGIN
     kept: Mapping[str, Any] = field(default_factory=dict)
+    trials: int = 1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """How much ``plan="auto"`` measures on the job before it chooses (what the tests make tiny).
+
+    Args:
+        link_sizes, link_repeats: the message sizes (bytes) each collective is timed at, and the
+            repeats of each (the median kept).
+        repeats: the timed runs of each unit and of each in-place measurement.
+        overhead_steps: (warm-up, timed) steps of each trivial-stage run that measures what every step
+            pays; ``(0, 0)``: not measured.
+        trial_steps: (warm-up, timed) optimizer steps of each plan ``trials`` runs.
+
+    Example::
+
+        autoplan.MEASURE = autoplan.Measurement(link_sizes=(1024, 65536), link_repeats=1, repeats=1,
+                                                overhead_steps=(1, 1), trial_steps=(1, 1))   # a test's
+    """
+
+    link_sizes: tuple[int, ...] = SIZES
+    link_repeats: int = REPEATS
+    repeats: int = 3
+    overhead_steps: tuple[int, int] = (2, 5)
+    trial_steps: tuple[int, int] = (2, 5)
+
+
+MEASURE = Measurement()
+"""What the job measures (this process's; a test replaces it in its ranks)."""
+
+
+@dataclass(frozen=True)
+class AutoPlanned:
+    """What ``plan="auto"`` weighed, on global rank 0 (``strategy.planned``; ``None`` on the other ranks):
+    every plan sized and timed (fastest first), the budget, the links, the trials (predicted beside
+    measured; empty without ``trials``), what the techniques measured in place.
+
+    Example::
+
+        planned = trainer.strategy.planned
+        if planned is not None:
+            print([(c.plan.label(), c.seconds) for c in planned.candidates[:3]])
+    """
+
+    candidates: list[Candidate]
+    budget: Budget
+    links: Links
+    trials: list[Trial] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the techniques measured in place, or why not
 
 
 def auto_request(
-    plan: Any, memory: Any, host_memory: Any, global_batch_size: Any, given: ParallelPlan
+    plan: Any, memory: Any, host_memory: Any, global_batch_size: Any, given: ParallelPlan, trials: Any = None
 ) -> AutoRequest | None:
     """Check ``plan="auto"``'s arguments (``None`` without it); ``given``: the plan of the other options.
 
@@ -103,7 +172,8 @@ def auto_request(
     """
     default = ParallelPlan()
     options = {k: getattr(given, k) for k in PLAN_OPTIONS if getattr(given, k) != getattr(default, k)}
-    extras = {"memory": memory, "host_memory": host_memory, "global_batch_size": global_batch_size}
+    extras = {"memory": memory, "host_memory": host_memory, "global_batch_size": global_batch_size,
+              "trials": trials}  # fmt: skip
     if plan is None:
         given = [k for k, v in extras.items() if v is not None]
         if given:
@@ -123,10 +193,13 @@ def auto_request(
         )
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
         raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
-    sizes = {
-        k: parse_bytes(v) if v is not None else None for k, v in extras.items() if k != "global_batch_size"
-    }
-    return AutoRequest(sizes["memory"], sizes["host_memory"], global_batch_size, kept=dict(options))
+    if trials is not None and (not isinstance(trials, int) or isinstance(trials, bool) or trials < 1):
+        raise ValueError(
+            f"trials must be the number of predicted plans to run (an int >= 2; 1: none), got {trials!r}"
+        )
+    sizes = {k: parse_bytes(extras[k]) if extras[k] is not None else None for k in ("memory", "host_memory")}
+    return AutoRequest(sizes["memory"], sizes["host_memory"], global_batch_size, kept=dict(options),
+                       trials=trials or 1)  # fmt: skip
 
 
 def environment_mesh(strategy: Any) -> PipelineMesh | None:
@@ -175,82 +248,153 @@ def device_memory(device: torch.device) -> int:
 
 
 def decide(strategy: Any, trainer: pl.Trainer) -> None:
-    """At ``setup``, on every rank: the plan chosen on rank 0 becomes ``strategy.parallel_plan``; the mesh."""
+    """At ``setup``, on every rank: the plan chosen on rank 0 (or measured fastest of the trials) becomes
+    ``strategy.parallel_plan``; its mesh."""
     request: AutoRequest = strategy._auto
-    links = job_links(strategy.root_device)
+    device, settings = strategy.root_device, MEASURE
+    meshes = Meshes(device.type)
     budget = Budget(
-        request.memory or device_memory(strategy.root_device),
+        request.memory or device_memory(device),
         request.host_memory or host_memory(),
         trainer.num_devices,
         request.margin,
     )
-    with torch.random.fork_rng(devices=_rng_devices(strategy.root_device)):
-        plan, report = decide_on(0, lambda: _choose(strategy, trainer, budget, links, request))
-    rank_zero_info(report)
+    planned: list[AutoPlanned] = []  # (rank 0's)
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        links = job_links(trainer, meshes, settings)
+        facts, search, notes = _measured_everywhere(strategy, trainer, request, budget, settings)
+        chosen = decide_on(0, lambda: _choose(facts, search, budget, links, request, notes, planned))
+        plan, report, top = chosen
+        rank_zero_info(report)
+        if len(top) > 1:
+            batch = strategy.batch_to_device(first_batch(trainer))
+            tried = run_trials(trainer, strategy.lightning_module, top, batch, meshes, settings.trial_steps)
+            plan, report = decide_on(0, lambda: _best_measured(tried, plan))
+            rank_zero_info(report)
+            planned = [replace(p, trials=tried) for p in planned]
+    strategy.planned = planned[0] if planned else None
     strategy.parallel_plan = plan.for_devices(strategy.world_size)  # label() and code() work in a hook
-    strategy._mesh = job_mesh(strategy)
+    strategy._mesh = meshes.of(strategy.layout, host_tensors(strategy.parallel_plan, device))
 
 
 def job_mesh(strategy: Any) -> PipelineMesh:
     """The device mesh of the strategy's plan, every role's group (a collective); its groups take host
     tensors where the plan's techniques bring them to collectives (``Environment.host_backend``)."""
-    host_tensors = environment(strategy.parallel_plan, strategy.root_device).host_backend is not None
-    return build_mesh(strategy.root_device.type, strategy.layout, host_tensors)
+    host = host_tensors(strategy.parallel_plan, strategy.root_device)
+    return build_mesh(strategy.root_device.type, strategy.layout, host)
 
 
-def job_links(device: torch.device) -> Links:
-    """The links of the job's own group (every rank calls it), or free ones for a job of one rank."""
-    timings = time_group()
-    copy = time_copy(1 << 24, device)
+def job_links(trainer: pl.Trainer, meshes: Meshes, settings: Measurement = MEASURE) -> Links:
+    """The links of the job's own group (every rank calls it: each collective timed at several sizes), or
+    free ones for a job of one rank; with what every step pays, measured on a trivial stage."""
+    device = trainer.strategy.root_device
+    timings = time_group(sizes=settings.link_sizes, repeats=settings.link_repeats, device=device)
     if timings is None:
-        return given_links(bandwidth=1e12, host_bandwidth=(1 << 24) / max(copy, 1e-9), source="one rank")
-    return links_from(timings, copy, 1 << 24)
+        copy = time_copy(1 << 24, device)
+        links = given_links(bandwidth=1e12, host_bandwidth=(1 << 24) / max(copy, 1e-9), source="one rank")
+    else:
+        links = links_from(timings)
+    if settings.overhead_steps[1] < 1:
+        return links
+    return replace(links, overhead=measure_overhead(trainer, links, meshes, settings.overhead_steps))
+
+
+def _measured_everywhere(
+    strategy: Any, trainer: pl.Trainer, request: AutoRequest, budget: Budget, settings: Measurement
+) -> tuple[dict[int, Any], Search, list[str]]:
+    """On every rank at once (the ranks share the machine as the steps will): the model measured on the
+    first training batch, then the techniques' measurements in place; an error on any rank is every
+    rank's."""
+    module = strategy.lightning_module
+    with failing_together():
+        batch = strategy.batch_to_device(first_batch(trainer))
+        samples = samples_in(batch) or 1
+        search = Search(
+            strategy.world_size, request.global_batch_size, samples, trainer.precision,
+            tensor_parallel_sizes=_tensor_parallel_sizes(strategy.world_size), offload=True,
+            ranks_per_node=trainer.num_devices, offload_parameters=strategy.root_device.type == "cpu",
+        )  # fmt: skip
+        with LogRecorder().recording(module, samples), _on_device(module, strategy.root_device, budget):
+            facts = _measured(module, batch, search, optimizers_without_trainer(module), settings.repeats)
+    search = replace(search, tensor_parallel_sizes=tuple(facts))
+    notes = measure_in_place(module, facts, strategy.root_device, settings.repeats)
+    return facts, search, notes
 
 
 def _choose(
-    strategy: Any, trainer: pl.Trainer, budget: Budget, links: Links, request: AutoRequest
-) -> tuple[ParallelPlan, str]:
-    module = strategy.lightning_module
-    batch = strategy.batch_to_device(first_batch(trainer))
-    samples = samples_in(batch) or 1
-    search = Search(
-        strategy.world_size, request.global_batch_size, samples, trainer.precision,
-        tensor_parallel_sizes=_tensor_parallel_sizes(strategy.world_size), offload=True,
-        ranks_per_node=trainer.num_devices, offload_parameters=strategy.root_device.type == "cpu",
-    )  # fmt: skip
-    with LogRecorder().recording(module, samples), _on_device(module, strategy.root_device, budget):
-        facts = _measured(module, batch, search, _optimizers(module))
-    search = replace(search, tensor_parallel_sizes=tuple(facts))
+    facts: dict[int, Any],
+    search: Search,
+    budget: Budget,
+    links: Links,
+    request: AutoRequest,
+    notes: list[str],
+    planned: list[AutoPlanned],
+) -> tuple[ParallelPlan, str, list[Trial]]:
+    """On rank 0: every plan sized and timed (kept in ``planned``), the fastest that fits, the report; the
+    plans to try."""
     candidates = plan_search(facts, search, links)
+    planned.append(AutoPlanned(candidates, budget, links, notes=list(notes)))
     best = choose(facts, search, budget, links, candidates)
-    plan = ParallelPlan("pipeline", **(best.plan.strategy_arguments() | dict(request.kept)))
-    return plan, _report(candidates, best, budget, search, links)
+    plan = _with_kept(best.plan, request)
+    top = []
+    if request.trials > 1:
+        fits = [c for c in candidates if budget.fits(c)][: request.trials]
+        top = [Trial(_trial_plan(c, request, search.devices), c.seconds, c.samples) for c in fits]
+    return plan, _report(candidates, best, budget, search, links, notes), top
 
 
-def _measured(module: Any, batch: Any, search: Search, optimizers: list[Any]) -> dict[int, Any]:
-    """The facts at each tensor-parallel size the model can be split at (a size it refuses is skipped)."""
+def _with_kept(plan: ParallelPlan, request: AutoRequest) -> ParallelPlan:
+    """The strategy's plan: the search's choice with the options given beside ``plan="auto"``."""
+    return ParallelPlan("pipeline", **(plan.strategy_arguments() | dict(request.kept)))
+
+
+def _trial_plan(c: Candidate, request: AutoRequest, devices: int) -> ParallelPlan:
+    """What a trial runs: the strategy's plan on the job's devices, accumulating as the candidate does."""
+    plan = _with_kept(c.plan, request).for_devices(devices)
+    return replace(plan, accumulate_grad_batches=c.accumulate)
+
+
+def _best_measured(tried: list[Trial], predicted: ParallelPlan) -> tuple[ParallelPlan, str]:
+    """On rank 0: the trial with the least measured time per sample (none ran: the predicted choice)."""
+    ran = [t for t in tried if t.measured is not None]
+    best = min(ran, key=lambda t: t.per_sample) if ran else None
+    rows = [
+        [t.plan.label(), f"{t.predicted * 1e3:.1f} ms",
+         f"{t.measured * 1e3:.1f} ms" if t.measured is not None else f"failed: {t.error}",
+         f"{t.measured / t.predicted:.2f}" if t.measured is not None and t.predicted > 0 else "-",
+         "<- chosen" if t is best else ""]
+        for t in tried
+    ]  # fmt: skip
+    table = format_table(["plan", "predicted step", "measured step", "measured / predicted", ""], rows)
+    warmup, timed = MEASURE.trial_steps
+    head = (f"PipelineStrategy(plan='auto', trials={len(tried)}): the fastest predicted plans that fit, each "
+            f"run {warmup} + {timed} steps on the job's ranks")  # fmt: skip
+    if best is None:
+        return predicted, f"{head}\n{table}\nno trial ran: the fastest predicted plan runs"
+    rank = tried.index(best) + 1
+    verdict = "the fastest predicted" if rank == 1 else f"ranked {rank} of {len(tried)} by prediction"
+    return best.plan, f"{head}\n{table}\nchosen: {best.plan.label()} (the fastest measured; {verdict})"
+
+
+def _measured(
+    module: Any, batch: Any, search: Search, optimizers: list[Any], repeats: int = 3
+) -> dict[int, Any]:
+    """The facts at each tensor-parallel size the model can be split at (a size it refuses is skipped),
+    the ranks lined up before each timed run."""
     out = {}
     for tp in search.tensor_parallel_sizes:
         try:
-            out |= measure_for(module, batch, replace(search, tensor_parallel_sizes=(tp,)), optimizers)
+            out |= measure_for(module, batch, replace(search, tensor_parallel_sizes=(tp,)), optimizers,
+                               sync=_barrier, repeats=repeats)  # fmt: skip
         except ValueError:
             if tp == 1:
                 raise
     return out
 
 
-def _optimizers(module: Any) -> list[Any]:
-    """The module's optimizers, built without its Trainer (``configure_optimizers`` reading the Trainer,
-    e.g. ``estimated_stepping_batches``, would set up the data before the plan decides the replicas):
-    AdamW's state and step stand in when it needs the Trainer."""
-    trainer, module._trainer = module._trainer, None
-    try:
-        found = module.configure_optimizers()
-    except Exception:
-        found = None
-    finally:
-        module._trainer = trainer
-    return optimizers_from(found) or [torch.optim.AdamW(module.parameters())]
+def _barrier() -> None:
+    if distributed_ready():
+        dist.barrier()
 
 
 @contextlib.contextmanager
@@ -283,11 +427,17 @@ def _rng_devices(device: torch.device) -> list[Any]:
 
 
 def _report(
-    candidates: list[Candidate], best: Candidate, budget: Budget, search: Search, links: Links
+    candidates: list[Candidate],
+    best: Candidate,
+    budget: Budget,
+    search: Search,
+    links: Links,
+    notes: list[str] = (),  # type: ignore[assignment]
 ) -> str:
     shown = candidates[:8] if best in candidates[:8] else [*candidates[:7], best]
+    measured = f"; {', '.join(notes)}" if notes else ""
     return (
         f"PipelineStrategy(plan='auto'): {len(candidates)} plans on {search.devices} devices, budget "
-        f"{budget.describe()}; {links.describe()}\n{format_plan(shown, budget)}\n"
+        f"{budget.describe()}; {links.describe()}{measured}\n{format_plan(shown, budget)}\n"
         f"{format_choice(candidates, budget)}"
     )

@@ -22,7 +22,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.distributed.agree import failing_together
 from lightning_parallel.grads.sync import GradientSync
-from lightning_parallel.strategies.pipeline import autoplan
 from lightning_parallel.strategies.pipeline.build import PipelineParts, build_pipeline, source_for
 from lightning_parallel.strategies.pipeline.call_input import TrainerInput
 from lightning_parallel.strategies.pipeline.precision import install_global_clipping, install_loss_scaling
@@ -36,7 +35,7 @@ from lightning_parallel.techniques import (
     transform_stages,
 )
 from lightning_parallel.techniques.compile import CompileWatch
-from lightning_parallel.techniques.contract import Environment, Job
+from lightning_parallel.techniques.contract import Environment, Job, StepPhase
 
 
 def environment_of(strategy: Any) -> Environment:
@@ -49,25 +48,44 @@ def split(strategy: Any, trainer: pl.Trainer, fitting: bool) -> tuple[PipelinePa
 
     Every rank calls it (it is collective); an error on one rank is raised on every rank.
     """
-    if strategy._auto is not None:  # plan="auto": the plan chosen on rank 0, applied on every rank; the mesh
-        autoplan.decide(strategy, trainer)
     module, plan = strategy.lightning_module, strategy.parallel_plan
     refuse_compiled_module(module)  # (every rank holds the same module)
     if fitting:
         summarize_before_split(trainer, module, strategy)  # the whole model's table
-    source = source_for(module, plan)
-    with failing_together():
-        read = before_split(plan, source.unsplit(module))  # (the techniques' reading and refusals)
-    mesh = strategy._mesh
-    strategy._batch_transform = batch_transform(
-        plan, mesh, module
-    )  # (every batch the steps get, and the first)
-    inputs = TrainerInput(trainer, module, strategy._batch_transform)
-    parts = build_pipeline(
-        source, plan, inputs, module, mesh, strategy.root_device, rank_zero_warn, strategy._item_count
+    strategy._batch_transform = batch_transform(plan, strategy._mesh, module)  # (every batch, the first)
+    parts, read = split_module(
+        trainer,
+        module,
+        plan,
+        strategy._mesh,
+        strategy.root_device,
+        strategy._item_count,
+        rank_zero_warn,
+        strategy._batch_transform,
     )
     rank_zero_info(f"PipelineStrategy stage plan ({plan.schedule}):\n{parts.plan.format_table()}")
     return parts, read
+
+
+def split_module(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    plan: Any,
+    mesh: Any,
+    device: Any,
+    count: Any = None,
+    warn: Any = rank_zero_warn,
+    transform: Any = None,
+) -> tuple[PipelineParts, dict[str, Any]]:
+    """Split ``module`` with ``plan`` on ``mesh`` (every rank calls it): this rank's pipeline, and what the
+    techniques read on the unsplit module (by technique). What :func:`split` and ``plan="auto"``'s trials
+    (each candidate on a copy of the module) share; ``transform``: the techniques' batch transform (a
+    sequence's shard), applied to the batch the split traces."""
+    source = source_for(module, plan)
+    with failing_together():
+        read = before_split(plan, source.unsplit(module))  # (the techniques' reading and refusals)
+    inputs = TrainerInput(trainer, module, transform)
+    return build_pipeline(source, plan, inputs, module, mesh, device, warn, count), read
 
 
 def parallelize(
@@ -76,26 +94,53 @@ def parallelize(
     """After the split: the techniques on this rank's stages, in the list's order; the pipeline after them,
     the job they saw, the optimizer step's gradient sync, and the watch on torch.compile (when the stages
     are compiled)."""
-    plan, module, mesh = strategy.parallel_plan, strategy.lightning_module, parts.mesh
-    stages = parts.runner.stages
+    parts, job, sync = apply_techniques(strategy.parallel_plan, strategy.lightning_module,
+                                        strategy.root_device, parts, read,
+                                        phase=strategy.step_state.phase)  # fmt: skip
+    watch = None
+    if job.plan.compiled:  # (its time is the strategy's compile_seconds, around every kind of step)
+        watch = CompileWatch(rank_zero_warn, rank_zero_info)
+        watch.start()
+    return parts, job, sync, watch
+
+
+def apply_techniques(
+    plan: Any, module: pl.LightningModule, device: Any, parts: PipelineParts, read: dict[str, Any],
+    log: bool = True, phase: StepPhase | None = None,
+) -> tuple[PipelineParts, Job, GradientSync]:  # fmt: skip
+    """The techniques on this rank's stages of ``module``, in the list's order; the pipeline after them,
+    the job they saw and the optimizer step's gradient sync (``log``: rank 0 prints their notes; a
+    trial's are not printed; ``phase``: the strategy's, which its training steps set: a trial's, never
+    set, reduces its gradients at the sync, not overlapped)."""
+    mesh, stages = parts.mesh, parts.runner.stages
+    info, warn = (rank_zero_info, rank_zero_warn) if log else (_quiet, _quiet)
     tied = tuple(p.name for p in parts.shared.shared)
-    job = Job(plan, mesh, strategy.root_device, stages, module, parts.plan, read, warn=rank_zero_warn,
-              info=rank_zero_info, phase=strategy.step_state.phase, tied=tied)  # fmt: skip
+    job = Job(plan, mesh, device, stages, module, parts.plan, read, warn=warn, info=info,
+              phase=phase if phase is not None else StepPhase(), tied=tied)  # fmt: skip
     before = dict(module.named_parameters())
     notes = transform_stages(job)
     after = dict(module.named_parameters())
     replaced = {id(p): after[n] for n, p in before.items() if after.get(n, p) is not p}
     parts = parts.parallelized([m for m in stages.modules if isinstance(m, FSDPModule)], replaced)
     for note in notes:
-        rank_zero_info(f"PipelineStrategy: {note}")
+        info(f"PipelineStrategy: {note}")
     parts.runner.use_step_contexts([c for t in TECHNIQUES if (c := t.step_context(job)) is not None])
-    watch = None
-    if plan.compiled:  # (its time is the strategy's compile_seconds, around every kind of step)
-        watch = CompileWatch(rank_zero_warn, rank_zero_info)
-        watch.start()
     window = parts.items.window if parts.items is not None else None
     reductions = [r for t in TECHNIQUES for r in t.reductions(job)]
-    return parts, job, GradientSync(module, parts.shared, reductions, mesh.size("gradients"), window), watch
+    return parts, job, GradientSync(module, parts.shared, reductions, mesh.size("gradients"), window)
+
+
+def transformed_optimizers(optimizers: list[Any], job: Job) -> list[Any]:
+    """``optimizers`` through each technique in the list's order (sharded, their state and step on the
+    host, ...); an error is every rank's, before training."""
+    with failing_together():
+        for technique in TECHNIQUES:
+            optimizers = technique.optimizers(optimizers, job)
+    return optimizers
+
+
+def _quiet(message: str) -> None:
+    """A trial's logging: nothing (the trials' own table says what ran)."""
 
 
 def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts, job: Job) -> None:
@@ -105,11 +150,7 @@ def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts,
     strategy.setup_optimizers(trainer)
     _optimizers_to_device(strategy.optimizers, strategy.root_device)  # (fresh: their state is empty)
     job = replace(job, schedulers=tuple(config.scheduler for config in strategy.lr_scheduler_configs))
-    optimizers = list(strategy.optimizers)
-    with failing_together():  # (an error is every rank's, before training)
-        for technique in TECHNIQUES:
-            optimizers = technique.optimizers(optimizers, job)
-    strategy.optimizers = optimizers
+    strategy.optimizers = transformed_optimizers(list(strategy.optimizers), job)
     install_global_clipping(strategy.precision_plugin, parts.mesh.pp_group, parts.shared)
     install_loss_scaling(strategy.precision_plugin, strategy.optimizers)  # 16-mixed: one skip decision
 

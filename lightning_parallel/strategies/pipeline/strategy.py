@@ -153,6 +153,7 @@ class PipelineStrategy(
         memory: str | int | None = None,
         host_memory: str | int | None = None,
         global_batch_size: int | None = None,
+        trials: int | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         stop_grace_period: float | timedelta = DEFAULT_GRACE,
         timeout: timedelta | None = default_pg_timeout,
@@ -179,7 +180,9 @@ class PipelineStrategy(
         self.parallel_plan = plan_from_options(
             {name: arguments[name] for name in (*PLAN_OPTIONS, *OLDER_NAMES)}
         )
-        self._auto = autoplan.auto_request(plan, memory, host_memory, global_batch_size, self.parallel_plan)
+        self._auto = autoplan.auto_request(
+            plan, memory, host_memory, global_batch_size, self.parallel_plan, trials
+        )
         self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
         self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
         self._stop_agreement = StopAgreement()
@@ -191,6 +194,7 @@ class PipelineStrategy(
         self._sync: GradientSync | None = None  # the optimizer step's gradient synchronisation
         self._job: Job | None = None  # this rank's job as the techniques saw it at set-up
         self._batch_transform: Callable[[Any], Any] | None = None  # the techniques' (a sequence's shard)
+        self.planned: autoplan.AutoPlanned | None = None  # plan="auto": what rank 0 weighed (at setup)
 
     # ----------------------------------------------------------------------------------- layout
     @classmethod
@@ -290,6 +294,8 @@ class PipelineStrategy(
             check_fit_supported(trainer)
         first = self.parts is None
         if first:
+            if self._auto is not None:  # plan="auto": chosen on rank 0, applied on every rank; the mesh
+                autoplan.decide(self, trainer)
             self.parts, read = pipeline_setup.split(self, trainer, fitting)
             self._register_release()
         self.precision_plugin.convert_module(self.model)

@@ -1,19 +1,28 @@
 """Tensor parallelism as a technique (``tensor_parallel_size``, ``tensor_parallel_plan``): its settings
 checked, its label, its transform of this rank's stages (the plan resolved on the unsplit module, carried
 out on each stage module by ``apply.py``, or on each traced stage's graph by ``traced.py``), for traced
-stages its context around each step, and its time in the planner (the activation all-reduces). Its
-memory in the planner is the measurement's: the planner measures one tensor-parallel rank's local model
-(``memory.py``), whose bytes are the rank's."""
+stages its context around each step, and its time in the planner (one split block measured in place on
+the job, or the activation all-reduces). Its memory in the planner is the measurement's: the planner
+measures one tensor-parallel rank's local model (``memory.py``), whose bytes are the rank's."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnsplitModel
-from lightning_parallel.techniques.contract import Job, Technique, TimeLedger
+from lightning_parallel.techniques.contract import Job, Line, Technique, TimeBench, TimeLedger, UnitSample
 from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
 from lightning_parallel.techniques.tensor_parallel.plan import (
     TensorPlan,
@@ -77,13 +86,43 @@ class TensorParallel(Technique):
         # own modules' hooks, which make the DTensors they need).
         return TensorParallelStep() if self.name in job.before_split and job.stages.graphs else None
 
+    def measure(self, bench: TimeBench) -> TensorParallelTimes | None:
+        """One block split over each tensor-parallel size's ranks, run as its stage runs it
+        (:func:`measure_block`): what the local model's time leaves out (DTensor's dispatch, all-reduces)."""
+        if bench.ranks < 2 or bench.mesh is None or not bench.samples or not bench.tensor_plans:
+            return None
+        blocks = {}
+        for tp, plan in sorted(bench.tensor_plans.items()):
+            if tp > 1 and bench.ranks % tp == 0:
+                mesh = bench.mesh((bench.ranks // tp, tp), ("rest", "tp"))["tp"]
+                blocks[tp] = measure_block(bench.samples[0], plan, mesh, bench)
+        return TensorParallelTimes(blocks) if blocks else None
+
     def time(self, ledger: TimeLedger) -> None:
-        """The all-reduces of each split block: one per row-wise split layer in forward, as many in
-        backward, each of the unit's output (activation-sized), over the tensor-parallel ranks."""
+        """Measured in place (:class:`TensorParallelTimes`, ``plan="auto"``): each split unit (a block) costs
+        what the real split block measured per micro-batch, forward and backward, its all-reduces and
+        DTensor's dispatch included (the difference from the local model's unit charged as
+        communication; a recomputed block's forward again in backward). Else from the links: one
+        all-reduce per row-wise split layer in forward, as many
+        in backward, each of the unit's output (activation-sized), over the tensor-parallel ranks."""
         tp, facts, mb = ledger.plan.tensor_parallel_size, ledger.facts, ledger.micro_batch
         if tp == 1:
             return
+        measured = ledger.times.measured.get(self.name) if ledger.times is not None else None
+        block = measured.blocks.get(tp) if isinstance(measured, TensorParallelTimes) else None
         for c in ledger.stages:
+            if block is not None:
+                split = [n for n in c.units if facts.tp_reduces.get(n, 0)]
+                own = {n: ledger.times.units.get(n) or UnitTimes() for n in split}
+                more = {n: max(0.0, block.forward.at(mb) - u.forward.at(mb)) for n, u in own.items()}
+                forward = sum(more.values())
+                backward = sum(max(0.0, block.backward.at(mb) - u.backward.at(mb)) for u in own.values())
+                again = sum(more[n] for n in split if n in ledger.recomputed)  # (recomputed: on DTensors too)
+                ledger.forward[c.index] += forward
+                ledger.backward[c.index] += backward + again
+                ledger.share(c.index, "communication", forward + backward)
+                ledger.share(c.index, "recompute", again)
+                continue
             outputs = [facts.probe.unit(n).outputs.at(mb) for n in c.units]
             reduces = sum(facts.tp_reduces.get(n, 0) * ledger.links.all_reduce(tp, nbytes)
                           for n, nbytes in zip(c.units, outputs))  # fmt: skip
@@ -93,6 +132,99 @@ class TensorParallel(Technique):
 
 
 TECHNIQUE = TensorParallel()
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """A unit with no time of its own measured: nothing to take out of a split block's."""
+
+    forward: Line = field(default_factory=Line)
+    backward: Line = field(default_factory=Line)
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """A split block's seconds per micro-batch, forward and backward, as lines in its samples."""
+
+    forward: Line
+    backward: Line
+
+
+@dataclass(frozen=True)
+class TensorParallelTimes:
+    """Tensor parallelism measured in place: per tensor-parallel size, one split block's times.
+
+    Example::
+
+        times = TECHNIQUE.measure(bench)      # on every rank of the job
+        times.blocks[2].forward.at(8)         # seconds of a block's forward on 8 samples over 2 ranks
+    """
+
+    blocks: dict[int, BlockTimes] = field(default_factory=dict)
+
+
+def measure_block(sample: UnitSample, plan: Any, mesh: DeviceMesh, bench: TimeBench) -> BlockTimes:
+    """A copy of the block ``sample`` split with ``plan``'s styles over ``mesh``, timed forward and forward +
+    backward at each of the bench's sizes, as its stage runs it: a split Sequential's stage calls the
+    modules (their styles' hooks, local tensors between them, the local head counts); a traced stage's
+    graph runs every op on DTensors (its input a replicated DTensor, the styles' layouts kept between).
+
+    Raises:
+        ValueError: the plan splits nothing in the block.
+
+    Example::
+
+        measure_block(bench.samples[0], default_plan(model.layers, "layers", 2), mesh["tp"], bench)
+    """
+    name = sample.name
+    styles = {p[len(name) + 1 :]: s for p, s in plan.styles.items() if p.startswith(f"{name}.")}
+    if not styles:
+        raise ValueError(f"the tensor-parallel plan splits nothing in {name}")
+    block = copy.deepcopy(sample.module).to(bench.device)
+    on_dtensors = bench.layout != "sequential"
+    if on_dtensors:
+        bench.dtensor_rules()
+        styles = {p: _dtensor_output(s) for p, s in styles.items()}
+    parallelize_module(block, mesh, styles)
+    if not on_dtensors:
+        for path, counts in plan.head_counts.items():
+            if path == name or path.startswith(f"{name}."):
+                target = block.get_submodule(path[len(name) + 1 :]) if path != name else block
+                for attr, value in counts.items():
+                    setattr(target, attr, value)
+    forward, backward = [], []
+    for size in sorted(sample.inputs):
+        args, kwargs = bench.inputs(sample, size)
+        if on_dtensors:
+            args, kwargs = tree_map(lambda t: _replicated(t, mesh), (args, kwargs))
+        context = implicit_replication if on_dtensors else contextlib.nullcontext
+        with context():
+            alone = bench.timed(lambda a=args, k=kwargs: block(*a, **k))
+            both = bench.timed(lambda a=args, k=kwargs: _backward(block(*a, **k)))
+        forward.append((size, alone))
+        backward.append((size, both - alone))
+    return BlockTimes(Line.through(forward), Line.through(backward))
+
+
+def _dtensor_output(style: ParallelStyle) -> ParallelStyle:
+    """``style`` leaving its output a DTensor (the traced graphs' ops run on DTensors between the splits)."""
+    style = copy.copy(style)
+    if hasattr(style, "use_local_output"):
+        style.use_local_output = False
+    return style
+
+
+def _replicated(t: Any, mesh: DeviceMesh) -> Any:
+    if not torch.is_tensor(t) or not t.is_floating_point() or isinstance(t, DTensor):
+        return t
+    whole = DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
+    return whole.requires_grad_(t.requires_grad)
+
+
+def _backward(out: Any) -> None:
+    floats = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in floats]
+    sum(t.float().sum() for t in local).backward()
 
 
 def resolve(plan: Any, model: UnsplitModel) -> TensorPlan | None:
