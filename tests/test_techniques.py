@@ -50,6 +50,7 @@ def test_the_list_is_torchtitan_s_order():
         "compile",
         "fsdp",
         "zero",
+        "overlap",
         "replicas",
         "offload",
     ]  # fmt: skip  (sequence parallelism before recomputation: a recomputed block re-enters its mode)
