@@ -160,6 +160,29 @@ def test_each_batch_becomes_this_ranks_shard_and_a_length_k_does_not_divide_name
     assert TECHNIQUE.batch(ParallelPlan(), _Mesh(), TinyGPT(depth=1)) is None
 
 
+class _ShiftingLM(nn.Module):
+    """Stands for a Hugging Face causal LM: its loss shifts labels= (transformers' loss_type)."""
+
+    loss_type = "ForCausalLM"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyGPT(depth=1)
+
+
+def test_labels_a_hugging_face_loss_shifts_itself_are_refused_unless_shifted_before_the_split():
+    shard = TECHNIQUE.batch(ParallelPlan(sequence_parallel_size=2), _Mesh(), _ShiftingLM())
+    ids = torch.arange(16).view(2, 8)
+    with pytest.raises(ValueError, match=r"_ShiftingLM.*shifts its labels=.*shift_labels"):
+        shard({"input_ids": ids, "labels": ids})
+    shifted = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    out = shard({"input_ids": ids, "labels": ids, "shift_labels": shifted})
+    assert out["shift_labels"].tolist() == [[5, 6, 7, -100], [13, 14, 15, -100]]
+    # A model that does not shift its labels: a dict batch's labels are sharded as they are.
+    plain = TECHNIQUE.batch(ParallelPlan(sequence_parallel_size=2), _Mesh(), TinyGPT(depth=1))
+    assert plain({"input_ids": ids, "labels": ids})["labels"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
+
+
 def test_the_plan_refuses_what_cannot_split_the_sequence_and_sizes_the_grid():
     plan = ParallelPlan(pipeline_size=2, sequence_parallel_size=2).for_devices(8)
     assert plan.data_parallel_size == 2 and plan.label() == "pp 2x2 1f1b m=4 +sp 2"

@@ -36,6 +36,7 @@ from lightning_parallel.techniques.contract import Job, Technique
 from lightning_parallel.techniques.sequence_parallel.eager import SequenceParallelMode, run_forwards_in
 from lightning_parallel.techniques.sequence_parallel.graph import rewrite_stage
 from lightning_parallel.techniques.sequence_parallel.heads import check_heads
+from lightning_parallel.techniques.sequence_parallel.labels import shifts_labels
 from lightning_parallel.techniques.sequence_parallel.masks import check_window
 from lightning_parallel.techniques.sequence_parallel.positions import shard_position_ids, takes_position_ids
 from lightning_parallel.techniques.sequence_parallel.shards import sequence_length, shard_batch
@@ -114,8 +115,11 @@ class SequenceParallel(Technique):
         for target in position_takers(module):
             give_position_ids(target, index)
         windows = [m for m in module.modules() if getattr(getattr(m, "config", None), "sliding_window", None)]
+        shifting = next((type(m).__name__ for m in module.modules() if shifts_labels(m)), None)
 
         def shard(batch: Any) -> Any:
+            if shifting is not None:
+                refuse_labels_shifted_in_the_loss(batch, shifting)
             length = sequence_length(batch)
             for target in windows:
                 check_window(target, length)
@@ -194,6 +198,27 @@ class FoundAttention:
                 "model: load it with attn_implementation='sdpa'; a model of yours: compute attention with "
                 "F.scaled_dot_product_attention(q, k, v, is_causal=True) instead of softmax(q @ k^T)"
             )
+
+
+def refuse_labels_shifted_in_the_loss(batch: Any, model: str) -> None:
+    """A dict batch with ``labels`` and no ``shift_labels``, for a Hugging Face causal LM that shifts its
+    ``labels=`` inside its loss: refused (each shard's last position would lose its label, the next
+    shard's first token, and the loss would be wrong without an error). Every rank holds the same batch
+    and model: they refuse together.
+
+    Example::
+
+        >>> refuse_labels_shifted_in_the_loss({"input_ids": 0, "shift_labels": 0, "labels": 0}, "M")
+    """
+    if isinstance(batch, dict) and "labels" in batch and "shift_labels" not in batch:
+        raise ValueError(
+            f"sequence parallelism and {model}, a Hugging Face causal LM that shifts its labels= inside "
+            "its loss: on a shard of the sequence that shift would drop each shard's last label (the "
+            "next shard's first token), and the loss would be silently wrong. Shift before the split: "
+            "give the batch 'shift_labels' as well (labels[:, 1:] followed by -100, made in your "
+            "collate function: transformers' loss then uses them as they are), or compute the loss "
+            "yourself from the logits against targets shifted in the data"
+        )
 
 
 def _tokens_of(mode: SequenceParallelMode) -> Callable[..., None]:
