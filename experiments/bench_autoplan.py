@@ -57,8 +57,8 @@ from models import CharLM, SequentialCharLM
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.memory.planner import Budget
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.ranking import Budget
 from lightning_parallel.strategies.pipeline import autoplan
 from lightning_parallel.techniques.offload.host_optimizer import is_host_stepping
 

@@ -47,10 +47,10 @@ from typing_extensions import override
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed.dtensors import local
-from lightning_parallel.memory.estimate import predict
-from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.optim.sharded import local_state_bytes
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.estimate import predict
+from lightning_parallel.planner.facts import measure_model
 
 WORLD, DIM, DEPTH, SEQ_LEN, GLOBAL_BATCH, MICROBATCHES, STEPS = 4, 256, 8, 64, 16, 4, 2
 PLAN = dict(devices=WORLD, pipeline_size=2, num_microbatches=MICROBATCHES, partition="parameters")

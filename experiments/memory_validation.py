@@ -8,7 +8,7 @@ network as an ``nn.Sequential``; offload of the optimizer, of FSDP2's shards and
 the device peak plus the host bytes are compared, host and device being one memory here), the same
 model, seed and batch are
 
-- **predicted** by ``lightning_parallel.memory`` in this process (no training), and
+- **predicted** by ``lightning_parallel.planner`` in this process (no training), and
 - **measured** on every rank by torch's own meter, ``torch.distributed._tools.mem_tracker.MemTracker``,
   around one training step after a warm-up step (the optimizer state exists by then), under the real
   ``Trainer`` with gloo on CPU. The tracker counts every tensor an operator creates inside it, plus
@@ -54,10 +54,10 @@ from models import CharLM, SequentialCharLM
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
-from lightning_parallel.memory.facts import measure_model
 from lightning_parallel.optim.sharded import local_state_bytes
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.estimate import MemoryEstimate, format_bytes, predict
+from lightning_parallel.planner.facts import measure_model
 
 TOLERANCE = 0.15
 

@@ -36,9 +36,9 @@ import _harness as h
 import _tables as t
 import torch
 
-from lightning_parallel.memory.estimate import format_bytes
-from lightning_parallel.memory.planner import Budget, Candidate, measure_for, plan_search
-from lightning_parallel.memory.search import Search
+from lightning_parallel.planner.estimate import format_bytes
+from lightning_parallel.planner.ranking import Budget, Candidate, measure_for, plan_search
+from lightning_parallel.planner.search import Search
 
 DEVICES, GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 16, 4096, 32000
 PIPELINE_SIZES = (1, 2, 4, 8)
@@ -84,7 +84,7 @@ def build(shape: Shape) -> Any:
     import hf_decoders  # noqa: F401  (puts the Hugging Face test packages on sys.path)
     import transformers as tf
 
-    from lightning_parallel.memory.hf import CausalLMStep
+    from lightning_parallel.planner.hf import CausalLMStep
 
     config = tf.LlamaConfig(
         vocab_size=VOCAB, hidden_size=shape.hidden, num_hidden_layers=shape.layers,

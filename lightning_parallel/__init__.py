@@ -15,9 +15,9 @@ from lightning_parallel.data.eval_sampler import EvalDistributedSampler
 from lightning_parallel.data.padding import pad_to_multiple, padding_to_multiple
 from lightning_parallel.data.resumable_sampler import ResumableDistributedSampler
 from lightning_parallel.grads.item_weights import labelled_tokens
-from lightning_parallel.memory.estimate import estimate_memory
 from lightning_parallel.pipeline.step_scope import CollectiveOutsideStepError
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.estimate import estimate_memory
 from lightning_parallel.sources.pretrained import load_pretrained
 from lightning_parallel.strategies import PipelineStrategy, register_strategies
 

@@ -1,6 +1,6 @@
 """PipelineStrategy(plan="auto"): the arguments, the choice with its margin, nothing fits, the trials' choice,
 and one spawned job in which the auto-planned run computes exactly what the same plan given by hand computes
-(also with trials=2: strategies/pipeline/trials.py; the techniques measured in place: memory/in_place.py)."""
+(also with trials=2: strategies/pipeline/trials.py; the techniques measured in place: planner/in_place.py)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -14,11 +14,11 @@ from tiny_models import FlatRegressor, SequentialRegressor, loader
 from torch.utils.data import TensorDataset
 
 from lightning_parallel import GradientAccumulationScheduler, ParallelPlan, PipelineStrategy
-from lightning_parallel.memory.advice import NothingFits, choose
-from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.memory.links import given_links
-from lightning_parallel.memory.planner import Budget, plan_search
-from lightning_parallel.memory.search import Search
+from lightning_parallel.planner.advice import NothingFits, choose
+from lightning_parallel.planner.facts import measure_model
+from lightning_parallel.planner.links import given_links
+from lightning_parallel.planner.ranking import Budget, plan_search
+from lightning_parallel.planner.search import Search
 from lightning_parallel.strategies.pipeline import autoplan
 from lightning_parallel.strategies.pipeline.trials import Trial
 

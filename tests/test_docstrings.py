@@ -14,7 +14,7 @@ import lightning_parallel
 MODULES = sorted(
     m.name
     for m in pkgutil.walk_packages(lightning_parallel.__path__, "lightning_parallel.")
-    if not m.name.endswith("__main__") or m.name == "lightning_parallel.memory.__main__"
+    if not m.name.endswith("__main__") or m.name == "lightning_parallel.planner.__main__"
 )
 
 

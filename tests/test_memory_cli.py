@@ -1,7 +1,8 @@
-"""``python -m lightning_parallel.memory``: the table, the chosen plan as code, nothing fits, clear errors.
+"""``python -m lightning_parallel.planner``: the table, the chosen plan as code, nothing fits, clear errors.
 
-Covers memory/quantities.py (sizes, rates and durations as written) and, through the command's default
-links, distributed/link_timing.py's loopback timing (its group timing: tests/test_autoplan.py's job).
+Covers planner/quantities.py (sizes, rates and durations as written) and, through the command's default
+links, distributed/link_timing.py's loopback timing, and memory/__main__.py (the command's former name,
+kept) (its group timing: tests/test_autoplan.py's job).
 """
 
 import re
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from lightning_parallel import PipelineStrategy
-from lightning_parallel.memory.__main__ import main, parse_args, parse_bytes, search_of
-from lightning_parallel.memory.planner import Budget
-from lightning_parallel.memory.search import SEARCHED_SCHEDULES, Search
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.__main__ import main, parse_args, parse_bytes, search_of
+from lightning_parallel.planner.ranking import Budget
+from lightning_parallel.planner.search import SEARCHED_SCHEDULES, Search
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -197,13 +198,13 @@ def test_parse_bytes():
 
 
 def test_the_module_runs_as_a_command(model_file, capsys, monkeypatch):
-    # As `python -m lightning_parallel.memory ...` runs it (runpy runs the package's __main__ as "__main__"),
+    # As `python -m lightning_parallel.planner ...` runs it (runpy runs the package's __main__ as "__main__"),
     # in this process: a new interpreter would add half a minute of imports on 2 cores.
     argv = [model_file, "--batch", "long:16", "long:16", "--devices", "4", "--memory", "24GiB",
             "--precision", "bf16-mixed", "--rows", "0"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["python -m lightning_parallel.memory", *argv])
+    monkeypatch.setattr(sys, "argv", ["python -m lightning_parallel.planner", *argv])
     with pytest.raises(SystemExit) as exited:
-        runpy.run_module("lightning_parallel.memory", run_name="__main__", alter_sys=True)
+        runpy.run_module("lightning_parallel.planner", run_name="__main__", alter_sys=True)
     out = capsys.readouterr().out
     assert exited.value.code == 0, out[-3000:]
     assert "links measured on this machine's loopback: send" in out
@@ -212,13 +213,22 @@ def test_the_module_runs_as_a_command(model_file, capsys, monkeypatch):
     assert "pp 2x2 interleaved_1f1b v=2 m=4" in out
 
 
+def test_the_former_name_of_the_command_still_runs_it(capsys, monkeypatch):
+    # `python -m lightning_parallel.memory`, as earlier releases' docs wrote it.
+    monkeypatch.setattr(sys, "argv", ["python -m lightning_parallel.memory", "--help"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("lightning_parallel.memory", run_name="__main__", alter_sys=True)
+    assert exited.value.code == 0
+    assert "usage: python -m lightning_parallel.planner" in capsys.readouterr().out  # (its name now)
+
+
 def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys):
     import hf_env
 
     transformers = hf_env.require("transformers")
     size = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4)
     transformers.LlamaConfig(**size, num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
-    code = main(["lightning_parallel.memory.hf:causal_lm", "--init", f"config={tmp_path}", "--meta",
+    code = main(["lightning_parallel.planner.hf:causal_lm", "--init", f"config={tmp_path}", "--meta",
                  "--batch", "long:16", "long:16", "--global-batch-size", "8", "--devices", "2",
                  "--memory", "1GiB", "--optimizer", "AdamW", "--rows", "0", "--no-offload",
                  *GIVEN_LINKS])  # fmt: skip
@@ -228,7 +238,7 @@ def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys)
     assert "not timed (a model on the meta device): plans ranked by their device peak" in out
     assert "tp=" not in out
     # Tensor-parallel shapes too, each measured on one tp rank's local model (its split weights halved).
-    code = main(["lightning_parallel.memory.hf:causal_lm", "--init", f"config={tmp_path}", "--meta",
+    code = main(["lightning_parallel.planner.hf:causal_lm", "--init", f"config={tmp_path}", "--meta",
                  "--batch", "long:16", "long:16", "--global-batch-size", "8", "--devices", "4",
                  "--memory", "1GiB", "--optimizer", "AdamW", "--rows", "0", "--no-offload", *GIVEN_LINKS,
                  "--tensor-parallel-sizes", "1", "2"])  # fmt: skip
@@ -239,7 +249,7 @@ def test_a_hugging_face_config_is_planned_from_its_config_json(tmp_path, capsys)
     assert "pp 1x2 1f1b m=4 tp=2 +zero" not in rows  # ZeRO-1 does not take split weights
     assert "pp 1x2 1f1b m=4 tp=2" in rows
     with pytest.raises(SystemExit):
-        main(["lightning_parallel.memory.hf:causal_lm", "--devices", "4", "--memory", "1GiB",
+        main(["lightning_parallel.planner.hf:causal_lm", "--devices", "4", "--memory", "1GiB",
               "--tensor-parallel-sizes", "two"])  # fmt: skip
 
 
@@ -248,7 +258,7 @@ def _planner_page() -> tuple[list[str], str, re.Match[str]]:
     section = (ROOT / "docs" / "planner.md").read_text().split("# Will it fit?", 1)[1]
     command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
     argv = command.split()
-    assert argv[:3] == ["python", "-m", "lightning_parallel.memory"], command
+    assert argv[:3] == ["python", "-m", "lightning_parallel.planner"], command
     table = re.search(r"```text\n(.*?)```", section, re.S).group(1)
     sentence = r"With `--memory (\S+)` the plans that fit shrink to those like `([^`]+)` \(([\d.]+ \w+)\)"
     answer = re.search(sentence, section)

@@ -1,9 +1,9 @@
 """The memory planner's logic without processes: units, probe, optimizer state, per-rank arithmetic.
 
-Covers memory/stage_costs.py (each stage's parameters, in-flight and received bytes, the too-many-stages
+Covers planner/stage_costs.py (each stage's parameters, in-flight and received bytes, the too-many-stages
 error) through predict, techniques/offload/memory.py as the planner composes it (each rank's device and
 host bytes under offload) and
-_table.py's format_bytes (which memory/estimate.py re-exports).
+_table.py's format_bytes (which planner/estimate.py re-exports).
 """
 
 import dataclasses
@@ -18,23 +18,23 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import PipelineStrategy, estimate_memory
-from lightning_parallel.memory.estimate import format_bytes, predict
-from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.memory.links import given_links
-from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
-from lightning_parallel.memory.planner import (
+from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.estimate import format_bytes, predict
+from lightning_parallel.planner.facts import measure_model
+from lightning_parallel.planner.links import given_links
+from lightning_parallel.planner.optimizer import StateSize, optimizers_from, state_sizes
+from lightning_parallel.planner.precision import LOSS_SCALER_BYTES
+from lightning_parallel.planner.probe import probe_activations, probe_sizes
+from lightning_parallel.planner.ranking import (
     candidate_plans,
     fastest_fit,
     format_plan,
     host_per_node,
     rank_plans,
 )
-from lightning_parallel.memory.precision import LOSS_SCALER_BYTES
-from lightning_parallel.memory.probe import probe_activations, probe_sizes
-from lightning_parallel.memory.resolve import resolve
-from lightning_parallel.memory.search import Search
-from lightning_parallel.memory.units import find_units
-from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.resolve import resolve
+from lightning_parallel.planner.search import Search
+from lightning_parallel.planner.units import find_units
 from lightning_parallel.techniques.zero import shard_sizes
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_parallel.memory.schedule import peak_in_flight, rank_actions
+from lightning_parallel.planner.schedule import peak_in_flight, rank_actions
 
 
 def _order(actions):

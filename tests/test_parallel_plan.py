@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_parallel import ParallelPlan, PipelineStrategy
 from lightning_parallel.layout.choices import DATA_PARALLEL, SCHEDULES, placement, schedule_class
-from lightning_parallel.memory.planner import candidate_plans
+from lightning_parallel.planner.ranking import candidate_plans
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
 
 
@@ -65,7 +65,6 @@ def test_sizes_follow_the_devices():
         ({"parallelize_fn": 3}, TypeError, "parallelize_fn must be a callable"),
         ({"offload": "optimiser"}, TypeError, "did you mean 'optimizer'"),
         ({"offload": "parameters"}, ValueError, "offload='parameters' is FSDP2's offload"),
-        ({"offload": "optimizer", "data_parallel": "fsdp"}, ValueError, "pass offload='parameters'"),
         ({"strategy": "ddp", "offload": "optimizer"}, ValueError, "offload runs under PipelineStrategy"),
         ({"offload_pin_memory": "yes"}, TypeError, "offload_pin_memory must be True, False or None"),
     ],

@@ -21,8 +21,8 @@ from tiny_models import SequentialRegressor, TinyGPT, loader, regression_data, t
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.layout.ranks import RankLayout
-from lightning_parallel.memory.resolve import resolve
 from lightning_parallel.pipeline.plan import make_plan
+from lightning_parallel.planner.resolve import resolve
 from lightning_parallel.techniques import fsdp
 
 

@@ -37,9 +37,9 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.grads.loss_scale import agree_on_overflow
-from lightning_parallel.memory.estimate import predict
-from lightning_parallel.memory.facts import measure_model, planned_tensors
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.estimate import predict
+from lightning_parallel.planner.facts import measure_model, planned_tensors
 from lightning_parallel.sources.traced.source import TracedSource
 from lightning_parallel.sources.traced.stage_graphs import graph_modules, point_at
 from lightning_parallel.sources.traced.trace import trace

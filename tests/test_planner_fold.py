@@ -26,14 +26,14 @@ import torch
 from tiny_models import SequentialRegressor, TinyGPT
 from tiny_tp_models import SplitQkvGPT
 
-from lightning_parallel.memory import estimate, time_model
-from lightning_parallel.memory.estimate import predict
-from lightning_parallel.memory.facts import ModelFacts, measure_model
-from lightning_parallel.memory.links import Link, Links
-from lightning_parallel.memory.probe import BEFORE
-from lightning_parallel.memory.time_model import step_time
-from lightning_parallel.memory.time_probe import AFTER, StepCost, TimeFacts, TimeLine, UnitTime
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner import estimate, time_model
+from lightning_parallel.planner.estimate import predict
+from lightning_parallel.planner.facts import ModelFacts, measure_model
+from lightning_parallel.planner.links import Link, Links
+from lightning_parallel.planner.probe import BEFORE
+from lightning_parallel.planner.time_model import step_time
+from lightning_parallel.planner.time_probe import AFTER, StepCost, TimeFacts, TimeLine, UnitTime
 from lightning_parallel.techniques import TECHNIQUES
 from lightning_parallel.techniques.contract import Line, MemoryLedger, Technique, TimeLedger
 from lightning_parallel.techniques.fsdp import FsdpTimes

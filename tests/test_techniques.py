@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from lightning_parallel.grads.sync import GradientSync
-from lightning_parallel.memory.search import SEARCHED_FIELDS
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.search import SEARCHED_FIELDS
 from lightning_parallel.strategies.pipeline.autoplan import SEARCHED
 from lightning_parallel.techniques import TECHNIQUES, environment, searched_fields
 from lightning_parallel.techniques.contract import (

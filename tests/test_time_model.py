@@ -8,12 +8,12 @@ import torch
 from tiny_models import SequentialRegressor
 
 from lightning_parallel.distributed.link_timing import LinkTimings, OverlapTiming, Timed
-from lightning_parallel.memory.facts import measure_model
-from lightning_parallel.memory.links import Curve, Link, StepOverhead, fit_link, given_links, links_from
-from lightning_parallel.memory.schedule import Action, rank_actions
-from lightning_parallel.memory.time_model import simulate, step_time
-from lightning_parallel.memory.time_probe import TimeLine, optimizer_step_cost
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.facts import measure_model
+from lightning_parallel.planner.links import Curve, Link, StepOverhead, fit_link, given_links, links_from
+from lightning_parallel.planner.schedule import Action, rank_actions
+from lightning_parallel.planner.time_model import simulate, step_time
+from lightning_parallel.planner.time_probe import TimeLine, optimizer_step_cost
 
 
 def _forward_one_backward_two(a: Action) -> float:

@@ -26,7 +26,7 @@ Worked around or relied on, without a canary, and why:
   False``: torch's stated requirements and a choice of ours (the loss is scaled instead), not faults.
 * torch's private names used on purpose where torch has no public one; where one moves, the code or a
   test fails loudly (``_torch_hooks.py``, ``_v_forward.py``'s runtime, ``mesh.py``'s ``_flatten``,
-  ``torch.utils._pytree``, ``_fsdp_internals.py``, ``memory/schedule.py``'s stand-in stages,
+  ``torch.utils._pytree``, ``_fsdp_internals.py``, ``planner/schedule.py``'s stand-in stages,
   ``_CustomReducer``, ``Pipe._from_traced``, ``InterpreterModule._run_with_interpreter`` (speed),
   ``GradScaler``'s per-optimizer state, ``sharded.py``'s scheduler retargeting, ``CompileWatch``'s reading of
   dynamo's log): not faults.

@@ -1,6 +1,6 @@
 """Time the job's own links: each collective, a send/recv and a host copy at several message sizes.
 
-What the planner's time model reads its communication curves from (``memory/links.py`` interpolates
+What the planner's time model reads its communication curves from (``planner/links.py`` interpolates
 them): each kind of message (:data:`KINDS`) is timed at every size of ``sizes``, the kinds and sizes
 interleaved and repeated after a warm-up; the median of the repeats is kept with the fastest and the
 slowest (the spread): a message's typical time on the group as it is now, the wake-up of a busy peer

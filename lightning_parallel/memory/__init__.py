@@ -1,7 +1,4 @@
-"""Will it fit, and which plan is fastest? The planner: per-rank peak memory and step time, predicted.
-
-Pure PyTorch (no Lightning import): :func:`estimate_memory` (each rank's device peak and host bytes for
-one plan), the search and its ranking (:mod:`~lightning_parallel.memory.planner`, from the memory and
-time models of one measurement of the model), and the ``python -m lightning_parallel.memory`` command.
-``PipelineStrategy(plan="auto")`` runs its choice.
+"""The planner's former name, kept so ``python -m lightning_parallel.memory`` (the command the docs of
+earlier releases give) still runs :mod:`lightning_parallel.planner`'s command line: for instance
+``python -m lightning_parallel.memory experiments/models.py:CharLM --devices 4 --memory 2GiB``.
 """

@@ -5,7 +5,7 @@ shards, tensor), the schedule and its micro-batches, and each technique's settin
 sharded optimizer state, FSDP2, compile, precision), validated once when the plan is made, with the
 value and the fix in each error. ``PipelineStrategy(**options)`` makes one from its options
 (``strategy.parallel_plan``), ``PipelineStrategy.from_plan(plan)`` runs one, and every row of the
-planner's table (``python -m lightning_parallel.memory``) is one.
+planner's table (``python -m lightning_parallel.planner``) is one.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ class CostLedger:
     """Every stage's bytes for one micro-batch, as the planner measured them, for
     :meth:`Technique.stage_costs` to change before anything else reads them.
 
-    The planner (``memory/stage_costs.py``) builds one ``StageCosts`` per stage of the plan from the
+    The planner (``planner/stage_costs.py``) builds one ``StageCosts`` per stage of the plan from the
     measured units as a plain stage keeps them (each unit's saved tensors, the output kept for backward,
     the receive buffers, the transients) and folds every technique's ``stage_costs`` over this ledger
     before the memory estimate and the time model read the costs: what one micro-batch costs a stage is
@@ -209,7 +209,7 @@ DEVICE_COLUMNS = ("parameters", "gradients", "optimizer", "activations", "buffer
 @dataclass
 class MemoryLedger:
     """One pipeline rank's bytes as the planner adds them up, for :meth:`Technique.memory` to move between
-    columns: ``memory/estimate.py`` fills it as plain replicas hold the rank's stages, folds every
+    columns: ``planner/estimate.py`` fills it as plain replicas hold the rank's stages, folds every
     technique's ``memory`` in the list's order, then walks the schedule.
 
     **Phases.** ``memory`` runs once per rank, *before* the walk of the schedule: it changes what persists
@@ -371,7 +371,7 @@ TIME_SHARES = ("communication", "recompute", "offload")
 @dataclass
 class TimeLedger:
     """One pipeline rank's seconds as the time model adds them up, for :meth:`Technique.time` to add to:
-    ``memory/time_model.py`` fills it with the measured compute of the rank's stages and the plain
+    ``planner/time_model.py`` fills it with the measured compute of the rank's stages and the plain
     step (the rank's trainable parameters), folds every technique's ``time`` in the list's order, then
     simulates the schedule from every rank's ledger and adds each rank's tail.
 
@@ -514,7 +514,7 @@ class Technique:
         """The gradient reductions the optimizer step's sync runs for this technique."""
         return []
 
-    # --- the planner (memory/stage_costs.py, memory/estimate.py, memory/time_model.py fold these)
+    # --- the planner (planner/stage_costs.py, planner/estimate.py, planner/time_model.py fold these)
     def stage_costs(self, ledger: CostLedger) -> None:
         """Change what one micro-batch costs each stage (``ledger.stages``), before any rank's columns:
         what both the memory estimate and the time model start from."""

@@ -287,7 +287,7 @@ def _unit_bytes(name: str, a: Any, mb: float) -> UnitBytes:
 
 @dataclass(frozen=True)
 class UnitBytes:
-    """One unit's bytes for one micro-batch, as the planner measured them (see ``memory/probe.py``)."""
+    """One unit's bytes for one micro-batch, as the planner measured them (see ``planner/probe.py``)."""
 
     name: str
     saved: int  # saved for backward

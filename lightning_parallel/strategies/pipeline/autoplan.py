@@ -1,6 +1,6 @@
 """``PipelineStrategy(plan="auto")``: the planner picks the plan on rank 0, every rank runs it.
 
-Lightning glue around :mod:`lightning_parallel.memory` (the search, the memory and time models):
+Lightning glue around :mod:`lightning_parallel.planner` (the search, the memory and time models):
 
 1. **At** ``setup_environment`` (before the callbacks' and the module's ``setup``): the budget is
    checked (``memory`` given, or read from the accelerator: a CPU has none to read) and, with a
@@ -14,7 +14,7 @@ Lightning glue around :mod:`lightning_parallel.memory` (the search, the memory a
    :func:`~lightning_parallel.strategies.pipeline.trials.measure_overhead`); every rank measures the whole
    model on the first training batch at once (its units timed as they will run, every rank busy), and
    the techniques measure what their time needs in place (FSDP2 on a block, tensor parallelism on a
-   split block: :mod:`lightning_parallel.memory.in_place`). Then global rank 0 alone searches, sizes and
+   split block: :mod:`lightning_parallel.planner.in_place`). Then global rank 0 alone searches, sizes and
    times every plan and chooses the fastest that fits (with the safety margin);
    :func:`~lightning_parallel.distributed.agree.decide_on` hands the choice, or the error ("nothing
    fits", with what would), to every rank. With ``trials=k`` the ``k`` fastest predicted plans that fit
@@ -44,10 +44,13 @@ from lightning_parallel.data.batch_samples import samples_in
 from lightning_parallel.distributed.agree import decide_on, distributed_ready, failing_together
 from lightning_parallel.distributed.link_timing import REPEATS, SIZES, time_copy, time_group
 from lightning_parallel.layout.mesh import PipelineMesh, build_mesh
-from lightning_parallel.memory.advice import choose
-from lightning_parallel.memory.in_place import measure_in_place
-from lightning_parallel.memory.links import Links, given_links, links_from
-from lightning_parallel.memory.planner import (
+from lightning_parallel.pipeline.step_logs import LogRecorder
+from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.advice import choose
+from lightning_parallel.planner.in_place import measure_in_place
+from lightning_parallel.planner.links import Links, given_links, links_from
+from lightning_parallel.planner.quantities import host_memory, parse_bytes
+from lightning_parallel.planner.ranking import (
     MARGIN,
     Budget,
     Candidate,
@@ -56,10 +59,7 @@ from lightning_parallel.memory.planner import (
     measure_for,
     plan_search,
 )
-from lightning_parallel.memory.quantities import host_memory, parse_bytes
-from lightning_parallel.memory.search import SEARCHED_FIELDS, Search
-from lightning_parallel.pipeline.step_logs import LogRecorder
-from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.search import SEARCHED_FIELDS, Search
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
 from lightning_parallel.strategies.pipeline.trials import (
@@ -189,7 +189,7 @@ def auto_request(
     if searched:
         raise ValueError(
             f"plan='auto' chooses {', '.join(searched)}: leave them out, or give the whole plan by hand "
-            f"(python -m lightning_parallel.memory prints it)"
+            f"(python -m lightning_parallel.planner prints it)"
         )
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
         raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")

@@ -32,9 +32,9 @@ from torch import nn
 from lightning_parallel.distributed.agree import agree, distributed_ready, world_size
 from lightning_parallel.layout.mesh import PipelineMesh, build_mesh
 from lightning_parallel.layout.ranks import RankLayout
-from lightning_parallel.memory.links import Links, StepOverhead
-from lightning_parallel.memory.optimizer import optimizers_from
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.links import Links, StepOverhead
+from lightning_parallel.planner.optimizer import optimizers_from
 from lightning_parallel.strategies.pipeline import setup as pipeline_setup
 from lightning_parallel.strategies.pipeline.step import run_step
 from lightning_parallel.strategies.pipeline.step_state import StepState

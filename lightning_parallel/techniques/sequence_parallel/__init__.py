@@ -41,7 +41,7 @@ heads; a traced TP stage runs on DTensors, which the all-to-all does not take: h
 ``tp x k``, later), ``compile`` (a rewritten stage's Python-callable nodes and the mode under dynamo are
 unchecked; torch's functional ``all_to_all_single_autograd``, which export records, is the way there).
 ``variants``: ``k`` among ``heads.sizes_that_work(heads, kv_heads)`` that divide the devices left after
-pipeline x tensor, where ``memory/facts.py`` knows the heads (Hugging Face configs:
+pipeline x tensor, where ``planner/facts.py`` knows the heads (Hugging Face configs:
 ``num_attention_heads``, ``num_key_value_heads``); ``None`` known: ``k=1`` only.
 
 **Mesh** (``plan/layout.py: RankLayout``, ``pipeline/mesh.py: build_mesh``). A new axis ``sp`` between
@@ -134,5 +134,5 @@ device's: not bit-exact, as with tensor parallelism).
 ``call_keywords``) with its two call sites (``strategies/pipeline/step.py: run_step``,
 ``strategies/pipeline/call_input.py``; ``sources/traced/call_binding.py: TracedCall.captured_input``),
 ``strategies/pipeline/step.py: _Step.evaluate`` and ``step_results.py: collect_predictions``
-(prediction), ``memory/facts.py`` (heads) and the planner's table (a sequence-length axis).
+(prediction), ``planner/facts.py`` (heads) and the planner's table (a sequence-length axis).
 """

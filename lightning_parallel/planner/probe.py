@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_parallel.memory.units import UnitLayout
+from lightning_parallel.planner.units import UnitLayout
 from lightning_parallel.sources.fake_device import FakeDevice, faked_on
 
 StepFn = Callable[[nn.Module, Any], Any]

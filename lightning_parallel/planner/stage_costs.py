@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_parallel.memory.facts import ModelFacts
-from lightning_parallel.memory.probe import BEFORE
-from lightning_parallel.memory.units import NOT_SPLIT, WHOLE, Unit, UnitLayout, partition
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.facts import ModelFacts
+from lightning_parallel.planner.probe import BEFORE
+from lightning_parallel.planner.units import NOT_SPLIT, WHOLE, Unit, UnitLayout, partition
 from lightning_parallel.techniques import TECHNIQUES
 from lightning_parallel.techniques.contract import CostLedger
 

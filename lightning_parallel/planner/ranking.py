@@ -1,8 +1,8 @@
 """Which configurations fit a memory budget on N devices, and which of those is fastest.
 
-Every plan of a :class:`~lightning_parallel.memory.search.Search` is sized by
-:func:`~lightning_parallel.memory.estimate.predict` (each rank's device peak, and what its offload
-keeps on the host) and timed by :func:`~lightning_parallel.memory.time_model.step_time` (the schedule
+Every plan of a :class:`~lightning_parallel.planner.search.Search` is sized by
+:func:`~lightning_parallel.planner.estimate.predict` (each rank's device peak, and what its offload
+keeps on the host) and timed by :func:`~lightning_parallel.planner.time_model.step_time` (the schedule
 simulated with the unit times measured on this machine, the collectives and copies from the links),
 from one measurement of the model. A plan **fits** when its fullest rank's device peak is within the
 device budget less a safety margin (:data:`MARGIN`), and the host bytes of the ranks of one node
@@ -20,14 +20,14 @@ from typing import Any
 from torch import nn
 
 from lightning_parallel._table import format_table
-from lightning_parallel.memory.estimate import MemoryEstimate, format_bytes, predict
-from lightning_parallel.memory.facts import ModelFacts, measure_model
-from lightning_parallel.memory.links import Links
-from lightning_parallel.memory.probe import StepFn, default_step
-from lightning_parallel.memory.search import SEARCHED_SCHEDULES, Search
-from lightning_parallel.memory.time_model import StepTime, step_time
-from lightning_parallel.memory.units import find_units
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.estimate import MemoryEstimate, format_bytes, predict
+from lightning_parallel.planner.facts import ModelFacts, measure_model
+from lightning_parallel.planner.links import Links
+from lightning_parallel.planner.probe import StepFn, default_step
+from lightning_parallel.planner.search import SEARCHED_SCHEDULES, Search
+from lightning_parallel.planner.time_model import StepTime, step_time
+from lightning_parallel.planner.units import find_units
 
 MARGIN = 0.10
 """The safety margin: a plan fits when its predicted peak is at most 90% of the budget (the memory

@@ -11,7 +11,7 @@ The model of a step (what is alive when):
   where ``Trainer(devices=1)`` runs without DDP); the pipeline's receive
   buffers (one per micro-batch for the stage input and for the gradient of its output);
 - **per micro-batch in flight** (a forward done, its backward not yet): what the stage's units save
-  for backward (measured, see :mod:`~lightning_parallel.memory.probe`), the stage output it keeps
+  for backward (measured, see :mod:`~lightning_parallel.planner.probe`), the stage output it keeps
   for its backward (until that micro-batch's backward, on the last stage too);
 - **at a stage's first backward**: its new gradients; during any backward a transient of gradient
   tensors (twice the stage's largest saved tensor plus its output, a documented approximation);
@@ -24,10 +24,10 @@ The model of a step (what is alive when):
   moves state or activations to the host, ...), and may leave a note for the table (compile). What one
   micro-batch costs a stage is theirs too, before (``Technique.stage_costs``: with recomputation a
   unit keeps only its input, and one unit at a time is recomputed in backward; see
-  :mod:`~lightning_parallel.memory.stage_costs`).
+  :mod:`~lightning_parallel.planner.stage_costs`).
 
 The micro-batches in flight come from walking torch's own schedule order (plain data, see
-:mod:`~lightning_parallel.memory.schedule`); the peak is the largest total over that walk.
+:mod:`~lightning_parallel.planner.schedule`); the peak is the largest total over that walk.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ from torch import nn
 
 from lightning_parallel._table import format_bytes, format_table
 from lightning_parallel.layout.choices import placement
-from lightning_parallel.memory.facts import ModelFacts, measure_model
-from lightning_parallel.memory.precision import LOSS_SCALER_BYTES
-from lightning_parallel.memory.probe import BEFORE, StepFn, default_step
-from lightning_parallel.memory.resolve import resolve
-from lightning_parallel.memory.schedule import Action, peak_in_flight, rank_actions
-from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.plan import stage_rank
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.facts import ModelFacts, measure_model
+from lightning_parallel.planner.precision import LOSS_SCALER_BYTES
+from lightning_parallel.planner.probe import BEFORE, StepFn, default_step
+from lightning_parallel.planner.resolve import resolve
+from lightning_parallel.planner.schedule import Action, peak_in_flight, rank_actions
+from lightning_parallel.planner.stage_costs import StageCosts, stage_costs
 from lightning_parallel.techniques import TECHNIQUES
 from lightning_parallel.techniques.contract import DEVICE_COLUMNS, MemoryLedger
 

@@ -1,12 +1,12 @@
 """Measure how long each pipeline unit's forward and backward take, and the optimizer step per element.
 
-The time model's counterpart of :mod:`~lightning_parallel.memory.probe`: the same units, the same step
+The time model's counterpart of :mod:`~lightning_parallel.planner.probe`: the same units, the same step
 (``training_step``), timed on this machine at two micro-batch sizes (under ``plan="auto"`` on every rank
 at once, as the steps will share the machine) so that each unit gets a straight line
 ``seconds = a + b x samples`` (the intercept is what a micro-batch costs whatever its size:
 Python, kernel launches; the slope what each sample adds). Module hooks time each unit's forward
 (outermost calls only) and backward; what runs between units (a residual add, the loss) is charged
-to the unit before it, or before the first one (:data:`~lightning_parallel.memory.probe.BEFORE`), as
+to the unit before it, or before the first one (:data:`~lightning_parallel.planner.probe.BEFORE`), as
 the memory probe charges its bytes. A unit whose backward a hook cannot see (an embedding fed
 integers: its backward hook fires before its backward runs) takes a share of what the whole backward
 measured beyond the timed units, in proportion to its forward.
@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_parallel.memory.probe import BEFORE, StepFn, _autocast, default_step
-from lightning_parallel.memory.units import UnitLayout
+from lightning_parallel.planner.probe import BEFORE, StepFn, _autocast, default_step
+from lightning_parallel.planner.units import UnitLayout
 from lightning_parallel.techniques.contract import UnitSample
 from lightning_parallel.techniques.offload.host_optimizer import host_kernel
 

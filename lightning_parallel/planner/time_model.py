@@ -1,8 +1,8 @@
 """Predict the seconds of one optimizer step of a plan: the schedule simulated, then the step's tail.
 
 Beside the memory model, from the same measurement of the model (:class:`ModelFacts`, with its unit
-times from :mod:`~lightning_parallel.memory.time_probe`) and the links
-(:mod:`~lightning_parallel.memory.links`):
+times from :mod:`~lightning_parallel.planner.time_probe`) and the links
+(:mod:`~lightning_parallel.planner.links`):
 
 1. **Each stage's forward and backward per micro-batch**: its units' measured lines at the
    micro-batch's size, then what each technique adds (``Technique.time``, folded over a
@@ -12,7 +12,7 @@ times from :mod:`~lightning_parallel.memory.time_probe`) and the links
    in place); with offloaded activations, their copy to the host in forward and back in backward. Each
    forward or backward also pays the runtime's bookkeeping (the links' ``StepOverhead.per_action``).
 2. **The schedule, simulated**: each pipeline rank runs its actions in torch's own order
-   (:func:`~lightning_parallel.memory.schedule.rank_actions`), an action starting when its rank is free
+   (:func:`~lightning_parallel.planner.schedule.rank_actions`), an action starting when its rank is free
    and its input has arrived (the previous stage's forward, or the next stage's backward, plus the
    point-to-point transfer of the boundary's activation bytes when the stages sit on two ranks). The
    bubble and the stage imbalance come out of the simulation, not from a formula; with accumulation the
@@ -25,7 +25,7 @@ times from :mod:`~lightning_parallel.memory.time_probe`) and the links
    collective message pays the latency.
 
 The step time is the last rank's finish, plus what every step pays whatever the plan (the links'
-:class:`~lightning_parallel.memory.links.StepOverhead`, measured on the job by a trivial stage run through
+:class:`~lightning_parallel.planner.links.StepOverhead`, measured on the job by a trivial stage run through
 the strategy's own step: per step and per batch). What is not modelled: Lightning's loop around the
 strategy's step (its hooks, callbacks and logger connector: about a millisecond a step here), the overlap
 of communication with compute (the links carry its measured slowdown, ``Links.overlapped``, for a
@@ -38,13 +38,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lightning_parallel.layout.choices import placement
-from lightning_parallel.memory.facts import ModelFacts
-from lightning_parallel.memory.links import Links
-from lightning_parallel.memory.probe import BEFORE
-from lightning_parallel.memory.schedule import Action, rank_actions
-from lightning_parallel.memory.stage_costs import StageCosts, stage_costs
 from lightning_parallel.pipeline.plan import stage_rank
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.facts import ModelFacts
+from lightning_parallel.planner.links import Links
+from lightning_parallel.planner.probe import BEFORE
+from lightning_parallel.planner.schedule import Action, rank_actions
+from lightning_parallel.planner.stage_costs import StageCosts, stage_costs
 from lightning_parallel.techniques import TECHNIQUES
 from lightning_parallel.techniques.contract import TimeLedger
 
@@ -191,7 +191,7 @@ class StepTime:
     rank's; ``communication``: seconds of collectives plus the transfers the busiest rank waited for;
     ``recompute``: recomputed forwards; ``offload``: host copies and the host step's extra over the
     device's; ``overhead``: what every step pays whatever the plan computes (the links'
-    :class:`~lightning_parallel.memory.links.StepOverhead`, on the last rank: per step, per batch, per
+    :class:`~lightning_parallel.planner.links.StepOverhead`, on the last rank: per step, per batch, per
     action).
     """
 

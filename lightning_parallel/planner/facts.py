@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_parallel.memory.optimizer import StateSize, optimizers_from, state_sizes
-from lightning_parallel.memory.precision import PRECISION_DTYPES
-from lightning_parallel.memory.probe import (
+from lightning_parallel.planner.optimizer import StateSize, optimizers_from, state_sizes
+from lightning_parallel.planner.precision import PRECISION_DTYPES
+from lightning_parallel.planner.probe import (
     BEFORE,
     Probe,
     StepFn,
@@ -22,8 +22,8 @@ from lightning_parallel.memory.probe import (
     probe_activations,
     probe_sizes,
 )
-from lightning_parallel.memory.time_probe import TimeFacts, measure_times
-from lightning_parallel.memory.units import UnitLayout, find_units, order_extras
+from lightning_parallel.planner.time_probe import TimeFacts, measure_times
+from lightning_parallel.planner.units import UnitLayout, find_units, order_extras
 from lightning_parallel.sources.sequential.split import find_sequential
 from lightning_parallel.techniques.tensor_parallel.memory import local_model, row_splits
 from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, default_plan, traced_plan
@@ -44,7 +44,7 @@ class Tensor:
 
 @dataclass
 class ModelFacts:
-    """What :func:`measure_model` found; :func:`~lightning_parallel.memory.estimate.predict` sizes configs.
+    """What :func:`measure_model` found; :func:`~lightning_parallel.planner.estimate.predict` sizes configs.
 
     Example::
 
@@ -93,7 +93,7 @@ def measure_model(
     (:func:`~lightning_parallel.techniques.tensor_parallel.memory.local_model`); the optimizer is then
     built anew over its parameters, of the given optimizer's class and defaults. With ``time_sizes``
     (two micro-batch sizes, at most the batch's), each unit's forward and backward are also timed at
-    those sizes (:func:`~lightning_parallel.memory.time_probe.measure_times`, the time model's facts);
+    those sizes (:func:`~lightning_parallel.planner.time_probe.measure_times`, the time model's facts);
     a model on the meta device cannot be timed (``times`` stays ``None``). ``sync``: a barrier the time
     probe calls before each timed run (``plan="auto"`` times on every rank at once); ``repeats``: its timed
     runs per size (the median kept).

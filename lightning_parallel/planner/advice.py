@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from lightning_parallel.memory.estimate import format_bytes
-from lightning_parallel.memory.facts import ModelFacts
-from lightning_parallel.memory.links import Links
-from lightning_parallel.memory.planner import Budget, Candidate, fastest_fit, plan_search
-from lightning_parallel.memory.search import Search
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.estimate import format_bytes
+from lightning_parallel.planner.facts import ModelFacts
+from lightning_parallel.planner.links import Links
+from lightning_parallel.planner.ranking import Budget, Candidate, fastest_fit, plan_search
+from lightning_parallel.planner.search import Search
 
 
 class NothingFits(ValueError):

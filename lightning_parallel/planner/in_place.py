@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_parallel.distributed.agree import agree, distributed_ready, world_size
-from lightning_parallel.memory.facts import ModelFacts, planned_tensors
+from lightning_parallel.planner.facts import ModelFacts, planned_tensors
 from lightning_parallel.techniques import TECHNIQUES
 from lightning_parallel.techniques.contract import TimeBench
 from lightning_parallel.techniques.tensor_parallel.traced import register_missing_shardings

@@ -14,7 +14,7 @@ A module of neither shape cannot be split, but ``PipelineStrategy(pipeline_size=
 whole on each rank (replicas, ZeRO-1, offload: its traced path needs no blocks for one stage): its
 top-level children are then its units (``kind="whole"``), all on the one stage.
 
-Call order comes from forward hooks during the probe forward (:mod:`lightning_parallel.memory.probe`).
+Call order comes from forward hooks during the probe forward (:mod:`lightning_parallel.planner.probe`).
 """
 
 from __future__ import annotations

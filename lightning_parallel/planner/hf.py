@@ -1,6 +1,6 @@
 """A Hugging Face causal LM from its ``config.json``, for the planner's command line (no weights read).
 
-    python -m lightning_parallel.memory lightning_parallel.memory.hf:causal_lm \\
+    python -m lightning_parallel.planner lightning_parallel.planner.hf:causal_lm \\
         --init config=llama-checkpoint/config.json --batch long:512 long:512 --meta \\
         --global-batch-size 64 --devices 8 --memory 80GiB --optimizer AdamW
 
