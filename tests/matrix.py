@@ -86,7 +86,8 @@ class Model:
     validation loss of ``(output, target)``; ``optimizer``: what its
     ``configure_optimizers`` makes (``"adamw"``, ``"sgd"``); ``tied``: its first and last unit share a
     weight; ``traced``: split from a traced forward (not a top-level ``nn.Sequential``);
-    ``tensor_parallel``: its blocks split over tensor-parallel ranks; ``predicts``: its predictions are
+    ``tensor_parallel``: its blocks split over tensor-parallel ranks; ``attention``: its attention is
+    ``F.scaled_dot_product_attention`` (what sequence parallelism splits); ``predicts``: its predictions are
     compared (a GPT's argmax can tie); ``cost``: seconds of one rank's fit, relative to the MLP's (the
     traced forward is exported in each mode).
     """
@@ -102,6 +103,7 @@ class Model:
     tied: bool = False
     traced: bool = False
     tensor_parallel: bool = False
+    attention: bool = False
     predicts: bool = False
     cost: float = 1.0
 
@@ -115,10 +117,10 @@ MODELS = {
                  lambda: regression_data(VAL_BATCH, 16, 16, seed=1), units=5, loss=F.mse_loss, tied=True,
                  predicts=True),
     "gpt": Model(InPlaceGPT, lambda: token_data(SAMPLES), lambda: token_data(VAL_BATCH, seed=1), units=5,
-                 optimizer="sgd", tensor_parallel=True, cost=3),
+                 optimizer="sgd", tensor_parallel=True, attention=True, cost=3),
     "traced": Model(lambda: SplitQkvTinyGPT(depth=4), lambda: token_data(SAMPLES),
                     lambda: token_data(VAL_BATCH, seed=1), units=4, optimizer="sgd", tied=True, traced=True,
-                    tensor_parallel=True, cost=10),
+                    tensor_parallel=True, attention=True, cost=10),
 }  # fmt: skip
 TRAINER = dict(accumulate_grad_batches=2, gradient_clip_val=0.5, val_check_interval=2, limit_val_batches=1,
                num_sanity_val_steps=0, log_every_n_steps=1)  # fmt: skip
@@ -188,6 +190,7 @@ NOT_SEARCHED: dict[str, tuple[dict[str, Any], ...]] = {
     "replicas": (),  # (data_parallel="replicate" with replicas: the default)
     "overlap": ({"overlap_gradient_reduction": False},),  # (on, the default: every case with replicas)
     "offload": ({"offload": ("optimizer", "activations")}, {"offload": ("parameters", "activations")}),
+    "sequence_parallel": ({"sequence_parallel_size": 2},),  # (searched where a model's heads are known)
 }
 """Per technique (every one of ``TECHNIQUES``, by name), the variants its ``variants()`` does not yield."""
 
@@ -279,6 +282,8 @@ def supports(model: str, shape: Shape, options: dict[str, Any]) -> bool:
     spec = MODELS[model]
     if options.get("tensor_parallel_size", 1) > 1 and not spec.tensor_parallel:
         return False
+    if options.get("sequence_parallel_size", 1) > 1 and not spec.attention:
+        return False  # refused: no scaled_dot_product_attention to split the sequence around
     if shape.pipeline_size * shape.stages_per_rank > spec.units:
         return False
     if spec.traced and options.get("parallelize_fn"):  # refused: a traced stage has no modules to give
@@ -295,7 +300,8 @@ def _sensible(shape: Shape, options: dict[str, Any]) -> bool:
     """Sharding over the replicas needs replicas (as the search asks: the plan accepts one), and HSDP
     replicas of the shards (the plan accepts a shard size of all the data-parallel ranks: FSDP2); the
     overlapped reduction's off switch needs the replicas' all-reduce it switches (FSDP2's is its own)."""
-    replicas = shape.world // (shape.pipeline_size * options.get("tensor_parallel_size", 1))
+    across = options.get("tensor_parallel_size", 1) * options.get("sequence_parallel_size", 1)
+    replicas = shape.world // (shape.pipeline_size * across)
     if options.get("overlap_gradient_reduction") is False and (
         replicas == 1 or options.get("data_parallel") == "fsdp"
     ):

@@ -216,8 +216,11 @@ def _close(what: str, actual: Any, expected: Any, tolerance: dict) -> list[str]:
 
 def _validated(case: Case, records: list[dict], params: dict, tolerance: dict) -> list[str]:
     """Each rank's validation loss: its replica's share of the validation batch (every ``replicas``-th
-    sample, as Lightning's sampler deals them), on one device's weights when validation began."""
+    sample, as Lightning's sampler deals them) and, split over ``k`` sequence-parallel ranks (the
+    innermost: no tensor parallelism beside them), its contiguous ``1/k`` of each sample's tokens, on one
+    device's weights when validation began."""
     spec, replicas = MODELS[case.model], case.plan.data_parallel_size
+    k = case.plan.sequence_parallel_size
     module = spec.build()
     module.load_state_dict(params)
     x, y = spec.val().tensors
@@ -225,7 +228,10 @@ def _validated(case: Case, records: list[dict], params: dict, tolerance: dict) -
     problems = []
     for rank, r in enumerate(records):
         with torch.no_grad(), autocast:
-            want = spec.loss(module.eval()(x[r["dp_rank"] :: replicas]), y[r["dp_rank"] :: replicas]).float()
+            out, target = module.eval()(x[r["dp_rank"] :: replicas]), y[r["dp_rank"] :: replicas]
+            if k > 1:
+                out, target = out.chunk(k, dim=1)[rank % k], target.chunk(k, dim=1)[rank % k]
+            want = spec.loss(out, target).float()
         problems += _close(
             f"rank {rank}'s validation loss", torch.tensor(r["val"]), want.reshape(1), tolerance
         )
@@ -245,7 +251,8 @@ def _problems(case: Case, records: list[dict], ref: dict) -> list[str]:
     logged, per_epoch = records[0]["logged"], len(ref["logged"]) // 2
     if len(logged) != per_epoch:
         problems.append(f"rank 0 logged {len(logged)} training losses, one device {per_epoch}")
-    elif case.plan.data_parallel_size == 1:  # (with replicas, rank 0 logs its replica's, as under DDP)
+    elif case.plan.data_parallel_size == case.plan.sequence_parallel_size == 1:
+        # (with replicas, rank 0 logs its replica's, as under DDP; split, its tokens' share)
         want = ref["logged"][per_epoch * epoch : per_epoch * (epoch + 1)]
         problems += _close("logged losses", logged, want, tolerance)
     if MODELS[case.model].predicts:

@@ -1,11 +1,10 @@
 """grads/tied.py: tied weights named once, re-tied, found across ranks, and kept identical (gloo); the
-same job builds layout/mesh.py's groups by role, with a hypothetical extra axis."""
+same job builds layout/mesh.py's groups by role, with a sequence-parallel axis."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from mp_harness import spawn_gloo
-from test_mesh import WithSequenceAxis
 from torch import nn
 
 from lightning_parallel.grads.tied import SharedParameter, SharedReplicas, find_shared
@@ -100,7 +99,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 def _roles_with_a_sequence_axis():
     """2 replicas x 2 sequence slices: each role's group (its ranks, as torch has them), and a sum over it."""
-    mesh = build_mesh("cpu", WithSequenceAxis(pp_size=1, dp_size=2))
+    mesh = build_mesh("cpu", RankLayout(pp_size=1, dp_size=2, sp_size=2))
     roles = {}
     for role in ("gradients", "shard", "data", "tokens", "predictions", "pipeline"):
         total = torch.tensor([float(dist.get_rank())])

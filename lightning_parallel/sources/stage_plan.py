@@ -66,8 +66,9 @@ def stage_plan(
     ]
     per_rank = None
     if layout.dp_shard_size > 1:  # FSDP2: what each of a stage's ranks keeps of its parameters
+        # (over the shard role: the data-parallel shards x the sequence-parallel ranks, which join it)
         shards = {
-            n: shard_bytes(p.shape, p.element_size(), layout.dp_shard_size)
+            n: shard_bytes(p.shape, p.element_size(), layout.size("shard"))
             for n, p in module.named_parameters()
         }
         per_rank = [sum(shards[n] for n in ps) for ps in params]
