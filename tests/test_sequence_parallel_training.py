@@ -3,7 +3,8 @@
 One spawned job of 4 gloo ranks runs each configuration in turn (the imports paid once): a Sequential
 GPT written with ``F.scaled_dot_product_attention`` at k=2 beside 2 replicas, a traced GPT at k=2 x 2
 pipeline stages, and a Hugging Face Llama with grouped-query attention (4 query heads, 2 key/value heads)
-at k=2 beside 2 replicas. Every target carries ``-100`` prompt labels (the first shard holds more of them
+at k=2 beside 2 replicas; the first two predict too (each token's logits, the shards' joined in token
+order). Every target carries ``-100`` prompt labels (the first shard holds more of them
 than the second, so only a token-weighted mean is exact: ``TokenWeightedLoss``). A GPT whose attention is
 a hand-written softmax is refused on every rank after its first step, naming what was looked for.
 """
@@ -83,13 +84,18 @@ def _callbacks() -> list:
 
 def _job(rank: int, world: int, out_dir: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    predicted: dict[str, list] = {}
     for name, (kind, kwargs) in CONFIGS.items():
         dp = world // (kwargs["pipeline_size"] * kwargs["sequence_parallel_size"])
         trainer = quiet_trainer(
             devices=world, strategy=PipelineStrategy(num_microbatches=2, **kwargs),
             callbacks=[*_callbacks(), GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")], **TRAIN,
         )  # fmt: skip
-        trainer.fit(_model(kind), loader(_data(kind), GLOBAL_BATCH // dp))
+        model = _model(kind)
+        trainer.fit(model, loader(_data(kind), GLOBAL_BATCH // dp))
+        if kind != "llama":  # predictions of each token, the shards' joined (rank 0 collects them all)
+            model.predict_step = lambda batch, batch_idx, model=model: model(batch[0])
+            predicted[name] = trainer.predict(model, loader(_data(kind), GLOBAL_BATCH // dp))
     refused = ""
     try:
         trainer = quiet_trainer(
@@ -98,7 +104,7 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         trainer.fit(_model("softmax"), loader(_data("softmax"), GLOBAL_BATCH))
     except RuntimeError as err:
         refused = str(err)
-    torch.save({"refused": refused}, f"{out_dir}/rank{rank}.pt")
+    torch.save({"refused": refused, "predicted": predicted}, f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.mark.multiprocess
@@ -114,6 +120,14 @@ def test_sequence_parallel_training_matches_one_device(tmp_path):
         params, losses, _ = merged_records(tmp_path, name, WORLD)
         assert_close_dicts(params, refs[kind]["params"], rtol=1e-5, atol=1e-5)
         assert len(losses) == len(refs[kind]["losses"]) == 4
+        if kind != "llama":  # the logits of every token of every sample, in order, on global rank 0
+            model = _model(kind)
+            model.load_state_dict(refs[kind]["params"])
+            with torch.no_grad():
+                want = model.eval()(_data(kind).tensors[0])
+            got = torch.cat(records[0]["predicted"][name])
+            assert got.shape == want.shape == (16, 8, 13)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Every rank refused the GPT without SDPA, with what was looked for and the fix.
     for record in records:
         assert "found no attention to split in TinyGPT" in record["refused"]
@@ -207,3 +221,19 @@ def test_no_attention_found_is_refused_after_the_first_step_naming_what_was_look
         pass
     with found:  # (checked once)
         pass
+
+
+def test_the_shards_predictions_join_in_token_order_and_a_value_without_tokens_that_differs_is_refused():
+    from lightning_parallel.techniques.sequence_parallel.shards import joined_shards
+
+    first = {"ids": torch.tensor([[0, 1]]), "n": 3, "per_sample": torch.tensor([1.0])}
+    second = {"ids": torch.tensor([[2, 3]]), "n": 3, "per_sample": torch.tensor([1.0])}
+    joined = joined_shards([first, second], length=2)
+    assert (
+        joined["ids"].tolist() == [[0, 1, 2, 3]]
+        and joined["n"] == 3
+        and joined["per_sample"].tolist() == [1.0]
+    )
+    second["per_sample"] = torch.tensor([2.0])
+    with pytest.raises(ValueError, match=r"output\['per_sample'\] differs between the 2 shards.*per-token"):
+        joined_shards([first, second], length=2)

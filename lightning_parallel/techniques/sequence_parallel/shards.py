@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["sequence_length", "shard_batch"]
+__all__ = ["joined_shards", "sequence_length", "shard_batch"]
 
 
 def shard_batch(
@@ -75,6 +75,48 @@ def shard_batch(
         return x.narrow(seq_dim, index * t, t).contiguous()
 
     return _map_tensors(batch, shard)
+
+
+def joined_shards(outputs: Sequence[Any], length: int, seq_dim: int = 1, where: str = "output") -> Any:
+    """The group's outputs of one step (shard 0 first) joined in token order: :func:`shard_batch` undone.
+
+    Each tensor with ``length`` (one shard's tokens) on ``seq_dim`` is concatenated there; any other
+    value must be the same on every shard (it is kept once), else it is refused: a value computed from one
+    shard's tokens (a per-sample mean, a count) is not the whole sequence's, and nothing can join it.
+
+    Raises:
+        ValueError: a value without the token dimension differs between the shards (named by its path).
+
+    Example::
+
+        >>> a, b = {"logits": torch.zeros(1, 2, 3)}, {"logits": torch.ones(1, 2, 3)}
+        >>> joined_shards([a, b], length=2)["logits"][0, :, 0].tolist()
+        [0.0, 0.0, 1.0, 1.0]
+    """
+    first = outputs[0]
+    if torch.is_tensor(first):
+        if first.dim() > seq_dim and first.shape[seq_dim] == length:
+            return torch.cat([o.to(first.device) for o in outputs], dim=seq_dim)
+        if all(torch.equal(first, o.to(first.device)) for o in outputs[1:]):
+            return first
+    elif isinstance(first, Mapping):
+        return type(first)(
+            {k: joined_shards([o[k] for o in outputs], length, seq_dim, f"{where}[{k!r}]") for k in first}
+        )
+    elif isinstance(first, tuple | list):
+        joined = [
+            joined_shards([o[i] for o in outputs], length, seq_dim, f"{where}[{i}]")
+            for i in range(len(first))
+        ]
+        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
+    elif all(o == first for o in outputs[1:]):
+        return first
+    raise ValueError(
+        f"sequence parallelism: the predict_step's {where} differs between the {len(outputs)} shards of the "
+        f"sequence and has no token dimension ({seq_dim}, of {length} tokens a shard) to join them on. Each "
+        "rank sees only its shard's tokens: return per-token values (logits, ids) from predict_step and "
+        "reduce them after the prediction"
+    )
 
 
 def sequence_length(batch: Any, seq_dim: int = 1) -> int:

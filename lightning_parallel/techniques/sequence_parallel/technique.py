@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.techniques.contract import Job, Technique
@@ -39,7 +40,7 @@ from lightning_parallel.techniques.sequence_parallel.heads import check_heads
 from lightning_parallel.techniques.sequence_parallel.labels import shifts_labels
 from lightning_parallel.techniques.sequence_parallel.masks import check_window
 from lightning_parallel.techniques.sequence_parallel.positions import shard_position_ids, takes_position_ids
-from lightning_parallel.techniques.sequence_parallel.shards import sequence_length, shard_batch
+from lightning_parallel.techniques.sequence_parallel.shards import joined_shards, sequence_length, shard_batch
 
 _QUERY_HEADS = ("num_attention_heads", "num_heads", "n_head", "heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "kv_heads")
@@ -159,6 +160,15 @@ class SequenceParallel(Technique):
         if job.plan.sequence_parallel_size == 1:
             return None
         return self._found[job.stages]  # (a context entered step after step)
+
+
+def joined_predictions(output: Any, batch: Any, mesh: Any) -> Any:
+    """A prediction step's output on every rank of the sequence-parallel group, joined in token order
+    (each rank predicted its shard's tokens of ``batch``, the shard it was given); a collective of the
+    group, before the replicas' predictions are collected."""
+    outputs: list[Any] = [None] * mesh.size("sequence")
+    dist.all_gather_object(outputs, output, group=mesh.group("sequence"))
+    return joined_shards(outputs, sequence_length(batch))
 
 
 TECHNIQUE = SequenceParallel()
