@@ -6,7 +6,8 @@ pipeline stages, and a Hugging Face Llama with grouped-query attention (4 query 
 at k=2 beside 2 replicas; the first two predict too (each token's logits, the shards' joined in token
 order). Every target carries ``-100`` prompt labels (the first shard holds more of them
 than the second, so only a token-weighted mean is exact: ``TokenWeightedLoss``). A GPT whose attention is
-a hand-written softmax is refused on every rank after its first step, naming what was looked for.
+a hand-written softmax is refused on every rank after its first step, naming what was looked for, with
+one pipeline rank and with two (whose stages' attentions are counted together).
 """
 
 from __future__ import annotations
@@ -96,14 +97,15 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         if kind != "llama":  # predictions of each token, the shards' joined (rank 0 collects them all)
             model.predict_step = lambda batch, batch_idx, model=model: model(batch[0])
             predicted[name] = trainer.predict(model, loader(_data(kind), GLOBAL_BATCH // dp))
-    refused = ""
-    try:
-        trainer = quiet_trainer(
-            devices=world, strategy=PipelineStrategy(pipeline_size=1, sequence_parallel_size=2), max_steps=1
-        )
-        trainer.fit(_model("softmax"), loader(_data("softmax"), GLOBAL_BATCH))
-    except RuntimeError as err:
-        refused = str(err)
+    refused = {}
+    for pipeline_size in (1, 2):  # (with stages, the attentions are counted over the pipeline)
+        refused[pipeline_size] = ""
+        try:
+            strategy = PipelineStrategy(pipeline_size=pipeline_size, sequence_parallel_size=2)
+            trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
+            trainer.fit(_model("softmax"), loader(_data("softmax"), GLOBAL_BATCH))
+        except RuntimeError as err:
+            refused[pipeline_size] = str(err)
     torch.save({"refused": refused, "predicted": predicted}, f"{out_dir}/rank{rank}.pt")
 
 
@@ -130,11 +132,9 @@ def test_sequence_parallel_training_matches_one_device(tmp_path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Every rank refused the GPT without SDPA, with what was looked for and the fix.
     for record in records:
-        assert "found no attention to split in TinyGPT" in record["refused"]
-        assert (
-            "scaled_dot_product_attention" in record["refused"]
-            and "attn_implementation='sdpa'" in record["refused"]
-        )
+        for refused in record["refused"].values():  # (one pipeline rank; two)
+            assert "found no attention to split in TinyGPT" in refused
+            assert "scaled_dot_product_attention" in refused and "attn_implementation='sdpa'" in refused
 
 
 # ------------------------------------------------------------------------------ refusals, one process
@@ -215,7 +215,7 @@ def test_the_plan_refuses_what_cannot_split_the_sequence_and_sizes_the_grid():
 
 
 def test_no_attention_found_is_refused_after_the_first_step_naming_what_was_looked_for():
-    found = FoundAttention(None, 1, "MyModel")
+    found = FoundAttention(1, "MyModel", torch.device("cpu"))
     found.counts.append(lambda: 0)
     with pytest.raises(RuntimeError, match=r"no attention to split in MyModel.*scaled_dot_product"), found:
         pass

@@ -133,9 +133,7 @@ class SequenceParallel(Technique):
         if k == 1:
             return None
         group = job.mesh.group("sequence")
-        found = FoundAttention(
-            job.mesh.group("pipeline"), job.mesh.size("pipeline"), type(job.module).__name__
-        )
+        found = FoundAttention(job.mesh.size("pipeline"), type(job.module).__name__, job.device)
         if view.graphs:
             positions = not position_takers(job.module)  # (given as position_ids, else offset in the graph)
 
@@ -179,12 +177,12 @@ class FoundAttention:
 
     A context around each schedule step (reused: it checks at the first exit without an error).
 
-    A stage may hold none (the head alone): the counts are summed over the pipeline, one all-reduce
-    after the first schedule step (every rank of the pipeline is there), so every rank raises together.
+    A stage may hold none (the head alone): under a pipeline the counts are summed, one all-reduce over
+    every rank after the first schedule step (each is there), so every rank raises together.
     """
 
-    def __init__(self, group: Any, size: int, what: str) -> None:
-        self.group, self.size, self.what = group, size, what
+    def __init__(self, size: int, what: str, device: torch.device) -> None:
+        self.size, self.what, self.device = size, what, device
         self.counts: list[Callable[[], int]] = []
         self.checked = False
 
@@ -195,11 +193,15 @@ class FoundAttention:
         if self.checked or kind is not None:  # (once; not over another error)
             return
         self.checked = True
-        if self.size > 1:
-            # (the sum over a pipeline's stages hung in an all-reduce here on 2 gloo stages: not yet
-            # found why; a pipeline's attentions are not checked until it is)
-            return
         total = float(sum(count() for count in self.counts))
+        if self.size > 1:
+            # Over the world, not the pipeline: every rank is here after its first schedule step, and
+            # every pipeline holds the same model (the sum is the pipelines' count times theirs). An
+            # all-reduce on the pipeline's own group here hung on gloo (4 ranks, pp 2 x sp 2), behind
+            # the schedule's point-to-point traffic on that group.
+            found = torch.tensor([total], device=self.device)
+            dist.all_reduce(found)
+            total = float(found.item())
         if total == 0:
             raise RuntimeError(
                 f"sequence parallelism found no attention to split in {self.what}: it looks for calls of "
