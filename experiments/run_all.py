@@ -46,6 +46,7 @@ ALL = "make experiments"  # the row of run_all.csv that holds a full run's total
 PAGE_ORDER = (
     "pipeline",
     "schedules",
+    "overlap",
     "pipeline_memory",
     "fsdp_memory",
     "memory_validation",

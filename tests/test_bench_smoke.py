@@ -342,6 +342,7 @@ QUICK = {
     "bench_hf_pipeline": [],
     "bench_metric_sync": [],
     "bench_offload": [],
+    "bench_overlap": [],
     "bench_pipeline": ["--repeats", "2"],
     "bench_pipeline_memory": [],
     "bench_schedules": [],
