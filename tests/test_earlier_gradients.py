@@ -64,3 +64,18 @@ def test_lightning_still_says_whether_a_batch_steps_the_optimizer():
     from lightning.pytorch.loops.fit_loop import _FitLoop
 
     assert callable(getattr(_FitLoop, "_should_accumulate", None))
+
+
+def test_a_backward_hook_keeps_the_reduction_after_it_but_the_watchdogs_does_not():
+    from lightning.pytorch import Trainer
+
+    from lightning_parallel import HangWatchdog
+    from lightning_parallel.strategies.pipeline.earlier_gradients import hooks_write_gradients
+
+    class ScalesGradients(Callback):
+        def on_after_backward(self, trainer, pl_module):
+            pass
+
+    module = SequentialRegressor()
+    assert not hooks_write_gradients(Trainer(callbacks=[HangWatchdog()], logger=False), module)
+    assert hooks_write_gradients(Trainer(callbacks=[HangWatchdog(), ScalesGradients()], logger=False), module)

@@ -59,6 +59,9 @@ class HangWatchdog(Callback):
         trainer = L.Trainer(devices=8, strategy="ddp", callbacks=[HangWatchdog(timeout=300)])
     """
 
+    leaves_gradients_alone = True
+    """Its backward hooks only note where the rank is: the overlapped gradient reduction stays on."""
+
     @checks_options
     def __init__(
         self, timeout: float | timedelta = 300.0, report_path: str | os.PathLike | None = None

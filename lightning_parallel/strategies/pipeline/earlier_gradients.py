@@ -61,8 +61,13 @@ def ends_optimizer_step(trainer: pl.Trainer) -> bool:
 def hooks_write_gradients(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
     """Whether a hook between the schedule and the optimizer step's sync may change the gradients
     (``on_before_backward``, ``on_after_backward``): a reduction started during backward would miss it,
-    so the gradients are reduced after them, as without the overlap."""
+    so the gradients are reduced after them, as without the overlap. A callback whose class says
+    ``leaves_gradients_alone = True`` (``HangWatchdog``: its hooks only note where the rank is) does not
+    count."""
     names = ("on_before_backward", "on_after_backward")
     return any(is_overridden(n, module) for n in names) or any(
-        is_overridden(n, cb, pl.Callback) for cb in trainer.callbacks for n in names
+        is_overridden(n, cb, pl.Callback)
+        for cb in trainer.callbacks
+        if not getattr(cb, "leaves_gradients_alone", False)
+        for n in names
     )
