@@ -214,3 +214,27 @@ def test_what_every_step_pays_is_added_to_every_plan(facts):
     pp = ParallelPlan("pipeline", 2, 2, 4)
     assert step_time(facts, paying, pp, 16).seconds > step_time(facts, plain, pp, 16).seconds + 3e-3
     assert "overhead 3.8 ms" in step_time(facts, paying, ParallelPlan("pipeline", 2, 1, 4), 8).describe()
+
+
+def test_the_overlapped_reduction_is_charged_only_where_it_outlasts_the_last_backward(facts):
+    grads = sum(t.grad for t in facts.tensors.values())
+    compute = step_time(
+        facts, given_links(bandwidth=1e12), ParallelPlan("pipeline", 2, 1, 1), samples=8
+    ).schedule
+    slow = given_links(bandwidth=grads / (0.5 * compute))  # (the all-reduce: half the forward + backward)
+
+    def communication(links, **options):
+        return step_time(facts, links, ParallelPlan("pipeline", 2, 1, 1, **options), samples=8).communication
+
+    off = communication(slow, overlap_gradient_reduction=False)
+    assert off == pytest.approx(slow.all_reduce(2, grads))
+    # One bucket (25 MB holds every gradient) starts when the backward ends: nothing hidden.
+    assert communication(slow) == pytest.approx(off)
+    # 10 kB buckets: all but the last run beside the backward; perfectly overlapped they hide ...
+    cap = 0.01
+    hidden = communication(slow, bucket_cap_mb=cap)
+    assert slow.all_reduce(2, cap * 1024 * 1024) <= hidden < 0.5 * off
+    # ... and run serially beside it (the links' measured slowdown 2: no overlap) they hide nothing.
+    assert communication(replace(slow, overlap=2.0), bucket_cap_mb=cap) == pytest.approx(off)
+    # FSDP2's stages and the split-backward schedules are charged after the schedule, as before.
+    assert communication(slow, bucket_cap_mb=cap, schedule="zbv", stages_per_rank=2) >= off

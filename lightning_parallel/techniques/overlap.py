@@ -90,7 +90,25 @@ class Overlap(Technique):
         return [average] if average is not None else []
 
     def time(self, ledger: TimeLedger) -> None:
-        """Nothing yet: the replicas' all-reduce is charged after the schedule (``replicas.py``)."""
+        """Only the exposed part of the replicas' all-reduce, in the tail: the buckets run beside the last
+        micro-batch's backward of the rank's stages (both slowed by the links' measured ``overlap``:
+        :meth:`~lightning_parallel.planner.links.Links.overlapped`), but the last bucket, the first
+        layers' gradients, starts when that backward ends. Where the reduction does not overlap (off,
+        one replica, FSDP2's stages, the split-backward schedules' weight passes) it leaves the
+        gradients to ``replicas.py``, which charges the whole all-reduce after the schedule."""
+        plan, dp = ledger.plan, ledger.plan.data_parallel_size
+        split_backward = plan.schedule in ("interleaved_zero_bubble", "zbv", "dualpipev")
+        if not plan.overlap_gradient_reduction or dp == 1 or plan.data_parallel == "fsdp" or split_backward:
+            return
+        if ledger.unreduced <= 0:
+            return
+        links, nbytes = ledger.links, ledger.unreduced
+        last = links.all_reduce(dp, min(nbytes, plan.bucket_cap_mb * MB))
+        rest = links.all_reduce(dp, nbytes) - last
+        backward = sum(ledger.backward.values())  # (the last micro-batch's, on this rank's stages)
+        hidden_beside = links.overlapped(backward, rest) - backward  # (what outlasts the backward)
+        ledger.tail["communication"] += max(hidden_beside, 0.0) + last
+        ledger.unreduced = 0.0
 
 
 TECHNIQUE = Overlap()
