@@ -94,7 +94,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         else:
             average(finished=())
             started.append(average.started)
-        record[mode] = ([p.grad.clone() for p in model.parameters()], started, len(average.buckets))
+        spans = [(name, end - start) for name, start, end in getattr(average, "spans", [])]
+        record[mode] = ([p.grad.clone() for p in model.parameters()], started, len(average.buckets), spans)
     torch.save(record, f"{out_dir}/rank{rank}.pt")
 
 
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 def test_buckets_started_in_the_last_backward_average_bitwise_as_one_all_reduce_after_it(tmp_path):
     results = spawn_gloo(_worker, 2, tmp_path)
     for r in results:
-        reference, _, buckets = r["coalesced"]
+        reference, _, buckets, _ = r["coalesced"]
         assert buckets >= 3
         assert r["overlap"][1] == [
             0,
@@ -111,6 +112,9 @@ def test_buckets_started_in_the_last_backward_average_bitwise_as_one_all_reduce_
             buckets,
         ]  # nothing in the window's first batch, all in its last
         assert r["off"][1] == [0, 0, 0]
+        # The timeline's spans: each bucket started in backward, from its start to its completion.
+        assert [name for name, _ in r["overlap"][3]] == [f"all-reduce bucket {i}" for i in range(buckets)]
+        assert all(ns > 0 for _, ns in r["overlap"][3]) and r["off"][3] == []
         for mode in ("overlap", "off"):
             assert all(torch.equal(a, b) for a, b in zip(r[mode][0], reference)), mode
         # A late gradient: its bucket reduced again at the wait, from the gradient then there.

@@ -94,15 +94,18 @@ def _job(rank: int, world: int, out_dir: str) -> None:
     for name, cfg in ONE_RANK.items():
         torch.manual_seed(0)
         strategy = PipelineStrategy(num_microbatches=4, **cfg)
-        trainer = quiet_trainer(
-            devices=world, strategy=strategy, callbacks=[RankRecorder(Path(out_dir) / name)], **TRAIN
-        )
+        # (two replicas: the overlapped all-reduce's span on each rank's row, where backward is not split)
+        timeline = PipelineTimeline(steps=[1], dirpath=Path(out_dir) / name / "timeline")
+        callbacks = [RankRecorder(Path(out_dir) / name), timeline]
+        trainer = quiet_trainer(devices=world, strategy=strategy, callbacks=callbacks, **TRAIN)
         # Each replica half of the global batch (and of the validation set) under Lightning's sampler.
         trainer.fit(
             SequentialRegressor(),
             loader(data, GLOBAL_BATCH // world),
             loader(regression_data(16), 8 // world),
         )
+        if rank == 0:
+            torch.save(timeline.records, Path(out_dir) / f"{name}-timeline.pt")
     # The traced path (a GPT whose head is tied to its embedding: both on rank 0 under V) runs the V
     # schedules too: its stages are manual PipelineStages.
     for name in TRACED_V:
@@ -146,6 +149,14 @@ def test_zero_bubble_and_v_schedules_match_one_device(tmp_path):
         _assert_as_on_one_device(tmp_path / name, ref, name)
     for name in ONE_RANK:
         _assert_replicas_as_on_one_device(tmp_path / name, ref, name)
+        # The replicas' all-reduce, started during the last backward, drawn on each rank's row (not
+        # under the zero-bubble schedule, whose weight passes are not overlapped yet).
+        records = torch.load(tmp_path / f"{name}-timeline.pt", weights_only=False)
+        for r in records:
+            spans = [e for e in r.events if e.category == "background"]
+            overlapped = "zero_bubble" not in name
+            assert [e.name for e in spans] == (["all-reduce bucket 0"] if overlapped else []), (name, r.rank)
+            assert all(r.begin <= e.start < e.end <= r.end for e in spans), name
     # V placement: rank 0 holds the first and the last stage, rank 1 the two middle ones.
     plan = torch.load(tmp_path / "zbv-plan.pt", weights_only=False)
     assert [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]

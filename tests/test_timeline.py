@@ -125,6 +125,11 @@ def test_the_ideal_replays_the_recorded_order_with_free_communication():
     twins = [StepRecord(0, r.rank + 2, r.label, r.begin, r.end, r.events, replica=1) for r in records]
     both = summarize(records + twins)
     assert (both.compute, both.bubble, both.other) == pytest.approx((s.compute, s.bubble, s.other))
+    # A span beside the others (an overlapped all-reduce) is drawn on a row of its own, not added up.
+    records[0].events.append(Event("all-reduce bucket 0", "background", 2_000_000, 9_000_000))
+    assert summarize(records).line() == s.line()
+    trace = chrome_trace(records)
+    assert [e["tid"] for e in trace["traceEvents"] if e["name"] == "all-reduce bucket 0"] == [2]
     # An order the dependencies cannot replay has no ideal, rather than a wrong one.
     records[0].events[0].args["stage"] = 1
     assert ideal_makespan(records) is None

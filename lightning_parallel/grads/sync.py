@@ -65,6 +65,10 @@ class GradientSync:
     replicas: int
     items: ItemWindow | None = None
 
+    def background_spans(self) -> list[tuple[str, int, int]]:
+        """What the reductions ran beside the last step's compute (``Reduction.spans``), for the timeline."""
+        return [span for reduction in self.reductions for span in getattr(reduction, "spans", ())]
+
     def __call__(self) -> None:
         finished: list[torch.Tensor] = []
         for reduction in (r for r in self.reductions if r.before_tied_sum):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,6 +145,9 @@ class Reduction:
 
     params: Collection[torch.Tensor] = ()
     before_tied_sum: bool = False
+    spans: Sequence[tuple[str, int, int]] = ()
+    """What it ran beside the step's compute in the last optimizer step, for the timeline: ``(name,
+    start, end)`` on ``time.perf_counter_ns``'s clock (the overlapped buckets' all-reduces)."""
 
     def __call__(self, finished: Collection[torch.Tensor]) -> None:
         """Reduce; ``finished``: the parameters that the reductions before this one finished."""

@@ -36,6 +36,7 @@ made an FSDP root), a single replica (nothing to reduce).
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -181,6 +182,8 @@ class _Bucket:
         self.flat: torch.Tensor | None = None
         self.work: Any = None
         self.counted: list[int] = []
+        self.times: list[int] = []  # perf_counter_ns when its all-reduce started, and when it completed
+        self.timed: Any = None  # the future that notes the completion
 
 
 class BucketedAverage(Reduction):
@@ -216,6 +219,7 @@ class BucketedAverage(Reduction):
         self._next = 0  # the next bucket to start: they start in order, on every replica alike
         self.in_flight = 0  # buckets started during this step's backward, not waited for yet
         self.started = 0  # buckets the last optimizer step found started during its backward (tests, bench)
+        self.spans: list[tuple[str, int, int]] = []  # those buckets' all-reduces (the timeline draws them)
         self._hooks = (
             [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params] if overlap else []
         )
@@ -252,13 +256,21 @@ class BucketedAverage(Reduction):
     def _start(self, bucket: _Bucket) -> None:
         bucket.flat = _flatten_dense_tensors([local(p.grad) for p in bucket.params])
         bucket.counted = [self._count[id(p)] for p in bucket.params]
+        bucket.times = [time.perf_counter_ns()]
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        times = bucket.times  # (completed on the backend's thread: the span's true end, not the wait's)
+        bucket.timed = bucket.work.get_future().then(lambda _: times.append(time.perf_counter_ns()))
         self.in_flight += 1
 
     # --- the reduction: the optimizer step waits here, before it reads the gradients
     def __call__(self, finished: Collection[torch.Tensor]) -> None:
-        for bucket in self.buckets:
+        self.spans = []
+        for index, bucket in enumerate(self.buckets):
+            timed, bucket.timed = bucket.timed, None
             self._finish(bucket)
+            if timed is not None:
+                timed.wait()
+                self.spans.append((f"all-reduce bucket {index}", *bucket.times))
         self._expected, self._next, self.started, self.in_flight = 0, 0, self.in_flight, 0
 
     def _finish(self, bucket: _Bucket) -> None:
@@ -284,7 +296,7 @@ class BucketedAverage(Reduction):
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-            bucket.flat, bucket.work = None, None
+            bucket.flat, bucket.work, bucket.timed = None, None, None
         self.in_flight = 0
 
     def remove_hooks(self) -> None:

@@ -22,8 +22,9 @@ from lightning_parallel.distributed.clock import clock_offsets
 from lightning_parallel.distributed.collectives import all_gather_objects
 from lightning_parallel.timeline._torch_hooks import patched
 
-# category of each span: what the report adds up
-CATEGORIES = ("compute", "wait", "comm", "loss", "collective", "optimizer")
+# category of each span: what the report adds up ("background": what ran beside the others, the
+# overlapped gradient all-reduces, drawn but not added to the rank's time)
+CATEGORIES = ("compute", "wait", "comm", "loss", "collective", "optimizer", "background")
 
 
 @dataclass

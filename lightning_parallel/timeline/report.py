@@ -25,7 +25,7 @@ from lightning_parallel.timeline.recorder import StepRecord
 # the Gantt chart's colours per span name (compute) or category
 COLOURS = {
     "F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#b279a2", "wait": "#d9d9d9", "comm": "#9d755d",
-    "loss": "#54a24b", "collective": "#eeca3b", "optimizer": "#72b7b2",
+    "loss": "#54a24b", "collective": "#eeca3b", "optimizer": "#72b7b2", "background": "#222222",
 }  # fmt: skip
 BREAKDOWN = ("loss", "collective", "optimizer", "comm")
 
@@ -79,7 +79,8 @@ def summarize(records: Sequence[StepRecord]) -> StepSummary:
     measured: dict[str, float] = defaultdict(float)
     for r in records:
         for e in r.events:
-            measured[e.category] += (e.end - e.start) * 1e-9
+            if e.category != "background":  # (beside the other spans: not the rank's own time)
+                measured[e.category] += (e.end - e.start) * 1e-9
     measured["untracked"] = window * len(records) - sum(measured.values())
     total = window * len(records)
     compute = measured["compute"]
@@ -153,8 +154,9 @@ def chrome_trace(records: Sequence[StepRecord]) -> dict[str, Any]:
         )
     for r in records:
         events.append(_x(f"step {r.step}", "step", r.begin, r.end, origin, r.rank, 0, {}))
-        for e in r.events:
-            events.append(_x(_title(e.name, e.args), e.category, e.start, e.end, origin, r.rank, 1, e.args))
+        for e in r.events:  # (the background on a row of its own: it overlaps the others)
+            row = 2 if e.category == "background" else 1
+            events.append(_x(_title(e.name, e.args), e.category, e.start, e.end, origin, r.rank, row, e.args))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -190,9 +192,8 @@ def write_gantt(records: Sequence[StepRecord], path: str | Path, title: str = ""
         for e in r.events:
             colour = COLOURS.get(e.name if e.category == "compute" else e.category, "#999999")
             x0, width = (e.start - origin) / 1e6, (e.end - e.start) / 1e6
-            ax.broken_barh(
-                [(x0, width)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.3
-            )
+            band = (row + 0.28, 0.12) if e.category == "background" else (row - 0.4, 0.68)
+            ax.broken_barh([(x0, width)], band, facecolors=colour, edgecolor="white", linewidth=0.3)
             if e.category == "compute":
                 ax.text(x0 + width / 2, row, f"{e.name}{e.args['mb']}", ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(records)), [f"rank {r.rank}\n{r.label}" for r in records])
@@ -201,7 +202,8 @@ def write_gantt(records: Sequence[StepRecord], path: str | Path, title: str = ""
     ax.set_title(title or f"step {records[0].step}")
     names = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)",
              "wait": "P2P wait", "comm": "P2P post", "loss": "loss_fn (user step)",
-             "collective": "log broadcast / grad sync", "optimizer": "optimizer step"}  # fmt: skip
+             "collective": "log broadcast / grad sync", "optimizer": "optimizer step",
+             "background": "gradient all-reduce (overlapped)"}  # fmt: skip
     ax.legend(handles=[Patch(color=COLOURS[k], label=v) for k, v in names.items()], fontsize=7,
               loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5)  # fmt: skip
     fig.tight_layout()

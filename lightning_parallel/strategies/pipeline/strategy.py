@@ -400,6 +400,8 @@ class PipelineStrategy(
         out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         if timeline is not None and synced:  # clipping (a pipeline all-reduce of the norm) and the step
             timeline.add("optimizer step", "optimizer", synced[-1], Timeline.now())
+            for name, start, end in self._sync.background_spans():  # (beside the backward: overlapped)
+                timeline.add(name, "background", start, end)
         return out
 
     @classmethod
