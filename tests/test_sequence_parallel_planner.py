@@ -162,6 +162,10 @@ def test_the_search_tries_k_where_the_heads_allow_and_the_sequence_is_long_or_it
     odd = SimpleNamespace(layout=facts.layout, tokens=planned.LONG_SEQUENCE + 2)  # (4 does not divide it)
     assert sizes(plan, SearchOptions(model=odd)) == [2]
     assert list(TECHNIQUE.variants(plan, SearchOptions(model=long, sequence_parallel=False))) == [{}]
+    gpt = TinyGPT(vocab=13, dim=16, heads=4)
+    eager = measure_model(gpt, _batch(tokens=8), optimizer=torch.optim.SGD(gpt.parameters(), lr=0.1))
+    assert planned.unit_attentions(eager.layout)["h.0"] == [(4, 4)]  # (sized when asked: see the heads)
+    assert sizes(plan, SearchOptions(model=eager, sequence_parallel=True)) == []  # (softmax(q k^T): no SDPA)
     unknown = torch.nn.Sequential(torch.nn.Linear(2, 2))
     none = SimpleNamespace(
         layout=SimpleNamespace(units=[SimpleNamespace(name="0", module=unknown)]), tokens=4096

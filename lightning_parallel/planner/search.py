@@ -136,7 +136,8 @@ class Search:
         return [plan for plan in plans if self._splits_plan(plan)]  # (a variant may change the replicas)
 
     def _splits_plan(self, plan: ParallelPlan) -> bool:
-        """Whether ``plan``'s replicas make whole batches of the global batch, split into its micro-batches."""
+        """Whether ``plan``'s replicas make whole batches of the global batch, each split into its
+        micro-batches."""
         found = self.batches(plan)
         return found is not None and found[0] % plan.num_microbatches == 0
 

@@ -35,6 +35,8 @@ An attention is found by its module (:func:`attentions`): a class named ``...Att
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -91,17 +93,50 @@ def unit_attentions(layout: Any) -> dict[str, list[Heads]]:
 
 def sizes(layout: Any) -> list[int]:
     """The group sizes above 1 that split every attention's heads, or ``[]`` where some attention does not
-    declare them or none is found.
+    declare them, none is found or one is not split at run time (:func:`splits`).
 
     Example::
 
         sizes(facts.layout)      # a Llama with 32 heads and 8 key/value heads: [2, 4, 8]
     """
     every = [h for found in unit_attentions(layout).values() for h in found]
-    if not every or any(h is None for h in every):
+    if not every or any(h is None for h in every) or not all(splits(u.module) for u in layout.units):
         return []
     common = set.intersection(*(set(sizes_that_work(*h)) for h in every if h is not None))
     return sorted(k for k in common if k > 1)
+
+
+def splits(module: nn.Module) -> bool:
+    """Whether the job would split every attention in ``module`` (what the search checks before it tries
+    ``k``; a plan given by hand is sized as asked, and the job refuses what it cannot split): a Hugging
+    Face attention with ``attn_implementation="sdpa"``, any other whose class's ``forward`` (or an
+    enclosing module's) calls ``scaled_dot_product_attention``.
+
+    Example::
+
+        splits(facts.layout.units[3].module)     # False: an eager Hugging Face attention
+    """
+    for path, sub in module.named_modules():
+        if int_attr(sub, _OWN_HEADS) is None and not type(sub).__name__.endswith(("Attention", "Attn")):
+            continue
+        config = getattr(sub, "config", None)
+        if int_attr(config, QUERY_HEADS) is not None:
+            if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+                return False
+            continue
+        parts = path.split(".") if path else []
+        enclosing = [module.get_submodule(".".join(parts[:i])) for i in range(len(parts))]
+        if not any(_calls_sdpa(type(m)) for m in [*sub.modules(), *enclosing]):
+            return False
+    return True
+
+
+@functools.cache
+def _calls_sdpa(cls: type) -> bool:
+    try:
+        return "scaled_dot_product_attention" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def shard(stage: Any, k: int) -> Any:

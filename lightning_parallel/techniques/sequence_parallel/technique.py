@@ -64,7 +64,8 @@ class SequenceParallel(Technique):
         PipelineStrategy(pipeline_size=2, sequence_parallel_size=2)   # 4 devices: 2 stages x 2 halves
     """
 
-    name, fields = "sequence_parallel", ("sequence_parallel_size",)
+    # (searched: plan="auto" chooses k, as the search tries it, and refuses one given beside it)
+    name, fields, searched = "sequence_parallel", ("sequence_parallel_size",), ("sequence_parallel_size",)
 
     def __init__(self) -> None:
         # Each job's check of the attentions found, by its stage view (a fit after another has its own).
