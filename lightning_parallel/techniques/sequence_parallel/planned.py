@@ -121,7 +121,7 @@ def splits(module: nn.Module) -> bool:
             continue
         config = getattr(sub, "config", None)
         if int_attr(config, QUERY_HEADS) is not None:
-            if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+            if getattr(config, "_attn_implementation", None) not in ("sdpa", None):
                 return False
             continue
         parts = path.split(".") if path else []
