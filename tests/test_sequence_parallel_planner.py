@@ -194,3 +194,31 @@ def test_the_search_proposes_k_2_where_it_fits_and_no_plan_of_whole_sequences_do
     without = plan_search({1: facts}, Search(devices=2, global_batch_size=2, offload=False))
     assert all(c.plan.sequence_parallel_size == 1 for c in without)  # (512 tokens: not tried unasked)
     assert len(without) == len(whole)
+
+
+def test_a_hugging_face_llama_s_heads_come_from_its_config_and_an_eager_one_is_not_searched():
+    import hf_env
+
+    tf = hf_env.require("transformers")
+    from hf_models import hf_config
+
+    from lightning_parallel.planner.hf import CausalLMStep
+
+    ids = torch.randint(0, 64, (2, TOKENS), generator=torch.Generator().manual_seed(0))
+    found, measured = {}, {}
+    for attention in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        model = CausalLMStep(
+            tf.AutoModelForCausalLM.from_config(hf_config("llama"), attn_implementation=attention)
+        )
+        facts = measure_model(model, (ids, ids))
+        assert planned.unit_attentions(facts.layout) == {
+            f"model.model.layers.{i}": [(4, 2)] for i in range(4)
+        }
+        found[attention], measured[attention] = planned.sizes(facts.layout), facts
+    assert found == {"sdpa": [2], "eager": []}  # (an eager attention is not split: the job would refuse it)
+    search = Search(devices=2, global_batch_size=2, offload=False, sequence_parallel=True)
+    tried = {
+        a: {c.plan.sequence_parallel_size for c in plan_search({1: f}, search)} for a, f in measured.items()
+    }
+    assert tried == {"sdpa": {1, 2}, "eager": {1}}
