@@ -24,8 +24,13 @@ within the constant terms, what ``b/k`` samples of the whole sequence save and c
   gradients' reduction spans ``dp x k`` ranks (the ``"gradients"`` role: ``replicas.py`` reads its size).
 * **search**: ``k`` among the sizes that divide every attention's query and key/value heads, that divide
   the devices a pipeline rank's replicas share (pipeline x tensor left aside) and the sequence, where the
-  model declares its heads (:func:`attentions`), the sequence is at least :data:`LONG_SEQUENCE` tokens or
-  the search asks for it (``SearchOptions.sequence_parallel``).
+  model declares its heads (:func:`attentions`) and the job would split every attention (:func:`splits`),
+  and the sequence is at least :data:`LONG_SEQUENCE` tokens or the search asks for it
+  (``SearchOptions.sequence_parallel``).
+
+Not modelled: a traced Hugging Face model's ``(b, 1, t, t)`` causal mask is ``k^2`` smaller on a rank,
+not ``k`` (over-counted: on the safe side); the two tiny collectives of a ``labels=`` loss's boundary
+labels; any overlap of the exchanges with compute (each is charged in full).
 
 An attention is found by its module (:func:`attentions`): a class named ``...Attention`` (Hugging Face's
 ``LlamaAttention``, ...) or ``...Attn``, or a module with its own head count (``heads``, ``num_heads``,
