@@ -124,6 +124,15 @@ def test_the_arguments_mean_what_plan_auto_takes():
     )  # no loader yet: global / replicas
     with pytest.raises(ValueError, match=r"--nodes \(3\) must divide --devices \(8\)"):
         search_of(parse_args(["m:M", "--devices", "8", "--nodes", "3", "--memory", "1GiB"]))
+    for given, asked in (
+        ([], None),
+        (["--sequence-parallel", "yes"], True),
+        (["--sequence-parallel", "no"], False),
+    ):
+        assert (
+            search_of(parse_args(["m:M", "--devices", "2", "--memory", "1GiB", *given]))[0].sequence_parallel
+            is asked
+        )
 
 
 @pytest.mark.parametrize(

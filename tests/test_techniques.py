@@ -145,7 +145,7 @@ def test_plan_auto_is_refused_the_fields_the_search_decides():
     assert set(SEARCHED) == {
         "pipeline_size", "num_microbatches", "schedule", "stages_per_rank", "activation_checkpointing",
         "data_parallel", "data_parallel_shard_size", "tensor_parallel_size", "offload", "compile",
-        "partition",
+        "partition", "sequence_parallel_size",
     }  # fmt: skip
     assert set(searched_fields()) <= set(SEARCHED)
 

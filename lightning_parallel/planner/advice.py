@@ -100,7 +100,7 @@ def _plans(facts: Mapping[int, ModelFacts], search: Search) -> list[ParallelPlan
     return [
         plan
         for tp in search.tensor_parallel_sizes
-        for plan in search.plans(facts[tp].layout.max_stages, tp, facts[tp].layout.kind)
+        for plan in search.plans(facts[tp].layout.max_stages, tp, facts[tp].layout.kind, facts[tp])
     ]
 
 

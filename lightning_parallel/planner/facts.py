@@ -65,6 +65,7 @@ class ModelFacts:
     )
     times: TimeFacts | None = None  # each unit's forward and backward seconds (the time model's)
     tp_reduces: dict[str, int] = field(default_factory=dict)  # unit -> all-reduces per pass under tp
+    tokens: int = 0  # the batch's sequence length (dim 1 of its first tensor of 2 dims or more; 0: none)
 
     def state_of(self, keys: list[int]) -> int:
         """Optimizer state of ``keys``."""
@@ -132,7 +133,7 @@ def measure_model(
         )
     return ModelFacts(
         layout, probe, samples, precision, tensors, unit_params, loose, groups, tensor_parallel_size,
-        times, reduces,
+        times, reduces, _tokens(batch),
     )  # fmt: skip
 
 
@@ -202,6 +203,13 @@ def _samples(batch: Any) -> int:
         if torch.is_tensor(t) and t.dim() > 0:
             return int(t.shape[0])
     raise ValueError(f"the batch holds no tensor with a batch dimension ({type(batch).__name__})")
+
+
+def _tokens(batch: Any) -> int:
+    for t in tree_leaves(batch):
+        if torch.is_tensor(t) and t.dim() > 1:
+            return int(t.shape[1])
+    return 0
 
 
 __all__ = ["BEFORE", "ModelFacts", "Tensor", "measure_model"]

@@ -242,7 +242,7 @@ def plan_search(
     out: list[Candidate] = []
     for tp in search.tensor_parallel_sizes:
         f = facts[tp]
-        out += rank_plans(f, search.plans(f.layout.max_stages, tp, f.layout.kind), search, links)
+        out += rank_plans(f, search.plans(f.layout.max_stages, tp, f.layout.kind, f), search, links)
     return ranked(out)
 
 

@@ -62,6 +62,9 @@ class Search:
         ranks_per_node: ranks sharing one host's memory (default: all of them, one node).
         offload_parameters: with ``offload``, also FSDP2's (its process group needs a host backend, which
             ``plan="auto"`` cannot add on an accelerator once the group is up).
+        sequence_parallel: also split the sequence (``sequence_parallel_size``) where the measured model's
+            heads allow: ``None`` (default) where its sequence is long, ``True`` whatever its length,
+            ``False`` never (see the technique's ``variants``).
 
     Example::
 
@@ -80,6 +83,7 @@ class Search:
     offload: bool = True
     ranks_per_node: int | None = None
     offload_parameters: bool = True
+    sequence_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices", "global_batch_size", "batch_size", "ranks_per_node"):
@@ -107,11 +111,14 @@ class Search:
             return None
         return self.batch_size, self.global_batch_size // per_step
 
-    def plans(self, num_blocks: int, tensor_parallel_size: int = 1, layout: str = "") -> list[ParallelPlan]:
+    def plans(
+        self, num_blocks: int, tensor_parallel_size: int = 1, layout: str = "", model: Any = None
+    ) -> list[ParallelPlan]:
         """Every plan to try at one tensor-parallel size whose batches divide as they must.
 
-        ``layout``: how the model's units are laid out (``UnitLayout.kind``; the techniques' variants
-        read it: :class:`~lightning_parallel.techniques.contract.SearchOptions`).
+        ``layout``: how the model's units are laid out (``UnitLayout.kind``); ``model``: the measured
+        model (``ModelFacts``), where there is one; the techniques' variants read both
+        (:class:`~lightning_parallel.techniques.contract.SearchOptions`).
 
         Raises:
             ValueError: a requested pipeline size does not divide the devices or exceeds the blocks.
@@ -123,10 +130,16 @@ class Search:
             for schedule, v in _schedules(base.pipeline_size, num_blocks, self.schedules)
             for m in _microbatches(base.pipeline_size, found[0])
         ]  # the core's: pipeline shapes x schedules x micro-batches
-        options = SearchOptions(self.offload, self.offload_parameters, layout)
+        options = SearchOptions(self.offload, self.offload_parameters, layout, model, self.sequence_parallel)
         for technique in TECHNIQUES:
             plans = _accepted((plan, o) for plan in plans for o in technique.variants(plan, options))
-        return plans
+        return [plan for plan in plans if self._splits_plan(plan)]  # (a variant may change the replicas)
+
+    def _splits_plan(self, plan: ParallelPlan) -> bool:
+        """Whether ``plan``'s replicas make whole batches of the global batch, each split into its
+        micro-batches."""
+        found = self.batches(plan)
+        return found is not None and found[0] % plan.num_microbatches == 0
 
     def split_error(self, num_blocks: int) -> str | None:
         """Why no plan of the search splits the global batch over the devices, with the nearest global

@@ -162,6 +162,10 @@ class SearchOptions:
         offload_parameters: with ``offload``, FSDP2's offload of the shards too.
         layout: how the measured model's units are laid out (``UnitLayout.kind``: ``"sequential"``, a
             split ``nn.Sequential``; ``"blocks"``; ``"whole"``; ``""``: not said).
+        model: the measured model the plans are for (the planner's ``ModelFacts``: its units' modules,
+            its batch's ``tokens``), read duck-typed; None: not given (a listing without a model).
+        sequence_parallel: try splitting the sequence (``True``: wherever the model's heads allow;
+            ``None``: where its sequence is long, too; ``False``: never).
 
     Example::
 
@@ -172,6 +176,8 @@ class SearchOptions:
     offload: bool = True
     offload_parameters: bool = True
     layout: str = ""
+    model: Any = field(default=None, compare=False)
+    sequence_parallel: bool | None = None
 
 
 @dataclass

@@ -108,7 +108,7 @@ class Fsdp(Technique):
         if (
             search.layout == "sequential"
             and plan.data_parallel == "replicate"
-            and plan.data_parallel_size > 1
+            and plan.layout().size("gradients") > 1  # (the replicas x the sequence ranks, which join)
         ):
             yield {"data_parallel": "fsdp"}
 
@@ -138,15 +138,14 @@ class Fsdp(Technique):
         if plan.data_parallel != "fsdp":
             return
         tensors = [ledger.facts.tensors[k] for k in ledger.keys]
-        sharded = memory([(t.rows, t.nbytes) for t in tensors], plan.shard_size)
+        shards = plan.layout().size("shard")  # (the data-parallel shards x the sequence ranks, which join)
+        sharded = memory([(t.rows, t.nbytes) for t in tensors], shards)
         ledger.device["parameters"] -= sharded.gathered - sharded.shard
         ledger.device["gathered"] += sharded.gathered
         # The state of each parameter's shard (whole rows; per-tensor state such as Adam's ``step`` stays
         # whole), in place of the whole parameter's.
-        ledger.device["optimizer"] -= ledger.facts.state_of(ledger.keys) - state_bytes(
-            tensors, plan.shard_size
-        )
-        ledger.reduced_gradients = memory([(t.rows, t.grad) for t in tensors], plan.shard_size).shard
+        ledger.device["optimizer"] -= ledger.facts.state_of(ledger.keys) - state_bytes(tensors, shards)
+        ledger.reduced_gradients = memory([(t.rows, t.grad) for t in tensors], shards).shard
 
     def measure(self, bench: TimeBench) -> FsdpTimes | None:
         """FSDP2 in place: each sampled unit (a block, the smallest unit) under ``fully_shard`` over every
@@ -166,7 +165,7 @@ class Fsdp(Technique):
         plan, links = ledger.plan, ledger.links
         if plan.data_parallel != "fsdp":
             return
-        shards, replicas = plan.shard_size, plan.data_parallel_size // plan.shard_size
+        shards, replicas = plan.layout().size("shard"), plan.data_parallel_size // plan.shard_size
         units = sum(len(c.units) + 1 for c in ledger.stages)
         grads = ledger.unreduced
         measured = ledger.times.measured.get(self.name) if ledger.times is not None else None

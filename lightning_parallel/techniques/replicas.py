@@ -34,10 +34,11 @@ class Replicas(Technique):
         return [Average(job.module, job.mesh.group("gradients"))]
 
     def time(self, ledger: TimeLedger) -> None:
-        """One all-reduce (one coalesced message) of the gradients no reduction before it finished."""
+        """One all-reduce (one coalesced message) of the gradients no reduction before it finished, over
+        the ``"gradients"`` role's ranks (the replicas x the sequence ranks, which join it)."""
         if ledger.unreduced > 0:
             ledger.tail["communication"] += ledger.links.all_reduce(
-                ledger.plan.data_parallel_size, ledger.unreduced
+                ledger.plan.layout().size("gradients"), ledger.unreduced
             )
             ledger.unreduced = 0.0
 

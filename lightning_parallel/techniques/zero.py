@@ -51,7 +51,8 @@ class Zero(Technique):
 
     def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
         yield {}
-        if plan.data_parallel == "replicate" and plan.data_parallel_size > 1:
+        # (over the replicas and the sequence ranks, which join the optimizer-state shards)
+        if plan.data_parallel == "replicate" and plan.layout().size("optimizer_shard") > 1:
             yield {"data_parallel": "zero1"}
 
     def optimizers(self, optimizers: list[torch.optim.Optimizer], job: Job) -> list[torch.optim.Optimizer]:
@@ -65,8 +66,10 @@ class Zero(Technique):
 
     def memory(self, ledger: MemoryLedger) -> None:
         """The optimizer state of the fullest replica, as torch shards it (:func:`memory`)."""
-        dp, facts = ledger.plan.data_parallel_size, ledger.facts
-        if ledger.plan.data_parallel != "zero1" or dp == 1:
+        if ledger.plan.data_parallel != "zero1":
+            return
+        dp, facts = ledger.plan.layout().size("optimizer_shard"), ledger.facts  # (the sequence ranks join)
+        if dp == 1:
             return
         mine = set(ledger.keys)
         groups = [
@@ -78,9 +81,9 @@ class Zero(Technique):
         """ZeroRedundancyOptimizer broadcasts each updated parameter from its owner (each on the links'
         measured broadcast curve; given links: an all-gather of them all and every tensor's latency); each
         replica steps a share of the elements and tensors."""
-        dp, links = ledger.plan.data_parallel_size, ledger.links
         if ledger.plan.data_parallel != "zero1":
             return
+        dp, links = ledger.plan.layout().size("optimizer_shard"), ledger.links
         trainable = [ledger.facts.tensors[k] for k in ledger.keys if ledger.facts.tensors[k].grad]
         params, tensors = sum(t.nbytes for t in trainable), len(trainable)
         if "broadcast" in links.curves:  # (torch's: one broadcast per parameter, from its owner)

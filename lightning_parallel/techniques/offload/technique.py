@@ -186,7 +186,7 @@ class Offload(Technique):
         trainable = [ledger.facts.tensors[k] for k in ledger.keys if ledger.facts.tensors[k].grad]
         grads = ledger.gradients
         if "parameters" in offload:
-            shards = ledger.plan.shard_size
+            shards = ledger.plan.layout().size("shard")  # (FSDP2's: the sequence ranks join it)
             nbytes = sum(ledger.facts.tensors[k].nbytes for k in ledger.keys)
             ledger.start += links.copy(nbytes / shards)
             ledger.tail["offload"] += links.copy(grads / shards)

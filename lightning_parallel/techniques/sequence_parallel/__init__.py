@@ -23,6 +23,7 @@ The mechanics, one concern a module (phase 1 of issue 53), and the technique tha
 ``shards``      ``shard_batch``: the batch transform (contiguous shards, right-padding masks, refusals)
 ``loss``        ``token_weight``: a shard's mean weighted by its share of the group's labelled tokens
 ``technique``   ``TECHNIQUE``: the plan field, the batch transform, the stages, the checks (the contract)
+``planned``     the planner's model: per-token bytes and compute ``/ k``, the all-to-alls, the search's ``k``
 ==============  =====================================================================================
 
 Checked against one device (tests/test_sequence_parallel_exact.py, gloo): Ulysses attention bit for bit
@@ -134,5 +135,10 @@ device's: not bit-exact, as with tensor parallelism).
 ``call_keywords``) with its two call sites (``strategies/pipeline/step.py: run_step``,
 ``strategies/pipeline/call_input.py``; ``sources/traced/call_binding.py: TracedCall.captured_input``),
 ``strategies/pipeline/step.py: _Step.evaluate`` and ``step_results.py: collect_predictions``
-(prediction), ``planner/facts.py`` (heads) and the planner's table (a sequence-length axis).
+(prediction). For the planner (``planned.py``): ``contract.SearchOptions`` (``model``,
+``sequence_parallel``), ``planner/search.py`` (``Search.sequence_parallel``, ``plans(..., model)``, the plans
+whose batches split), ``planner/ranking.py`` and ``advice.py`` (the facts passed to the search),
+``planner/facts.py`` (``ModelFacts.tokens``), ``planner/__main__.py`` (``--sequence-parallel``), and the
+role sizes read by ``fsdp.py``, ``zero.py``, ``replicas.py`` and ``offload/technique.py`` (``dp x k``).
+Not yet: the planner's table with a sequence-length axis.
 """

@@ -3,8 +3,29 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
-__all__ = ["check_heads", "sizes_that_work"]
+__all__ = ["KV_HEADS", "QUERY_HEADS", "check_heads", "int_attr", "sizes_that_work"]
+
+QUERY_HEADS = ("num_attention_heads", "num_heads", "n_head", "heads")
+"""The names a Hugging Face config or a module gives its query heads (the first one set is read)."""
+KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "kv_heads")
+"""The names of its key/value heads (none set: as many as the query heads)."""
+
+
+def int_attr(obj: Any, names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` that ``obj`` sets to a positive int, or None.
+
+    Example::
+
+        >>> int_attr(type("Config", (), {"num_heads": 4})(), QUERY_HEADS)
+        4
+    """
+    for name in names:
+        value = getattr(obj, name, None) if obj is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def sizes_that_work(query_heads: int, kv_heads: int | None = None) -> list[int]:

@@ -15,7 +15,10 @@ What the job does with it (the mechanics are this folder's other modules):
 * **the stages**: a traced stage's SDPA nodes become Ulysses calls (:func:`.graph.rewrite_stage`); a
   stage of the user's modules runs its forwards in a :class:`.eager.SequenceParallelMode`;
 * **each step** (its context): after the first, a model in which no stage of the pipeline split an
-  attention is refused on every rank (its attention saw one shard only).
+  attention is refused on every rank (its attention saw one shard only);
+* **the planner** (``planned.py``, the model in its docstring): each rank's per-token bytes ``/ k`` and
+  the exchanges' buffers; its compute at ``1/k`` of the tokens and four all-to-alls per attention and
+  micro-batch each way; the search tries ``k`` where the model declares heads it splits.
 
 The sequence ranks join the gradient, token, metric, log and optimizer-shard groups (``layout/ranks.py``:
 ``SEQUENCE_ROLES``), so the averaging of gradients and the token-weighted mean are the data-parallel
@@ -25,25 +28,31 @@ ones, over ``dp x k`` ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.techniques.contract import Job, Technique
+from lightning_parallel.techniques.contract import (
+    CostLedger,
+    Job,
+    MemoryLedger,
+    SearchOptions,
+    Technique,
+    TimeLedger,
+)
+from lightning_parallel.techniques.sequence_parallel import planned
 from lightning_parallel.techniques.sequence_parallel.eager import SequenceParallelMode, run_forwards_in
 from lightning_parallel.techniques.sequence_parallel.graph import rewrite_stage
-from lightning_parallel.techniques.sequence_parallel.heads import check_heads
+from lightning_parallel.techniques.sequence_parallel.heads import KV_HEADS, QUERY_HEADS, check_heads, int_attr
 from lightning_parallel.techniques.sequence_parallel.labels import shifts_labels
 from lightning_parallel.techniques.sequence_parallel.masks import check_window
 from lightning_parallel.techniques.sequence_parallel.positions import shard_position_ids, takes_position_ids
 from lightning_parallel.techniques.sequence_parallel.shards import joined_shards, sequence_length, shard_batch
-
-_QUERY_HEADS = ("num_attention_heads", "num_heads", "n_head", "heads")
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "kv_heads")
 
 
 class SequenceParallel(Technique):
@@ -55,7 +64,8 @@ class SequenceParallel(Technique):
         PipelineStrategy(pipeline_size=2, sequence_parallel_size=2)   # 4 devices: 2 stages x 2 halves
     """
 
-    name, fields = "sequence_parallel", ("sequence_parallel_size",)
+    # (searched: plan="auto" chooses k, as the search tries it, and refuses one given beside it)
+    name, fields, searched = "sequence_parallel", ("sequence_parallel_size",), ("sequence_parallel_size",)
 
     def __init__(self) -> None:
         # Each job's check of the attentions found, by its stage view (a fit after another has its own).
@@ -95,6 +105,26 @@ class SequenceParallel(Technique):
     def label(self, plan: Any) -> str:
         k = plan.sequence_parallel_size
         return f" +sp {k}" if k > 1 else ""
+
+    def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
+        """``k`` among the sizes that split every attention's heads (the model's, as the search measured
+        it: ``search.model``) and divide the ranks a pipeline rank's replicas share and the sequence;
+        where the sequence is long (:data:`planned.LONG_SEQUENCE` tokens) or the search asks for it. Each
+        with the plan's micro-batches, and with ``k`` times as many: ``k`` replicas become one, whose
+        batch is ``k`` times theirs, so its micro-batches are theirs (the search keeps the plans whose
+        batches split into their micro-batches)."""
+        yield {}
+        facts, wanted = search.model, search.sequence_parallel
+        if facts is None or wanted is False or plan.sequence_parallel_size != 1 or plan.devices is None:
+            return
+        tokens = getattr(facts, "tokens", 0)
+        if wanted is None and tokens < planned.LONG_SEQUENCE:
+            return
+        ranks = plan.devices // (plan.pipeline_size * plan.tensor_parallel_size)
+        for k in planned.sizes(facts.layout):
+            if ranks % k == 0 and planned.tokens_split(tokens, k):
+                yield {"sequence_parallel_size": k}
+                yield {"sequence_parallel_size": k, "num_microbatches": plan.num_microbatches * k}
 
     def before_split(self, plan: Any, model: Any) -> Any:
         k = plan.sequence_parallel_size
@@ -158,6 +188,61 @@ class SequenceParallel(Technique):
         if job.plan.sequence_parallel_size == 1:
             return None
         return self._found[job.stages]  # (a context entered step after step)
+
+    # --- the planner (the model: planned.py's docstring)
+    def stage_costs(self, ledger: CostLedger) -> None:
+        """Each stage's transients on the whole sequence gain the exchange buffers of its largest
+        attention (a send and a receive copy of the query), which :meth:`memory` divides with the rest."""
+        if ledger.plan.sequence_parallel_size == 1:
+            return
+        stages = []
+        for c in ledger.stages:
+            more = planned.exchange_bytes(ledger.facts, c.units, ledger.micro_batch)
+            stages.append(dataclasses.replace(c, forward_transient=c.forward_transient + more,
+                                              backward_transient=c.backward_transient + more))  # fmt: skip
+        ledger.stages = stages
+
+    def memory(self, ledger: MemoryLedger) -> None:
+        """One rank's share of every per-token byte: what each micro-batch keeps, its transients and the
+        receive buffers ``/ k`` (after every technique's ``stage_costs``); the parameters, gradients and
+        optimizer state as they are (FSDP2's and ZeRO-1's shards count the sequence ranks themselves)."""
+        k = ledger.plan.sequence_parallel_size
+        if k == 1:
+            return
+        whole = sum(c.recv_buffers for c in ledger.stages)
+        ledger.stages = [planned.shard(c, k) for c in ledger.stages]
+        ledger.device["buffers"] -= whole - sum(c.recv_buffers for c in ledger.stages)
+        if not planned.unit_attentions(ledger.facts.layout):
+            ledger.notes.append(
+                f"sequence_parallel_size={k}: no attention module found in the model's units (a class "
+                "named ...Attention, or a module with heads/num_heads/n_head): its exchanges are not "
+                "charged"
+            )
+
+    def time(self, ledger: TimeLedger) -> None:
+        """Each stage's units at ``1/k`` of the micro-batch's tokens (their measured lines at ``b/k``
+        samples of the whole sequence; what runs before them ``/ k``), plus four all-to-alls per attention
+        in forward and four in backward (four more where its unit is recomputed), charged as
+        communication; the rank's micro-batch is ``b/k`` samples from then on (its sends, the forwards
+        recomputed) and its stages' per-token bytes ``/ k`` (offloaded activations' copies)."""
+        plan, facts, links = ledger.plan, ledger.facts, ledger.links
+        k, mb = plan.sequence_parallel_size, ledger.micro_batch
+        if k == 1:
+            return
+        mine, again = mb / k, planned.recomputed(facts.layout, plan.activation_checkpointing)
+        for c in ledger.stages:
+            lines = [ledger.times.unit(n) for n in c.units]
+            for share, total in (("forward", ledger.forward), ("backward", ledger.backward)):
+                whole = sum(getattr(t, share).at(mb) for t in lines)
+                total[c.index] = (total[c.index] - whole) / k + sum(getattr(t, share).at(mine) for t in lines)
+            exchanges = {n: planned.all_to_alls(facts, links, n, k, mb) for n in c.units}
+            forward = sum(exchanges.values())
+            backward = forward + sum(s for n, s in exchanges.items() if n in again)
+            ledger.forward[c.index] += forward
+            ledger.backward[c.index] += backward
+            ledger.share(c.index, "communication", forward + backward)
+        ledger.micro_batch = mine
+        ledger.stages = [planned.shard(c, k) for c in ledger.stages]
 
 
 def joined_predictions(output: Any, batch: Any, mesh: Any) -> Any:
@@ -253,21 +338,13 @@ def declared_heads(module: nn.Module) -> dict[str, tuple[int, int]]:
     found: dict[str, tuple[int, int]] = {}
     for path, sub in module.named_modules():
         config = getattr(sub, "config", None)
-        holder = config if _int_attr(config, _QUERY_HEADS) is not None else sub
-        query = _int_attr(holder, _QUERY_HEADS)
+        holder = config if int_attr(config, QUERY_HEADS) is not None else sub
+        query = int_attr(holder, QUERY_HEADS)
         if query is None or any(p == "" or path.startswith(p + ".") for p in found):
             continue  # (the outermost declaration: a Hugging Face model's config, not its layers')
-        kv = _int_attr(holder, _KV_HEADS)
+        kv = int_attr(holder, KV_HEADS)
         found[path] = (query, kv if kv is not None else query)
     return {f"{type(module.get_submodule(p)).__name__} at {p or 'the module'!r}": v for p, v in found.items()}
-
-
-def _int_attr(obj: Any, names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = getattr(obj, name, None) if obj is not None else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def position_takers(module: nn.Module) -> list[nn.Module]:
