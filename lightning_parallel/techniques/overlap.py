@@ -97,15 +97,21 @@ class Overlap(Technique):
         layers' gradients, starts when that backward ends. Where the reduction does not overlap (off,
         one replica, FSDP2's stages, the split-backward schedules' weight passes) it leaves the
         gradients to ``replicas.py``, which charges the whole all-reduce after the schedule."""
-        plan, dp = ledger.plan, ledger.plan.data_parallel_size
+        plan = ledger.plan
+        ranks = plan.layout().size("gradients")  # (the replicas x the sequence ranks, as replicas.py)
         split_backward = plan.schedule in ("interleaved_zero_bubble", "zbv", "dualpipev")
-        if not plan.overlap_gradient_reduction or dp == 1 or plan.data_parallel == "fsdp" or split_backward:
+        if (
+            not plan.overlap_gradient_reduction
+            or ranks == 1
+            or plan.data_parallel == "fsdp"
+            or split_backward
+        ):
             return
         if ledger.unreduced <= 0:
             return
         links, nbytes = ledger.links, ledger.unreduced
-        last = links.all_reduce(dp, min(nbytes, plan.bucket_cap_mb * MB))
-        rest = links.all_reduce(dp, nbytes) - last
+        last = links.all_reduce(ranks, min(nbytes, plan.bucket_cap_mb * MB))
+        rest = links.all_reduce(ranks, nbytes) - last
         backward = sum(ledger.backward.values())  # (the last micro-batch's, on this rank's stages)
         hidden_beside = links.overlapped(backward, rest) - backward  # (what outlasts the backward)
         ledger.tail["communication"] += max(hidden_beside, 0.0) + last

@@ -118,8 +118,10 @@ class SequenceParallel(Technique):
         if facts is None or wanted is False or plan.sequence_parallel_size != 1 or plan.devices is None:
             return
         tokens = getattr(facts, "tokens", 0)
-        if wanted is None and tokens < planned.LONG_SEQUENCE:
-            return
+        if (wanted is None and tokens < planned.LONG_SEQUENCE) or getattr(
+            facts, "labels_shifted_in_loss", False
+        ):
+            return  # (short; or labels= a Hugging Face loss shifts: the job refuses them split)
         ranks = plan.devices // (plan.pipeline_size * plan.tensor_parallel_size)
         for k in planned.sizes(facts.layout):
             if ranks % k == 0 and planned.tokens_split(tokens, k):
