@@ -334,14 +334,9 @@ def _tied_on_one_rank(model: str, shape: Shape) -> bool:
 def resume_fails(saved: dict[str, Any], options: dict[str, Any]) -> str | None:
     """Why a case cannot resume a checkpoint another case saved (a bug this matrix found), or None.
 
-    A checkpoint a pipeline saved names its optimizer's class, and resuming refuses another class: ZeRO-1
-    (torch's ``ZeroRedundancyOptimizer``, its step offloaded or not) cannot resume the ``AdamW`` state
-    that the replicas or FSDP2 saved, nor they ZeRO-1's ("the checkpoint's optimizer is AdamW but
-    configure_optimizers made ZeroRedundancyOptimizer"), though either holds the same whole state (a
-    one-device checkpoint, which names no class, resumes under ZeRO-1).
+    None known: ZeRO-1's AdamW and a plain one resumed each other's state once a checkpoint named the
+    optimizer that steps (``pipeline/state.py: optimizer_type``), not ZeRO-1's wrapper.
     """
-    if (saved.get("data_parallel") == "zero1") != (options.get("data_parallel") == "zero1"):
-        return "ZeRO-1's optimizer and a plain one: the checkpoint names the other class"
     return None
 
 

@@ -22,10 +22,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel.pipeline.state import merge_optimizer_states
+from lightning_parallel.pipeline.state import _outer_inner, merge_optimizer_states, optimizer_type
 
 __all__ = [
     "GROUP_INDEX",
@@ -41,18 +40,6 @@ __all__ = [
 
 GROUP_INDEX = "__group__"
 _NOT_HYPER = ("params", "param_names")
-
-
-def _outer_inner(optimizer: Any) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    """(the optimizer whose param_groups carry the hyper-parameters, the one holding this rank's state)."""
-    outer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-    inner = outer.optim if isinstance(outer, ZeroRedundancyOptimizer) else outer
-    return outer, inner
-
-
-def optimizer_type(optimizer: Any) -> str:
-    """The class name of the optimizer that steps (inside a LightningOptimizer or ZeRO-1)."""
-    return type(_outer_inner(optimizer)[1]).__name__
 
 
 def flat_optimizer_state(optimizer: Any, names: Mapping[nn.Parameter, str]) -> dict[str, Any]:

@@ -37,6 +37,21 @@ def check_keys(expected: Iterable[str], found: Mapping[str, Any], owner: str) ->
         )
 
 
+def _outer_inner(optimizer: Any) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """(the optimizer whose param_groups carry the hyper-parameters, the one holding this rank's state)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    outer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+    inner = outer.optim if isinstance(outer, ZeroRedundancyOptimizer) else outer
+    return outer, inner
+
+
+def optimizer_type(optimizer: Any) -> str:
+    """The class name of the optimizer that steps (inside a LightningOptimizer or ZeRO-1): what a
+    checkpoint names, so that ZeRO-1's AdamW and a plain AdamW resume each other's state."""
+    return type(_outer_inner(optimizer)[1]).__name__
+
+
 def named_optimizer_state(
     optimizer: torch.optim.Optimizer,
     names: Mapping[nn.Parameter, str],
@@ -59,7 +74,7 @@ def named_optimizer_state(
         for g in sd["param_groups"]
     ]  # fmt: skip
     return {
-        "type": type(optimizer).__name__,
+        "type": optimizer_type(optimizer),
         "state": {id_to_name[i]: to_cpu(s) for i, s in sd["state"].items()},
         "param_groups": groups,
     }
@@ -121,10 +136,10 @@ def reshard_optimizer_state(
     """
     saved_groups = full["param_groups"]
     saved_type = full.get("optimizer_type")
-    if saved_type is not None and saved_type != type(optimizer).__name__:
+    if saved_type is not None and saved_type != optimizer_type(optimizer):
         raise ValueError(
             f"the checkpoint's optimizer is {saved_type} but configure_optimizers made "
-            f"{type(optimizer).__name__}: resume with the same optimizer"
+            f"{optimizer_type(optimizer)}: resume with the same optimizer"
         )
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
