@@ -501,9 +501,11 @@ class Technique:
         """The optimizers as the technique wraps or rebuilds them (right after ``configure_optimizers``)."""
         return optimizers
 
-    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job) -> None:
+    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job, interrupted: bool = False) -> None:
         """Release what its optimizers hold outside the process's memory (files, threads) when the run
-        ends: normally, by a stop, or by an error (the strategy's teardown)."""
+        ends: normally, by a stop, or by an error (the strategy's teardown). ``interrupted``: by a stop
+        or an error; else normally, and a checkpoint may still be saved from the optimizers (Lightning's
+        ``on_fit_end``, ``trainer.save_checkpoint`` after ``fit``): keep what their ``state_dict()`` needs."""
 
     def step_context(self, job: Job) -> AbstractContextManager[Any] | None:
         """A context entered around each schedule step (reused step after step), or None: the runner's

@@ -138,13 +138,15 @@ class Offload(Technique):
         job.info(f"PipelineStrategy: {describe(plan.offload, job.pin_memory, where)}")
         return apply(optimizers, job.schedulers, plan, job.mesh.group("optimizer_shard"), job.pin_memory)
 
-    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job) -> None:
+    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job, interrupted: bool = False) -> None:
         """The disk tier's files removed (its threads stopped, its buffers freed) when the run ends,
-        normally or by a stop; a killed run's are removed by the kernel or by the next run."""
+        normally or by a stop; a killed run's are removed by the kernel or by the next run. After a
+        normal end the state is read into host tensors first (``DiskStepping.close(keep_state=True)``):
+        a checkpoint saved after ``fit`` holds it, as without the tier."""
         for optimizer in optimizers:
             inner = getattr(optimizer, "optim", optimizer)  # (ZeRO-1's shard)
             if isinstance(inner, DiskStepping):
-                inner.close()
+                inner.close(keep_state=not interrupted)
 
     def step_context(self, job: Job) -> ActivationOffload | None:
         return ActivationOffload(job.pin_memory) if "activations" in job.plan.offload else None
