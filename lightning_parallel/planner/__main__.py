@@ -154,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tensor-parallel sizes to try (default 1: none), e.g. 1 2 4",
     )  # fmt: skip
     p.add_argument("--no-offload", action="store_true", help="do not try offloading to the host")
+    p.add_argument("--offload-dir", help="offload the optimizer state to files under this directory (the "
+                   "disk tier, offload_to='disk'), not to host memory")  # fmt: skip
     p.add_argument("--bandwidth", help="link bandwidth between ranks, e.g. 25GB/s (default: measured here)")
     p.add_argument("--latency", default="0us", help="link latency with --bandwidth, e.g. 10us")
     p.add_argument("--host-bandwidth", help="device<->host copy rate, e.g. 20GB/s (default: measured here)")
@@ -199,6 +201,7 @@ def search_of(args: argparse.Namespace) -> tuple[Search, Budget]:
         args.devices, args.global_batch_size, args.batch_size, args.precision,
         tuple(args.pipeline_sizes) if args.pipeline_sizes else None, tuple(args.schedules),
         tuple(args.tensor_parallel_sizes), not args.no_offload, args.devices // args.nodes,
+        offload_dir=args.offload_dir,
     )  # fmt: skip
     host = parse_bytes(args.host_memory) if args.host_memory else host_memory()
     return search, Budget(parse_bytes(args.memory), host, search.node_ranks, args.margin)

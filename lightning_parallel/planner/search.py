@@ -62,6 +62,8 @@ class Search:
         ranks_per_node: ranks sharing one host's memory (default: all of them, one node).
         offload_parameters: with ``offload``, also FSDP2's (its process group needs a host backend, which
             ``plan="auto"`` cannot add on an accelerator once the group is up).
+        offload_dir: with ``offload``, the optimizer state offloaded to files under it (the disk tier),
+            not to host memory.
 
     Example::
 
@@ -80,6 +82,7 @@ class Search:
     offload: bool = True
     ranks_per_node: int | None = None
     offload_parameters: bool = True
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices", "global_batch_size", "batch_size", "ranks_per_node"):
@@ -123,7 +126,7 @@ class Search:
             for schedule, v in _schedules(base.pipeline_size, num_blocks, self.schedules)
             for m in _microbatches(base.pipeline_size, found[0])
         ]  # the core's: pipeline shapes x schedules x micro-batches
-        options = SearchOptions(self.offload, self.offload_parameters, layout)
+        options = SearchOptions(self.offload, self.offload_parameters, layout, self.offload_dir)
         for technique in TECHNIQUES:
             plans = _accepted((plan, o) for plan in plans for o in technique.variants(plan, options))
         return plans

@@ -159,6 +159,8 @@ class SearchOptions:
         offload_parameters: with ``offload``, FSDP2's offload of the shards too.
         layout: how the measured model's units are laid out (``UnitLayout.kind``: ``"sequential"``, a
             split ``nn.Sequential``; ``"blocks"``; ``"whole"``; ``""``: not said).
+        offload_dir: with ``offload``, the optimizer's offload keeps the state in files under it (the
+            disk tier, ``offload_to="disk"``), not in host memory.
 
     Example::
 
@@ -169,6 +171,7 @@ class SearchOptions:
     offload: bool = True
     offload_parameters: bool = True
     layout: str = ""
+    offload_dir: str | None = None
 
 
 @dataclass
