@@ -44,7 +44,7 @@ Writes ``offload.csv``, ``offload_tiers.csv``, ``offload_kernels.csv`` and ``off
 
 Usage::
 
-    python experiments/bench_offload.py            # about 4 minutes on 2 cores
+    python experiments/bench_offload.py            # about 3 minutes on 2 quiet cores
     python experiments/bench_offload.py --quick    # width 64, 2 blocks, one repeat: checks that it runs
 """
 
