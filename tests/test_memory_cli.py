@@ -200,6 +200,28 @@ def test_a_model_on_the_meta_device_gets_the_most_frugal_plan_and_is_told_so(mod
     assert parse_bytes(chosen.group(2)) == min(parse_bytes(row[3]) for row in fits)
 
 
+def test_offload_dir_plans_the_disk_tier_the_state_on_disk_the_host_a_buffer(model_file, capsys):
+    code = main([model_file, "--meta", "--batch", "long:16", "long:16", "--global-batch-size", "16",
+                 "--devices", "2", "--memory", "1GiB", "--rows", "0", "--offload-dir", "/nvme",
+                 *GIVEN_LINKS])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    header = re.split(r"\s{2,}", next(ln for ln in lines if ln.startswith("configuration")))
+    assert header[3:6] == ["device peak", "host/node", "disk/node"]
+    rows = [re.split(r"\s{2,}", ln) for ln in lines if ln.startswith("pp ") and "  " in ln]  # (the plans)
+    disk = [r for r in rows if "+offload opt on disk" in r[0]]
+    assert disk and not [r for r in rows if "+offload opt" in r[0] and "on disk" not in r[0]]
+    for row in disk:  # (two ranks on the node, a 1 GiB buffer each; their state in files)
+        assert row[4] == "2.00 GiB" and parse_bytes(row[5]) > 0, row
+    assert all(row[5] == "0 B" for row in rows if "on disk" not in row[0])
+    # (the most frugal plan: its state on the disk; its table has the disk column and says what is not timed)
+    assert "offload_to='disk', offload_dir='/nvme')" in out
+    table = lines[next(i for i, ln in enumerate(lines) if ln.startswith("rank ")) :]
+    assert table[0].split()[-3:] == ["(device)", "host", "disk"]
+    assert table[-1].startswith("offload_to='disk': the step time is modelled as host offload's")
+
+
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000

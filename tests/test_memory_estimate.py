@@ -217,7 +217,9 @@ def test_ddp_rank_holds_parameters_gradients_state_buckets_and_activations():
 def _deep_facts(precision="32-true"):
     torch.manual_seed(0)
     model = SequentialRegressor(d_in=16, hidden=64, depth=8, adam=True)
-    return measure_model(model, (torch.randn(32, 16), torch.randn(32, 4)), precision)
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32  # (the inputs as the Trainer's)
+    batch = (torch.randn(32, 16, dtype=dtype), torch.randn(32, 4, dtype=dtype))
+    return measure_model(model, batch, precision)
 
 
 def test_pipeline_in_flight_follows_the_schedule_and_gpipe_holds_more():
@@ -426,6 +428,32 @@ def test_offload_moves_state_or_activations_to_the_host_and_the_node_counts_its_
     assert host_per_node(optimizer, 2) == 2 * max(r.host for r in optimizer.ranks)
     assert host_per_node(optimizer, 4) == 2 * sum(r.host for r in optimizer.ranks)
     assert "peak (device)" in optimizer.format_table() and "host" in optimizer.format_table()
+
+
+def test_the_disk_tier_moves_the_state_to_the_disk_the_host_holds_its_buffer():
+    """``offload_to="disk"``: the state (its ZeRO-1 share; bf16 parameters' fp32 masters with it) in the
+    disk column, the host holding the buffer only, per rank and per node; the table shows both."""
+    disk = dict(offload="optimizer", offload_to="disk", offload_dir="/nvme", offload_buffer="64MiB")
+    # (replicas: the whole state on every rank; ZeRO-1: each replica's share)
+    for precision, data_parallel in (
+        ("32-true", "replicate"),
+        ("32-true", "zero1"),
+        ("bf16-true", "replicate"),
+    ):
+        facts = _deep_facts(precision)
+        shape = dict(devices=4, pipeline_size=2, num_microbatches=4, data_parallel=data_parallel)
+        plain = predict(facts, ParallelPlan(**shape))
+        on_disk = predict(facts, ParallelPlan(**shape, **disk))
+        for p, d in zip(plain.ranks, on_disk.ranks):
+            assert d.optimizer == 0 and d.peak == p.peak - p.optimizer and d.host == 64 * 2**20
+            if precision == "32-true":
+                assert d.disk == pytest.approx(p.optimizer, abs=1), data_parallel
+            else:  # AdamW's bf16 state (2 + 2 bytes an element) in fp32 in the files, an fp32 master beside
+                elements = p.parameters // 2
+                assert d.disk == pytest.approx(p.optimizer + (8 - 4 + 4) * elements, rel=0.01)
+        assert host_per_node(on_disk, 4) == 4 * 64 * 2**20  # (the buffer, not the state, per rank)
+        header = on_disk.format_table().splitlines()[1]
+        assert "peak (device)" in header and "host" in header and "disk" in header
 
 
 def test_format_bytes():

@@ -319,3 +319,51 @@ def test_the_disk_tier_refuses_a_bad_directory_before_any_step_and_a_full_disk_k
     two = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), tmp_path / "ref2", strategy=plain, max_epochs=2,
               **TRAIN)[0]  # fmt: skip
     assert_close_dicts(resumed["params"], two["params"], rtol=1e-5, atol=1e-6)
+
+
+class FailsInSecondBatch(FrozenFirst):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("a bug in the user's step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_checkpoint_saved_after_fit_holds_the_disk_tiers_state_an_interrupted_fit_none(tmp_path):
+    """``trainer.save_checkpoint`` after ``fit`` ends with the disk tier (its scratch already removed):
+    the checkpoint's optimizer state is the run's without offload, and one device resumed from it trains
+    as the uninterrupted run. A fit that fails removes the scratch too, without reading the state: its
+    save is refused with the reason."""
+    scratch_dir = tmp_path / "scratch"
+    scratch_dir.mkdir()
+    disk = dict(offload="optimizer", offload_to="disk", offload_dir=str(scratch_dir), offload_buffer="1MiB")
+    saved = {}
+    for name, options in (("none", {}), ("disk", disk)):
+        torch.manual_seed(0)
+        strategy = PipelineStrategy(pipeline_size=1, num_microbatches=4, **options)
+        trainer = quiet_trainer(devices=1, strategy=strategy, default_root_dir=tmp_path / name, **TRAIN)
+        trainer.fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH))
+        assert not list(scratch_dir.iterdir()), "the scratch is removed when fit ends"
+        saved[name] = tmp_path / f"{name}.ckpt"
+        trainer.save_checkpoint(saved[name])
+    mine, theirs = (torch.load(saved[n], weights_only=False)["optimizer_states"][0] for n in ("disk", "none"))
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert sorted(mine["state"]) == sorted(theirs["state"]) and len(theirs["state"]) == 8  # (not the frozen)
+    for i, state in theirs["state"].items():
+        assert sorted(mine["state"][i]) == sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
+        assert_close_dicts(mine["state"][i], state, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    resumed = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), tmp_path / "resumed", max_epochs=2,
+                  strategy=PipelineStrategy(pipeline_size=1), ckpt_path=str(saved["disk"]),
+                  **TRAIN)[0]  # fmt: skip
+    torch.manual_seed(0)
+    two = fit(FrozenFirst(), loader(DATA, GLOBAL_BATCH), tmp_path / "two", max_epochs=2,
+              strategy=PipelineStrategy(pipeline_size=1), **TRAIN)[0]  # fmt: skip
+    assert_close_dicts(resumed["params"], two["params"], rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    trainer = quiet_trainer(devices=1, strategy=PipelineStrategy(pipeline_size=1, **disk),
+                            default_root_dir=tmp_path / "failed", **TRAIN)  # fmt: skip
+    with pytest.raises(RuntimeError, match="a bug in the user's step"):
+        trainer.fit(FailsInSecondBatch(), loader(DATA, GLOBAL_BATCH))
+    assert not list(scratch_dir.iterdir()), "the scratch is removed when fit fails"
+    with pytest.raises(RuntimeError, match=r"closed when its run was interrupted .* Resume from the last"):
+        trainer.save_checkpoint(tmp_path / "failed.ckpt")

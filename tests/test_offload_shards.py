@@ -310,9 +310,10 @@ def _disk_fsdp(out: dict, tmp: Path) -> None:
     out["disk_fsdp_state"] = (_full_state(optimizer), _full_state(plain))
     out["disk_fsdp_chunks"] = (sum(len(d.layout.chunks) for d in optimizer._disk), optimizer.buffers.peak)
     out["disk_dirs"] = sorted(p.name for p in (tmp / "scratch").iterdir())
-    optimizer.close()
+    optimizer.close(keep_state=True)  # (a run that ended normally: a checkpoint may follow)
     dist.barrier()
     out["disk_dirs_after"] = sorted(p.name for p in (tmp / "scratch").iterdir())
+    out["disk_fsdp_state_after_close"] = _full_state(optimizer)
 
 
 def _zero1_disk(out: dict, tmp: Path) -> None:
@@ -345,7 +346,9 @@ def _zero1_disk(out: dict, tmp: Path) -> None:
             type(optimizer.optim).__name__,
         )
         if kind == "disk":
-            optimizer.optim.close()
+            optimizer.optim.close(keep_state=True)  # the files gone, the shard's state on the host
+            zero.consolidate(optimizer)
+            runs["disk_after_close"] = copy.deepcopy(optimizer.state_dict()) if dist.get_rank() == 0 else None
     out["zero1"] = runs
     dist.barrier()
     out["zero_dirs_after"] = sorted(p.name for p in (tmp / "zero_scratch").iterdir())
@@ -387,11 +390,12 @@ def _check_disk_tier(out: dict) -> None:
     disk, host, plain = out["disk_fsdp"]
     _same(disk, host, bitwise=True, what="disk against host")
     _same(disk, plain, what="disk against plain")
-    mine, theirs = out["disk_fsdp_state"]
-    assert mine["param_groups"] == theirs["param_groups"]
-    assert sorted(mine["state"]) == sorted(theirs["state"]) == [2, 3, 4, 5]
-    for i, state in theirs["state"].items():
-        _same(mine["state"][i], state, what=f"state {i}")
+    live, theirs = out["disk_fsdp_state"]
+    for when, mine in (("", live), ("after close ", out["disk_fsdp_state_after_close"])):
+        assert mine["param_groups"] == theirs["param_groups"]
+        assert sorted(mine["state"]) == sorted(theirs["state"]) == [2, 3, 4, 5]
+        for i, state in theirs["state"].items():
+            _same(mine["state"][i], state, what=f"{when}state {i}")
     chunks, peak = out["disk_fsdp_chunks"]
     assert chunks > 2 and 0 < peak <= DISK_BUFFER
     assert out["disk_dirs"] == ["rank0", "rank1"], "a directory per rank: the ranks of a node never collide"
@@ -401,11 +405,12 @@ def _check_disk_tier(out: dict) -> None:
     _same(runs["disk"][0], runs["plain"][0], what="zero1")
     assert runs["disk"][2] == "AdamW"
     if runs["plain"][1] is not None:  # rank 0: the consolidated state, as ZeRO-1 without the disk
-        mine, theirs = runs["disk"][1], runs["plain"][1]
-        assert mine["param_groups"] == theirs["param_groups"]
-        assert sorted(mine["state"]) == sorted(theirs["state"]) == [2, 3, 4, 5]
-        for i, state in theirs["state"].items():
-            _same(mine["state"][i], state, what=f"zero1 state {i}")
+        theirs = runs["plain"][1]
+        for when, mine in (("", runs["disk"][1]), ("after close ", runs["disk_after_close"])):
+            assert mine["param_groups"] == theirs["param_groups"]
+            assert sorted(mine["state"]) == sorted(theirs["state"]) == [2, 3, 4, 5]
+            for i, state in theirs["state"].items():
+                _same(mine["state"][i], state, what=f"zero1 {when}state {i}")
 
 
 def _check_host_tier(out: dict) -> None:

@@ -159,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="try splitting each sequence over k ranks (sequence_parallel_size) where the model's heads "
         "allow: auto (default) from 2048 tokens a sample, yes at any length, no never",
     )  # fmt: skip
+    p.add_argument("--offload-dir", help="offload the optimizer state to files under this directory (the "
+                   "disk tier, offload_to='disk'), not to host memory")  # fmt: skip
     p.add_argument("--bandwidth", help="link bandwidth between ranks, e.g. 25GB/s (default: measured here)")
     p.add_argument("--latency", default="0us", help="link latency with --bandwidth, e.g. 10us")
     p.add_argument("--host-bandwidth", help="device<->host copy rate, e.g. 20GB/s (default: measured here)")
@@ -205,6 +207,7 @@ def search_of(args: argparse.Namespace) -> tuple[Search, Budget]:
         tuple(args.pipeline_sizes) if args.pipeline_sizes else None, tuple(args.schedules),
         tuple(args.tensor_parallel_sizes), not args.no_offload, args.devices // args.nodes,
         sequence_parallel={"auto": None, "yes": True, "no": False}[args.sequence_parallel],
+        offload_dir=args.offload_dir,
     )  # fmt: skip
     host = parse_bytes(args.host_memory) if args.host_memory else host_memory()
     return search, Budget(parse_bytes(args.memory), host, search.node_ranks, args.margin)

@@ -82,6 +82,7 @@ class Candidate:
     accumulate: int  # batches per optimizer step
     host_per_node: int
     time: StepTime | None = None
+    disk_per_node: int = 0  # (the disk tier's files)
 
     @property
     def peak(self) -> int:
@@ -99,6 +100,7 @@ class Candidate:
     def reason(self) -> str:
         """Peak device and host bytes, and where the time goes."""
         host = f", host {format_bytes(self.host_per_node)} per node" if self.host_per_node else ""
+        host += f", disk {format_bytes(self.disk_per_node)} per node" if self.disk_per_node else ""
         timed = f", {self.time.describe()}" if self.time is not None else ""
         return f"device peak {format_bytes(self.peak)}{host}{timed}"
 
@@ -124,9 +126,8 @@ def rank_plans(
         timed = None
         if links is not None and facts.times is not None and plan.strategy == "pipeline":
             timed = step_time(facts, links, plan, batch, accumulate)
-        out.append(
-            Candidate(plan, estimate, batch, accumulate, host_per_node(estimate, search.node_ranks), timed)
-        )
+        host, disk = (host_per_node(estimate, search.node_ranks, c) for c in ("host", "disk"))
+        out.append(Candidate(plan, estimate, batch, accumulate, host, timed, disk))
     return ranked(out)
 
 
@@ -138,20 +139,21 @@ def ranked(candidates: list[Candidate]) -> list[Candidate]:
     )
 
 
-def host_per_node(estimate: MemoryEstimate, ranks_per_node: int) -> int:
-    """The host bytes of the fullest node: the ranks of one node share its memory.
+def host_per_node(estimate: MemoryEstimate, ranks_per_node: int, column: str = "host") -> int:
+    """The host bytes of the fullest node: the ranks of one node share its memory (``column="disk"``:
+    the bytes its ranks keep on its disk).
 
     Global ranks fill the nodes in order (``ranks_per_node`` each); a rank holds its pipeline rank's
     offloaded bytes (:class:`~lightning_parallel.layout.ranks.RankLayout` places pipeline ranks outermost).
     """
     plan = estimate.plan
-    if plan.strategy != "pipeline" or not any(r.host for r in estimate.ranks):
-        return estimate.ranks[0].host if plan.strategy != "pipeline" else 0
+    if plan.strategy != "pipeline" or not any(getattr(r, column) for r in estimate.ranks):
+        return getattr(estimate.ranks[0], column) if plan.strategy != "pipeline" else 0
     layout = plan.layout()
     nodes: dict[int, int] = {}
     for g in range(plan.world):
-        pp_rank = layout.coordinates(g)[0]
-        nodes[g // ranks_per_node] = nodes.get(g // ranks_per_node, 0) + estimate.ranks[pp_rank].host
+        node, pp_rank = g // ranks_per_node, layout.coordinates(g)[0]
+        nodes[node] = nodes.get(node, 0) + getattr(estimate.ranks[pp_rank], column)
     return max(nodes.values())
 
 
@@ -165,8 +167,9 @@ def format_plan(candidates: list[Candidate], budget: Budget | int) -> str:
     """The table: one row per candidate, ``fits`` against ``budget``, the chosen one marked ``<-``."""
     budget = budget if isinstance(budget, Budget) else Budget(budget, margin=0.0)
     best = fastest_fit(candidates, budget)
-    headers = ["configuration", "batch/replica", "micro-batch", "device peak", "host/node", "fits", "step",
-               "bubble", ""]  # fmt: skip
+    disk = any(c.disk_per_node for c in candidates)  # (a column only where a plan keeps files)
+    headers = ["configuration", "batch/replica", "micro-batch", "device peak", "host/node",
+               *(["disk/node"] if disk else []), "fits", "step", "bubble", ""]  # fmt: skip
     rows = []
     for c in candidates:
         mb = c.batch // c.plan.num_microbatches
@@ -175,6 +178,7 @@ def format_plan(candidates: list[Candidate], budget: Budget | int) -> str:
         step = f"{c.seconds * 1e3:.1f} ms" if c.time else "-"
         bubble = f"{c.time.bubble:.2f}" if c.time else "-"
         rows.append([c.plan.label(), batch, str(mb), format_bytes(c.peak), format_bytes(c.host_per_node),
+                     *([format_bytes(c.disk_per_node)] if disk else []),
                      "yes" if budget.fits(c) else "no", step, bubble, mark])  # fmt: skip
     return format_table(headers, rows)
 

@@ -65,6 +65,8 @@ class Search:
         sequence_parallel: also split the sequence (``sequence_parallel_size``) where the measured model's
             heads allow: ``None`` (default) where its sequence is long, ``True`` whatever its length,
             ``False`` never (see the technique's ``variants``).
+        offload_dir: with ``offload``, the optimizer state offloaded to files under it (the disk tier),
+            not to host memory.
 
     Example::
 
@@ -84,6 +86,7 @@ class Search:
     ranks_per_node: int | None = None
     offload_parameters: bool = True
     sequence_parallel: bool | None = None
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices", "global_batch_size", "batch_size", "ranks_per_node"):
@@ -130,7 +133,9 @@ class Search:
             for schedule, v in _schedules(base.pipeline_size, num_blocks, self.schedules)
             for m in _microbatches(base.pipeline_size, found[0])
         ]  # the core's: pipeline shapes x schedules x micro-batches
-        options = SearchOptions(self.offload, self.offload_parameters, layout, model, self.sequence_parallel)
+        options = SearchOptions(
+            self.offload, self.offload_parameters, layout, model, self.sequence_parallel, self.offload_dir
+        )
         for technique in TECHNIQUES:
             plans = _accepted((plan, o) for plan in plans for o in technique.variants(plan, options))
         return [plan for plan in plans if self._splits_plan(plan)]  # (a variant may change the replicas)

@@ -166,6 +166,8 @@ class SearchOptions:
             its batch's ``tokens``), read duck-typed; None: not given (a listing without a model).
         sequence_parallel: try splitting the sequence (``True``: wherever the model's heads allow;
             ``None``: where its sequence is long, too; ``False``: never).
+        offload_dir: with ``offload``, the optimizer's offload keeps the state in files under it (the
+            disk tier, ``offload_to="disk"``), not in host memory.
 
     Example::
 
@@ -178,6 +180,7 @@ class SearchOptions:
     layout: str = ""
     model: Any = field(default=None, compare=False)
     sequence_parallel: bool | None = None
+    offload_dir: str | None = None
 
 
 @dataclass
@@ -510,9 +513,11 @@ class Technique:
         """The optimizers as the technique wraps or rebuilds them (right after ``configure_optimizers``)."""
         return optimizers
 
-    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job) -> None:
+    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job, interrupted: bool = False) -> None:
         """Release what its optimizers hold outside the process's memory (files, threads) when the run
-        ends: normally, by a stop, or by an error (the strategy's teardown)."""
+        ends: normally, by a stop, or by an error (the strategy's teardown). ``interrupted``: by a stop
+        or an error; else normally, and a checkpoint may still be saved from the optimizers (Lightning's
+        ``on_fit_end``, ``trainer.save_checkpoint`` after ``fit``): keep what their ``state_dict()`` needs."""
 
     def step_context(self, job: Job) -> AbstractContextManager[Any] | None:
         """A context entered around each schedule step (reused step after step), or None: the runner's

@@ -17,6 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 
@@ -157,8 +158,11 @@ def prepare_optimizers(strategy: Any, trainer: pl.Trainer, parts: PipelineParts,
 
 def release_optimizers(strategy: Any, job: Job | None) -> None:
     """What the techniques' optimizers hold beyond the run (the disk tier's files), released at the
-    strategy's teardown: the end of a fit, a stop, an error."""
+    strategy's teardown: the end of a fit, a stop, an error (Lightning marks the last two ``INTERRUPTED``
+    before its teardown; the first is still ``RUNNING``, a checkpoint may follow it)."""
     if job is None:
         return
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
     for technique in TECHNIQUES:
-        technique.teardown(list(strategy.optimizers), job)
+        technique.teardown(list(strategy.optimizers), job, interrupted)

@@ -17,9 +17,11 @@ its own files) and FSDP2 shards (DTensor parameters: their local shards step; th
 DTensors placed as them). ``state_dict()`` reads the state from the files (``disk_group.py``; the rank's
 state is on the host while a checkpoint is written, as without the tier); ``load_state_dict()`` writes
 it to them, in a plain optimizer's layout. The files are scratch: made afresh by each run, removed by
-:meth:`DiskStepping.close`, when the optimizer is collected, at the interpreter's exit, and by the kernel
-on a kill where they are unnamed (Linux ``O_TMPFILE``); a directory a killed run left is emptied by the
-next run, which takes its state from the checkpoint it resumes from.
+:meth:`DiskStepping.close` (at the strategy's teardown; after a normal end with the state read into host
+tensors first, for a checkpoint saved after ``fit``), when the optimizer is collected, at the
+interpreter's exit, and by the kernel on a kill where they are unnamed (Linux ``O_TMPFILE``); a
+directory a killed run left is emptied by the next run, which takes its state from the checkpoint it
+resumes from.
 
 Integration plan (issue 54's next phase; the fields are offload's, one technique's):
 
@@ -53,6 +55,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +132,7 @@ class DiskStepping:
         self.buffers = HostBuffers()
         self.seconds = {"step": 0.0, "waiting": 0.0}
         self._failed: BaseException | None = None
+        self._kept = False  # closed with its state read into host tensors
         self._refresh: list[set[int]] = []
         self._closer = weakref.finalize(self, _close, self._disk, self._stream, self._scratch)
 
@@ -253,21 +257,34 @@ class DiskStepping:
         for pid, values in state_dict["state"].items():
             self.state[params[pid]] = values
 
-    def close(self) -> None:
+    def close(self, keep_state: bool = False) -> None:
         """Stop the threads, free the buffers, remove the files (and the rank's directory if no other
-        optimizer uses it). The optimizer cannot step afterwards, its ``state`` is empty and its
-        ``state_dict()`` refused (Lightning's teardown walks the state: it finds nothing to read)."""
-        if self._closer.detach() is not None:  # (the first close: the finalizer will not run)
+        optimizer uses it). The optimizer cannot step afterwards.
+
+        ``keep_state``: the state is read from the files into host tensors first (a run that ended
+        normally: a checkpoint saved after it, ``trainer.save_checkpoint`` or ``on_fit_end``, holds it,
+        as Lightning's teardown leaves any optimizer's state on the host; the host then holds this rank's
+        state, as it does while a checkpoint is written). Otherwise (an interrupted run, a failed step:
+        its files may be partly written) ``state`` is empty and ``state_dict()`` refused."""
+        if not self._closer.alive:  # (closed already)
+            return
+        kept: dict[Any, dict[str, Any]] | None = None
+        try:
+            if keep_state and self._failed is None:
+                kept = {param: self.state[param] for param in self.state}
+        finally:
+            self._closer.detach()  # (the finalizer will not run)
             _close(self._disk, self._stream, self._scratch, wait=True)
-            self.state = {}
+            self.state = defaultdict(dict, kept or {})
+            self._kept = kept is not None
             self._failed = RuntimeError("closed")
 
     def state_dict(self) -> dict[str, Any]:
-        if not self._closer.alive:
+        if not self._closer.alive and not self._kept:
             raise RuntimeError(
-                "the disk tier's optimizer was closed when its run ended (its files are removed, its state "
-                "is gone): save the checkpoint during fit (ModelCheckpoint, or in a callback's "
-                "on_train_end), not after it"
+                "the disk tier's optimizer was closed when its run was interrupted (an error, a stop) or "
+                "one of its steps failed: its state was in scratch files, now removed. Resume from the "
+                "last checkpoint saved during the run (ModelCheckpoint, save_on_exception=True)"
             )
         return self._user_class.state_dict(self)
 

@@ -102,7 +102,10 @@ class Offload(Technique):
         yield {}
         if not search.offload or plan.offload:
             return
-        yield {"offload": ("optimizer",)}  # (replicas, ZeRO-1 and FSDP2: the state and its step)
+        if search.offload_dir:  # (the disk tier: the state in files, the host holding a buffer)
+            yield {"offload": ("optimizer",), "offload_to": "disk", "offload_dir": search.offload_dir}
+        else:
+            yield {"offload": ("optimizer",)}  # (replicas, ZeRO-1 and FSDP2: the state and its step)
         if search.offload_parameters:
             yield {"offload": ("parameters",)}  # (FSDP2)
         if not plan.activation_checkpointing:  # (recomputed: little left to move)
@@ -138,20 +141,23 @@ class Offload(Technique):
         job.info(f"PipelineStrategy: {describe(plan.offload, job.pin_memory, where)}")
         return apply(optimizers, job.schedulers, plan, job.mesh.group("optimizer_shard"), job.pin_memory)
 
-    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job) -> None:
+    def teardown(self, optimizers: list[torch.optim.Optimizer], job: Job, interrupted: bool = False) -> None:
         """The disk tier's files removed (its threads stopped, its buffers freed) when the run ends,
-        normally or by a stop; a killed run's are removed by the kernel or by the next run."""
+        normally or by a stop; a killed run's are removed by the kernel or by the next run. After a
+        normal end the state is read into host tensors first (``DiskStepping.close(keep_state=True)``):
+        a checkpoint saved after ``fit`` holds it, as without the tier."""
         for optimizer in optimizers:
             inner = getattr(optimizer, "optim", optimizer)  # (ZeRO-1's shard)
             if isinstance(inner, DiskStepping):
-                inner.close()
+                inner.close(keep_state=not interrupted)
 
     def step_context(self, job: Job) -> ActivationOffload | None:
         return ActivationOffload(job.pin_memory) if "activations" in job.plan.offload else None
 
     def memory(self, ledger: MemoryLedger) -> None:
         """The parameter and optimizer bytes moved off the rank's device, and the host's bytes (``memory.py``,
-        as the techniques before it left them: FSDP2's shards, ZeRO-1's share of the state); with
+        as the techniques before it left them: FSDP2's shards, ZeRO-1's share of the state; with
+        ``offload_to="disk"`` the state in the disk column, the host holding the buffer); with
         ``"activations"``, the stages as the device sees them (a micro-batch's saved tensors only during
         its backward, a transient) and the host's bytes (each stage's micro-batches in flight at their
         most)."""
@@ -203,8 +209,12 @@ TECHNIQUE = Offload()
 
 
 def _state_to_host(ledger: MemoryLedger, hosted: tuple[str, ...]) -> None:
-    """The parameters (FSDP2's shards) and the optimizer state off the device, the host's bytes on it."""
+    """The parameters (FSDP2's shards) and the optimizer state off the device, the host's bytes on it;
+    ``offload_to="disk"``: the state on the disk instead (:func:`_state_to_disk`)."""
     device, tensors = ledger.device, [ledger.facts.tensors[k] for k in ledger.keys]
+    if ledger.plan.offload_to == "disk":
+        _state_to_disk(ledger, [t for t in tensors if t.grad])
+        return
     trainable = sum(t.nbytes for t in tensors if t.grad)
     p_bytes, state = device["parameters"], device["optimizer"]
     if "parameters" in hosted:  # FSDP2's CPUOffloadPolicy: p_bytes and state are the rank's shards
@@ -218,6 +228,30 @@ def _state_to_host(ledger: MemoryLedger, hosted: tuple[str, ...]) -> None:
                         trainable=share, activations=0, in_flight=0)  # fmt: skip
     device["optimizer"] -= state
     ledger.add_host("parameters" if "parameters" in hosted else "optimizer", placed.host)
+
+
+def _state_to_disk(ledger: MemoryLedger, trainable: list[Any]) -> None:
+    """The disk tier: the rank's optimizer state (its ZeRO-1 or FSDP2 share) off the device into its
+    files, where it is kept in the host step's dtype (fp32 for bf16 / fp16 parameters, with an fp32 master
+    of each: ``disk_group.py``); the host holds only the buffer the state streams through
+    (``offload_buffer``), whatever the state's size (the chunks' gradients and parameters pass through its
+    work area)."""
+    device, whole = ledger.device, ledger.whole["optimizer"]
+    share = device["optimizer"] / whole if whole else 1.0  # (ZeRO-1 and FSDP2 step their share)
+    in_files = 0
+    for t in trainable:
+        low = t.nbytes < 4 * t.numel  # (bf16 / fp16: 2 bytes an element, stepped in fp32)
+        scale = 4 * t.numel // t.nbytes if low else 1
+        per_element = t.state.per_element if t.state else 0
+        in_files += per_element * t.numel * scale + (t.state.per_tensor if t.state else 0)
+        in_files += 4 * t.numel if low else 0
+    device["optimizer"] = 0
+    ledger.disk["optimizer"] = ledger.disk.get("optimizer", 0) + round(in_files * share)
+    ledger.add_host("optimizer", buffer_bytes(ledger.plan.offload_buffer or DEFAULT_BUFFER))
+    ledger.notes.append(
+        "offload_to='disk': the step time is modelled as host offload's (the disk's reads and writes, "
+        "overlapped with the host step chunk by chunk, are not charged)"
+    )
 
 
 def checked_offload(offload: Any, data_parallel: str) -> tuple[str, ...]:
