@@ -17,15 +17,16 @@ one sample a step; k = 1 is one process, k = 2 and 4 spawned gloo ranks (4 proce
 - **Exactness.** The loss of the first 3 steps (2 optimizer steps in between) at k = 2 and 4, the mean of
   the shards' losses (every token labelled: equal counts), against k = 1's, at 1024 tokens (same data,
   same initial weights); byte counts and losses are measured once, they do not depend on the load.
-- **Time.** The step time per token at 1024 tokens (rank 0's median step after 2 warm-up steps, the
-  ranks lined up around each step), k = 1, 2, 4 interleaved over ``--repeats`` spawned jobs, and the
-  ratio to k = 1 within each repeat. On 2 shared cores k = 4 runs 4 processes on 2 cores: read the time
-  as what the exchanges and the extra processes cost here, not as a speed-up (a GPU per rank would
-  divide the compute by k).
+- **Time.** The step time per token at 1024 and 4096 tokens (rank 0's median step after 2 warm-up
+  steps, the ranks lined up around each step), k = 1, 2, 4 interleaved over ``--repeats`` spawned jobs
+  (each fits at both lengths), and the ratio to k = 1 within each repeat. On 2 shared cores k = 4 runs 4
+  processes on 2 cores: read the time as what the exchanges, the gradient all-reduce over the k ranks
+  and the extra processes cost or save here, not as what k devices would gain.
 
 Writes ``long_context.csv`` (one row per k x length: peak, fits, predicted), ``long_context_fit.csv``
-(per k: the budget, the longest length that fits, its ratio to k = 1, the step time per token, the loss
-difference to k = 1) and ``long_context.png`` under ``--out-dir``.
+(per k: the budget, the longest length that fits, its ratio to k = 1, the loss difference to k = 1),
+``long_context_time.csv`` (per length x k: step, per token, ratio to k = 1) and ``long_context.png``
+under ``--out-dir``.
 
 Usage::
 
@@ -56,8 +57,10 @@ KS = (1, 2, 4)
 HEADS, SAMPLES, LOSS_STEPS = 4, 1, 3
 GOAL = 1.8  # k = 2 fits at least this many times k = 1's longest length
 FULL = dict(dim=64, depth=2, lengths=(256, 512, 1024, 2048, 4096), longer=(8192,), budget_at=1024,
-            timed_at=1024, warmup=2, timed=4)  # fmt: skip
-QUICK = dict(dim=32, depth=1, lengths=(32, 64), longer=(128,), budget_at=32, timed_at=32, warmup=1, timed=2)
+            timed_at=(1024, 4096), warmup=2, timed=4)  # fmt: skip
+QUICK = dict(
+    dim=32, depth=1, lengths=(32, 64), longer=(128,), budget_at=32, timed_at=(32,), warmup=1, timed=2
+)
 
 
 def model(size: dict[str, Any], max_len: int) -> SequentialCharLM:
@@ -90,10 +93,13 @@ def memory_worker(rank: int, world: int, size: dict[str, Any]) -> list[dict[str,
 
 
 def time_worker(rank: int, world: int, size: dict[str, Any]) -> dict[str, float]:
-    """Rank 0's median step (ranks lined up around each step) at the timed length."""
-    clock = h.StepClock(barrier=True)
-    fit(size, world, size["timed_at"], size["warmup"] + size["timed"], [clock])
-    return {"step_ms": clock.median_step_ms(warmup=size["warmup"])}
+    """Rank 0's median step (ranks lined up around each step) at each timed length, one fit each."""
+    out = {}
+    for length in size["timed_at"]:
+        clock = h.StepClock(barrier=True)
+        fit(size, world, length, size["warmup"] + size["timed"], [clock])
+        out[f"step_ms_{length}"] = clock.median_step_ms(warmup=size["warmup"])
+    return out
 
 
 def predicted_peaks(size: dict[str, Any], lengths: list[int]) -> dict[int, int]:
@@ -125,9 +131,9 @@ def longest_fitting(points: list[tuple[int, int]], budget: int, k: int) -> tuple
 
 
 def analyse(
-    peaks: list[dict[str, Any]], timing: list[dict[str, Any]], predicted: dict[int, int], size: dict[str, Any]
+    peaks: list[dict[str, Any]], predicted: dict[int, int], size: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The per-length rows (the worst rank's peak) and the per-k rows (longest fit, time, exactness)."""
+    """The per-length rows (the worst rank's peak) and the per-k rows (longest fit, exactness)."""
     worst: dict[tuple[int, int], dict[str, Any]] = {}
     for r in peaks:
         key = (r["k"], r["seq_len"])
@@ -147,32 +153,43 @@ def analyse(
             predicted_peak_bytes=predicted.get(n, "") if k == 1 else "",
             model_dim=size["dim"], model_depth=size["depth"], heads=HEADS, samples=SAMPLES,
         ))  # fmt: skip
-    times = h.compare(timing, "step_ms", baseline="k=1")
     fits = []
     base = None
     for k in KS:
         measured = [(n, r["peak_bytes"]) for (kk, n), r in worst.items() if kk == k]
         longest, lower_bound = longest_fitting(measured, budget, k)
         base = base or longest
-        row = next(r for r in times if r["variant"] == f"k={k}")
         exact_at = size["budget_at"]
         diff = max(abs(a - b) for a, b in zip(losses[(k, exact_at)], losses[(1, exact_at)]))
         fits.append(dict(
             k=k, budget_bytes=budget, longest_seq_len=longest, at_least=int(lower_bound),
             longest_vs_k1=round(longest / base, 4), goal=GOAL if k == 2 else "",
-            timed_seq_len=size["timed_at"], repeats=row["repeats"],
-            step_ms=row["step_ms"], step_ms_min=row["step_ms_min"], step_ms_max=row["step_ms_max"],
-            us_per_token=round(1e3 * row["step_ms"] / (SAMPLES * size["timed_at"]), 3),
-            us_per_token_min=round(1e3 * row["step_ms_min"] / (SAMPLES * size["timed_at"]), 3),
-            us_per_token_max=round(1e3 * row["step_ms_max"] / (SAMPLES * size["timed_at"]), 3),
-            time_ratio=row["ratio"], time_ratio_min=row["ratio_min"], time_ratio_max=row["ratio_max"],
             exact_seq_len=exact_at, loss_steps=LOSS_STEPS, max_loss_diff=f"{diff:.2e}",
             first_loss=round(losses[(k, exact_at)][0], 6),
         ))  # fmt: skip
     return rows, fits
 
 
-def plot(path: Any, rows: list[dict[str, Any]], fits: list[dict[str, Any]]) -> None:
+def time_rows(timing: list[dict[str, Any]], size: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per timed length and k: the median step and its range, per token, and the ratio to k = 1."""
+    out = []
+    for length in size["timed_at"]:
+        for row in h.compare(timing, f"step_ms_{length}", baseline="k=1"):
+            ms = [row[f"step_ms_{length}{end}"] for end in ("", "_min", "_max")]
+            per_token = [round(1e3 * x / (SAMPLES * length), 3) for x in ms]
+            out.append(dict(
+                k=int(row["variant"][2:]), seq_len=length, repeats=row["repeats"],
+                step_ms=ms[0], step_ms_min=ms[1], step_ms_max=ms[2],
+                us_per_token=per_token[0], us_per_token_min=per_token[1], us_per_token_max=per_token[2],
+                time_ratio=row["ratio"], time_ratio_min=row["ratio_min"], time_ratio_max=row["ratio_max"],
+                warmup_steps=size["warmup"], timed_steps=size["timed"],
+            ))  # fmt: skip
+    return out
+
+
+def plot(
+    path: Any, rows: list[dict[str, Any]], fits: list[dict[str, Any]], times: list[dict[str, Any]]
+) -> None:
     fig, (left, right) = h.figure(2)
     budget = rows[0]["budget_bytes"] / 2**20
     for k, f in zip(KS, fits):
@@ -199,10 +216,13 @@ def plot(path: Any, rows: list[dict[str, Any]], fits: list[dict[str, Any]]) -> N
     left.legend(fontsize=7, loc="upper left")
     left.grid(alpha=0.3)
     ks = [f["k"] for f in fits]
-    right.bar([x - 0.2 for x in range(len(ks))], [f["longest_vs_k1"] for f in fits], 0.4, color="tab:blue",
+    right.bar([x - 0.2 for x in range(len(ks))], [f["longest_vs_k1"] for f in fits], 0.3, color="tab:blue",
               label="longest length that fits / k=1's")  # fmt: skip
-    h.errorbars(right, [x + 0.2 for x in range(len(ks))], fits, "time_ratio", fmt="s", color="tab:orange",
-                label=f"step time per token / k=1's ({fits[0]['timed_seq_len']} tokens)")  # fmt: skip
+    lengths = sorted({r["seq_len"] for r in times})
+    for i, (length, marker) in enumerate(zip(lengths, "so^")):
+        mine = sorted((r for r in times if r["seq_len"] == length), key=lambda r: r["k"])
+        h.errorbars(right, [x + 0.05 + 0.15 * i for x in range(len(mine))], mine, "time_ratio", fmt=marker,
+                    label=f"step time per token / k=1's, {length} tokens")  # fmt: skip
     right.axhline(GOAL, color="tab:red", ls="--", lw=1, label=f"goal at k=2: {GOAL}x")
     right.axhline(1, color="black", lw=0.6)
     right.set_xticks(range(len(ks)), [f"k={k}" for k in ks])
@@ -223,25 +243,40 @@ def long_context_fit(rows: t.Rows) -> str:
         if r["goal"]:
             met = float(r["longest_vs_k1"]) >= float(r["goal"])
             goal = ", meets the goal" if met else ", misses the goal"
-        body.append(
-            [r["k"], t.mib(float(r["budget_bytes"])), longest, t.fixed(r["longest_vs_k1"], 2) + goal,
-             t.timed_col(r, "us_per_token", 1), "-" if r["k"] == "1" else t.timed_col(r, "time_ratio", 2,
-             t.ratio_verdict(r, "time_ratio", higher_is_better=False, words=("faster", "slower"))),
-             r["max_loss_diff"]]
-        )  # fmt: skip
+        body.append([r["k"], t.mib(float(r["budget_bytes"])), longest, t.fixed(r["longest_vs_k1"], 2) + goal,
+                     r["max_loss_diff"]])  # fmt: skip
     r0 = rows[0]
-    header = ["k", "budget MiB", "longest length that fits", "vs k=1 (goal 1.8 at k=2)"]
-    header += [
-        f"step us per token ({r0['timed_seq_len']} tokens)",
-        "time ratio vs k=1",
+    header = [
+        "k",
+        "budget MiB",
+        "longest length that fits",
+        "vs k=1 (goal 1.8 at k=2)",
         "max loss diff vs k=1",
     ]
     return t.table(header, body) + (
         f"\n\nThe budget is k=1's MemTracker peak at {r0['exact_seq_len']} tokens, rounded up to a whole "
-        "MiB; the longest length is interpolated between the measured lengths below. Step time: rank 0's "
-        f"median step over {r0['repeats']} interleaved repeats (k=2 and 4 are 2 and 4 processes on the 2 "
-        f"cores). Loss difference: the first {r0['loss_steps']} steps' losses (the mean of the k shards') at "
-        f"{r0['exact_seq_len']} tokens."
+        "MiB; the longest length is interpolated between the measured lengths of the table below. Loss "
+        f"difference: the largest over the first {r0['loss_steps']} steps' losses (the mean of the k "
+        f"shards') at {r0['exact_seq_len']} tokens."
+    )
+
+
+def long_context_time(rows: t.Rows) -> str:
+    body = []
+    for r in rows:
+        ratio = "-" if r["k"] == "1" else t.timed_col(r, "time_ratio", 2, t.ratio_verdict(
+            r, "time_ratio", higher_is_better=False, words=("faster", "slower")))  # fmt: skip
+        body.append(
+            [r["seq_len"], r["k"], t.timed_col(r, "step_ms", 1), t.timed_col(r, "us_per_token", 1), ratio]
+        )
+    r0 = rows[0]
+    header = ["tokens", "k", "step ms (rank 0)", "us per token", "time ratio vs k=1 (same repeat)"]
+    return t.table(header, body) + (
+        f"\n\nRank 0's median step after {r0['warmup_steps']} warm-up steps ({r0['timed_steps']} timed, the "
+        f"ranks lined up around each), k=1, 2, 4 interleaved over {r0['repeats']} repeats, one spawned job "
+        "each; per token: the step over the sample's tokens. k=2 and 4 are 2 and 4 processes on the 2 "
+        "cores: this is what the exchanges, the gradient all-reduce over the k ranks and the extra processes "
+        "cost or save here, not what k devices would gain."
     )
 
 
@@ -272,11 +307,8 @@ RESULTS = t.Results(
     "long_context",
     t.Section(
         "Long context: the longest sequence within a memory budget, sequence parallelism k = 1, 2, 4",
-        t.Table(
-            long_context_fit,
-            ("longest_seq_len", "longest_vs_k1", "us_per_token", "time_ratio", "max_loss_diff"),
-            timed=True,
-        ),
+        t.Table(long_context_fit, ("budget_bytes", "longest_seq_len", "longest_vs_k1", "max_loss_diff")),
+        t.Table(long_context_time, ("step_ms", "us_per_token", "time_ratio"), timed=True),
         t.Table(long_context, ("peak_bytes", "predicted_peak_bytes")),
     ),
 )
@@ -297,15 +329,20 @@ def main(argv: list[str] | None = None) -> None:
     timing = h.interleave(variants, repeats=args.repeats)
     print(f"timing: {time.perf_counter() - start:.0f} s", flush=True)
     predicted = predicted_peaks(size, list(size["lengths"]))
-    rows, fits = analyse(peaks, timing, predicted, size)
+    rows, fits = analyse(peaks, predicted, size)
+    times = time_rows(timing, size)
     h.write_csv(args.out_dir / "long_context.csv", rows)
     h.write_csv(args.out_dir / "long_context_fit.csv", fits)
-    plot(args.out_dir / "long_context.png", rows, fits)
+    h.write_csv(args.out_dir / "long_context_time.csv", times)
+    plot(args.out_dir / "long_context.png", rows, fits, times)
     for f in fits:
         print(f"k={f['k']}: longest {'>=' if f['at_least'] else ''}{f['longest_seq_len']} tokens "
               f"({f['longest_vs_k1']:.2f}x k=1) within {f['budget_bytes'] / 2**20:.0f} MiB; "
-              f"{f['us_per_token']:.1f} us/token ({f['time_ratio']:.2f}x k=1); "
               f"max loss diff {f['max_loss_diff']}")  # fmt: skip
+    for r in times:
+        spread = f"{r['time_ratio_min']:.2f} .. {r['time_ratio_max']:.2f}"
+        print(f"k={r['k']} at {r['seq_len']} tokens: {r['us_per_token']:.1f} us/token "
+              f"({r['time_ratio']:.2f}x k=1, {spread})")  # fmt: skip
     print(f"done in {time.perf_counter() - start:.0f} s")
 
 
