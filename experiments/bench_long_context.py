@@ -299,7 +299,9 @@ def long_context(rows: t.Rows) -> str:
         f"\n\n`SequentialCharLM` width {r0['model_dim']}, {r0['model_depth']} blocks, {r0['heads']} heads, "
         f"{r0['samples']} sample a step, AdamW; the worst rank's MemTracker peak of the second step; "
         f'"(over)": above the budget of {t.mib(float(r0["budget_bytes"]))} MiB. Byte counts: one run each, '
-        "they do not depend on the load."
+        "they do not depend on the load; with k > 1 a peak may differ between runs by one exchange's "
+        "buffers (whether an all-to-all's copies are still alive when the peak is reached: half a MiB at "
+        "k=4 and 4096 tokens, seen once)."
     )
 
 
