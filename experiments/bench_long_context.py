@@ -30,7 +30,7 @@ under ``--out-dir``.
 
 Usage::
 
-    python experiments/bench_long_context.py            # about 4 minutes on 2 loaded cores
+    python experiments/bench_long_context.py            # 1.5 minutes on 2 quiet cores, 3.5 at load 30
     python experiments/bench_long_context.py --quick    # width 32, 1 block, 32 .. 128 tokens
 """
 
