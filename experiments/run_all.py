@@ -61,6 +61,7 @@ PAGE_ORDER = (
     "varlen",
     "hf_pretrained_memory",
     "tensor_parallel",
+    "long_context",
     "compile",
     "trace_share",
     "offload",

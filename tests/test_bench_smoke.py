@@ -340,6 +340,7 @@ QUICK = {
     "bench_fsdp_memory": [],
     "bench_gpt_pipeline": [],
     "bench_hf_pipeline": [],
+    "bench_long_context": ["--repeats", "1"],
     "bench_metric_sync": [],
     "bench_offload": [],
     "bench_overlap": [],
