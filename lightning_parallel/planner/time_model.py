@@ -286,18 +286,25 @@ def step_time(
 
 
 def as_run(
-    facts: ModelFacts, links: Links, plan: ParallelPlan, samples: int, measured: Mapping[int, float]
+    facts: ModelFacts,
+    links: Links,
+    plan: ParallelPlan,
+    samples: int,
+    measured: Mapping[int, float],
+    units: float | None = None,
 ) -> StepOverhead:
     """What every step pays and how the stages run, from ``plan``'s real steps measured on the job.
 
     ``measured``: seconds of one optimizer step of ``plan`` (the job's own model run by the strategy's
     step, ``samples`` per replica per batch) at two accumulation windows (batches per step). The batches'
-    difference is what one more batch takes as run; beyond what the model predicts per batch for the
-    plan's overhead (per batch, per action) and transfers, it is the stages' compute, whose ratio to the
-    predicted compute becomes ``compute``. What the step then still takes beyond the prediction (the step's
-    per-step work: the gradient sync's and the optimizer's as run, the step's bookkeeping) is added to
-    ``per_step`` (never below zero). A plan of one stage per rank (the replicas'): its batch is its units'
-    forward and backward, nothing else.
+    difference is what one more batch takes as run; beyond what the model charges a batch besides the
+    stages' compute (the plan's overhead per batch and per action), it is the stages' compute as run,
+    whose ratio to their units' timed sum becomes ``compute``: to ``units`` (the units' hook-timed
+    forward and backward of one batch, timed beside the steps, so that a load that changed since the
+    facts were measured slows both sides alike), else to the facts' lines. What the step pays once
+    beyond the batches (the windows' line at zero batches) beyond what the model predicts there (the
+    gradient sync, the optimizer step, the step's bookkeeping) is added to ``per_step`` (never below
+    zero). A plan of one stage per rank (the replicas'): its batch is its units' forward and backward.
 
     Raises:
         ValueError: fewer than two windows, a plan of several stages, or facts without unit times.
@@ -317,13 +324,13 @@ def as_run(
     # One batch's stages: their forward and backward of every micro-batch, nothing else charged.
     stages = step_time(facts, replace(links, overhead=StepOverhead()), plan, samples).schedule
     p1, p2 = (step_time(facts, with_base, plan, samples, w).seconds for w in (w1, w2))
-    per_batch = (t2 - t1) / (w2 - w1)
-    others = (p2 - p1) / (w2 - w1) - stages  # what the model charges a batch beside the stages' compute
-    scale = (per_batch - others) / stages if stages > 0 else 1.0
+    per_batch, predicted_batch = (t2 - t1) / (w2 - w1), (p2 - p1) / (w2 - w1)
+    others = predicted_batch - stages  # what the model charges a batch beside the stages' compute
+    timed = units if units is not None and units > 0 else stages
+    scale = (per_batch - others) / timed if timed > 0 else 1.0
     if not math.isfinite(scale) or scale <= 0:
         scale = 1.0  # (a difference lost in the noise: the units as timed)
-    scaled = replace(links, overhead=replace(plain, compute=scale))
-    rest = t1 - step_time(facts, scaled, plan, samples, w1).seconds
+    rest = (t1 - w1 * per_batch) - (p1 - w1 * predicted_batch)  # once per step, measured - predicted
     return replace(plain, per_step=max(0.0, plain.per_step + rest), compute=scale)
 
 

@@ -315,28 +315,40 @@ def measure_as_run(
     batch: Any,
     meshes: Meshes,
     steps: tuple[int, int],
-) -> dict[int, float] | None:
+    units: Callable[[], float] | None = None,
+) -> tuple[dict[int, float], float | None] | None:
     """The job's own model run as ``plan`` (the replicas') by the strategy's own step, as a trial runs it,
-    at each window of :data:`AS_RUN_WINDOWS`: ``{batches per step: seconds per step}`` (the slowest rank's
-    median), what :func:`~lightning_parallel.planner.time_model.as_run` reads; ``None`` on every rank if it
-    failed on any (every rank calls it).
+    at each window of :data:`AS_RUN_WINDOWS`, and ``units`` (seconds of the units' hook-timed forward and
+    backward of one batch) timed in turn with them: ``({batches per step: seconds per step}, units'
+    seconds)``, each the slowest rank's median, what
+    :func:`~lightning_parallel.planner.time_model.as_run` reads; ``None`` on every rank if it failed on
+    any (every rank calls it, with ``units`` or without alike).
 
     Example::
 
         measured = measure_as_run(trainer, model, ParallelPlan("pipeline", 2, 1, 1), batch, meshes, (2, 5))
     """
-    seconds, error = None, None
+    device = trainer.strategy.root_device
+    result, error = None, None
     try:
-        seconds = time_windows(trainer, module, plan, batch, meshes, steps, AS_RUN_WINDOWS)
+        step = _built(trainer, module, plan, batch, meshes.of(plan.layout(), host_tensors(plan, device)))
+        sums: list[float] = []
+        runs = [lambda i, w=w: step(i, w) for w in AS_RUN_WINDOWS]
+        if units is not None:
+            runs.append(lambda i: sums.append(units()))
+        seconds = _median_steps(runs, steps, device)[: len(AS_RUN_WINDOWS)]
+        result = seconds, statistics.median(sums[steps[0] :]) if sums else None
     except Exception as err:
         error = err
-    _release(trainer.strategy.root_device)
+    finally:
+        _release(device)
     try:
         agree(error)
     except Exception:
         return None
-    assert seconds is not None
-    return {w: slowest(s) for w, s in zip(AS_RUN_WINDOWS, seconds)}
+    assert result is not None
+    seconds, timed = result
+    return {w: slowest(s) for w, s in zip(AS_RUN_WINDOWS, seconds)}, slowest(timed) if timed else None
 
 
 def _barrier() -> None:
