@@ -54,7 +54,7 @@ from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.advice import choose
 from lightning_parallel.planner.estimate import predict
 from lightning_parallel.planner.in_place import measure_in_place
-from lightning_parallel.planner.links import Links, given_links, links_from
+from lightning_parallel.planner.links import Links, StepOverhead, given_links, links_from
 from lightning_parallel.planner.precision import PRECISION_DTYPES
 from lightning_parallel.planner.probe import _autocast, default_step
 from lightning_parallel.planner.quantities import host_memory, parse_bytes
@@ -68,7 +68,7 @@ from lightning_parallel.planner.ranking import (
     plan_search,
 )
 from lightning_parallel.planner.search import SEARCHED_FIELDS, Search
-from lightning_parallel.planner.time_model import as_run
+from lightning_parallel.planner.time_model import as_run, step_time
 from lightning_parallel.planner.time_probe import _timed_run
 from lightning_parallel.planner.units import find_units
 from lightning_parallel.strategies.pipeline.call_input import first_batch
@@ -378,7 +378,9 @@ def _as_run(
     plan, samples, measured, units = replicas
     overhead = as_run(facts[1], links, plan, samples, measured, units)
     steps = ", ".join(f"{w} batches {t * 1e3:.1f} ms" for w, t in sorted(measured.items()))
+    lines = step_time(facts[1], replace(links, overhead=StepOverhead()), plan, samples).schedule
     beside = f", its units' timed sum {units * 1e3:.1f} ms beside them" if units else ""
+    beside += f", {lines * 1e3:.1f} ms by the facts' lines"
     notes.append(
         f"the model run as replicas on {samples} samples a batch ({steps} a step{beside}): its stages as "
         f"run {overhead.compute:.2f}x their units' timed sum, "
