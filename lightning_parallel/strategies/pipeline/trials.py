@@ -8,10 +8,10 @@ user's stays whole for the next trial and for the run), and runs whole optimizer
 training batch with the strategy's own step: each batch of the accumulation window through the schedule
 (:func:`~lightning_parallel.strategies.pipeline.step.run_step`: the capture, the schedule, the loss and
 the logs' way back to every stage), the held gradients added, the gradient sync, the optimizers' step.
-Lightning's loop around it (hooks, callbacks, the logger connector: about a millisecond a step) is not
-run: nothing a trial's step logs reaches the logger, and no callback sees a trial. Every rank runs every
-trial; a trial that fails is left out on every rank (agreed); a step's time is the slowest rank's
-median over the timed steps. Pure glue: no Lightning hook is overridden here.
+Lightning's loop around it (hooks, callbacks, the logger connector, the data: 4-6 ms on a 53 ms step
+here) is not run: nothing a trial's step logs reaches the logger, and no callback sees a trial. Every
+rank runs every trial; a trial that fails is left out on every rank (agreed); a step's time is the
+slowest rank's median over the timed steps. Pure glue: no Lightning hook is overridden here.
 """
 
 from __future__ import annotations
