@@ -9,8 +9,10 @@ tensor-parallel stages run on DTensors) on 2 gloo ranks of this machine, each mo
 1. **Planned as** ``PipelineStrategy(plan="auto")`` **plans**, in the job's ranks themselves: a Trainer
    with ``plan="auto"`` (a budget everything fits, the global batch, the loader's batch of global / 2)
    and ``max_steps=0`` sets up, so the job's links are timed (each collective at several sizes), what
-   every step pays is measured on a trivial stage, every rank times the units at once and the techniques
-   measure FSDP2 and tensor parallelism in place; ``strategy.planned`` holds every plan sized and timed.
+   every step pays is measured on a trivial stage, every rank times the units at once, the techniques
+   measure FSDP2 and tensor parallelism in place and the model itself runs as replicas at two
+   accumulation windows (its stages and its step as run); ``strategy.planned`` holds every plan sized
+   and timed.
 2. Two device budgets per model, artificial on this CPU machine and chosen from the predicted peaks: one
    where data parallelism fits (every plan fits), one where it does not (below the smallest peak of any
    ``pipeline_size=1`` plan, less the 10% margin). For each budget its **top six predicted plans that fit**
@@ -37,7 +39,7 @@ the auto choice within 1.05x of the best measured.
 
 Usage::
 
-    python experiments/bench_autoplan.py            # ~15 minutes on 2 cores
+    python experiments/bench_autoplan.py            # ~7 minutes on 2 cores
     python experiments/bench_autoplan.py --quick    # one model, one budget, its first two plans, once each
 """
 

@@ -151,7 +151,7 @@ MODELS = {"sequential": lambda: SequentialRegressor(adam=True, depth=4), "flat":
 TINY = autoplan.Measurement(link_sizes=(1 << 10, 1 << 16), link_repeats=1, repeats=1, overhead_steps=(0, 0),
                             trial_steps=(1, 1))  # fmt: skip
 """What the job measures before it plans: a step and one repeat of everything (the suite's time); what every
-step pays is measured in the run with trials only (a trivial stage built twice)."""
+step pays is measured in the run with trials only (a trivial stage built twice, the model run as replicas)."""
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
@@ -216,4 +216,7 @@ def test_plan_auto_runs_exactly_the_plan_given_by_hand(tmp_path):
     # Measured on the job: the curves, what every step pays, FSDP2 in place (a split Sequential).
     assert "all-reduce 1 KiB" in links and "every step pays" in links
     assert "fsdp measured in place" in notes, notes
+    # The model itself run as replicas at two windows: its stages' ratio as run and its step's extra.
+    assert any("the model run as replicas on 4 samples" in n and "beside them" in n for n in notes), notes
     assert not spawned[0]["sequential_auto_planned"][0]  # (no trials without trials=)
+    assert not any("run as replicas" in n for n in spawned[0]["sequential_auto_planned"][1])  # (off)

@@ -12,7 +12,7 @@ from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.facts import measure_model
 from lightning_parallel.planner.links import Curve, Link, StepOverhead, fit_link, given_links, links_from
 from lightning_parallel.planner.schedule import Action, rank_actions
-from lightning_parallel.planner.time_model import simulate, step_time
+from lightning_parallel.planner.time_model import as_run, simulate, step_time
 from lightning_parallel.planner.time_probe import TimeLine, optimizer_step_cost
 
 
@@ -214,6 +214,41 @@ def test_what_every_step_pays_is_added_to_every_plan(facts):
     pp = ParallelPlan("pipeline", 2, 2, 4)
     assert step_time(facts, paying, pp, 16).seconds > step_time(facts, plain, pp, 16).seconds + 3e-3
     assert "overhead 3.8 ms" in step_time(facts, paying, ParallelPlan("pipeline", 2, 1, 4), 8).describe()
+
+
+def test_the_model_run_as_replicas_scales_the_stages_and_adds_the_rest_to_every_step(facts):
+    trivial = StepOverhead(per_step=1e-3, per_batch=2e-3, per_action=1e-4)
+    links = replace(given_links(bandwidth=10e9, latency=1e-5), overhead=trivial)
+    replicas = ParallelPlan("pipeline", 2, 1, 1)
+    # Steps as a job whose stages run 1.3x their units' timed sum and whose step pays 5 ms more would
+    # measure them, at windows of 1 and 3 batches: both read back.
+    truth = replace(links, overhead=replace(trivial, per_step=6e-3, compute=1.3))
+    measured = {w: step_time(facts, truth, replicas, 8, w).seconds for w in (1, 3)}
+    found = as_run(facts, links, replicas, 8, measured)
+    assert found.compute == pytest.approx(1.3) and found.per_step == pytest.approx(6e-3)
+    assert (found.per_batch, found.per_action) == (trivial.per_batch, trivial.per_action)
+    assert "1.30x their units' timed sum" in found.describe()
+    assert "timed sum" not in trivial.describe()  # (1: as timed, not said)
+    # The units timed beside the steps 1.1x slower than the facts say (the machine's load moved): the
+    # ratio is to them, and the step's extra does not change.
+    stages = step_time(facts, replace(links, overhead=StepOverhead()), replicas, 8).schedule
+    beside = as_run(facts, links, replicas, 8, measured, units=1.1 * stages)
+    assert beside.compute == pytest.approx(1.3 / 1.1) and beside.per_step == pytest.approx(6e-3)
+    # The ratio scales every plan's stages (not the transfers, the collectives or the optimizer step).
+    pp = ParallelPlan("pipeline", 2, 2, 4)
+    plain, scaled = (step_time(facts, replace(links, overhead=o), pp, 16) for o in (trivial, found))
+    assert scaled.schedule > plain.schedule and scaled.optimizer == plain.optimizer
+    assert scaled.seconds - plain.seconds > 5e-3  # (the per-step 5 ms and the slower stages)
+    # A difference lost in the noise (3 batches no slower than 1): the units as timed; the step's extra
+    # never below zero.
+    noisy = as_run(facts, links, replicas, 8, {1: measured[1], 3: measured[1]})
+    assert noisy.compute == 1.0 and noisy.per_step >= 0
+    fast = as_run(facts, links, replicas, 8, {1: 1e-6, 3: 2e-6})
+    assert fast.per_step == 0.0 and fast.compute > 0
+    with pytest.raises(ValueError, match="two accumulation windows"):
+        as_run(facts, links, replicas, 8, {1: 0.1})
+    with pytest.raises(ValueError, match="one stage per rank"):
+        as_run(facts, links, pp, 8, measured)
 
 
 def test_the_overlapped_reduction_is_charged_only_where_it_outlasts_the_last_backward(facts):

@@ -125,7 +125,12 @@ class StepOverhead:
 
     ``per_step``: once per optimizer step; ``per_batch``: each batch of the accumulation window (one run
     of the schedule, its log broadcast); ``per_action``: each forward or backward of a stage on a
-    micro-batch (the pipeline runtime's bookkeeping around the unit's own compute).
+    micro-batch (the pipeline runtime's bookkeeping around the unit's own compute). ``compute``: a
+    stage's forward or backward as the strategy's step runs it, over the seconds its units' timed lines
+    add up to (1: as timed). The last two are measured on the job's own model: its replicas' plan run by
+    the strategy's step at two accumulation windows
+    (:func:`~lightning_parallel.planner.time_model.as_run`), what that plan's steps take beyond the
+    prediction per batch going to ``compute`` and the rest of its step to ``per_step``.
 
     Example::
 
@@ -136,15 +141,17 @@ class StepOverhead:
     per_step: float = 0.0
     per_batch: float = 0.0
     per_action: float = 0.0
+    compute: float = 1.0
 
     def of(self, batches: int, actions: int) -> float:
         """The overhead of one optimizer step of ``batches`` batches, ``actions`` actions on the rank."""
         return self.per_step + batches * self.per_batch + actions * self.per_action
 
     def describe(self) -> str:
+        scaled = f", the stages' compute as run {self.compute:.2f}x their units' timed sum"
         return (
             f"{self.per_step * 1e3:.2f} ms per step + {self.per_batch * 1e3:.2f} ms per batch + "
-            f"{self.per_action * 1e3:.3f} ms per forward or backward"
+            f"{self.per_action * 1e3:.3f} ms per forward or backward{scaled if self.compute != 1.0 else ''}"
         )
 
 

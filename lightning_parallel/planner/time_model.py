@@ -10,7 +10,9 @@ times from :mod:`~lightning_parallel.planner.time_probe`) and the links
    in backward, the forward of each recomputed unit once more; with tensor parallelism each split block
    as it measured in place (or the all-reduces of each split block); FSDP2's hooks on each unit (measured
    in place); with offloaded activations, their copy to the host in forward and back in backward. Each
-   forward or backward also pays the runtime's bookkeeping (the links' ``StepOverhead.per_action``).
+   forward or backward also pays the runtime's bookkeeping (the links' ``StepOverhead.per_action``), and
+   runs at the ratio the job measured between its stages as the strategy's step runs them and their
+   units' timed sum (``StepOverhead.compute``, :func:`as_run`).
 2. **The schedule, simulated**: each pipeline rank runs its actions in torch's own order
    (:func:`~lightning_parallel.planner.schedule.rank_actions`), an action starting when its rank is free
    and its input has arrived (the previous stage's forward, or the next stage's backward, plus the
@@ -25,23 +27,26 @@ times from :mod:`~lightning_parallel.planner.time_probe`) and the links
    collective message pays the latency.
 
 The step time is the last rank's finish, plus what every step pays whatever the plan (the links'
-:class:`~lightning_parallel.planner.links.StepOverhead`, measured on the job by a trivial stage run through
-the strategy's own step: per step and per batch). What is not modelled: Lightning's loop around the
-strategy's step (its hooks, callbacks and logger connector: about a millisecond a step here), the overlap
-of communication with compute (the links carry its measured slowdown, ``Links.overlapped``, for a
-technique that overlaps), other jobs on the machine.
+:class:`~lightning_parallel.planner.links.StepOverhead`, measured on the job: a trivial stage run through
+the strategy's own step, per step and per batch; then the job's own model as replicas at two accumulation
+windows, :func:`as_run`, whose steps beyond the prediction set the stages' ``compute`` ratio and add the
+rest of its step to ``per_step``). What is not modelled: Lightning's loop around the strategy's step (its
+hooks, the closure, callbacks, the logger connector, the data loader: 4-6 ms on a 53 ms step here,
+``docs/planner.md``), the overlap of communication with compute (the links carry its measured slowdown,
+``Links.overlapped``, for a technique that overlaps), other jobs on the machine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from lightning_parallel.layout.choices import placement
 from lightning_parallel.pipeline.plan import stage_rank
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.facts import ModelFacts
-from lightning_parallel.planner.links import Links
+from lightning_parallel.planner.links import Links, StepOverhead
 from lightning_parallel.planner.probe import BEFORE
 from lightning_parallel.planner.schedule import Action, rank_actions
 from lightning_parallel.planner.stage_costs import StageCosts, stage_costs
@@ -253,7 +258,7 @@ def step_time(
     overhead = links.overhead
     sim = simulate(
         actions,
-        lambda a: _duration(stages[a.stage], a.kind) + overhead.per_action,
+        lambda a: _duration(stages[a.stage], a.kind) * overhead.compute + overhead.per_action,
         lambda a: links.send(stages[a.stage - 1 if a.kind == "F" else a.stage].send),
         rank_of.__getitem__,
         gathers,
@@ -277,6 +282,55 @@ def step_time(
         optimizer=tails[last][3],
         overhead=fixed + accumulate * len(actions[last]) * overhead.per_action,
     )  # fmt: skip
+
+
+def as_run(
+    facts: ModelFacts,
+    links: Links,
+    plan: ParallelPlan,
+    samples: int,
+    measured: Mapping[int, float],
+    units: float | None = None,
+) -> StepOverhead:
+    """What every step pays and how the stages run, from ``plan``'s real steps measured on the job.
+
+    ``measured``: seconds of one optimizer step of ``plan`` (the job's own model run by the strategy's
+    step, ``samples`` per replica per batch) at two accumulation windows (batches per step). The batches'
+    difference is what one more batch takes as run; beyond what the model charges a batch besides the
+    stages' compute (the plan's overhead per batch and per action), it is the stages' compute as run,
+    whose ratio to their units' timed sum becomes ``compute``: to ``units`` (the units' hook-timed
+    forward and backward of one batch, timed beside the steps, so that a load that changed since the
+    facts were measured slows both sides alike), else to the facts' lines. What the step pays once
+    beyond the batches (the windows' line at zero batches) beyond what the model predicts there (the
+    gradient sync, the optimizer step, the step's bookkeeping) is added to ``per_step`` (never below
+    zero). A plan of one stage per rank (the replicas'): its batch is its units' forward and backward.
+
+    Raises:
+        ValueError: fewer than two windows, a plan of several stages, or facts without unit times.
+
+    Example::
+
+        seconds = time_windows(trainer, model, replicas, batch, meshes, (2, 5), (1, 3))   # every rank
+        links = replace(links, overhead=as_run(facts, links, replicas, 8, dict(zip((1, 3), seconds))))
+    """
+    if len(measured) < 2:
+        raise ValueError(f"as_run needs the plan measured at two accumulation windows, got {dict(measured)}")
+    if plan.pipeline_size != 1:
+        raise ValueError(f"as_run reads a plan of one stage per rank, got pipeline_size={plan.pipeline_size}")
+    (w1, t1), (w2, t2) = sorted(measured.items())[0], sorted(measured.items())[-1]
+    plain = replace(links.overhead, compute=1.0)
+    with_base = replace(links, overhead=plain)
+    # One batch's stages: their forward and backward of every micro-batch, nothing else charged.
+    stages = step_time(facts, replace(links, overhead=StepOverhead()), plan, samples).schedule
+    p1, p2 = (step_time(facts, with_base, plan, samples, w).seconds for w in (w1, w2))
+    per_batch, predicted_batch = (t2 - t1) / (w2 - w1), (p2 - p1) / (w2 - w1)
+    others = predicted_batch - stages  # what the model charges a batch beside the stages' compute
+    timed = units if units is not None and units > 0 else stages
+    scale = (per_batch - others) / timed if timed > 0 else 1.0
+    if not math.isfinite(scale) or scale <= 0:
+        scale = 1.0  # (a difference lost in the noise: the units as timed)
+    rest = (t1 - w1 * per_batch) - (p1 - w1 * predicted_batch)  # once per step, measured - predicted
+    return replace(plain, per_step=max(0.0, plain.per_step + rest), compute=scale)
 
 
 def _ledger(

@@ -14,7 +14,11 @@ Lightning glue around :mod:`lightning_parallel.planner` (the search, the memory 
    :func:`~lightning_parallel.strategies.pipeline.trials.measure_overhead`); every rank measures the whole
    model on the first training batch at once (its units timed as they will run, every rank busy), and
    the techniques measure what their time needs in place (FSDP2 on a block, tensor parallelism on a
-   split block: :mod:`lightning_parallel.planner.in_place`). Then global rank 0 alone searches, sizes and
+   split block: :mod:`lightning_parallel.planner.in_place`); then the model itself runs as replicas (one
+   stage per rank, one micro-batch) through the strategy's step at two accumulation windows
+   (:func:`~lightning_parallel.strategies.pipeline.trials.measure_as_run`): what a batch and a step take
+   as run beyond the prediction (:func:`~lightning_parallel.planner.time_model.as_run`) goes into every
+   plan's time. Then global rank 0 alone searches, sizes and
    times every plan and chooses the fastest that fits (with the safety margin);
    :func:`~lightning_parallel.distributed.agree.decide_on` hands the choice, or the error ("nothing
    fits", with what would), to every rank. With ``trials=k`` the ``k`` fastest predicted plans that fit
@@ -30,7 +34,7 @@ run computes what the same plan given by hand computes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +42,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils._pytree import tree_map
 
 from lightning_parallel._table import format_table
 from lightning_parallel.data.batch_samples import samples_in
@@ -47,8 +52,11 @@ from lightning_parallel.layout.mesh import PipelineMesh, build_mesh
 from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.advice import choose
+from lightning_parallel.planner.estimate import predict
 from lightning_parallel.planner.in_place import measure_in_place
-from lightning_parallel.planner.links import Links, given_links, links_from
+from lightning_parallel.planner.links import Links, StepOverhead, given_links, links_from
+from lightning_parallel.planner.precision import PRECISION_DTYPES
+from lightning_parallel.planner.probe import _autocast, default_step
 from lightning_parallel.planner.quantities import host_memory, parse_bytes
 from lightning_parallel.planner.ranking import (
     MARGIN,
@@ -60,12 +68,16 @@ from lightning_parallel.planner.ranking import (
     plan_search,
 )
 from lightning_parallel.planner.search import SEARCHED_FIELDS, Search
+from lightning_parallel.planner.time_model import as_run, step_time
+from lightning_parallel.planner.time_probe import _timed_run
+from lightning_parallel.planner.units import find_units
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
 from lightning_parallel.strategies.pipeline.trials import (
     Meshes,
     Trial,
     host_tensors,
+    measure_as_run,
     measure_overhead,
     optimizers_without_trainer,
     run_trials,
@@ -116,7 +128,7 @@ class Measurement:
             repeats of each (the median kept).
         repeats: the timed runs of each unit and of each in-place measurement.
         overhead_steps: (warm-up, timed) steps of each trivial-stage run that measures what every step
-            pays; ``(0, 0)``: not measured.
+            pays, and of each window of the model's own run as replicas; ``(0, 0)``: neither measured.
         trial_steps: (warm-up, timed) optimizer steps of each plan ``trials`` runs.
 
     Example::
@@ -263,7 +275,9 @@ def decide(strategy: Any, trainer: pl.Trainer) -> None:
     with torch.random.fork_rng(devices=_rng_devices(device)):
         links = job_links(trainer, meshes, settings)
         facts, search, notes = _measured_everywhere(strategy, trainer, request, budget, settings)
-        chosen = decide_on(0, lambda: _choose(facts, search, budget, links, request, notes, planned))
+        replicas = _replicas_as_run(strategy, trainer, facts, budget, meshes, settings)
+        chosen = decide_on(0, lambda: _choose(facts, search, budget, _as_run(links, facts, replicas, notes),
+                                              request, notes, planned))  # fmt: skip
         plan, report, top = chosen
         rank_zero_info(report)
         if len(top) > 1:
@@ -297,6 +311,82 @@ def job_links(trainer: pl.Trainer, meshes: Meshes, settings: Measurement = MEASU
     if settings.overhead_steps[1] < 1:
         return links
     return replace(links, overhead=measure_overhead(trainer, links, meshes, settings.overhead_steps))
+
+
+def _replicas_as_run(
+    strategy: Any, trainer: pl.Trainer, facts: dict[int, Any], budget: Budget, meshes: Meshes,
+    settings: Measurement,
+) -> tuple[ParallelPlan, int, dict[int, float], float | None] | None:  # fmt: skip
+    """On every rank: the job's own model run as replicas (one stage per rank, one micro-batch) by the
+    strategy's step at two accumulation windows, its units' hook-timed forward and backward in turn with
+    them, on the first training batch (or its first half, quarter, ... where the whole one's predicted
+    peak would not fit the budget); ``(plan, samples, measured, units)``, or None where it was not
+    measured (``overhead_steps`` off, an untimed model, nothing fits, a failure)."""
+    if settings.overhead_steps[1] < 1 or facts[1].times is None:
+        return None
+    plan = ParallelPlan("pipeline", strategy.world_size, 1, 1)
+    batch = strategy.batch_to_device(first_batch(trainer))
+    samples = decide_on(0, lambda: _samples_that_fit(facts[1], plan, samples_in(batch) or 1, budget))
+    if samples is None:
+        return None
+    first = tree_map(lambda t: t[:samples] if torch.is_tensor(t) and t.dim() > 0 else t, batch)
+    module, device = strategy.lightning_module, strategy.root_device
+    with _on_device(module, device, budget):
+        units = _units_timed(module, first, trainer.precision, device, samples)
+        measured = measure_as_run(trainer, module, plan, first, meshes, settings.overhead_steps, units)
+    return (plan, samples, *measured) if measured is not None else None
+
+
+def _units_timed(
+    module: Any, batch: Any, precision: str, device: torch.device, samples: int
+) -> Callable[[], float] | None:
+    """Seconds of the module's units' forward and backward of ``batch`` as the time probe times them (its
+    hooks; the module left as it was), where the module computes on ``device`` in its own dtype (else
+    None: the facts' lines stand in)."""
+    param_dtype, autocast_dtype = PRECISION_DTYPES.get(precision, (None, None))
+    home = next((p.device for p in module.parameters()), device)
+    if param_dtype is not None or home.type != device.type:
+        return None
+    layout = find_units(module)
+
+    def timed() -> float:
+        with _autocast(device, autocast_dtype), LogRecorder().recording(module, samples):
+            run = _timed_run(module, layout, batch, default_step, device)
+        return sum(f + b for f, b in run.values())
+
+    return timed
+
+
+def _samples_that_fit(facts: Any, plan: ParallelPlan, samples: int, budget: Budget) -> int | None:
+    """The most samples, halving from ``samples``, at which ``plan``'s predicted peak fits the budget."""
+    while samples >= 1:
+        if predict(facts, plan, samples=samples).peak <= budget.usable:
+            return samples
+        samples //= 2
+    return None
+
+
+def _as_run(
+    links: Links,
+    facts: dict[int, Any],
+    replicas: tuple[ParallelPlan, int, dict[int, float], float | None] | None,
+    notes: list[str],
+) -> Links:
+    """On rank 0: the links with what the replicas' run measured (:func:`as_run`), if it ran; a note."""
+    if replicas is None:
+        return links
+    plan, samples, measured, units = replicas
+    overhead = as_run(facts[1], links, plan, samples, measured, units)
+    steps = ", ".join(f"{w} batches {t * 1e3:.1f} ms" for w, t in sorted(measured.items()))
+    lines = step_time(facts[1], replace(links, overhead=StepOverhead()), plan, samples).schedule
+    beside = f", its units' timed sum {units * 1e3:.1f} ms beside them" if units else ""
+    beside += f", {lines * 1e3:.1f} ms by the facts' lines"
+    notes.append(
+        f"the model run as replicas on {samples} samples a batch ({steps} a step{beside}): its stages as "
+        f"run {overhead.compute:.2f}x their units' timed sum, "
+        f"{(overhead.per_step - links.overhead.per_step) * 1e3:+.1f} ms a step"
+    )
+    return replace(links, overhead=overhead)
 
 
 def _measured_everywhere(

@@ -1,5 +1,6 @@
 """``plan="auto"``'s runs on the job itself: the top predicted plans tried for a few steps (``trials=k``),
-and what every step pays whatever the plan, measured the same way on a trivial stage.
+what every step pays whatever the plan, measured the same way on a trivial stage, and the job's own model
+run as replicas at two accumulation windows (what its stages and its step take as the strategy runs them).
 
 A trial builds a plan exactly as the strategy builds its own (the split, the techniques, the optimizers:
 ``setup.py``'s functions) on a copy of the unsplit module (the split prunes the module it is given; the
@@ -7,10 +8,10 @@ user's stays whole for the next trial and for the run), and runs whole optimizer
 training batch with the strategy's own step: each batch of the accumulation window through the schedule
 (:func:`~lightning_parallel.strategies.pipeline.step.run_step`: the capture, the schedule, the loss and
 the logs' way back to every stage), the held gradients added, the gradient sync, the optimizers' step.
-Lightning's loop around it (hooks, callbacks, the logger connector: about a millisecond a step) is not
-run: nothing a trial's step logs reaches the logger, and no callback sees a trial. Every rank runs every
-trial; a trial that fails is left out on every rank (agreed); a step's time is the slowest rank's
-median over the timed steps. Pure glue: no Lightning hook is overridden here.
+Lightning's loop around it (hooks, callbacks, the logger connector, the data: 4-6 ms on a 53 ms step
+here) is not run: nothing a trial's step logs reaches the logger, and no callback sees a trial. Every
+rank runs every trial; a trial that fails is left out on every rank (agreed); a step's time is the
+slowest rank's median over the timed steps. Pure glue: no Lightning hook is overridden here.
 """
 
 from __future__ import annotations
@@ -138,11 +139,11 @@ def time_windows(
     windows: tuple[int, ...],
 ) -> list[float]:
     """:func:`time_plan` for each accumulation window of ``windows`` (batches per optimizer step), on one
-    build of ``plan``."""
+    build of ``plan``; the windows take turns, step by step (a machine whose load drifts slows them alike)."""
     device = trainer.strategy.root_device
     try:
         step = _built(trainer, module, plan, batch, meshes.of(plan.layout(), host_tensors(plan, device)))
-        return [_median_step(lambda i, w=w: step(i, w), steps, device) for w in windows]
+        return _median_steps([lambda i, w=w: step(i, w) for w in windows], steps, device)
     finally:
         _release(device)
 
@@ -190,18 +191,22 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _median_step(step: Callable[[int], None], steps: tuple[int, int], device: torch.device) -> float:
+def _median_steps(
+    steps_of: list[Callable[[int], None]], steps: tuple[int, int], device: torch.device
+) -> list[float]:
+    """Each of ``steps_of``'s median seconds per step, run in turn step by step after the warm-up ones."""
     warmup, timed = steps
-    seconds = []
+    seconds: list[list[float]] = [[] for _ in steps_of]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i in range(warmup + timed):
-            _barrier()
-            start = time.perf_counter()
-            step(i)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[warmup:])
+            for step, mine in zip(steps_of, seconds):
+                _barrier()
+                start = time.perf_counter()
+                step(i)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                mine.append(time.perf_counter() - start)
+    return [statistics.median(mine[warmup:]) for mine in seconds]
 
 
 def slowest(seconds: float) -> float:
@@ -298,6 +303,54 @@ def measure_overhead(
     return StepOverhead(max(0.0, one - per_batch - 2 * per_action - modelled), per_batch, per_action)
 
 
+AS_RUN_WINDOWS = (1, 3)
+"""The accumulation windows (batches per optimizer step) the job's own model is run at by
+:func:`measure_as_run`: their difference is what a batch takes as run."""
+
+
+def measure_as_run(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    plan: ParallelPlan,
+    batch: Any,
+    meshes: Meshes,
+    steps: tuple[int, int],
+    units: Callable[[], float] | None = None,
+) -> tuple[dict[int, float], float | None] | None:
+    """The job's own model run as ``plan`` (the replicas') by the strategy's own step, as a trial runs it,
+    at each window of :data:`AS_RUN_WINDOWS`, and ``units`` (seconds of the units' hook-timed forward and
+    backward of one batch) timed in turn with them: ``({batches per step: seconds per step}, units'
+    seconds)``, each the slowest rank's median, what
+    :func:`~lightning_parallel.planner.time_model.as_run` reads; ``None`` on every rank if it failed on
+    any (every rank calls it, with ``units`` or without alike).
+
+    Example::
+
+        measured = measure_as_run(trainer, model, ParallelPlan("pipeline", 2, 1, 1), batch, meshes, (2, 5))
+    """
+    device = trainer.strategy.root_device
+    result, error = None, None
+    try:
+        step = _built(trainer, module, plan, batch, meshes.of(plan.layout(), host_tensors(plan, device)))
+        sums: list[float] = []
+        runs = [lambda i, w=w: step(i, w) for w in AS_RUN_WINDOWS]
+        if units is not None:
+            runs.append(lambda i: sums.append(units()))
+        seconds = _median_steps(runs, steps, device)[: len(AS_RUN_WINDOWS)]
+        result = seconds, statistics.median(sums[steps[0] :]) if sums else None
+    except Exception as err:
+        error = err
+    finally:
+        _release(device)
+    try:
+        agree(error)
+    except Exception:
+        return None
+    assert result is not None
+    seconds, timed = result
+    return {w: slowest(s) for w, s in zip(AS_RUN_WINDOWS, seconds)}, slowest(timed) if timed else None
+
+
 def _barrier() -> None:
     if distributed_ready():
         dist.barrier()
@@ -308,9 +361,11 @@ def _quiet(message: str) -> None:
 
 
 __all__ = [
+    "AS_RUN_WINDOWS",
     "Meshes",
     "Trial",
     "host_tensors",
+    "measure_as_run",
     "measure_overhead",
     "optimizers_without_trainer",
     "run_trials",
