@@ -310,6 +310,7 @@ def _disk_fsdp(out: dict, tmp: Path) -> None:
     out["disk_fsdp_state"] = (_full_state(optimizer), _full_state(plain))
     out["disk_fsdp_chunks"] = (sum(len(d.layout.chunks) for d in optimizer._disk), optimizer.buffers.peak)
     out["disk_dirs"] = sorted(p.name for p in (tmp / "scratch").iterdir())
+    dist.barrier()  # (every rank has listed the directories before any removes its own)
     optimizer.close(keep_state=True)  # (a run that ended normally: a checkpoint may follow)
     dist.barrier()
     out["disk_dirs_after"] = sorted(p.name for p in (tmp / "scratch").iterdir())
