@@ -48,6 +48,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.distributed.dtensors import local
+from lightning_parallel.layout.choices import SPLIT_BACKWARD_SCHEDULES
 from lightning_parallel.techniques.contract import Job, Reduction, StepPhase, Technique, TimeLedger
 
 MB = 1024 * 1024
@@ -99,7 +100,7 @@ class Overlap(Technique):
         gradients to ``replicas.py``, which charges the whole all-reduce after the schedule."""
         plan = ledger.plan
         ranks = plan.layout().size("gradients")  # (the replicas x the sequence ranks, as replicas.py)
-        split_backward = plan.schedule in ("interleaved_zero_bubble", "zbv", "dualpipev")
+        split_backward = plan.schedule in SPLIT_BACKWARD_SCHEDULES
         if (
             not plan.overlap_gradient_reduction
             or ranks == 1
