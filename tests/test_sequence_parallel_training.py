@@ -13,6 +13,7 @@ one pipeline rank and with two (whose stages' attentions are counted together).
 from __future__ import annotations
 
 import os
+from collections import UserDict
 
 import hf_env
 import pytest
@@ -189,6 +190,8 @@ def test_labels_a_hugging_face_loss_shifts_itself_are_refused_unless_shifted_bef
     ids = torch.arange(16).view(2, 8)
     with pytest.raises(ValueError, match=r"_ShiftingLM.*shifts its labels=.*shift_labels"):
         shard({"input_ids": ids, "labels": ids})
+    with pytest.raises(ValueError, match=r"_ShiftingLM.*shifts its labels="):  # (a tokenizer's BatchEncoding)
+        shard(UserDict({"input_ids": ids, "labels": ids}))
     shifted = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
     out = shard({"input_ids": ids, "labels": ids, "shift_labels": shifted})
     assert out["shift_labels"].tolist() == [[5, 6, 7, -100], [13, 14, 15, -100]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from lightning_parallel.planner.probe import (
 from lightning_parallel.planner.time_probe import TimeFacts, measure_times
 from lightning_parallel.planner.units import UnitLayout, find_units, order_extras
 from lightning_parallel.sources.sequential.split import find_sequential
-from lightning_parallel.techniques.sequence_parallel.labels import shifts_labels
+from lightning_parallel.techniques.sequence_parallel.labels import labels_unshifted, shifts_labels
 from lightning_parallel.techniques.tensor_parallel.memory import local_model, row_splits
 from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, default_plan, traced_plan
 
@@ -143,8 +143,7 @@ def _labels_shifted_in_loss(module: nn.Module, batch: Any) -> bool:
     """Whether the batch's ``labels`` reach a Hugging Face loss that shifts them itself (no
     ``shift_labels`` beside them): a split sequence would lose each shard's boundary label, and the job
     refuses it (the search offers no sequence parallelism then)."""
-    labelled = isinstance(batch, Mapping) and "labels" in batch and "shift_labels" not in batch
-    return labelled and any(shifts_labels(m) for m in module.modules())
+    return labels_unshifted(batch) and any(shifts_labels(m) for m in module.modules())
 
 
 def _optimizers(module: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer]:

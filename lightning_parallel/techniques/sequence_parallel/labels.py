@@ -13,6 +13,7 @@ sharding) is sharded like any per-token tensor and left as it is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.distributed.agree import collective_device
 
-__all__ = ["group_labels", "pass_group_labels", "shift_across_shards", "shifts_labels"]
+__all__ = ["group_labels", "labels_unshifted", "pass_group_labels", "shift_across_shards", "shifts_labels"]
 
 # Hugging Face heads whose loss shifts ``labels`` (transformers' ``ForCausalLMLoss``).
 _SHIFTING = ("ForCausalLM", "ForConditionalGeneration")
@@ -57,6 +58,20 @@ def shifts_labels(module: nn.Module) -> bool:
     """
     base = getattr(module, "get_base_model", None)  # a peft model counts as the model it wraps
     return getattr(base() if callable(base) else module, "loss_type", None) in _SHIFTING
+
+
+def labels_unshifted(batch: Any) -> bool:
+    """Whether a batch (a dict, or a mapping such as a tokenizer's ``BatchEncoding``) carries ``labels``
+    without the ``shift_labels`` a shifting loss would use instead.
+
+    Example::
+
+        >>> labels_unshifted({"input_ids": 0, "labels": 0})
+        True
+        >>> labels_unshifted({"labels": 0, "shift_labels": 0})
+        False
+    """
+    return isinstance(batch, Mapping) and "labels" in batch and "shift_labels" not in batch
 
 
 def group_labels(

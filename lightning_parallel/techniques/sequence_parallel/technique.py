@@ -49,7 +49,7 @@ from lightning_parallel.techniques.sequence_parallel import planned
 from lightning_parallel.techniques.sequence_parallel.eager import SequenceParallelMode, run_forwards_in
 from lightning_parallel.techniques.sequence_parallel.graph import rewrite_stage
 from lightning_parallel.techniques.sequence_parallel.heads import KV_HEADS, QUERY_HEADS, check_heads, int_attr
-from lightning_parallel.techniques.sequence_parallel.labels import shifts_labels
+from lightning_parallel.techniques.sequence_parallel.labels import labels_unshifted, shifts_labels
 from lightning_parallel.techniques.sequence_parallel.masks import check_window
 from lightning_parallel.techniques.sequence_parallel.positions import shard_position_ids, takes_position_ids
 from lightning_parallel.techniques.sequence_parallel.shards import joined_shards, sequence_length, shard_batch
@@ -309,7 +309,7 @@ def refuse_labels_shifted_in_the_loss(batch: Any, model: str) -> None:
 
         >>> refuse_labels_shifted_in_the_loss({"input_ids": 0, "shift_labels": 0, "labels": 0}, "M")
     """
-    if isinstance(batch, dict) and "labels" in batch and "shift_labels" not in batch:
+    if labels_unshifted(batch):
         raise ValueError(
             f"sequence parallelism and {model}, a Hugging Face causal LM that shifts its labels= inside "
             "its loss: on a shard of the sequence that shift would drop each shard's last label (the "
