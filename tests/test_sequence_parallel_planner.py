@@ -222,14 +222,3 @@ def test_a_hugging_face_llama_s_heads_come_from_its_config_and_an_eager_one_is_n
         a: {c.plan.sequence_parallel_size for c in plan_search({1: f}, search)} for a, f in measured.items()
     }
     assert tried == {"sdpa": {1, 2}, "eager": {1}}
-    # labels= that the model's loss shifts itself (no shift_labels in the batch): the job would refuse
-    # them split, so the search does not offer it.
-    from dataclasses import replace
-
-    from lightning_parallel.planner.facts import _labels_shifted_in_loss
-
-    assert _labels_shifted_in_loss(model, {"input_ids": ids, "labels": ids})
-    assert not _labels_shifted_in_loss(model, {"input_ids": ids, "labels": ids, "shift_labels": ids})
-    assert not _labels_shifted_in_loss(model, (ids, ids))
-    shifting = replace(measured["sdpa"], labels_shifted_in_loss=True)
-    assert {c.plan.sequence_parallel_size for c in plan_search({1: shifting}, search)} == {1}

@@ -12,6 +12,7 @@ one pipeline rank and with two (whose stages' attentions are counted together).
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections import UserDict
 
@@ -50,6 +51,10 @@ CONFIGS = {
     "sequential-dp2-sp2": ("sequential", dict(pipeline_size=1, sequence_parallel_size=2)),
     "traced-pp2-sp2": ("traced", dict(pipeline_size=2, sequence_parallel_size=2)),
     "llama-gqa-dp2-sp2": ("llama", dict(pipeline_size=1, sequence_parallel_size=2)),
+    # The model's own labels= loss, which shifts them: the labels made in the step (a tuple batch), and a
+    # dict batch passed whole as keywords (self.model(**batch)); items counted from the call's labels.
+    "llama-labels-pp2-sp2": ("llama-labels", dict(pipeline_size=2, sequence_parallel_size=2)),
+    "llama-dict-dp2-sp2": ("llama-dict", dict(pipeline_size=1, sequence_parallel_size=2)),
 }
 
 
@@ -63,12 +68,45 @@ def _model(kind: str) -> nn.Module:
         return TinyGPT(depth=2)  # (its attention: softmax(q @ k^T), no SDPA)
     from hf_models import HFCausalLM  # (skips where transformers is missing, outside CI)
 
+    if kind.startswith("llama-"):
+        return _own_labels(HFCausalLM)("llama", call="labels", lr=1e-3)
     return HFCausalLM("llama", call="logits", lr=1e-3)
+
+
+def _own_labels(base: type) -> type:
+    class OwnLabels(base):
+        """The Hugging Face model's own loss: ``labels=`` (the prompt's and every third sample's last
+        position ``-100``), which the model shifts itself."""
+
+        def _loss(self, batch):
+            if isinstance(batch, dict):
+                return self.model(**batch).loss
+            x, _, unlabelled = batch  # (per token, so each shard holds its own: not by position)
+            return self.model(input_ids=x, labels=x.masked_fill(unlabelled.bool(), -100)).loss
+
+    return OwnLabels
+
+
+def _prompt_labels(ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[:, :PROMPT] = -100
+    labels[::3, -1] = -100
+    return labels
 
 
 def _data(kind: str) -> TensorDataset:
     """16 samples whose first ``PROMPT`` targets are ``-100`` (a prompt), and one more in every third."""
-    if kind == "llama":
+    if kind == "llama-dict":
+        from hf_models import hf_token_data
+
+        x = hf_token_data(16, t=8).tensors[0]
+        return [{"input_ids": i, "labels": label} for i, label in zip(x, _prompt_labels(x))]
+    if kind == "llama-labels":
+        from hf_models import hf_token_data
+
+        x = hf_token_data(16, t=8).tensors[0]
+        return TensorDataset(x, x, (_prompt_labels(x) == -100).long())
+    if kind.startswith("llama"):
         from hf_models import hf_token_data
 
         x, y, mask = hf_token_data(16, t=8).tensors
@@ -77,11 +115,12 @@ def _data(kind: str) -> TensorDataset:
     y = y.clone()
     y[:, :PROMPT] = -100
     y[::3, -1] = -100
-    return TensorDataset(x, y, mask) if kind == "llama" else TensorDataset(x, y)
+    return TensorDataset(x, y, mask) if kind.startswith("llama") else TensorDataset(x, y)
 
 
-def _callbacks() -> list:
-    return [TokenWeightedLoss(labelled_tokens(1))]
+def _callbacks(kind: str) -> list:
+    """The loss computed from the logits: a token-weighted mean; the model's own: counted from its call."""
+    return [] if kind.startswith("llama-") else [TokenWeightedLoss(labelled_tokens(1))]
 
 
 def _job(rank: int, world: int, out_dir: str) -> None:
@@ -91,11 +130,11 @@ def _job(rank: int, world: int, out_dir: str) -> None:
         dp = world // (kwargs["pipeline_size"] * kwargs["sequence_parallel_size"])
         trainer = quiet_trainer(
             devices=world, strategy=PipelineStrategy(num_microbatches=2, **kwargs),
-            callbacks=[*_callbacks(), GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")], **TRAIN,
+            callbacks=[*_callbacks(kind), GatheredRecorder(f"{out_dir}/{name}-rank{rank}.pt")], **TRAIN,
         )  # fmt: skip
         model = _model(kind)
         trainer.fit(model, loader(_data(kind), GLOBAL_BATCH // dp))
-        if kind != "llama":  # predictions of each token, the shards' joined (rank 0 collects them all)
+        if not kind.startswith("llama"):  # each token's predictions, the shards' joined (rank 0 has them)
             model.predict_step = lambda batch, batch_idx, model=model: model(batch[0])
             predicted[name] = trainer.predict(model, loader(_data(kind), GLOBAL_BATCH // dp))
     refused = {}
@@ -115,15 +154,18 @@ def test_sequence_parallel_training_matches_one_device(tmp_path):
     hf_env.require("transformers")
     refs = {
         kind: fit(_model(kind), reference_loader(_data(kind), GLOBAL_BATCH), tmp_path / f"ref-{kind}",
-                  callbacks=_callbacks(), **TRAIN)[0]
+                  callbacks=_callbacks(kind), **TRAIN)[0]
         for kind, _ in CONFIGS.values()
     }  # fmt: skip
     records = spawn_gloo(_job, WORLD, tmp_path)
     for name, (kind, _) in CONFIGS.items():
         params, losses, _ = merged_records(tmp_path, name, WORLD)
-        assert_close_dicts(params, refs[kind]["params"], rtol=1e-5, atol=1e-5)
+        try:
+            assert_close_dicts(params, refs[kind]["params"], rtol=1e-5, atol=1e-5)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None
         assert len(losses) == len(refs[kind]["losses"]) == 4
-        if kind != "llama":  # the logits of every token of every sample, in order, on global rank 0
+        if not kind.startswith("llama"):  # every token's logits of every sample, in order, on rank 0
             model = _model(kind)
             model.load_state_dict(refs[kind]["params"])
             with torch.no_grad():
@@ -185,19 +227,52 @@ class _ShiftingLM(nn.Module):
         self.inner = TinyGPT(depth=1)
 
 
-def test_labels_a_hugging_face_loss_shifts_itself_are_refused_unless_shifted_before_the_split():
+def test_labels_a_hugging_face_loss_shifts_itself_are_shifted_before_the_split():
     shard = TECHNIQUE.batch(ParallelPlan(sequence_parallel_size=2), _Mesh(), _ShiftingLM())
     ids = torch.arange(16).view(2, 8)
-    with pytest.raises(ValueError, match=r"_ShiftingLM.*shifts its labels=.*shift_labels"):
-        shard({"input_ids": ids, "labels": ids})
-    with pytest.raises(ValueError, match=r"_ShiftingLM.*shifts its labels="):  # (a tokenizer's BatchEncoding)
-        shard(UserDict({"input_ids": ids, "labels": ids}))
-    shifted = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
-    out = shard({"input_ids": ids, "labels": ids, "shift_labels": shifted})
-    assert out["shift_labels"].tolist() == [[5, 6, 7, -100], [13, 14, 15, -100]]
-    # A model that does not shift its labels: a dict batch's labels are sharded as they are.
+    for batch in ({"input_ids": ids, "labels": ids}, UserDict({"input_ids": ids, "labels": ids})):
+        out = shard(batch)  # (a tokenizer's BatchEncoding is a UserDict: it stays one)
+        assert type(out) is type(batch) and "shift_labels" not in batch  # (the user's batch unchanged)
+        # Shard 1 of 2: its last position's label is the sequence's end (-100), the others the next token.
+        assert out["shift_labels"].tolist() == [[5, 6, 7, -100], [13, 14, 15, -100]]
+        assert out["labels"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    given = torch.full((2, 8), 3)  # (shift_labels the batch carries: sharded as they are)
+    out = shard({"input_ids": ids, "labels": ids, "shift_labels": given})
+    assert out["shift_labels"].tolist() == [[3] * 4] * 2
+    # A model that does not shift its labels: a dict batch's labels are sharded as they are, no more.
     plain = TECHNIQUE.batch(ParallelPlan(sequence_parallel_size=2), _Mesh(), TinyGPT(depth=1))
-    assert plain({"input_ids": ids, "labels": ids})["labels"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    out = plain({"input_ids": ids, "labels": ids})
+    assert out["labels"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]] and "shift_labels" not in out
+
+
+def test_labels_passed_to_a_shifting_call_get_the_next_shards_first_label_and_others_are_left_alone(
+    monkeypatch,
+):
+    class _Group(_Mesh):
+        def group(self, role: str) -> str:
+            return f"{role}-group"
+
+    holder = nn.Module()
+    holder.model = _ShiftingLM()
+    plan = ParallelPlan(sequence_parallel_size=2)
+    keywords = TECHNIQUE.call_keywords(plan, _Group(), holder)
+    gathered = []
+
+    def shift_across_shards(labels, group, ignore_index):  # (the all-gather's part: tested with ranks)
+        gathered.append((group, ignore_index))
+        return labels + 1
+
+    technique = importlib.import_module(TECHNIQUE.__module__)
+    monkeypatch.setattr(technique, "shift_across_shards", shift_across_shards)
+    labels = torch.arange(8).view(2, 4)
+    out = keywords("model", {"input_ids": labels, "labels": labels})
+    assert out["shift_labels"].tolist() == (labels + 1).tolist() and gathered == [("sequence-group", -100)]
+    given = {"labels": labels, "shift_labels": labels}
+    assert keywords("model", given) is given  # (shifted already)
+    assert "shift_labels" not in keywords("", {"labels": labels})  # (the holder does not shift)
+    assert keywords("model", {"input_ids": labels}) == {"input_ids": labels}  # (no labels)
+    assert TECHNIQUE.call_keywords(ParallelPlan(), _Group(), holder) is None
+    assert TECHNIQUE.call_keywords(plan, _Group(), TinyGPT(depth=1)) is None
 
 
 def test_the_plan_refuses_what_cannot_split_the_sequence_and_sizes_the_grid():

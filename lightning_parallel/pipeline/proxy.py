@@ -45,6 +45,9 @@ class PipelinedCall:
 
     def __init__(self, what: str, held: str = "") -> None:
         self.what, self.held = what, held
+        # The techniques' transform of a captured call's keywords (a sequence shard's boundary labels),
+        # applied before they are bound: at the split's first input and at every step alike.
+        self.keyword_transform: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
         self.train = True  # whether the step being captured or replayed trains (the strategy sets it)
         self._mode: str | None = None
         self._output: Any = None
@@ -80,6 +83,8 @@ class PipelinedCall:
             try:
                 step(*args)
             except CapturedInput as captured:
+                if captured.kwargs and self.keyword_transform is not None:
+                    captured.kwargs = self.keyword_transform(captured.path, captured.kwargs)
                 return self.captured_input(captured)
         raise RuntimeError(
             f"{getattr(step, '__name__', step)} returned without calling {self.what}: under "

@@ -104,10 +104,13 @@ class FirstInput(Protocol):
     """The pipelined call's input before the training loop runs, as a source reads it to split.
 
     The strategy's is the module's ``example_input_array`` or its first batch's step run up to the call
-    (``strategies/pipeline/call_input.py``). ``training``: whether the job fits (else it evaluates).
+    (``strategies/pipeline/call_input.py``). ``training``: whether the job fits (else it evaluates);
+    ``keywords``: the techniques' transform of the pipelined call's keywords (the source gives it to the
+    call it makes: ``PipelinedCall.keyword_transform``), or None.
     """
 
     training: bool
+    keywords: Callable[[str, dict[str, Any]], dict[str, Any]] | None
 
     def example(self) -> tuple[Any, ...] | None:
         """The module's ``example_input_array`` as call arguments, or None."""

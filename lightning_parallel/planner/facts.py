@@ -25,7 +25,6 @@ from lightning_parallel.planner.probe import (
 from lightning_parallel.planner.time_probe import TimeFacts, measure_times
 from lightning_parallel.planner.units import UnitLayout, find_units, order_extras
 from lightning_parallel.sources.sequential.split import find_sequential
-from lightning_parallel.techniques.sequence_parallel.labels import labels_unshifted, shifts_labels
 from lightning_parallel.techniques.tensor_parallel.memory import local_model, row_splits
 from lightning_parallel.techniques.tensor_parallel.plan import TensorPlan, default_plan, traced_plan
 
@@ -67,7 +66,6 @@ class ModelFacts:
     times: TimeFacts | None = None  # each unit's forward and backward seconds (the time model's)
     tp_reduces: dict[str, int] = field(default_factory=dict)  # unit -> all-reduces per pass under tp
     tokens: int = 0  # the batch's sequence length (dim 1 of its first tensor of 2 dims or more; 0: none)
-    labels_shifted_in_loss: bool = False  # a Hugging Face loss shifts the batch's labels= (no shift_labels)
 
     def state_of(self, keys: list[int]) -> int:
         """Optimizer state of ``keys``."""
@@ -135,15 +133,8 @@ def measure_model(
         )
     return ModelFacts(
         layout, probe, samples, precision, tensors, unit_params, loose, groups, tensor_parallel_size,
-        times, reduces, _tokens(batch), _labels_shifted_in_loss(module, batch),
+        times, reduces, _tokens(batch),
     )  # fmt: skip
-
-
-def _labels_shifted_in_loss(module: nn.Module, batch: Any) -> bool:
-    """Whether the batch's ``labels`` reach a Hugging Face loss that shifts them itself (no
-    ``shift_labels`` beside them): a split sequence would lose each shard's boundary label, and the job
-    refuses it (the search offers no sequence parallelism then)."""
-    return labels_unshifted(batch) and any(shifts_labels(m) for m in module.modules())
 
 
 def _optimizers(module: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer]:

@@ -81,24 +81,49 @@ def transform_stages(job: Job) -> list[str]:
     return [note for technique in TECHNIQUES if (note := technique.stages(job.stages, job))]
 
 
-def batch_transform(plan: Any, mesh: Any, module: torch.nn.Module) -> Callable[[Any], Any] | None:
-    """Every technique's batch transform (:meth:`Technique.batch`), in the list's order; None: none.
+class InputTransform:
+    """The techniques' transforms of what a step is given: the batch (:meth:`Technique.batch`, by
+    calling it) and the keywords of the pipelined call (:meth:`Technique.call_keywords`: ``keywords``,
+    None when no technique has one), each in the list's order.
+
+    Example::
+
+        shard = batch_transform(plan, mesh, lightning_module)
+        batch = shard(batch) if shard is not None else batch
+        kwargs = shard.keywords("model", kwargs) if shard is not None and shard.keywords else kwargs
+    """
+
+    def __init__(
+        self, batches: list[Callable[[Any], Any]], keywords: list[Callable[[str, dict], dict]]
+    ) -> None:
+        self.batches, self.keyword_transforms = batches, keywords
+        self.keywords = self._keywords if keywords else None
+
+    def __call__(self, batch: Any) -> Any:
+        for one in self.batches:
+            batch = one(batch)
+        return batch
+
+    def _keywords(self, path: str, kwargs: dict) -> dict:
+        for one in self.keyword_transforms:
+            kwargs = one(path, kwargs)
+        return kwargs
+
+
+def batch_transform(plan: Any, mesh: Any, module: torch.nn.Module) -> InputTransform | None:
+    """Every technique's transform of the batch and of the pipelined call's keywords, in the list's
+    order (:class:`InputTransform`); None: none.
 
     Example::
 
         shard = batch_transform(plan, mesh, lightning_module)
         batch = shard(batch) if shard is not None else batch
     """
-    transforms = [t for technique in TECHNIQUES if (t := technique.batch(plan, mesh, module)) is not None]
-    if not transforms:
+    batches = [t for technique in TECHNIQUES if (t := technique.batch(plan, mesh, module)) is not None]
+    keywords = [t for tech in TECHNIQUES if (t := tech.call_keywords(plan, mesh, module)) is not None]
+    if not batches and not keywords:
         return None
-
-    def transform(batch: Any) -> Any:
-        for one in transforms:
-            batch = one(batch)
-        return batch
-
-    return transform
+    return InputTransform(batches, keywords)
 
 
 def searched_fields() -> tuple[str, ...]:

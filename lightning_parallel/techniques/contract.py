@@ -496,6 +496,15 @@ class Technique:
         the batch's shape decides (``position_ids``)."""
         return None
 
+    def call_keywords(self, plan: Any, mesh: Any, module: nn.Module) -> Callable[[str, dict], dict] | None:
+        """A transform ``(path, kwargs) -> kwargs`` of the keywords the user's step passes the pipelined
+        call (``path``: the called module's in ``module``; a Hugging Face model's ``labels=``), applied
+        where the call is captured (the first input the sources split at, then every step that feeds or
+        counts it), before they are bound; None: as they come. Made once per job, with :meth:`batch`,
+        on every rank; it may run collectives of a group whose ranks all capture alike (sequence
+        parallelism: the next shard's first label)."""
+        return None
+
     def environment(self, plan: Any, env: Environment) -> None:
         """What the job needs before its process group exists (``env.host_backend = ...``); refusals
         the device decides (a ValueError with the fix)."""

@@ -168,6 +168,7 @@ def _traceable(
     _check_traceable(module)
     twin = meta_twin(module)
     call = TracedCall(f"`self(...)` ({type(module).__name__}.forward)")
+    call.keyword_transform = getattr(inputs, "keywords", None)
     args = example_input(inputs, module, call, _call_paths(module, config))
     if call.path:
         call.what = f"`self.{call.path}(...)` ({type(module.get_submodule(call.path)).__name__}.forward)"

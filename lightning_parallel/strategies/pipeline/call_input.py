@@ -31,6 +31,7 @@ class TrainerInput:
         self, trainer: pl.Trainer, module: pl.LightningModule, transform: Callable[[Any], Any] | None = None
     ) -> None:
         self.trainer, self.module, self.transform = trainer, module, transform
+        self.keywords = getattr(transform, "keywords", None)  # (the techniques' InputTransform's)
         self.training = trainer.state.fn == TrainerFn.FITTING
 
     def example(self) -> tuple[Any, ...] | None:

@@ -79,16 +79,20 @@ TrainerInput`` for the first input the sources trace at. It is ``shard_batch(bat
 ``masks.check_window(target, length)``, then ``mode.tokens = length // k``. Micro-batches split the
 samples of the sharded batch as before.
 
-**Call keywords** (a second new member, ``call_keywords(kwargs, job) -> kwargs``, applied in
-``sources/traced/call_binding.py: TracedCall.captured_input`` before ``CallBinding.of``: a traced stage
-never calls the model, so hooks cannot do it): ``position_ids =
-positions.shard_position_ids(input_ids, sp_rank)`` when the target takes them and the call passes none;
-with ``labels=`` on a model that shifts them (``labels.shifts_labels``), ``shift_labels =
-labels.shift_across_shards(labels, group)``. Not ``num_items_in_batch``: a 0-dim tensor, which torch's
-micro-batch splitter refuses (checked: ``IndexError``); the ``ItemWindow`` weights the shards' means,
-and a micro-batch shard without a labelled token has a NaN mean with zero gradients (torch 2.13, CPU)
-that ``pipeline/step_logs.py: weighted_mean`` already skips at weight 0. ``strategies/pipeline/items.py``
-then counts ``shift_labels`` (``grads/item_weights.py: hugging_face_count`` reads them first).
+**Call keywords** (a second member, ``call_keywords(plan, mesh, module) -> (path, kwargs) -> kwargs``,
+made with ``batch`` and applied in ``pipeline/proxy.py: PipelinedCall.capture`` before the call's
+keywords are bound: a traced stage never calls the model, so hooks cannot do it; the traced source hands
+it to the call it makes, so the split's first input and every step see it alike): with ``labels=`` on a
+model that shifts them (``labels.shifts_labels``) and no ``shift_labels``, ``shift_labels =
+labels.shift_across_shards(labels, group)``. A dict batch with ``labels`` gains ``shift_labels`` in the
+batch transform already (``labels.with_shift_labels``, on the whole sequence: no collective), so
+``self.model(**batch)`` passes them. ``position_ids`` are given by a forward pre-hook instead
+(``give_position_ids``: no collective, so it may run at replay too). Not ``num_items_in_batch``: a 0-dim
+tensor, which torch's micro-batch splitter refuses (checked: ``IndexError``); the ``ItemWindow`` weights
+the shards' means, and a micro-batch shard without a labelled token has a NaN mean with zero gradients
+(torch 2.13, CPU) that ``pipeline/step_logs.py: weighted_mean`` already skips at weight 0.
+``strategies/pipeline/items.py`` then counts ``shift_labels`` (``grads/item_weights.py:
+hugging_face_count`` reads them first).
 
 **Reductions.** None of its own: ``grads/sync.py: GradientSync`` gets ``group = mesh.group("gradients")``
 and ``replicas = dp x k``. Sample-weighted steps (no item counting) average the shards' means: exact
@@ -140,5 +144,5 @@ device's: not bit-exact, as with tensor parallelism).
 whose batches split), ``planner/ranking.py`` and ``advice.py`` (the facts passed to the search),
 ``planner/facts.py`` (``ModelFacts.tokens``), ``planner/__main__.py`` (``--sequence-parallel``), and the
 role sizes read by ``fsdp.py``, ``zero.py``, ``replicas.py`` and ``offload/technique.py`` (``dp x k``).
-Not yet: the planner's table with a sequence-length axis.
+The planner's sequence-length axis (``--longest``): ``planner/lengths.py`` and ``planner/longest.py``.
 """

@@ -13,6 +13,7 @@ sharding) is sharded like any per-token tensor and left as it is.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,10 +24,19 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.distributed.agree import collective_device
 
-__all__ = ["group_labels", "labels_unshifted", "pass_group_labels", "shift_across_shards", "shifts_labels"]
+__all__ = [
+    "IGNORE_INDEX",
+    "group_labels",
+    "labels_unshifted",
+    "pass_group_labels",
+    "shift_across_shards",
+    "shifts_labels",
+    "with_shift_labels",
+]
 
 # Hugging Face heads whose loss shifts ``labels`` (transformers' ``ForCausalLMLoss``).
 _SHIFTING = ("ForCausalLM", "ForConditionalGeneration")
+IGNORE_INDEX = -100  # (transformers' loss's default: the label of a position without a target)
 
 
 def shift_across_shards(labels: torch.Tensor, group: Any, ignore_index: int = -100) -> torch.Tensor:
@@ -72,6 +82,26 @@ def labels_unshifted(batch: Any) -> bool:
         False
     """
     return isinstance(batch, Mapping) and "labels" in batch and "shift_labels" not in batch
+
+
+def with_shift_labels(batch: Any, ignore_index: int = IGNORE_INDEX) -> Any:
+    """A mapping batch whose ``labels`` a shifting loss would shift, given ``shift_labels`` (``labels[:,
+    1:]`` then ``ignore_index``: the whole sequence's next-token labels, made before the batch is split,
+    as ALST's loader does); anything else as it is. A copy of the same mapping type (a tokenizer's
+    ``BatchEncoding`` stays one); the user's batch is not changed.
+
+    Example::
+
+        >>> with_shift_labels({"labels": torch.tensor([[1, 2, 3]])})["shift_labels"].tolist()
+        [[2, 3, -100]]
+    """
+    if not labels_unshifted(batch) or not torch.is_tensor(batch["labels"]) or batch["labels"].dim() < 2:
+        return batch
+    labels = batch["labels"]
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
+    batch = copy.copy(batch)
+    batch["shift_labels"] = shifted
+    return batch
 
 
 def group_labels(

@@ -49,7 +49,12 @@ from lightning_parallel.techniques.sequence_parallel import planned
 from lightning_parallel.techniques.sequence_parallel.eager import SequenceParallelMode, run_forwards_in
 from lightning_parallel.techniques.sequence_parallel.graph import rewrite_stage
 from lightning_parallel.techniques.sequence_parallel.heads import KV_HEADS, QUERY_HEADS, check_heads, int_attr
-from lightning_parallel.techniques.sequence_parallel.labels import labels_unshifted, shifts_labels
+from lightning_parallel.techniques.sequence_parallel.labels import (
+    IGNORE_INDEX,
+    shift_across_shards,
+    shifts_labels,
+    with_shift_labels,
+)
 from lightning_parallel.techniques.sequence_parallel.masks import check_window
 from lightning_parallel.techniques.sequence_parallel.positions import shard_position_ids, takes_position_ids
 from lightning_parallel.techniques.sequence_parallel.shards import joined_shards, sequence_length, shard_batch
@@ -118,10 +123,8 @@ class SequenceParallel(Technique):
         if facts is None or wanted is False or plan.sequence_parallel_size != 1 or plan.devices is None:
             return
         tokens = getattr(facts, "tokens", 0)
-        if (wanted is None and tokens < planned.LONG_SEQUENCE) or getattr(
-            facts, "labels_shifted_in_loss", False
-        ):
-            return  # (short; or labels= a Hugging Face loss shifts: the job refuses them split)
+        if wanted is None and tokens < planned.LONG_SEQUENCE:
+            return  # (short)
         ranks = plan.devices // (plan.pipeline_size * plan.tensor_parallel_size)
         for k in planned.sizes(facts.layout):
             if ranks % k == 0 and planned.tokens_split(tokens, k):
@@ -152,13 +155,34 @@ class SequenceParallel(Technique):
 
         def shard(batch: Any) -> Any:
             if shifting is not None:
-                refuse_labels_shifted_in_the_loss(batch, shifting)
+                batch = with_shift_labels(batch)  # (before the split: every shard's labels its own)
             length = sequence_length(batch)
             for target in windows:
                 check_window(target, length)
             return shard_batch(batch, index, k)
 
         return shard
+
+    def call_keywords(self, plan: Any, mesh: Any, module: nn.Module) -> Callable[[str, dict], dict] | None:
+        """A Hugging Face causal LM called with ``labels=`` and no ``shift_labels``: given its shard's
+        next-token labels (:func:`~.labels.shift_across_shards`: the next shard's first label, one
+        all-gather of the group), which its loss then uses instead of shifting the shard's own, and
+        which the strategy's item count reads (each shard's mean weighted by its labelled tokens)."""
+        if plan.sequence_parallel_size == 1:
+            return None
+        shifting = {path for path, sub in module.named_modules() if shifts_labels(sub)}
+        if not shifting:
+            return None
+        group = mesh.group("sequence")
+
+        def shift(path: str, kwargs: dict) -> dict:
+            labels = kwargs.get("labels")
+            if path not in shifting or not torch.is_tensor(labels) or kwargs.get("shift_labels") is not None:
+                return kwargs
+            ignore = kwargs.get("ignore_index", IGNORE_INDEX)
+            return {**kwargs, "shift_labels": shift_across_shards(labels, group, ignore)}
+
+        return shift
 
     def stages(self, view: Any, job: Job) -> str | None:
         k = job.plan.sequence_parallel_size
@@ -297,27 +321,6 @@ class FoundAttention:
                 "model: load it with attn_implementation='sdpa'; a model of yours: compute attention with "
                 "F.scaled_dot_product_attention(q, k, v, is_causal=True) instead of softmax(q @ k^T)"
             )
-
-
-def refuse_labels_shifted_in_the_loss(batch: Any, model: str) -> None:
-    """A dict batch with ``labels`` and no ``shift_labels``, for a Hugging Face causal LM that shifts its
-    ``labels=`` inside its loss: refused (each shard's last position would lose its label, the next
-    shard's first token, and the loss would be wrong without an error). Every rank holds the same batch
-    and model: they refuse together.
-
-    Example::
-
-        >>> refuse_labels_shifted_in_the_loss({"input_ids": 0, "shift_labels": 0, "labels": 0}, "M")
-    """
-    if labels_unshifted(batch):
-        raise ValueError(
-            f"sequence parallelism and {model}, a Hugging Face causal LM that shifts its labels= inside "
-            "its loss: on a shard of the sequence that shift would drop each shard's last label (the "
-            "next shard's first token), and the loss would be silently wrong. Shift before the split: "
-            "give the batch 'shift_labels' as well (labels[:, 1:] followed by -100, made in your "
-            "collate function: transformers' loss then uses them as they are), or compute the loss "
-            "yourself from the logits against targets shifted in the data"
-        )
 
 
 def _tokens_of(mode: SequenceParallelMode) -> Callable[..., None]:
