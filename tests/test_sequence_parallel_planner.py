@@ -5,6 +5,7 @@ One process, a tiny GPT measured once (a second or two)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from lightning_parallel.planner.ranking import Budget, fastest_fit, plan_search
 from lightning_parallel.planner.search import Search
 from lightning_parallel.planner.stage_costs import stage_costs
 from lightning_parallel.planner.time_model import step_time
+from lightning_parallel.planner.time_probe import TimeLine, UnitTime
 from lightning_parallel.techniques.contract import MemoryLedger, SearchOptions, TimeLedger
 from lightning_parallel.techniques.sequence_parallel import planned
 from lightning_parallel.techniques.sequence_parallel.technique import TECHNIQUE
@@ -128,8 +130,14 @@ def test_compute_is_1_over_k_of_the_tokens_and_each_attention_exchanges_four_tim
     TECHNIQUE.time(recomputed)
     assert recomputed.shares[0]["communication"] == pytest.approx(12 * a2a)  # (the forward's again)
 
-    one = step_time(facts, links, ParallelPlan("pipeline", 4, 1, num_microbatches=2), 4)
-    two = step_time(facts, links, plan, 4)
+    # With each unit's time proportional to its samples (the measured lines' slopes, no fixed cost: a
+    # measured intercept moves with the machine's load), the compute at 1/k of the tokens is 1/k.
+    proportional = dataclasses.replace(facts, times=dataclasses.replace(times, units={
+        n: UnitTime(TimeLine(0.0, max(u.forward.slope, 1e-6)), TimeLine(0.0, max(u.backward.slope, 1e-6)))
+        for n, u in times.units.items()
+    }))  # fmt: skip
+    one = step_time(proportional, links, ParallelPlan("pipeline", 4, 1, num_microbatches=2), 4)
+    two = step_time(proportional, links, plan, 4)
     # The gradients are all-reduced over 4 ranks either way (dp 4, or dp 2 x sp 2): what differs in the
     # communication is the all-to-alls: 2 micro-batches x 4 blocks x (4 in forward + 4 in backward).
     assert two.communication - one.communication == pytest.approx(2 * 4 * 2 * a2a)
