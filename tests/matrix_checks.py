@@ -20,7 +20,7 @@ from matrix import CALLS, GLOBAL_BATCH, MICROBATCHES, MODELS, SAMPLES, Case
 
 from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.optim.sharded import is_sharded, local_state_bytes
-from lightning_parallel.techniques import fsdp
+from lightning_parallel.techniques.fsdp import technique as fsdp
 from lightning_parallel.techniques.offload.activations import ActivationOffload
 from lightning_parallel.techniques.offload.disk_optimizer import DiskStepping
 from lightning_parallel.techniques.offload.host_optimizer import is_host_stepping

@@ -7,8 +7,8 @@ validation and resumes) is a case of the configuration matrix (tests/matrix.py, 
 tests/test_matrix.py), with FSDP2's own check there (tests/matrix_checks.py: one reduce-scatter per
 optimizer step, every stage parameter a DTensor, the stage table's bytes, the view warning filtered).
 
-Covers techniques/fsdp.py's technique through the stage view (parallelize_fn, then FSDP2, on each stage
-module; the traced configurations' one FSDP root per stage) through the matrix's cases.
+Covers techniques/fsdp/technique.py's technique through the stage view (parallelize_fn, then FSDP2, on each
+stage module; the traced configurations' one FSDP root per stage) through the matrix's cases.
 """
 
 import re
@@ -23,7 +23,7 @@ from lightning_parallel import PipelineStrategy
 from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.pipeline.plan import make_plan
 from lightning_parallel.planner.resolve import resolve
-from lightning_parallel.techniques import fsdp
+from lightning_parallel.techniques.fsdp import technique as fsdp
 
 
 class AdamRegressor(SequentialRegressor):

@@ -19,8 +19,9 @@ import torch
 
 from lightning_parallel.pipeline.stage_source import UnsplitModel
 from lightning_parallel.techniques import compile as compiling
-from lightning_parallel.techniques import fsdp, overlap, recompute, replicas, user_function, zero
+from lightning_parallel.techniques import overlap, recompute, replicas, user_function, zero
 from lightning_parallel.techniques.contract import Technique
+from lightning_parallel.techniques.fsdp import technique as fsdp
 from lightning_parallel.techniques.job import Environment, Job
 from lightning_parallel.techniques.offload import technique as offload
 from lightning_parallel.techniques.sequence_parallel import technique as sequence_parallel

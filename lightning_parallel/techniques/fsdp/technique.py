@@ -48,8 +48,8 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_parallel.pipeline.plan import shard_rows
 from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnsplitModel
-from lightning_parallel.techniques._fsdp_internals import finish_backward
 from lightning_parallel.techniques.contract import SearchOptions, Technique
+from lightning_parallel.techniques.fsdp._internals import finish_backward
 from lightning_parallel.techniques.job import Job, Reduction
 from lightning_parallel.techniques.ledgers import Line, MemoryLedger, TimeBench, TimeLedger
 
