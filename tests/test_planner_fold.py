@@ -36,7 +36,7 @@ from lightning_parallel.planner.time_model import step_time
 from lightning_parallel.planner.time_probe import AFTER, StepCost, TimeFacts, TimeLine, UnitTime
 from lightning_parallel.techniques import TECHNIQUES
 from lightning_parallel.techniques.contract import Technique
-from lightning_parallel.techniques.fsdp.technique import FsdpTimes
+from lightning_parallel.techniques.fsdp.timing import FsdpTimes
 from lightning_parallel.techniques.ledgers import Line, MemoryLedger, TimeLedger
 from lightning_parallel.techniques.tensor_parallel.technique import BlockTimes, TensorParallelTimes
 

@@ -350,7 +350,7 @@ def test_torch_split_backward_schedules_take_compiled_stages(one_rank):
     raises=AssertionError,
     reason="https://github.com/pytorch/pytorch/pull/196641 (an open pull request; no issue found): a "
     "schedule's step ends FSDP's backward with set_requires_gradient_sync(True), reduce-scattering every "
-    "step whatever the module was told; worked around by fsdp/technique.py (DeferredReduceStage) "
+    "step whatever the module was told; worked around by fsdp/sharding.py (DeferredReduceStage) "
     "and fsdp/_internals.py (finish_backward)",
 )
 def test_torch_schedules_keep_an_fsdp_module_s_gradient_sync_off(one_rank):

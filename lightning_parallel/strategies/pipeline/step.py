@@ -33,7 +33,7 @@ from lightning_parallel.strategies.pipeline.step_results import (
     numbers_from_last_stage,
     replay_logs,
 )
-from lightning_parallel.techniques.fsdp.technique import reshard
+from lightning_parallel.techniques.fsdp.sharding import reshard
 from lightning_parallel.techniques.sequence_parallel.technique import joined_predictions
 from lightning_parallel.timeline.recorder import Timeline, span_of
 
