@@ -22,7 +22,7 @@ from lightning_parallel.grads.sync import GradientSync
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.search import SEARCHED_FIELDS
 from lightning_parallel.strategies.pipeline.autoplan import SEARCHED
-from lightning_parallel.techniques import TECHNIQUES, environment, searched_fields
+from lightning_parallel.techniques import TECHNIQUES, environment, predictions, searched_fields
 from lightning_parallel.techniques.contract import SearchOptions, Technique
 from lightning_parallel.techniques.job import Job, Reduction
 from lightning_parallel.techniques.ledgers import CostLedger, MemoryLedger, TimeLedger
@@ -106,6 +106,9 @@ def test_a_technique_s_defaults_leave_everything_as_it_is():
     assert list(base.variants(plan, SearchOptions())) == [{}]
     assert base.stages(None, job) is None and base.optimizers(optimizers, job) is optimizers
     assert base.step_context(job) is None and base.reductions(job) == []
+    output, alone = object(), type("Mesh", (), {"size": lambda self, role: 1})()
+    assert base.predictions(output, None, alone) is output
+    assert predictions(output, None, alone) is output  # the fold: no technique changes a one-rank prediction
     costs, memory, time = (
         CostLedger(plan, None, 1.0, ["stage"]),
         MemoryLedger(plan, None),

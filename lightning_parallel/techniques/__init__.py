@@ -103,6 +103,19 @@ def batch_transform(plan: Any, mesh: Any, module: torch.nn.Module) -> Callable[[
     return transform
 
 
+def predictions(output: Any, batch: Any, mesh: Any) -> Any:
+    """A prediction step's output through every technique's :meth:`Technique.predictions`, in the list's
+    order (every rank calls it: a technique's may be a collective of its group).
+
+    Example::
+
+        output = predictions(output, batch, mesh)   # then the replicas' predictions are collected
+    """
+    for technique in TECHNIQUES:
+        output = technique.predictions(output, batch, mesh)
+    return output
+
+
 def searched_fields() -> tuple[str, ...]:
     """The plan fields some technique's variants decide (the planner's search, beside its core).
 

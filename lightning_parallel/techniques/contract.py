@@ -150,6 +150,13 @@ class Technique:
         """The gradient reductions the optimizer step's sync runs for this technique."""
         return []
 
+    def predictions(self, output: Any, batch: Any, mesh: Any) -> Any:
+        """A prediction step's output (``batch``: the step's batch, as this rank got it) as the technique
+        transforms it before the replicas' predictions are collected; every rank calls it, in the list's
+        order, so it may be a collective of the technique's group (sequence parallelism: the shards'
+        predictions joined). The default returns it unchanged."""
+        return output
+
     # --- the planner (planner/stage_costs.py, planner/estimate.py, planner/time_model.py fold these)
     def stage_costs(self, ledger: CostLedger) -> None:
         """Change what one micro-batch costs each stage (``ledger.stages``), before any rank's columns:
