@@ -20,7 +20,7 @@ from matrix import CALLS, GLOBAL_BATCH, MICROBATCHES, MODELS, SAMPLES, Case
 
 from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.optim.sharded import is_sharded, local_state_bytes
-from lightning_parallel.techniques import fsdp
+from lightning_parallel.techniques.fsdp import sharding as fsdp_sharding
 from lightning_parallel.techniques.offload.activations import ActivationOffload
 from lightning_parallel.techniques.offload.disk_optimizer import DiskStepping
 from lightning_parallel.techniques.offload.host_optimizer import is_host_stepping
@@ -165,21 +165,23 @@ class Fsdp(Check):
 
     @contextlib.contextmanager
     def context(self, case, out):
-        calls, original = [], fsdp.finish_backward
+        calls, original = [], fsdp_sharding.finish_backward
 
         def spy(root, reduce):
             calls.append(reduce)
             original(root, reduce)
 
-        fsdp.finish_backward = spy
+        fsdp_sharding.finish_backward = spy
         try:
             with warnings.catch_warnings(record=True) as shown:
                 warnings.simplefilter("always")
                 yield
         finally:
-            fsdp.finish_backward = original
+            fsdp_sharding.finish_backward = original
         out["reductions"] = calls
-        out["views"] = [str(w.message) for w in shown if re.match(fsdp.VIEW_OUTPUT_WARNING, str(w.message))]
+        out["views"] = [
+            str(w.message) for w in shown if re.match(fsdp_sharding.VIEW_OUTPUT_WARNING, str(w.message))
+        ]
 
     def record(self, trainer, module, case):
         held = sum(local(p).untyped_storage().nbytes() for p in module.parameters())

@@ -10,10 +10,10 @@ offload's host counters, ZeRO-1's shares of the state, ...). A case resumed from
 checkpoint is compared with the reference's second epoch; after the 4-rank job, checkpoints it saved
 are resumed on one device.
 
-Covers techniques/_fsdp_internals.py (finish_backward, spied on), techniques/fsdp.py, techniques/zero.py,
-techniques/recompute.py, techniques/replicas.py, techniques/user_function.py, techniques/compile.py,
-techniques/offload/technique.py and techniques/tensor_parallel/technique.py through every case they run
-in, and strategies/pipeline/step.py's evaluation between training batches.
+Covers techniques/fsdp/_internals.py (finish_backward, spied on), techniques/fsdp/ (technique, sharding),
+techniques/zero.py, techniques/recompute.py, techniques/replicas.py, techniques/user_function.py,
+techniques/compile.py, techniques/offload/technique.py and techniques/tensor_parallel/technique.py through
+every case they run in, and strategies/pipeline/step.py's evaluation between training batches.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from mp_harness import spawn_gloo
 
 from lightning_parallel import ParallelPlan, PipelineStrategy
 from lightning_parallel.distributed.tensors import all_reduce_coalesced
-from lightning_parallel.techniques.contract import StepPhase
+from lightning_parallel.techniques.job import StepPhase
 from lightning_parallel.techniques.overlap import BucketedAverage, bucket_layout
 
 

@@ -16,7 +16,7 @@ from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.sources.sequential.stages import SequentialStages
 from lightning_parallel.techniques import transform_stages
-from lightning_parallel.techniques.contract import Job
+from lightning_parallel.techniques.job import Job
 
 MESH = build_mesh("cpu", RankLayout(1, 1))  # one process: no device mesh
 

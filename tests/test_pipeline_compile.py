@@ -41,6 +41,7 @@ from mp_harness import (
     reference_loader,
 )
 from tiny_models import SequentialGPT, TinyGPT, loader, token_data
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.distributed.dtensors import full_tensors
@@ -50,7 +51,6 @@ from lightning_parallel.techniques.compile import (
     compile_in_place,
     is_compiled,
 )
-from lightning_parallel.techniques.fsdp import FSDPModule
 
 VAL = token_data(8, seed=1)
 BATCH = 8  # per replica: micro-batches of 2 in both jobs, so the 4-rank job finds the same programs

@@ -7,8 +7,10 @@ validation and resumes) is a case of the configuration matrix (tests/matrix.py, 
 tests/test_matrix.py), with FSDP2's own check there (tests/matrix_checks.py: one reduce-scatter per
 optimizer step, every stage parameter a DTensor, the stage table's bytes, the view warning filtered).
 
-Covers techniques/fsdp.py's technique through the stage view (parallelize_fn, then FSDP2, on each stage
-module; the traced configurations' one FSDP root per stage) through the matrix's cases.
+Covers techniques/fsdp/technique.py's technique through the stage view (parallelize_fn, then FSDP2, on each
+stage module: techniques/fsdp/sharding.py; the traced configurations' one FSDP root per stage:
+techniques/fsdp/traced.py) through the matrix's cases; the planner's bytes (techniques/fsdp/memory.py) in
+tests/test_memory_estimate.py, its measured times (techniques/fsdp/timing.py) in tests/test_planner_fold.py.
 """
 
 import re
@@ -23,7 +25,8 @@ from lightning_parallel import PipelineStrategy
 from lightning_parallel.layout.ranks import RankLayout
 from lightning_parallel.pipeline.plan import make_plan
 from lightning_parallel.planner.resolve import resolve
-from lightning_parallel.techniques import fsdp
+from lightning_parallel.techniques.fsdp import sharding
+from lightning_parallel.techniques.fsdp.technique import refuse_shared_on_one_rank
 
 
 class AdamRegressor(SequentialRegressor):
@@ -33,7 +36,7 @@ class AdamRegressor(SequentialRegressor):
 
 def test_fsdp2_warns_of_a_view_output_as_the_filter_expects_and_the_filter_quiets_it(one_rank):
     """torch 2.13's FSDP2 warns at each forward whose output is a view (nn.Linear on a 3-D input gives
-    one); fsdp.VIEW_OUTPUT_WARNING matches that warning, and quiet_view_output_warning() filters it."""
+    one); sharding.VIEW_OUTPUT_WARNING matches that warning, and quiet_view_output_warning() filters it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -42,9 +45,9 @@ def test_fsdp2_warns_of_a_view_output_as_the_filter_expects_and_the_filter_quiet
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
         head(x)
-        fsdp.quiet_view_output_warning()
+        sharding.quiet_view_output_warning()
         head(x)
-    views = [str(w.message) for w in shown if re.match(fsdp.VIEW_OUTPUT_WARNING, str(w.message))]
+    views = [str(w.message) for w in shown if re.match(sharding.VIEW_OUTPUT_WARNING, str(w.message))]
     assert len(views) == 1, [str(w.message) for w in shown]  # the first forward's only
     assert "FSDPLinear" in views[0]
 
@@ -102,10 +105,10 @@ def test_a_weight_tied_between_two_stages_of_one_rank_is_refused_with_the_fix():
     params = [frozenset({"w", "a"}), frozenset({"b"}), frozenset({"c"}), frozenset({"d", "w"})]
     units, holds, sizes = [(str(i),) for i in range(4)], ["x"] * 4, [2] * 4
     looped = make_plan(units, holds, sizes, RankLayout(2, 2, 2), stage_parameters=params)
-    fsdp.refuse_shared_on_one_rank(looped)  # stages 0 and 3 on ranks 0 and 1
+    refuse_shared_on_one_rank(looped)  # stages 0 and 3 on ranks 0 and 1
     v = make_plan(units, holds, sizes, RankLayout(2, 2, 2), stage_parameters=params, style="v")
     with pytest.raises(ValueError, match=r"cannot shard 'w': stages \[0, 3\] use it and pipeline rank 0"):
-        fsdp.refuse_shared_on_one_rank(v)
+        refuse_shared_on_one_rank(v)
 
 
 class SeesTheMesh(AdamRegressor):

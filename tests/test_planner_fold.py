@@ -35,8 +35,9 @@ from lightning_parallel.planner.probe import BEFORE
 from lightning_parallel.planner.time_model import step_time
 from lightning_parallel.planner.time_probe import AFTER, StepCost, TimeFacts, TimeLine, UnitTime
 from lightning_parallel.techniques import TECHNIQUES
-from lightning_parallel.techniques.contract import Line, MemoryLedger, Technique, TimeLedger
-from lightning_parallel.techniques.fsdp import FsdpTimes
+from lightning_parallel.techniques.contract import Technique
+from lightning_parallel.techniques.fsdp.timing import FsdpTimes
+from lightning_parallel.techniques.ledgers import Line, MemoryLedger, TimeLedger
 from lightning_parallel.techniques.tensor_parallel.technique import BlockTimes, TensorParallelTimes
 
 PINS = Path(__file__).with_name("planner_fold_pins.json")

@@ -22,7 +22,8 @@ from lightning_parallel.planner.search import Search
 from lightning_parallel.planner.stage_costs import stage_costs
 from lightning_parallel.planner.time_model import step_time
 from lightning_parallel.planner.time_probe import TimeLine, UnitTime
-from lightning_parallel.techniques.contract import MemoryLedger, SearchOptions, TimeLedger
+from lightning_parallel.techniques.contract import SearchOptions
+from lightning_parallel.techniques.ledgers import MemoryLedger, TimeLedger
 from lightning_parallel.techniques.sequence_parallel import planned
 from lightning_parallel.techniques.sequence_parallel.technique import TECHNIQUE
 

@@ -1,9 +1,10 @@
 """A stop is a stop: SIGTERM/SIGINT to the launcher, to every process of a job or to one rank ends the job.
 
-The mechanics (distributed/stop.py) run in tiny processes that load only that file; the launch paths run
-one real 2-rank PipelineStrategy job each (tests/scripts/stop_job.py), all at once in one test: spawn,
-fork, forkserver, the script launcher (strategies/pipeline/script_launcher.py), torchrun and SLURM's way
-(each rank started on its own).
+The mechanics (distributed/stop.py, with distributed/launcher_death.py: a rank dies with its launcher)
+run in tiny processes that load only that file; the launch paths run one real 2-rank PipelineStrategy job
+each (tests/scripts/stop_job.py), all at once in one test: spawn, fork, forkserver (their launcher passes
+the signal on: distributed/stop_forwarding.py), the script launcher (strategies/pipeline/script_launcher.py),
+torchrun and SLURM's way (each rank started on its own).
 """
 
 import os

@@ -1,4 +1,5 @@
-"""The technique contract (techniques/contract.py) and the one ordered list (techniques/__init__.py), pure.
+"""The technique contract (techniques/contract.py; the values its members take: techniques/job.py and
+techniques/ledgers.py) and the one ordered list (techniques/__init__.py), pure.
 
 What every composer relies on: the list's order, each plan field owned once (by the plan's core or by one
 technique), no technique importing another (or the plan, the sources, the strategies, Lightning), the
@@ -21,16 +22,10 @@ from lightning_parallel.grads.sync import GradientSync
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.search import SEARCHED_FIELDS
 from lightning_parallel.strategies.pipeline.autoplan import SEARCHED
-from lightning_parallel.techniques import TECHNIQUES, environment, searched_fields
-from lightning_parallel.techniques.contract import (
-    CostLedger,
-    Job,
-    MemoryLedger,
-    Reduction,
-    SearchOptions,
-    Technique,
-    TimeLedger,
-)
+from lightning_parallel.techniques import TECHNIQUES, environment, predictions, searched_fields
+from lightning_parallel.techniques.contract import SearchOptions, Technique
+from lightning_parallel.techniques.job import Job, Reduction
+from lightning_parallel.techniques.ledgers import CostLedger, MemoryLedger, TimeLedger
 
 TECHNIQUES_DIR = Path(__file__).resolve().parents[1] / "lightning_parallel" / "techniques"
 CORE_FIELDS = {
@@ -73,7 +68,7 @@ def _unit(path: Path) -> str:
 
 
 def test_no_technique_imports_another_nor_the_floors_above():
-    shared = {"contract", ""}  # the contract, and the package's list
+    shared = {"contract", "job", "ledgers", ""}  # the contract and the values it passes; the list
     offending = []
     for path in sorted(TECHNIQUES_DIR.rglob("*.py")):
         if path.name == "__init__.py" and path.parent == TECHNIQUES_DIR:
@@ -111,6 +106,9 @@ def test_a_technique_s_defaults_leave_everything_as_it_is():
     assert list(base.variants(plan, SearchOptions())) == [{}]
     assert base.stages(None, job) is None and base.optimizers(optimizers, job) is optimizers
     assert base.step_context(job) is None and base.reductions(job) == []
+    output, alone = object(), type("Mesh", (), {"size": lambda self, role: 1})()
+    assert base.predictions(output, None, alone) is output
+    assert predictions(output, None, alone) is output  # the fold: no technique changes a one-rank prediction
     costs, memory, time = (
         CostLedger(plan, None, 1.0, ["stage"]),
         MemoryLedger(plan, None),

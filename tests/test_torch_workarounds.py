@@ -26,7 +26,7 @@ Worked around or relied on, without a canary, and why:
   False``: torch's stated requirements and a choice of ours (the loss is scaled instead), not faults.
 * torch's private names used on purpose where torch has no public one; where one moves, the code or a
   test fails loudly (``_torch_hooks.py``, ``_v_forward.py``'s runtime, ``mesh.py``'s ``_flatten``,
-  ``torch.utils._pytree``, ``_fsdp_internals.py``, ``planner/schedule.py``'s stand-in stages,
+  ``torch.utils._pytree``, ``fsdp/_internals.py``, ``planner/schedule.py``'s stand-in stages,
   ``_CustomReducer``, ``Pipe._from_traced``, ``InterpreterModule._run_with_interpreter`` (speed),
   ``GradScaler``'s per-optimizer state, ``sharded.py``'s scheduler retargeting, ``CompileWatch``'s reading of
   dynamo's log): not faults.
@@ -350,8 +350,8 @@ def test_torch_split_backward_schedules_take_compiled_stages(one_rank):
     raises=AssertionError,
     reason="https://github.com/pytorch/pytorch/pull/196641 (an open pull request; no issue found): a "
     "schedule's step ends FSDP's backward with set_requires_gradient_sync(True), reduce-scattering every "
-    "step whatever the module was told; worked around by fsdp.py (DeferredReduceStage) and "
-    "_fsdp_internals.py (finish_backward)",
+    "step whatever the module was told; worked around by fsdp/sharding.py (DeferredReduceStage) "
+    "and fsdp/_internals.py (finish_backward)",
 )
 def test_torch_schedules_keep_an_fsdp_module_s_gradient_sync_off(one_rank):
     from torch.distributed.fsdp import fully_shard

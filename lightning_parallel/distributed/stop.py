@@ -1,6 +1,7 @@
 """A stop is a stop: a process told to stop (SIGTERM, SIGINT), or left by its launcher, ends in bounded time.
 
-Two sides of one job:
+This module holds what a stop is (its signals, the grace period, the exit status it leaves) and a
+rank's side of it:
 
 * **a rank** runs a :class:`StopGuard`. Python runs signal handlers in the main thread only, between
   bytecodes, so a rank blocked in a collective (a C++ wait) never runs one. The guard sees the signal
@@ -8,34 +9,34 @@ Two sides of one job:
   a daemon thread reads. From that moment the process has ``grace`` seconds to stop by itself (the
   Python handler's orderly stop, e.g. Lightning's); then the thread ends it with ``os._exit(128 +
   signal)``, the status a shell gives a process a signal ended. The guard also makes the rank die with
-  its launcher (``PR_SET_PDEATHSIG`` where the launcher is the parent, a watch thread otherwise);
-* **the launcher** of spawned or forked ranks runs :func:`forwarding_stop_signals`: a stop signal is
-  passed to every rank, the ranks get ``grace`` seconds (plus a margin for their own exit), the ones
-  still alive are killed, and the launcher ends with the signal's status.
+  its launcher (``launcher_death.py``: ``PR_SET_PDEATHSIG`` where the launcher is the parent, a watch
+  thread otherwise);
+* **the launcher** of spawned or forked ranks runs ``stop_forwarding.py``'s ``forwarding_stop_signals``:
+  a stop signal is passed to every rank, the ranks get ``grace`` seconds (plus a margin for their own
+  exit), the ones still alive are killed, and the launcher ends with the signal's status.
 
-Pure Python and PyTorch-free (no Lightning import); Linux gives the parent-death signal and process
-file descriptors, elsewhere the watch thread polls the launcher's pid.
+Pure Python and PyTorch-free (no Lightning import).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
-import multiprocessing.connection
 import os
-import select
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
-from lightning_parallel._pids import pid_alive
+from lightning_parallel.distributed.launcher_death import (
+    clear_parent_death_signal,
+    die_with_parent,
+    launcher_watch,
+)
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -44,9 +45,7 @@ __all__ = [
     "StopGuard",
     "check_grace",
     "current_guard",
-    "die_with_parent",
     "exit_status",
-    "forwarding_stop_signals",
     "stop_received",
     "stopped_status",
 ]
@@ -58,8 +57,6 @@ DEFAULT_GRACE = 30.0
 LAUNCHER_PID_ENV = "LIGHTNING_PARALLEL_LAUNCHER_PID"
 """Set in a rank's environment by the launcher that started it: the pid the rank dies with."""
 
-_LAUNCHER_MARGIN = 2.0  # the launcher waits this much past ``grace``: a rank's own exit (and report) first
-_PR_SET_PDEATHSIG = 1
 _guard: StopGuard | None = None
 _received: int | None = None  # the first stop signal a guard of this process noted (it stays)
 
@@ -121,34 +118,6 @@ def stop_received() -> int | None:
             end_the_job()
     """
     return _received
-
-
-def die_with_parent(parent: int, signum: int = signal.SIGTERM) -> bool:
-    """Have the kernel send ``signum`` to this process when ``parent`` (its parent now) dies (Linux).
-
-    Returns False where ``PR_SET_PDEATHSIG`` is unavailable or ``parent`` is not the parent. A parent
-    that died before the call (the signal would never come) is caught by the check after it.
-
-    Example::
-
-        die_with_parent(os.getppid())      # in a worker, first thing
-    """
-    if not sys.platform.startswith("linux") or os.getppid() != parent:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
-            return False
-    except (AttributeError, OSError):
-        return False
-    if os.getppid() != parent:  # died meanwhile: this process was re-parented and no signal will come
-        os.kill(os.getpid(), signum)
-    return True
-
-
-def _clear_parent_death_signal() -> None:
-    with contextlib.suppress(AttributeError, OSError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
 
 
 class StopGuard:
@@ -227,7 +196,7 @@ class StopGuard:
             with contextlib.suppress(ValueError):
                 signal.set_wakeup_fd(self._previous_fd)
         if self._parent_signal:
-            _clear_parent_death_signal()
+            clear_parent_death_signal()
         writer = self._sockets[1]
         with contextlib.suppress(OSError):
             writer.send(b"\0")  # wakes the signal thread, which then closes the sockets
@@ -270,7 +239,7 @@ class StopGuard:
 
     def _watch_launcher(self) -> None:
         assert self.launcher is not None
-        alive = _launcher_watch(self.launcher)
+        alive = launcher_watch(self.launcher)
         while not self._done.wait(0.0):
             if not alive():
                 if not self._done.is_set():
@@ -298,28 +267,6 @@ class StopGuard:
         os._exit(code)
 
 
-def _launcher_watch(pid: int) -> Callable[[], bool]:
-    """A call that waits up to half a second and says whether ``pid`` is still alive.
-
-    A process file descriptor (Linux >= 5.3) follows that very process, whatever reuses its pid later;
-    elsewhere the pid is polled.
-    """
-    try:
-        fd = os.pidfd_open(pid)  # type: ignore[attr-defined]
-    except (AttributeError, OSError):
-        fd = None
-    if fd is not None:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return lambda: not poller.poll(500)
-
-    def poll_pid() -> bool:
-        time.sleep(0.5)
-        return pid_alive(pid)
-
-    return poll_pid
-
-
 def _where_main_thread_is() -> str:
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     if frame is None:
@@ -335,76 +282,3 @@ def _say(text: str) -> None:
     except Exception:
         with contextlib.suppress(OSError):
             os.write(2, (text + "\n").encode())
-
-
-@contextlib.contextmanager
-def forwarding_stop_signals(
-    children: Callable[[], Sequence[multiprocessing.process.BaseProcess]], grace: float = DEFAULT_GRACE
-) -> Iterator[None]:
-    """In a launcher's main thread: a stop signal is passed to ``children()``, which then have ``grace`` s.
-
-    On SIGTERM or SIGINT the signal goes to every live child; the handler waits for them to exit (up to
-    ``grace`` plus a 2 s margin for their own hard exit), kills those still alive, and raises
-    ``SystemExit(128 + signum)`` for SIGTERM, ``KeyboardInterrupt`` for SIGINT. The previous handlers
-    come back on exit. Outside the main thread it does nothing.
-
-    Example::
-
-        with forwarding_stop_signals(lambda: processes, grace=30.0):
-            join(processes)
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stopping: list[int] = []
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if stopping:
-            return  # one stop at a time
-        stopping.append(signum)
-        procs = [p for p in children() if p.is_alive()]
-        for p in procs:
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(p.pid, signum)  # type: ignore[arg-type]
-        _wait_then_kill(procs, grace + _LAUNCHER_MARGIN)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(exit_status(signum))
-
-    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def _wait_then_kill(procs: Sequence[multiprocessing.process.BaseProcess], seconds: float) -> None:
-    end = time.monotonic() + seconds
-    live = [p for p in procs if _alive(p)]
-    while live and (left := end - time.monotonic()) > 0:
-        waiting = [p.sentinel for p in live if p.is_alive()]
-        if waiting:
-            multiprocessing.connection.wait(waiting, timeout=min(left, 0.5))
-        else:
-            time.sleep(min(left, 0.1))  # a forkserver's ranks outlive the server that reports on them
-        live = [p for p in live if _alive(p)]
-    for p in live:
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
-    for p in procs:
-        with contextlib.suppress(Exception):
-            p.join(5)
-
-
-def _alive(p: multiprocessing.process.BaseProcess) -> bool:
-    """Whether ``p`` still runs; also a forkserver's rank after its server died (no longer reported on)."""
-    if p.is_alive():
-        return True
-    if p.pid is None:
-        return False
-    try:
-        with open(f"/proc/{p.pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False

@@ -18,7 +18,7 @@ The model of a step (what is alive when):
 - **the optimizer step**: parameters + gradients + state, plus a gradient-sized flat buffer for
   the replicas' all-reduce.
 - **the techniques** (``Technique.memory``, folded over a
-  :class:`~lightning_parallel.techniques.contract.MemoryLedger` per rank in the list's order, before
+  :class:`~lightning_parallel.techniques.ledgers.MemoryLedger` per rank in the list's order, before
   the walk): each moves the bytes it changes between the columns (FSDP2 keeps a shard of the
   parameters and of the state and gathers the stage for the step, ZeRO-1 a share of the state, offload
   moves state or activations to the host, ...), and may leave a note for the table (compile). What one
@@ -49,7 +49,7 @@ from lightning_parallel.planner.resolve import resolve
 from lightning_parallel.planner.schedule import Action, peak_in_flight, rank_actions
 from lightning_parallel.planner.stage_costs import StageCosts, stage_costs
 from lightning_parallel.techniques import TECHNIQUES
-from lightning_parallel.techniques.contract import DEVICE_COLUMNS, MemoryLedger
+from lightning_parallel.techniques.ledgers import DEVICE_COLUMNS, MemoryLedger
 
 COMPONENTS = DEVICE_COLUMNS[:5]
 """The columns of every table; ``gathered`` (FSDP2's unsharded stage) only where a rank has some."""

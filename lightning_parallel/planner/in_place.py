@@ -1,7 +1,7 @@
 """The techniques' own measurements on the job: what their time effects read instead of a formula.
 
 After the model's units are timed (on every rank at once), every rank builds the same
-:class:`~lightning_parallel.techniques.contract.TimeBench` (the job's ranks and device, the model's layout,
+:class:`~lightning_parallel.techniques.ledgers.TimeBench` (the job's ranks and device, the model's layout,
 a block and the smallest unit with the inputs the probe recorded, the tensor-parallel plans the strategy
 would split it with) and calls each technique's ``measure`` in the list's order (FSDP2: a block under
 ``fully_shard`` on the job's group; tensor parallelism: a block split over real DTensors). What each
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_parallel.distributed.agree import agree, distributed_ready, world_size
 from lightning_parallel.planner.facts import ModelFacts, planned_tensors
 from lightning_parallel.techniques import TECHNIQUES
-from lightning_parallel.techniques.contract import TimeBench
+from lightning_parallel.techniques.ledgers import TimeBench
 from lightning_parallel.techniques.tensor_parallel.traced import register_missing_shardings
 
 

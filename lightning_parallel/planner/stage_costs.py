@@ -1,7 +1,7 @@
 """Per pipeline stage: its parameters and the bytes one micro-batch costs it, from the measured units.
 
 A plain stage's costs, then each technique's change of them (``Technique.stage_costs``, folded over a
-:class:`~lightning_parallel.techniques.contract.CostLedger` in the list's order: recomputation keeps
+:class:`~lightning_parallel.techniques.ledgers.CostLedger` in the list's order: recomputation keeps
 only the inputs of the units it recomputes): what the memory estimate and the time model both read.
 """
 
@@ -14,7 +14,7 @@ from lightning_parallel.planner.facts import ModelFacts
 from lightning_parallel.planner.probe import BEFORE
 from lightning_parallel.planner.units import NOT_SPLIT, WHOLE, Unit, UnitLayout, partition
 from lightning_parallel.techniques import TECHNIQUES
-from lightning_parallel.techniques.contract import CostLedger
+from lightning_parallel.techniques.ledgers import CostLedger
 
 
 @dataclass

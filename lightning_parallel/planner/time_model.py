@@ -6,7 +6,7 @@ times from :mod:`~lightning_parallel.planner.time_probe`) and the links
 
 1. **Each stage's forward and backward per micro-batch**: its units' measured lines at the
    micro-batch's size, then what each technique adds (``Technique.time``, folded over a
-   :class:`~lightning_parallel.techniques.contract.TimeLedger` per pipeline rank in the list's order):
+   :class:`~lightning_parallel.techniques.ledgers.TimeLedger` per pipeline rank in the list's order):
    in backward, the forward of each recomputed unit once more; with tensor parallelism each split block
    as it measured in place (or the all-reduces of each split block); FSDP2's hooks on each unit (measured
    in place); with offloaded activations, their copy to the host in forward and back in backward. Each
@@ -51,14 +51,14 @@ from lightning_parallel.planner.probe import BEFORE
 from lightning_parallel.planner.schedule import Action, rank_actions
 from lightning_parallel.planner.stage_costs import StageCosts, stage_costs
 from lightning_parallel.techniques import TECHNIQUES
-from lightning_parallel.techniques.contract import TimeLedger
+from lightning_parallel.techniques.ledgers import TimeLedger
 
 
 @dataclass(frozen=True)
 class StageTime:
     """One stage's seconds per micro-batch; ``send``: the bytes of its output (and of that output's
     gradient coming back). ``shares``: of forward + backward, the seconds of communication, recomputation
-    and offload (:data:`~lightning_parallel.techniques.contract.TIME_SHARES`)."""
+    and offload (:data:`~lightning_parallel.techniques.ledgers.TIME_SHARES`)."""
 
     index: int
     forward: float

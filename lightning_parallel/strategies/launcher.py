@@ -23,13 +23,8 @@ from typing_extensions import override
 
 from lightning_parallel._picklable import check_picklable
 from lightning_parallel.distributed.collectives import barrier
-from lightning_parallel.distributed.stop import (
-    DEFAULT_GRACE,
-    StopGuard,
-    exit_status,
-    forwarding_stop_signals,
-    stopped_status,
-)
+from lightning_parallel.distributed.stop import DEFAULT_GRACE, StopGuard, exit_status, stopped_status
+from lightning_parallel.distributed.stop_forwarding import forwarding_stop_signals
 from lightning_parallel.sources.twin import alias_table, retie
 from lightning_parallel.strategies._main_guard import refuse_unguarded_launch
 from lightning_parallel.strategies.pipeline.refusals import refuse_compiled_module

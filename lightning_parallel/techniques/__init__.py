@@ -19,8 +19,10 @@ import torch
 
 from lightning_parallel.pipeline.stage_source import UnsplitModel
 from lightning_parallel.techniques import compile as compiling
-from lightning_parallel.techniques import fsdp, overlap, recompute, replicas, user_function, zero
-from lightning_parallel.techniques.contract import Environment, Job, Technique
+from lightning_parallel.techniques import overlap, recompute, replicas, user_function, zero
+from lightning_parallel.techniques.contract import Technique
+from lightning_parallel.techniques.fsdp import technique as fsdp
+from lightning_parallel.techniques.job import Environment, Job
 from lightning_parallel.techniques.offload import technique as offload
 from lightning_parallel.techniques.sequence_parallel import technique as sequence_parallel
 from lightning_parallel.techniques.tensor_parallel import technique as tensor_parallel
@@ -124,6 +126,19 @@ def batch_transform(plan: Any, mesh: Any, module: torch.nn.Module) -> InputTrans
     if not batches and not keywords:
         return None
     return InputTransform(batches, keywords)
+
+
+def predictions(output: Any, batch: Any, mesh: Any) -> Any:
+    """A prediction step's output through every technique's :meth:`Technique.predictions`, in the list's
+    order (every rank calls it: a technique's may be a collective of its group).
+
+    Example::
+
+        output = predictions(output, batch, mesh)   # then the replicas' predictions are collected
+    """
+    for technique in TECHNIQUES:
+        output = technique.predictions(output, batch, mesh)
+    return output
 
 
 def searched_fields() -> tuple[str, ...]:

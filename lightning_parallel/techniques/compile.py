@@ -43,7 +43,9 @@ from torch import nn
 from lightning_parallel._options import unknown_option_error
 from lightning_parallel.layout.choices import SPLIT_BACKWARD_SCHEDULES
 from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource
-from lightning_parallel.techniques.contract import Job, MemoryLedger, Technique
+from lightning_parallel.techniques.contract import Technique
+from lightning_parallel.techniques.job import Job
+from lightning_parallel.techniques.ledgers import MemoryLedger
 
 CompileOptions = dict[str, Any]
 """torch.compile's keywords for each stage's blocks."""

@@ -18,7 +18,7 @@ Exactness. Each bucket is summed, divided by the replicas and copied back exactl
 (off, or where a bucket did not start during backward, it is reduced at the wait, in the same layout):
 on/off are bitwise equal for any number of replicas (gloo's ring may sum a different layout in another
 order beyond two). A bucket starts only when its parameters' gradients are final: accumulation batches
-before the last start nothing (the phase, :class:`~lightning_parallel.techniques.contract.StepPhase`),
+before the last start nothing (the phase, :class:`~lightning_parallel.techniques.job.StepPhase`),
 nor does a batch whose gradients are kept aside and added to earlier ones (``"keep"``: a hook reads
 them), nor one where ``on_before_backward``/``on_after_backward`` may write the gradients (they are reduced
 after those hooks, at the wait); a parameter that receives a gradient after its bucket started (not
@@ -49,7 +49,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.distributed.dtensors import local
 from lightning_parallel.layout.choices import SPLIT_BACKWARD_SCHEDULES
-from lightning_parallel.techniques.contract import Job, Reduction, StepPhase, Technique, TimeLedger
+from lightning_parallel.techniques.contract import Technique
+from lightning_parallel.techniques.job import Job, Reduction, StepPhase
+from lightning_parallel.techniques.ledgers import TimeLedger
 
 MB = 1024 * 1024
 

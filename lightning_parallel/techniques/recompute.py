@@ -27,7 +27,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnitNaming
-from lightning_parallel.techniques.contract import CostLedger, Job, SearchOptions, Technique, TimeLedger
+from lightning_parallel.techniques.contract import SearchOptions, Technique
+from lightning_parallel.techniques.job import Job
+from lightning_parallel.techniques.ledgers import CostLedger, TimeLedger
 
 Units = Sequence[tuple[str, nn.Module]]
 

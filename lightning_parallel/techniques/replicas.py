@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from lightning_parallel.grads.reduce import all_reduce_gradients
-from lightning_parallel.techniques.contract import Job, Reduction, Technique, TimeLedger
+from lightning_parallel.techniques.contract import Technique
+from lightning_parallel.techniques.job import Job, Reduction
+from lightning_parallel.techniques.ledgers import TimeLedger
 
 
 class Replicas(Technique):

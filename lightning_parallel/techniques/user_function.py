@@ -10,7 +10,8 @@ from typing import Any
 from torch import nn
 
 from lightning_parallel.pipeline.stage_source import UnsplitModel
-from lightning_parallel.techniques.contract import Job, Technique
+from lightning_parallel.techniques.contract import Technique
+from lightning_parallel.techniques.job import Job
 
 
 class UserFunction(Technique):

@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_parallel.optim.sharded import shard_optimizer_state
-from lightning_parallel.techniques.contract import Job, MemoryLedger, SearchOptions, Technique, TimeLedger
+from lightning_parallel.techniques.contract import SearchOptions, Technique
+from lightning_parallel.techniques.job import Job
+from lightning_parallel.techniques.ledgers import MemoryLedger, TimeLedger
 
 
 class Zero(Technique):

@@ -36,7 +36,7 @@ from lightning_parallel.techniques import (
     transform_stages,
 )
 from lightning_parallel.techniques.compile import CompileWatch
-from lightning_parallel.techniques.contract import Environment, Job, StepPhase
+from lightning_parallel.techniques.job import Environment, Job, StepPhase
 
 
 def environment_of(strategy: Any) -> Environment:

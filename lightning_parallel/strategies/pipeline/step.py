@@ -33,8 +33,8 @@ from lightning_parallel.strategies.pipeline.step_results import (
     numbers_from_last_stage,
     replay_logs,
 )
-from lightning_parallel.techniques.fsdp import reshard
-from lightning_parallel.techniques.sequence_parallel.technique import joined_predictions
+from lightning_parallel.techniques import predictions as technique_predictions
+from lightning_parallel.techniques.fsdp.sharding import reshard
 from lightning_parallel.timeline.recorder import Timeline, span_of
 
 if TYPE_CHECKING:
@@ -101,8 +101,7 @@ def prediction_step(parts: PipelineParts, state: StepState, module: pl.Lightning
         raise step.failure if step.failure is not None else unpacked_error(result["error"])
     replay_logs(module, result["logs"], parts.mesh.group("logs"))
     output = result.get("output")
-    if parts.mesh.size("sequence") > 1:  # each rank predicted its shard's tokens: joined in token order
-        output = joined_predictions(output, args[0], parts.mesh)
+    output = technique_predictions(output, args[0], parts.mesh)  # (sequence parallelism: shards joined)
     if parts.mesh.size("predictions") > 1:
         return collect_predictions(parts, state, output, batch_idx=args[1])
     return output

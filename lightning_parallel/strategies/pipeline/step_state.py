@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from lightning_parallel.distributed.record_broadcast import RecordBroadcast
 from lightning_parallel.grads.held import HeldGradients
-from lightning_parallel.techniques.contract import StepPhase
+from lightning_parallel.techniques.job import StepPhase
 from lightning_parallel.timeline.recorder import Timeline
 
 

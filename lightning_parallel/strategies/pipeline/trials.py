@@ -40,7 +40,7 @@ from lightning_parallel.strategies.pipeline import setup as pipeline_setup
 from lightning_parallel.strategies.pipeline.step import run_step
 from lightning_parallel.strategies.pipeline.step_state import StepState
 from lightning_parallel.techniques import environment
-from lightning_parallel.techniques.contract import buffers_to
+from lightning_parallel.techniques.job import buffers_to
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,6 @@ device's: not bit-exact, as with tensor parallelism).
 ``sequence_parallel``), ``planner/search.py`` (``Search.sequence_parallel``, ``plans(..., model)``, the plans
 whose batches split), ``planner/ranking.py`` and ``advice.py`` (the facts passed to the search),
 ``planner/facts.py`` (``ModelFacts.tokens``), ``planner/__main__.py`` (``--sequence-parallel``), and the
-role sizes read by ``fsdp.py``, ``zero.py``, ``replicas.py`` and ``offload/technique.py`` (``dp x k``).
+role sizes read by ``fsdp/``, ``zero.py``, ``replicas.py`` and ``offload/technique.py`` (``dp x k``).
 The planner's sequence-length axis (``--longest``): ``planner/lengths.py`` and ``planner/longest.py``.
 """

@@ -270,6 +270,10 @@ class SequenceParallel(Technique):
         ledger.micro_batch = mine
         ledger.stages = [planned.shard(c, k) for c in ledger.stages]
 
+    def predictions(self, output: Any, batch: Any, mesh: Any) -> Any:
+        """Each rank predicted its shard's tokens: the shards' outputs joined in token order."""
+        return joined_predictions(output, batch, mesh) if mesh.size("sequence") > 1 else output
+
 
 def joined_predictions(output: Any, batch: Any, mesh: Any) -> Any:
     """A prediction step's output on every rank of the sequence-parallel group, joined in token order

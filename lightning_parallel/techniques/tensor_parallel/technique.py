@@ -22,7 +22,9 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnsplitModel
-from lightning_parallel.techniques.contract import Job, Line, Technique, TimeBench, TimeLedger, UnitSample
+from lightning_parallel.techniques.contract import Technique
+from lightning_parallel.techniques.job import Job
+from lightning_parallel.techniques.ledgers import Line, TimeBench, TimeLedger, UnitSample
 from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
 from lightning_parallel.techniques.tensor_parallel.plan import (
     TensorPlan,

@@ -1,0 +1,125 @@
+"""FSDP2 timed in place, for the planner: each sampled unit sharded over the job's ranks against a plain copy.
+
+The planner's time model cannot derive FSDP2's costs from the links alone (its hooks, its gradient
+accumulation, its all-gather of many small tensors), so ``plan="auto"`` measures them on the job before
+the search (the technique's ``measure`` member) and charges them per unit (``time``): :class:`FsdpTimes`,
+lines in a unit's parameter bytes. Apart from the technique because it runs FSDP2 on copies of the
+model's units, timed, with collectives over every rank of the job.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.utils._pytree import tree_leaves
+
+from lightning_parallel.techniques.fsdp._internals import finish_backward
+from lightning_parallel.techniques.ledgers import Line, TimeBench, TimeLedger
+
+
+@dataclass(frozen=True)
+class FsdpTimes:
+    """FSDP2 measured in place over ``shards`` ranks, per unit, as lines in its parameter bytes.
+
+    ``gather``: the all-gather before the unit's first forward and the end of its backward, once per batch
+    (each ``schedule.step()`` reshards); ``forward``/``backward``: what FSDP2 adds to the unit's own
+    forward and backward on each micro-batch (its hooks; the unsharded gradients' accumulation);
+    ``reduce``: the reduce-scatter of its gradients, once per optimizer step.
+
+    Example::
+
+        times = fsdp.measure_units(bench)       # on every rank of the job
+        times.backward.at(800_000)              # seconds FSDP2 adds to a 800 KB block's backward
+    """
+
+    shards: int
+    gather: Line
+    forward: Line
+    backward: Line
+    reduce: Line
+
+    def charge(self, ledger: TimeLedger, shards: int) -> None:
+        """Add the rank's units' seconds to its ledger (collectives rescaled to ``shards`` as a ring moves
+        bytes: ``(k - 1) / k`` of them)."""
+        ring = (shards - 1) / shards / ((self.shards - 1) / self.shards)
+        tensors, params = ledger.facts.tensors, ledger.facts.unit_params
+        for c in ledger.stages:
+            sizes = [sum(tensors[k].nbytes for k in params.get(n, [])) for n in c.units] + [0]  # + the root
+            forward = sum(self.forward.at(b) for b in sizes)
+            backward = sum(self.backward.at(b) for b in sizes)
+            ledger.forward[c.index] += forward
+            ledger.backward[c.index] += backward
+            ledger.share(c.index, "communication", forward + backward)
+            ledger.start += ring * sum(self.gather.at(b) for b in sizes)
+            ledger.tail["communication"] += ring * sum(self.reduce.at(b) for b in sizes)
+
+
+def measure_units(bench: TimeBench) -> FsdpTimes:
+    """Each sampled unit sharded with ``fully_shard`` over the job's ranks (``reshard_after_forward=False``,
+    gradient sync off, as a stage runs it) and a plain copy, on one micro-batch of the smallest size: the
+    all-gather, the forward, the forward and backward, the end of the backward, the reduce-scatter; the
+    differences from the plain copy, per unit, fitted as lines in the units' bytes.
+
+    Example::
+
+        FSDP_TIMES = measure_units(bench)     # every rank of the job calls it
+    """
+    mesh = bench.mesh((bench.ranks,), ("shard",))
+    size = min(bench.sizes)
+    points = []
+    for sample in bench.samples:
+        args, kwargs = bench.inputs(sample, size)
+        plain = copy.deepcopy(sample.module).to(bench.device)
+        sharded = copy.deepcopy(sample.module).to(bench.device)
+        fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+        sharded.set_requires_gradient_sync(False)
+        plain_forward = bench.timed(lambda m=plain, a=args, k=kwargs: m(*a, **k))
+        plain_both = bench.timed(lambda m=plain, a=args, k=kwargs: _backward(m(*a, **k)))
+        gather, forward, both, end, reduce = _sharded_step(sharded, args, kwargs, bench)
+        extra_backward = (both - forward) - (plain_both - plain_forward)
+        points.append((sample.nbytes, gather + end, forward - plain_forward, extra_backward, reduce))
+        for p in sharded.parameters():
+            p.grad = None
+    return FsdpTimes(bench.ranks, *(Line.through((p[0], p[i]) for p in points) for i in range(1, 5)))
+
+
+def _sharded_step(sharded: Any, args: Any, kwargs: Any, bench: TimeBench) -> tuple[float, ...]:
+    """Median seconds of: the all-gather, a forward, a forward and backward, the end of that backward
+    (gradients kept), the reduce-scatter; one micro-batch per repeat, as a schedule step runs it."""
+    runs: list[list[float]] = []
+    for repeat in range(bench.repeats + 1):
+        marks: list[float] = []
+
+        def mark(marks: list[float] = marks) -> None:
+            bench.sync()
+            if bench.device.type == "cuda":
+                torch.cuda.synchronize(bench.device)
+            marks.append(time.perf_counter())
+
+        mark()
+        sharded.unshard()
+        mark()
+        sharded(*args, **kwargs)
+        mark()
+        _backward(sharded(*args, **kwargs))
+        mark()
+        finish_backward(sharded, reduce=False)
+        mark()
+        finish_backward(sharded, reduce=True)
+        mark()
+        if repeat:
+            runs.append([b - a for a, b in itertools.pairwise(marks)])
+        sharded.reshard()
+    return tuple(statistics.median(r[i] for r in runs) for i in range(5))
+
+
+def _backward(out: Any) -> None:
+    floats = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
+    sum(t.float().sum() for t in floats).backward()
