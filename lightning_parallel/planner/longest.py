@@ -23,11 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_parallel._table import format_table
+from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.estimate import format_bytes
 from lightning_parallel.planner.lengths import LengthFacts
 from lightning_parallel.planner.links import Links
 from lightning_parallel.planner.ranking import Budget, Candidate, fastest_fit, rank_plans, ranked
 from lightning_parallel.planner.search import Search
+
+Keep = Callable[[ParallelPlan], bool]
+"""Which plans a length search considers (``longest_lengths(..., keep=...)``)."""
 
 
 @dataclass(frozen=True)
@@ -111,16 +115,21 @@ def _tokens(f: LengthFit, bounded: frozenset[int]) -> str:
 
 
 def candidates_at(
-    scaled: LengthFacts, tokens: int, search: Search, links: Links | None = None, k: int | None = None
+    scaled: LengthFacts,
+    tokens: int,
+    search: Search,
+    links: Links | None = None,
+    k: int | None = None,
+    keep: Keep | None = None,
 ) -> list[Candidate]:
-    """Every plan of ``search`` at ``tokens`` a sample (of sequence-parallel size ``k``; ``None``: any),
-    sized and timed from ``scaled``; fastest first."""
+    """Every plan of ``search`` at ``tokens`` a sample (of sequence-parallel size ``k``; ``None``: any;
+    ``keep``: those it accepts), sized and timed from ``scaled``; fastest first."""
     facts = scaled.at(tokens)
     out: list[Candidate] = []
     for tp in search.tensor_parallel_sizes:
         f = facts[tp]
         plans = search.plans(f.layout.max_stages, tp, f.layout.kind, f)
-        plans = [p for p in plans if k is None or p.sequence_parallel_size == k]
+        plans = [p for p in plans if (k is None or p.sequence_parallel_size == k) and (keep or bool)(p)]
         out += rank_plans(f, plans, search, links)
     return ranked(out)
 
@@ -143,12 +152,14 @@ def longest_lengths(
     upper: int | None = None,
     multiple: int = 1,
     lengths: Iterable[int] | None = None,
+    keep: Keep | None = None,
 ) -> LengthTable:
     """The best plan per length and the longest length per sequence-parallel size that fits ``budget``.
 
     Without ``lengths``: halving from ``upper`` (default: the longest length measured), then bisection per
     ``k``, every length a multiple of each ``k`` and of ``multiple``. With ``lengths``: those only (a
-    ``k`` that does not divide one is not tried there).
+    ``k`` that does not divide one is not tried there). ``keep``: the plans to consider (e.g.
+    ``lambda p: not p.activation_checkpointing``; default all).
 
     Raises:
         ValueError: ``upper`` below one multiple; a length that is not positive.
@@ -162,7 +173,7 @@ def longest_lengths(
     ks = sequence_sizes(scaled, search)
     step = math.lcm(multiple, *ks)
     if lengths is not None:
-        return _at_lengths(scaled, search, budget, links, sorted(set(lengths)), ks, step)
+        return _at_lengths(scaled, search, budget, links, sorted(set(lengths)), ks, step, keep)
     upper = scaled.reference if upper is None else upper
     top = upper // step * step
     if top < step:
@@ -171,12 +182,12 @@ def longest_lengths(
     tried: dict[int, dict[int, Candidate | None]] = {}
     t = top
     while True:
-        tried[t] = _best_per_k(candidates_at(scaled, t, search, links), budget, ks)
+        tried[t] = _best_per_k(candidates_at(scaled, t, search, links, keep=keep), budget, ks)
         if all(tried[t][k] is not None for k in ks) or t == step:
             break
         t = max(step, t // 2 // step * step)
     rows = [LengthFit(t, None, _fastest(per_k.values())) for t, per_k in sorted(tried.items())]
-    longest = [_bisected(scaled, search, budget, links, tried, k, step) for k in ks]
+    longest = [_bisected(scaled, search, budget, links, tried, k, step, keep) for k in ks]
     bounded = frozenset(f.k for f in longest if f.best is not None and f.tokens == top and f.k is not None)
     return LengthTable(rows, longest, step, top, bounded)
 
@@ -189,10 +200,11 @@ def _at_lengths(
     lengths: list[int],
     ks: list[int],
     step: int,
+    keep: Keep | None = None,
 ) -> LengthTable:
     if not lengths or lengths[0] < 1:
         raise ValueError(f"sequence lengths must be positive, got {lengths}")
-    tried = {t: _best_per_k(candidates_at(scaled, t, search, links), budget, ks) for t in lengths}
+    tried = {t: _best_per_k(candidates_at(scaled, t, search, links, keep=keep), budget, ks) for t in lengths}
     rows = [LengthFit(t, None, _fastest(per_k.values())) for t, per_k in tried.items()]
     longest = []
     for k in ks:
@@ -219,6 +231,7 @@ def _bisected(
     tried: dict[int, dict[int, Candidate | None]],
     k: int,
     step: int,
+    keep: Keep | None = None,
 ) -> LengthFit:
     """``k``'s longest length that fits: between the longest tried that fits and the next tried above."""
     fits = [t for t in sorted(tried) if tried[t][k] is not None]
@@ -232,7 +245,7 @@ def _bisected(
     hi = above[0]
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
-        found = fastest_fit(candidates_at(scaled, mid, search, links, k), budget)
+        found = fastest_fit(candidates_at(scaled, mid, search, links, k, keep), budget)
         if found is None:
             hi = mid
         else:
