@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_parallel.distributed.link_timing import time_loopback
 from lightning_parallel.layout.choices import PRECISIONS
+from lightning_parallel.planner import longest
 from lightning_parallel.planner.advice import NothingFits, choose
 from lightning_parallel.planner.links import Links, given_links, links_from
 from lightning_parallel.planner.quantities import host_memory, parse_bytes, parse_rate, parse_seconds
@@ -167,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=25, help="table rows to print (0: all; default 25)")
     p.add_argument("--meta", action="store_true", help="build the model on the meta device (large models): "
                    "sized, not timed; the plan chosen is then the most frugal that fits")  # fmt: skip
+    longest.add_arguments(p)  # (the sequence-length axis: planner/longest.py)
     return p.parse_args(argv)
 
 
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         unsplit = search.split_error(layout.max_stages)
         if unsplit:
             raise ValueError(unsplit)
+        if longest.wanted(args):
+            return longest.run(args, search, budget, model, optimizer, make_batch, lambda: links_of(args))
         batch = probe_batch(args, model, search.micro_batch_sizes(layout.max_stages)[1])
         step = {} if args.batch else {"step": lambda module, b: module(b)}
         facts = measure_for(model, batch, search, optimizer, **step)
