@@ -9,7 +9,12 @@ from tiny_models import TinyGPT
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 
 from lightning_parallel.sources.stage_shapes import StageShapes, stage_examples
-from lightning_parallel.sources.symbolic_sizes import evaluate_shape, is_symbolic, symbol_values
+from lightning_parallel.sources.symbolic_sizes import (
+    evaluate_shape,
+    evaluate_stride,
+    is_symbolic,
+    symbol_values,
+)
 from lightning_parallel.sources.traced.stage_graphs import point_at
 from lightning_parallel.sources.traced.trace import trace
 from lightning_parallel.sources.twin import alias_table, meta_twin, to_meta
@@ -82,3 +87,24 @@ def test_symbol_values_refuse_a_static_size_that_differs():
     with pytest.raises(ValueError, match="traced as the constant 3"):
         symbol_values([s], [(2, 4)])
     assert evaluate_shape((2, 5), {}) == (2, 5)
+
+
+def test_a_sliced_input_of_one_sample_gets_the_contiguous_stride_where_its_traced_one_is_free():
+    """A sequence shard of a one-sample batch is a slice: export traces its batch stride as a symbol of
+    its own (the whole length), which no input size gives. A size-1 dimension is never stepped over, so
+    the stride is the contiguous one; on a dimension of another size it is still refused."""
+    from torch.export import Dim, export
+
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    shard = torch.zeros(1, 16)[:, 8:]  # (sequence parallelism's shard 1 of 2 of one sample)
+    program = export(Twice(), (shard,), dynamic_shapes=({1: Dim.AUTO},), strict=False)
+    traced = next(n.meta["val"] for n in program.graph.nodes if n.op == "placeholder")
+    values = symbol_values([traced.shape], [(1, 12)])
+    with pytest.raises(ValueError, match="depends on a value not among the inputs' sizes"):
+        evaluate_shape(traced.stride(), values)  # (what failed the first step before)
+    assert evaluate_stride((1, 12), traced.stride(), values) == (12, 1)
+    with pytest.raises(ValueError, match="depends on a value"):
+        evaluate_stride((2, 12), traced.stride(), values)

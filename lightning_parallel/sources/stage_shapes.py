@@ -20,7 +20,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import Pipe
 
 from lightning_parallel.sources.fake_device import faked_on, trace_device
-from lightning_parallel.sources.symbolic_sizes import SizeConstraints, evaluate_shape, symbol_values
+from lightning_parallel.sources.symbolic_sizes import (
+    SizeConstraints,
+    evaluate_shape,
+    evaluate_stride,
+    symbol_values,
+)
 
 StageExample = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (inputs, outputs), meta tensors
 
@@ -116,7 +121,7 @@ class StageShapes:
         if not self.symbolic:  # (a static trace: its one shape)
             return tuple(_meta(tuple(f.shape), f.stride(), f) for f in fake)
         return tuple(
-            _meta(evaluate_shape(t.shape, values), evaluate_shape(t.stride(), values), f)
+            _meta(shape := evaluate_shape(t.shape, values), evaluate_stride(shape, t.stride(), values), f)
             for t, f in zip(traced, fake)
         )
 
@@ -173,7 +178,7 @@ class ChainedShapes:
                 return None
             made_in = tuple(_meta(s, _contiguous(s), f) for s, f in zip(shapes, fake_in))
             made_out = tuple(
-                _meta(evaluate_shape(t.shape, values), evaluate_shape(t.stride(), values), f)
+                _meta(shape := evaluate_shape(t.shape, values), evaluate_stride(shape, t.stride(), values), f)
                 for t, f in zip(outs, fake_out)
             )
             out.append((made_in, made_out))

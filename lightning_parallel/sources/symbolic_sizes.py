@@ -11,6 +11,7 @@ program into the concrete one for a given input, without running anything.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -232,6 +233,30 @@ def symbol_values(shapes: Sequence[Sequence[Any]], concrete: Sequence[Sequence[i
 def evaluate_shape(shape: Sequence[Any], values: Mapping[Any, int]) -> tuple[int, ...]:
     """A traced (symbolic) shape or stride, evaluated for the given symbol values."""
     return tuple(_evaluate(s, values) for s in shape)
+
+
+def evaluate_stride(
+    shape: Sequence[int], stride: Sequence[Any], values: Mapping[Any, int]
+) -> tuple[int, ...]:
+    """A traced (symbolic) stride for an evaluated ``shape``. A dimension of size 1 is never stepped over,
+    so its stride is free: an input that was a slice (a sequence shard of a batch of one sample: stride
+    the whole length) may have traced it as a symbol of its own, which no input size gives; it is then the
+    contiguous stride.
+
+    Example::
+
+        >>> evaluate_stride((1, 4), (7, 1), {})
+        (7, 1)
+    """
+    out = []
+    for d, s in enumerate(stride):
+        try:
+            out.append(_evaluate(s, values))
+        except ValueError:
+            if shape[d] != 1:
+                raise
+            out.append(math.prod(shape[d + 1 :]))
+    return tuple(out)
 
 
 def _evaluate(size: Any, values: Mapping[Any, int]) -> int:
