@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +181,20 @@ def mark_stage(stage: nn.Module, mesh: Any) -> None:
     CALLS.append((type(stage).__name__, tuple(mesh.shape)))
 
 
+OFFLOAD_DIR = "<out>/offload"
+"""The disk tier's ``offload_dir`` in a case's options: the runner puts it under its job's directory
+(:func:`resolved`), which the search's own variant (given a directory) cannot know."""
+
+
+def resolved(options: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    """A case's options as a job runs them: :data:`OFFLOAD_DIR` made under ``out_dir`` (on every rank)."""
+    if options.get("offload_dir") != OFFLOAD_DIR:
+        return options
+    directory = os.path.join(out_dir, "offload")
+    os.makedirs(directory, exist_ok=True)
+    return {**options, "offload_dir": directory}
+
+
 NOT_SEARCHED: dict[str, tuple[dict[str, Any], ...]] = {
     "recompute": (),
     "tensor_parallel": ({"tensor_parallel_size": 2},),
@@ -189,7 +204,11 @@ NOT_SEARCHED: dict[str, tuple[dict[str, Any], ...]] = {
     "zero": (),
     "replicas": (),  # (data_parallel="replicate" with replicas: the default)
     "overlap": ({"overlap_gradient_reduction": False},),  # (on, the default: every case with replicas)
-    "offload": ({"offload": ("optimizer", "activations")}, {"offload": ("parameters", "activations")}),
+    "offload": (
+        {"offload": ("optimizer", "activations")},
+        {"offload": ("parameters", "activations")},
+        {"offload": ("optimizer",), "offload_to": "disk", "offload_dir": OFFLOAD_DIR},  # (the disk tier)
+    ),
     "sequence_parallel": ({"sequence_parallel_size": 2},),  # (searched where a model's heads are known)
 }
 """Per technique (every one of ``TECHNIQUES``, by name), the variants its ``variants()`` does not yield."""

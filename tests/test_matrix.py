@@ -162,7 +162,9 @@ def _fit(case: Case, world: int, out_dir: str, refs_dir: str) -> dict[str, Any]:
     outs = {t: {} for t in checks}
     callbacks = [recorder, *([SaveAtEpochEnd(_checkpoint(out_dir, case.name))] if case.saves else [])]
     callbacks += [c for t, check in checks.items() if (c := check.callback(case, outs[t])) is not None]
-    strategy = PipelineStrategy(num_microbatches=matrix.MICROBATCHES, **case.options)
+    strategy = PipelineStrategy(
+        num_microbatches=matrix.MICROBATCHES, **matrix.resolved(case.options, out_dir)
+    )
     trainer = quiet_trainer(devices=world, strategy=strategy, callbacks=callbacks, logger=logger,
                             max_epochs=case.epochs, default_root_dir=out_dir, **TRAINER,
                             **matrix.precision_plugins(case.precision))  # fmt: skip

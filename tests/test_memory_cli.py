@@ -7,6 +7,7 @@ kept) (its group timing: tests/test_autoplan.py's job).
 
 import re
 import runpy
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.planner.__main__ import main, parse_args, parse_bytes, search_of
+from lightning_parallel.planner.__main__ import links_of, main, parse_args, parse_bytes, search_of
 from lightning_parallel.planner.ranking import Budget
 from lightning_parallel.planner.search import SEARCHED_SCHEDULES, Search
 
@@ -200,26 +201,52 @@ def test_a_model_on_the_meta_device_gets_the_most_frugal_plan_and_is_told_so(mod
     assert parse_bytes(chosen.group(2)) == min(parse_bytes(row[3]) for row in fits)
 
 
-def test_offload_dir_plans_the_disk_tier_the_state_on_disk_the_host_a_buffer(model_file, capsys):
-    code = main([model_file, "--meta", "--batch", "long:16", "long:16", "--global-batch-size", "16",
-                 "--devices", "2", "--memory", "1GiB", "--rows", "0", "--offload-dir", "/nvme",
-                 *GIVEN_LINKS])  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0, out
-    lines = out.splitlines()
-    header = re.split(r"\s{2,}", next(ln for ln in lines if ln.startswith("configuration")))
-    assert header[3:6] == ["device peak", "host/node", "disk/node"]
-    rows = [re.split(r"\s{2,}", ln) for ln in lines if ln.startswith("pp ") and "  " in ln]  # (the plans)
+def test_offload_dir_offers_the_disk_tier_chosen_only_where_the_host_cannot_hold_the_state(
+    model_file, capsys, tmp_path
+):
+    """``--offload-dir``: every optimizer offload also on the disk (a ``disk/node`` column); a loose
+    ``--host-memory`` keeps the state on the host (the disk rows "not needed"), a tight one chooses the
+    disk; ``--disk-memory`` is the disk's budget, ``--disk-bandwidth`` its rate (the default: measured in
+    the directory)."""
+    wide = [model_file, "--meta", "--init", "dim=4096", "--batch", "long:16", "long:16",
+            "--global-batch-size", "16", "--devices", "2", "--memory", "6GiB", "--rows", "0",
+            "--offload-dir", "/nvme", "--disk-bandwidth", "2GB/s", *GIVEN_LINKS]  # fmt: skip
+
+    def planned(*extra: str) -> tuple[str, list[list[str]]]:
+        code = main([*wide, *extra])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        lines = out.splitlines()
+        header = re.split(r"\s{2,}", next(ln for ln in lines if ln.startswith("configuration")))
+        assert header[3:7] == ["device peak", "host/node", "disk/node", "fits"]
+        return out, [re.split(r"\s{2,}", ln) for ln in lines if ln.startswith("pp ") and "  " in ln]
+
+    out, rows = planned("--host-memory", "256GiB")
     disk = [r for r in rows if "+offload opt on disk" in r[0]]
-    assert disk and not [r for r in rows if "+offload opt" in r[0] and "on disk" not in r[0]]
+    assert disk and all(r[6] in ("not needed", "no") for r in disk) and "not needed" in {r[6] for r in disk}
     for row in disk:  # (two ranks on the node, a 1 GiB buffer each; their state in files)
         assert row[4] == "2.00 GiB" and parse_bytes(row[5]) > 0, row
     assert all(row[5] == "0 B" for row in rows if "on disk" not in row[0])
-    # (the most frugal plan: its state on the disk; its table has the disk column and says what is not timed)
-    assert "offload_to='disk', offload_dir='/nvme')" in out
+    assert "offload_to='disk'" not in out
+    out, rows = planned("--host-memory", "6GiB")
+    assert "PipelineStrategy(pipeline_size=2, num_microbatches=8, activation_checkpointing=True, " \
+           "offload=['optimizer'], offload_to='disk', offload_dir='/nvme')" in out  # fmt: skip
+    assert "per node of 2 (margin 10%)" in out.splitlines()[0]  # (/nvme is not here: its room unchecked)
+    lines = out.splitlines()
     table = lines[next(i for i, ln in enumerate(lines) if ln.startswith("rank ")) :]
     assert table[0].split()[-3:] == ["(device)", "host", "disk"]
-    assert table[-1].startswith("offload_to='disk': the step time is modelled as host offload's")
+    assert table[-1].startswith("offload_to='disk': the files are read and written once per optimizer step")
+    out, rows = planned("--host-memory", "6GiB", "--disk-memory", "1GiB")
+    assert "budget 6.00 GiB per device, host 6.00 GiB per node of 2, disk 1.00 GiB per node" in out
+    assert all(r[6] == "no" for r in rows if "on disk" in r[0]) and "offload_to='disk'" not in out
+    args = parse_args([model_file, "--devices", "2", "--memory", "1GiB", "--offload-dir", str(tmp_path)])
+    assert search_of(args)[1].disk == shutil.disk_usage(tmp_path).free  # (default: its free space)
+    assert links_of(replace_args(args, bandwidth="1GB/s")).disk.bandwidth > 1e6  # (measured there)
+    assert links_of(replace_args(args, bandwidth="1GB/s", disk_bandwidth="3GB/s")).disk.bandwidth == 3e9
+
+
+def replace_args(args, **changes):
+    return type(args)(**{**vars(args), **changes})
 
 
 def test_parse_bytes():

@@ -25,6 +25,8 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import os
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +39,7 @@ from lightning_parallel.distributed.link_timing import time_loopback
 from lightning_parallel.layout.choices import PRECISIONS
 from lightning_parallel.planner import longest
 from lightning_parallel.planner.advice import NothingFits, choose
-from lightning_parallel.planner.links import Links, given_links, links_from
+from lightning_parallel.planner.links import Link, Links, given_links, links_from
 from lightning_parallel.planner.quantities import host_memory, parse_bytes, parse_rate, parse_seconds
 from lightning_parallel.planner.ranking import (
     MARGIN,
@@ -49,6 +51,7 @@ from lightning_parallel.planner.ranking import (
 )
 from lightning_parallel.planner.search import SEARCHED_SCHEDULES, Search
 from lightning_parallel.planner.units import find_units
+from lightning_parallel.techniques.offload.disk_rate import disk_bandwidth
 
 __all__ = ["main", "parse_bytes"]
 
@@ -160,8 +163,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="try splitting each sequence over k ranks (sequence_parallel_size) where the model's heads "
         "allow: auto (default) from 2048 tokens a sample, yes at any length, no never",
     )  # fmt: skip
-    p.add_argument("--offload-dir", help="offload the optimizer state to files under this directory (the "
-                   "disk tier, offload_to='disk'), not to host memory")  # fmt: skip
+    p.add_argument("--offload-dir", help="also try the optimizer state in files under this directory "
+                   "(offload_to='disk'), chosen only where the host memory cannot hold it")  # fmt: skip
+    p.add_argument("--disk-memory", help="disk room per node under --offload-dir, e.g. 2TB (default: the "
+                   "free space there, where it exists)")  # fmt: skip
+    p.add_argument("--disk-bandwidth", help="the disk's read or write rate, e.g. 3GB/s (default: measured "
+                   "in --offload-dir, where it exists)")  # fmt: skip
     p.add_argument("--bandwidth", help="link bandwidth between ranks, e.g. 25GB/s (default: measured here)")
     p.add_argument("--latency", default="0us", help="link latency with --bandwidth, e.g. 10us")
     p.add_argument("--host-bandwidth", help="device<->host copy rate, e.g. 20GB/s (default: measured here)")
@@ -212,17 +219,33 @@ def search_of(args: argparse.Namespace) -> tuple[Search, Budget]:
         offload_dir=args.offload_dir,
     )  # fmt: skip
     host = parse_bytes(args.host_memory) if args.host_memory else host_memory()
-    return search, Budget(parse_bytes(args.memory), host, search.node_ranks, args.margin)
+    budget = Budget(parse_bytes(args.memory), host, search.node_ranks, args.margin, _disk_room(args))
+    return search, budget
+
+
+def _disk_room(args: argparse.Namespace) -> int | None:
+    """``--disk-memory``, else the free space under ``--offload-dir`` where it exists (None: unchecked)."""
+    if args.disk_memory:
+        return parse_bytes(args.disk_memory)
+    if args.offload_dir and os.path.isdir(args.offload_dir):
+        return shutil.disk_usage(args.offload_dir).free
+    return None
 
 
 def links_of(args: argparse.Namespace) -> Links:
-    """Given (``--bandwidth``, ``--latency``, ``--host-bandwidth``) or measured on this machine."""
+    """Given (``--bandwidth``, ``--latency``, ``--host-bandwidth``, ``--disk-bandwidth``) or measured on this
+    machine (the disk in ``--offload-dir``, where it exists)."""
     if args.bandwidth:
         host = parse_rate(args.host_bandwidth) if args.host_bandwidth else None
-        return given_links(parse_rate(args.bandwidth), parse_seconds(args.latency), host)
-    links = links_from(time_loopback(), "measured on this machine's loopback")
-    if args.host_bandwidth:
-        links = replace(links, host=given_links(parse_rate(args.host_bandwidth)).host)
+        links = given_links(parse_rate(args.bandwidth), parse_seconds(args.latency), host)
+    else:
+        links = links_from(time_loopback(), "measured on this machine's loopback")
+        if args.host_bandwidth:
+            links = replace(links, host=given_links(parse_rate(args.host_bandwidth)).host)
+    if args.disk_bandwidth:
+        return replace(links, disk=Link(0.0, parse_rate(args.disk_bandwidth)))
+    if args.offload_dir and os.path.isdir(args.offload_dir):
+        return replace(links, disk=Link(0.0, disk_bandwidth(args.offload_dir)))
     return links
 
 

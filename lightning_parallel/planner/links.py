@@ -184,6 +184,9 @@ class Links:
     ranks: int = 0
     overlap: float = 1.0
     overhead: StepOverhead = field(default_factory=StepOverhead)
+    disk: Link | None = None
+    """One pass (a write or a read) over the disk tier's files (``offload_to="disk"``), measured once in
+    ``offload_dir`` (``techniques/offload/disk_rate.py``) or given; None: not charged."""
 
     def send(self, nbytes: float) -> float:
         return self.p2p.time(nbytes)
@@ -261,15 +264,16 @@ class Links:
                 return link.describe()
             return f"{link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s"
 
+        disk = f", disk {one(self.disk)} each way" if self.disk is not None else ""
         if not self.curves:
             return (
                 f"links {self.source}: send {one(self.p2p)}, collectives {one(self.collective)} per ring "
-                f"step, host copies {one(self.host)}"
+                f"step, host copies {one(self.host)}{disk}"
             )
         kinds = "; ".join(f"{k.replace('_', '-')} {one(c)}" for k, c in self.curves.items())
         return (
             f"links {self.source}: send {one(self.p2p)}; {kinds} (over {self.ranks} ranks); host copies "
-            f"{one(self.host)}; a collective beside compute slows both {self.overlap:.2f}x; every step "
+            f"{one(self.host)}{disk}; a collective beside compute slows both {self.overlap:.2f}x; every step "
             f"pays {self.overhead.describe()}"
         )
 

@@ -6,7 +6,10 @@ keeps on the host) and timed by :func:`~lightning_parallel.planner.time_model.st
 simulated with the unit times measured on this machine, the collectives and copies from the links),
 from one measurement of the model. A plan **fits** when its fullest rank's device peak is within the
 device budget less a safety margin (:data:`MARGIN`), and the host bytes of the ranks of one node
-(they share its memory) are within the host budget less the same margin. The chosen plan is the one
+(they share its memory) are within the host budget less the same margin, as are the bytes they keep on
+the node's disk (the disk tier's files) within the disk budget. The disk tier is kept only where it is
+needed: a plan with the optimizer state on the disk fits only where the same plan with it on the host
+does not (its node's host memory cannot hold the state). The chosen plan is the one
 that fits with the least time per sample (ties: the smaller peak); a model on the meta device is not
 timed, and its chosen plan is the most frugal that fits (the smallest peak), not a fast one.
 """
@@ -36,23 +39,26 @@ model is validated within 15% of torch's meter, mostly within 5%; allocators rou
 
 @dataclass(frozen=True)
 class Budget:
-    """Bytes per device and per node's host (``None``: not checked), and the safety margin.
+    """Bytes per device, per node's host and per node's disk (``None``: not checked), and the safety
+    margin.
 
     Example::
 
-        Budget(24 * 2**30, host=512 * 2**30, ranks_per_node=8).fits(candidate)
+        Budget(24 * 2**30, host=512 * 2**30, ranks_per_node=8, disk=4 * 2**40).fits(candidate)
     """
 
     device: int
     host: int | None = None
     ranks_per_node: int = 1
     margin: float = MARGIN
+    disk: int | None = None
 
     def __post_init__(self) -> None:
-        if self.device <= 0 or (self.host is not None and self.host <= 0) or not 0 <= self.margin < 1:
+        sizes = (self.host, self.disk)
+        if self.device <= 0 or any(s is not None and s <= 0 for s in sizes) or not 0 <= self.margin < 1:
             raise ValueError(
                 f"a budget needs positive bytes and a margin in [0, 1), got device={self.device}, "
-                f"host={self.host}, margin={self.margin}"
+                f"host={self.host}, disk={self.disk}, margin={self.margin}"
             )
 
     @property
@@ -63,12 +69,30 @@ class Budget:
     def usable_host(self) -> int | None:
         return None if self.host is None else int(self.host * (1 - self.margin))
 
+    @property
+    def usable_disk(self) -> int | None:
+        return None if self.disk is None else int(self.disk * (1 - self.margin))
+
     def fits(self, c: Candidate) -> bool:
-        host = self.usable_host
-        return c.peak <= self.usable and (host is None or c.host_per_node <= host)
+        return self.why_not(c) is None
+
+    def why_not(self, c: Candidate) -> str | None:
+        """None where ``c`` fits; else what it misses: ``"device"``, ``"host"``, ``"disk"``, or ``"not
+        needed"`` (its state on the disk, where the node's host memory would hold it)."""
+        host, disk = self.usable_host, self.usable_disk
+        if c.peak > self.usable:
+            return "device"
+        if host is not None and c.host_per_node > host:
+            return "host"
+        if disk is not None and c.disk_per_node > disk:
+            return "disk"
+        if c.host_twin is not None and (host is None or c.host_twin <= host):
+            return "not needed"
+        return None
 
     def describe(self) -> str:
         host = f", host {format_bytes(self.host)} per node of {self.ranks_per_node}" if self.host else ""
+        host += f", disk {format_bytes(self.disk)} per node" if self.disk else ""
         return f"{format_bytes(self.device)} per device{host} (margin {self.margin:.0%})"
 
 
@@ -83,6 +107,7 @@ class Candidate:
     host_per_node: int
     time: StepTime | None = None
     disk_per_node: int = 0  # (the disk tier's files)
+    host_twin: int | None = None  # (a disk-tier plan: its node's host bytes with the state on the host)
 
     @property
     def peak(self) -> int:
@@ -127,8 +152,17 @@ def rank_plans(
         if links is not None and facts.times is not None and plan.strategy == "pipeline":
             timed = step_time(facts, links, plan, batch, accumulate)
         host, disk = (host_per_node(estimate, search.node_ranks, c) for c in ("host", "disk"))
-        out.append(Candidate(plan, estimate, batch, accumulate, host, timed, disk))
+        out.append(Candidate(plan, estimate, batch, accumulate, host, timed, disk,
+                             _host_twin(facts, plan, batch, search.node_ranks)))  # fmt: skip
     return ranked(out)
+
+
+def _host_twin(facts: ModelFacts, plan: ParallelPlan, batch: int, ranks_per_node: int) -> int | None:
+    """A disk-tier plan's node host bytes were its optimizer state on the host instead (None: no disk)."""
+    if plan.strategy != "pipeline" or plan.offload_to != "disk":
+        return None
+    twin = replace(plan, offload_to="host", offload_dir=None, offload_buffer=None)
+    return host_per_node(predict(facts, twin, samples=batch), ranks_per_node)
 
 
 def ranked(candidates: list[Candidate]) -> list[Candidate]:
@@ -179,8 +213,13 @@ def format_plan(candidates: list[Candidate], budget: Budget | int) -> str:
         bubble = f"{c.time.bubble:.2f}" if c.time else "-"
         rows.append([c.plan.label(), batch, str(mb), format_bytes(c.peak), format_bytes(c.host_per_node),
                      *([format_bytes(c.disk_per_node)] if disk else []),
-                     "yes" if budget.fits(c) else "no", step, bubble, mark])  # fmt: skip
+                     _fits(budget, c), step, bubble, mark])  # fmt: skip
     return format_table(headers, rows)
+
+
+def _fits(budget: Budget, c: Candidate) -> str:
+    why = budget.why_not(c)
+    return "yes" if why is None else "not needed" if why == "not needed" else "no"
 
 
 FRUGAL = "not timed: the most frugal plan that fits (the smallest device peak), not the fastest"

@@ -34,6 +34,8 @@ run computes what the same plan given by hand computes.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,7 +56,7 @@ from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.advice import choose
 from lightning_parallel.planner.estimate import predict
 from lightning_parallel.planner.in_place import measure_in_place
-from lightning_parallel.planner.links import Links, StepOverhead, given_links, links_from
+from lightning_parallel.planner.links import Link, Links, StepOverhead, given_links, links_from
 from lightning_parallel.planner.precision import PRECISION_DTYPES
 from lightning_parallel.planner.probe import _autocast, default_step
 from lightning_parallel.planner.quantities import host_memory, parse_bytes
@@ -82,6 +84,7 @@ from lightning_parallel.strategies.pipeline.trials import (
     optimizers_without_trainer,
     run_trials,
 )
+from lightning_parallel.techniques.offload.disk_rate import disk_bandwidth
 
 AUTO = "auto"
 SEARCHED = SEARCHED_FIELDS
@@ -98,6 +101,10 @@ AUTO_ARGUMENT_DOCS = """\
             accelerator's own; required on the CPU).
         host_memory: the host memory of one node, shared by its ranks, for ``plan="auto"`` (default:
             this machine's RAM).
+        disk_memory: with ``plan="auto"`` and ``offload_dir``, the disk room of one node under
+            ``offload_dir`` (default: its free space there). ``offload_dir`` with ``plan="auto"`` lets the
+            search keep the optimizer state in files there (``offload_to="disk"``, its bandwidth measured
+            there once), chosen only where neither the device nor the host holds it.
         global_batch_size: samples per optimizer step for ``plan="auto"``; a
             ``GradientAccumulationScheduler(global_batch_size=...)`` makes it up from the dataloader's
             batch and the chosen plan's replicas (default: no accumulation, plans compared per sample).
@@ -117,6 +124,8 @@ class AutoRequest:
     margin: float = MARGIN
     kept: Mapping[str, Any] = field(default_factory=dict)
     trials: int = 1
+    disk_memory: int | None = None
+    offload_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -169,9 +178,11 @@ class AutoPlanned:
 
 
 def auto_request(
-    plan: Any, memory: Any, host_memory: Any, global_batch_size: Any, given: ParallelPlan, trials: Any = None
-) -> AutoRequest | None:
-    """Check ``plan="auto"``'s arguments (``None`` without it); ``given``: the plan of the other options.
+    plan: Any, memory: Any, host_memory: Any, global_batch_size: Any, given: ParallelPlan, trials: Any = None,
+    disk_memory: Any = None, offload_dir: Any = None,
+) -> AutoRequest | None:  # fmt: skip
+    """Check ``plan="auto"``'s arguments (``None`` without it); ``given``: the plan of the other options
+    (under ``plan="auto"`` without ``offload_dir``: :func:`searched_dir` held it out for the search).
 
     Raises:
         ValueError: ``plan`` is not ``"auto"``, a searched option is given with it, or an auto option
@@ -185,7 +196,7 @@ def auto_request(
     default = ParallelPlan()
     options = {k: getattr(given, k) for k in PLAN_OPTIONS if getattr(given, k) != getattr(default, k)}
     extras = {"memory": memory, "host_memory": host_memory, "global_batch_size": global_batch_size,
-              "trials": trials}  # fmt: skip
+              "trials": trials, "disk_memory": disk_memory}  # fmt: skip
     if plan is None:
         given = [k for k, v in extras.items() if v is not None]
         if given:
@@ -209,9 +220,32 @@ def auto_request(
         raise ValueError(
             f"trials must be the number of predicted plans to run (an int >= 2; 1: none), got {trials!r}"
         )
-    sizes = {k: parse_bytes(extras[k]) if extras[k] is not None else None for k in ("memory", "host_memory")}
+    if disk_memory is not None and offload_dir is None:
+        raise ValueError(
+            f"disk_memory={disk_memory!r} is the room under offload_dir, which is not given: pass "
+            f"offload_dir (a directory on a local disk) too, or leave disk_memory out"
+        )
+    sizes = {k: parse_bytes(extras[k]) if extras[k] is not None else None
+             for k in ("memory", "host_memory", "disk_memory")}  # fmt: skip
     return AutoRequest(sizes["memory"], sizes["host_memory"], global_batch_size, kept=dict(options),
-                       trials=trials or 1)  # fmt: skip
+                       trials=trials or 1, disk_memory=sizes["disk_memory"],
+                       offload_dir=None if offload_dir is None else os.fspath(offload_dir))  # fmt: skip
+
+
+def searched_dir(plan: Any, options: dict[str, Any]) -> Any:
+    """Under ``plan="auto"``, ``offload_dir`` taken out of the strategy's ``options`` (the search offers
+    the disk tier there; the plan it chooses carries it); else None, the options as they are.
+
+    Example::
+
+        >>> options = {"offload_dir": "/nvme"}
+        >>> searched_dir("auto", options), options
+        ('/nvme', {'offload_dir': None})
+    """
+    if plan != AUTO:
+        return None
+    directory, options["offload_dir"] = options.get("offload_dir"), None
+    return directory
 
 
 def environment_mesh(strategy: Any) -> PipelineMesh | None:
@@ -270,11 +304,15 @@ def decide(strategy: Any, trainer: pl.Trainer) -> None:
         request.host_memory or host_memory(),
         trainer.num_devices,
         request.margin,
+        request.disk_memory or _disk_room(request.offload_dir),
     )
     planned: list[AutoPlanned] = []  # (rank 0's)
     with torch.random.fork_rng(devices=_rng_devices(device)):
         links = job_links(trainer, meshes, settings)
         facts, search, notes = _measured_everywhere(strategy, trainer, request, budget, settings)
+        if request.offload_dir is not None:
+            with failing_together():  # (a bad directory: every rank's error, before any step)
+                links = replace(links, disk=Link(0.0, disk_bandwidth(request.offload_dir)))
         replicas = _replicas_as_run(strategy, trainer, facts, budget, meshes, settings)
         chosen = decide_on(0, lambda: _choose(facts, search, budget, _as_run(links, facts, replicas, notes),
                                               request, notes, planned))  # fmt: skip
@@ -403,6 +441,7 @@ def _measured_everywhere(
             strategy.world_size, request.global_batch_size, samples, trainer.precision,
             tensor_parallel_sizes=_tensor_parallel_sizes(strategy.world_size), offload=True,
             ranks_per_node=trainer.num_devices, offload_parameters=strategy.root_device.type == "cpu",
+            offload_dir=request.offload_dir,
         )  # fmt: skip
         with LogRecorder().recording(module, samples), _on_device(module, strategy.root_device, budget):
             facts = _measured(module, batch, search, optimizers_without_trainer(module), settings.repeats)
@@ -506,6 +545,14 @@ def _on_device(module: Any, device: torch.device, budget: Budget) -> Iterator[No
         yield
     finally:
         module.to(home)
+
+
+def _disk_room(directory: str | None) -> int | None:
+    """The free bytes under ``offload_dir`` (the default disk budget), or None without one (or where it
+    does not exist: its check then fails on every rank, with the fix)."""
+    if directory is None or not os.path.isdir(directory):
+        return None
+    return shutil.disk_usage(directory).free
 
 
 def _tensor_parallel_sizes(world: int) -> tuple[int, ...]:

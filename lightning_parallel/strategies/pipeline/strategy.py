@@ -152,6 +152,7 @@ class PipelineStrategy(
         plan: Literal["auto"] | None = None,
         memory: str | int | None = None,
         host_memory: str | int | None = None,
+        disk_memory: str | int | None = None,
         global_batch_size: int | None = None,
         trials: int | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -177,12 +178,11 @@ class PipelineStrategy(
         )
         # The plan's options, by name, as this call received them: mapped onto the plan in one place.
         arguments = locals()
-        self.parallel_plan = plan_from_options(
-            {name: arguments[name] for name in (*PLAN_OPTIONS, *OLDER_NAMES)}
-        )
-        self._auto = autoplan.auto_request(
-            plan, memory, host_memory, global_batch_size, self.parallel_plan, trials
-        )
+        options = {name: arguments[name] for name in (*PLAN_OPTIONS, *OLDER_NAMES)}
+        searched_dir = autoplan.searched_dir(plan, options)  # (plan="auto": the disk tier is searched there)
+        self.parallel_plan = plan_from_options(options)
+        auto = (memory, host_memory, global_batch_size, self.parallel_plan, trials, disk_memory, searched_dir)
+        self._auto = autoplan.auto_request(plan, *auto)
         self.stop_grace_period = check_grace(stop_grace_period, "PipelineStrategy(stop_grace_period=...)")
         self._stop_guard: StopGuard | None = None  # the one this strategy started (not its launcher's)
         self._stop_agreement = StopAgreement()

@@ -8,7 +8,10 @@ One setting of the plan (``offload=``, :class:`~lightning_parallel.plan.parallel
 * ``host_optimizer.py`` - the user's optimizer class made host-stepping (plain replicas and ZeRO-1), and
   the fastest host kernel of a step;
 * ``activations.py`` - saved-tensor hooks that keep the micro-batches' activations on the host;
-* ``memory.py`` - what it does to a stage's bytes (device -> host), for the planner.
+* ``memory.py`` - what it does to a stage's bytes (device -> host), for the planner;
+* ``disk_*.py``, ``scratch.py`` - the disk tier (``offload_to="disk"``): the state in files streamed
+  through a bounded host buffer (``disk_optimizer.py``); for the planner its disk column and the
+  seconds of its streaming (``disk_plan.py``) at the disk's bandwidth, measured once (``disk_rate.py``).
 
 State dicts stay the user's optimizer's (same class name, keys, ids and param groups; the state tensors
 live on the host), so checkpoints load with or without offload and at another world size. On a

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.distributed.agree import agree
 from lightning_parallel.optim import sharded as zero_sharding
 from lightning_parallel.techniques.offload.disk_chunk import ALIGN, WORK_REGIONS, ChunkStep
 from lightning_parallel.techniques.offload.disk_group import DiskState, GroupFile, GroupSpec, group_spec, seen
@@ -161,6 +162,19 @@ class DiskStepping:
         if closure is not None:  # Lightning's: backward, then clipping and unscaling on the device
             with torch.enable_grad():
                 loss = closure()
+        error = None
+        try:
+            self._stream_step()
+        except Exception as err:
+            error = err
+        # Every rank steps its optimizers at the same point: one rank's full disk (or any failure of
+        # its step) ends the step on every rank with that message, no peer left waiting in the next
+        # collective until the process group's timeout (one all-reduce of a flag when all went well).
+        agree(error)
+        return loss
+
+    def _stream_step(self) -> None:
+        """The step proper: the chunks streamed through the buffer (a failure marks the files broken)."""
         if self._failed is not None:
             raise RuntimeError(
                 "the disk tier's optimizer failed in an earlier step (its files are partly written): "
@@ -184,7 +198,6 @@ class DiskStepping:
         self._note_masters(chunks)
         self.seconds["step"] += time.perf_counter() - start
         self.seconds["waiting"] += stream.waited - waited
-        return loss
 
     def _check_unfrozen(self) -> None:
         """A parameter frozen when the files were laid out has no room in them: refuse to skip it."""

@@ -239,8 +239,9 @@ class StateFile:
                 raise DiskFullError(
                     err.errno,
                     f"the disk under offload_dir {self.directory!r} filled while the optimizer state was "
-                    f"written ({err.strerror}): free room on it or name another disk; the files there are "
-                    f"scratch, resume from the last checkpoint",
+                    f"written ({err.strerror}; {len(view) - done} bytes left to write at byte "
+                    f"{offset + done} of a file of {self.nbytes} bytes): free room on it or name another "
+                    f"disk; the files there are scratch, resume from the last checkpoint",
                 ) from err
             message = f"writing the optimizer state under {self.directory!r}: {err.strerror}"
             raise OSError(err.errno, message) from err

@@ -42,6 +42,7 @@ from lightning_parallel.techniques.contract import (
 )
 from lightning_parallel.techniques.offload.activations import ActivationOffload
 from lightning_parallel.techniques.offload.disk_optimizer import DiskStepping, DiskTier, disk_step
+from lightning_parallel.techniques.offload.disk_plan import disk_seconds, state_to_disk
 from lightning_parallel.techniques.offload.host_optimizer import host_step, use_host_kernels
 from lightning_parallel.techniques.offload.memory import memory
 from lightning_parallel.techniques.offload.shard_optimizer import host_step_shards
@@ -102,10 +103,9 @@ class Offload(Technique):
         yield {}
         if not search.offload or plan.offload:
             return
-        if search.offload_dir:  # (the disk tier: the state in files, the host holding a buffer)
+        yield {"offload": ("optimizer",)}  # (replicas, ZeRO-1 and FSDP2: the state and its step)
+        if search.offload_dir:  # (the disk tier: the state in files; kept where the host cannot hold it)
             yield {"offload": ("optimizer",), "offload_to": "disk", "offload_dir": search.offload_dir}
-        else:
-            yield {"offload": ("optimizer",)}  # (replicas, ZeRO-1 and FSDP2: the state and its step)
         if search.offload_parameters:
             yield {"offload": ("parameters",)}  # (FSDP2)
         if not plan.activation_checkpointing:  # (recomputed: little left to move)
@@ -181,7 +181,8 @@ class Offload(Technique):
         """Offloaded activations: their copy to the host in forward and back in backward. FSDP2's shards:
         their copy up before the all-gather, the gradients' down after the reduce-scatter. The optimizer
         state: the gradients to the host and the parameters back. Either way the optimizer steps on the
-        host (its extra over the device's step charged to offload)."""
+        host (its extra over the device's step charged to offload); ``offload_to="disk"``: its files read
+        and written at the links' disk bandwidth beside it (``disk_plan.py``)."""
         offload, links = ledger.plan.offload, ledger.links
         if "activations" in offload:
             for c in ledger.stages:
@@ -203,6 +204,9 @@ class Offload(Technique):
             step = times.host_step.of(elements, tensors)
             ledger.tail["offload"] += max(0.0, step - times.step.of(elements, tensors))
             ledger.tail["optimizer"] = step
+            if ledger.plan.offload_to == "disk":
+                buffer = buffer_bytes(ledger.plan.offload_buffer or DEFAULT_BUFFER)
+                ledger.tail["offload"] += disk_seconds(ledger, step, buffer)
 
 
 TECHNIQUE = Offload()
@@ -210,10 +214,11 @@ TECHNIQUE = Offload()
 
 def _state_to_host(ledger: MemoryLedger, hosted: tuple[str, ...]) -> None:
     """The parameters (FSDP2's shards) and the optimizer state off the device, the host's bytes on it;
-    ``offload_to="disk"``: the state on the disk instead (:func:`_state_to_disk`)."""
+    ``offload_to="disk"``: the state on the disk instead (``disk_plan.py``)."""
     device, tensors = ledger.device, [ledger.facts.tensors[k] for k in ledger.keys]
     if ledger.plan.offload_to == "disk":
-        _state_to_disk(ledger, [t for t in tensors if t.grad])
+        buffer = buffer_bytes(ledger.plan.offload_buffer or DEFAULT_BUFFER)
+        state_to_disk(ledger, [t for t in tensors if t.grad], buffer)
         return
     trainable = sum(t.nbytes for t in tensors if t.grad)
     p_bytes, state = device["parameters"], device["optimizer"]
@@ -228,30 +233,6 @@ def _state_to_host(ledger: MemoryLedger, hosted: tuple[str, ...]) -> None:
                         trainable=share, activations=0, in_flight=0)  # fmt: skip
     device["optimizer"] -= state
     ledger.add_host("parameters" if "parameters" in hosted else "optimizer", placed.host)
-
-
-def _state_to_disk(ledger: MemoryLedger, trainable: list[Any]) -> None:
-    """The disk tier: the rank's optimizer state (its ZeRO-1 or FSDP2 share) off the device into its
-    files, where it is kept in the host step's dtype (fp32 for bf16 / fp16 parameters, with an fp32 master
-    of each: ``disk_group.py``); the host holds only the buffer the state streams through
-    (``offload_buffer``), whatever the state's size (the chunks' gradients and parameters pass through its
-    work area)."""
-    device, whole = ledger.device, ledger.whole["optimizer"]
-    share = device["optimizer"] / whole if whole else 1.0  # (ZeRO-1 and FSDP2 step their share)
-    in_files = 0
-    for t in trainable:
-        low = t.nbytes < 4 * t.numel  # (bf16 / fp16: 2 bytes an element, stepped in fp32)
-        scale = 4 * t.numel // t.nbytes if low else 1
-        per_element = t.state.per_element if t.state else 0
-        in_files += per_element * t.numel * scale + (t.state.per_tensor if t.state else 0)
-        in_files += 4 * t.numel if low else 0
-    device["optimizer"] = 0
-    ledger.disk["optimizer"] = ledger.disk.get("optimizer", 0) + round(in_files * share)
-    ledger.add_host("optimizer", buffer_bytes(ledger.plan.offload_buffer or DEFAULT_BUFFER))
-    ledger.notes.append(
-        "offload_to='disk': the step time is modelled as host offload's (the disk's reads and writes, "
-        "overlapped with the host step chunk by chunk, are not charged)"
-    )
 
 
 def checked_offload(offload: Any, data_parallel: str) -> tuple[str, ...]:
