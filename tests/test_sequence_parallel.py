@@ -17,6 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from lightning_parallel.techniques.attention_masks import is_causal_pattern
 from lightning_parallel.techniques.sequence_parallel.eager import is_on
 from lightning_parallel.techniques.sequence_parallel.graph import (
     Rewritten,
@@ -26,11 +27,7 @@ from lightning_parallel.techniques.sequence_parallel.graph import (
 )
 from lightning_parallel.techniques.sequence_parallel.heads import check_heads, sizes_that_work
 from lightning_parallel.techniques.sequence_parallel.labels import pass_group_labels, shifts_labels
-from lightning_parallel.techniques.sequence_parallel.masks import (
-    causal_over_all_tokens,
-    check_window,
-    is_causal_pattern,
-)
+from lightning_parallel.techniques.sequence_parallel.masks import causal_over_all_tokens, check_window
 from lightning_parallel.techniques.sequence_parallel.positions import (
     arange_bounds,
     is_positions,

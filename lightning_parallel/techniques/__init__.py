@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from lightning_parallel.pipeline.stage_source import UnsplitModel
+from lightning_parallel.techniques import causal_attention, overlap, recompute, replicas, user_function, zero
 from lightning_parallel.techniques import compile as compiling
-from lightning_parallel.techniques import overlap, recompute, replicas, user_function, zero
 from lightning_parallel.techniques.contract import Technique
 from lightning_parallel.techniques.fsdp import technique as fsdp
 from lightning_parallel.techniques.job import Environment, Job
@@ -30,6 +30,7 @@ from lightning_parallel.techniques.tensor_parallel import technique as tensor_pa
 TECHNIQUES: tuple[Technique, ...] = (
     # (before recomputation: a recomputed block then re-enters the sequence-parallel mode it was wrapped in)
     sequence_parallel.TECHNIQUE,  # sequence_parallel_size
+    causal_attention.TECHNIQUE,  # (no field: a traced stage's causal mask runs as is_causal=True)
     recompute.TECHNIQUE,  # activation_checkpointing
     tensor_parallel.TECHNIQUE,  # tensor_parallel_size, tensor_parallel_plan
     user_function.TECHNIQUE,  # parallelize_fn

@@ -18,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from lightning_parallel.techniques.attention_masks import graph_modules
 from lightning_parallel.techniques.sequence_parallel.attention import ulysses_attention
 from lightning_parallel.techniques.sequence_parallel.positions import offset_positions
 
@@ -97,7 +97,7 @@ def rewrite_stage(
     """
     attention = offsets = 0
     sizes = _sequence_sizes(stage_module, seq_dim, tokens) if positions else set()
-    for module in _graph_modules(stage_module):
+    for module in graph_modules(stage_module):
         graph: fx.Graph = module.graph
         changed = False
         for node in list(graph.nodes):
@@ -121,11 +121,6 @@ def rewrite_stage(
             graph.lint()
             (module.graph_module if getattr(module, "graph_module", None) is not None else module).recompile()
     return Rewritten(attention, offsets)
-
-
-def _graph_modules(stage_module: nn.Module) -> Iterator[nn.Module]:
-    """The stage module and the modules nested in it that run a graph."""
-    return (m for m in stage_module.modules() if isinstance(getattr(m, "graph", None), fx.Graph))
 
 
 def _sequence_sizes(stage_module: nn.Module, seq_dim: int, tokens: int | None) -> set[str]:

@@ -21,30 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel.techniques.attention_masks import is_causal_pattern
+
 __all__ = ["causal_over_all_tokens", "check_window", "is_causal_pattern", "refused_mask"]
-
-
-def is_causal_pattern(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` (boolean, or additive float) is the causal pattern of its last two dims everywhere.
-
-    Example::
-
-        >>> is_causal_pattern(torch.ones(1, 1, 3, 3, dtype=torch.bool).tril())
-        True
-        >>> is_causal_pattern(torch.zeros(3, 3))   # an additive mask letting everything through
-        False
-    """
-    q, kv = mask.shape[-2:]
-    if q != kv:
-        return False
-    causal = torch.ones(q, kv, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return bool((mask == causal).all())
-    if not mask.is_floating_point():
-        return False
-    # Additive: 0 where a token may look, a large negative number (dtype min, or -inf) where not.
-    masked = mask <= torch.finfo(mask.dtype).min / 2
-    return bool(((mask == 0) == causal).all() and (masked == ~causal).all())
 
 
 def causal_over_all_tokens(
