@@ -114,7 +114,9 @@ def test_the_arguments_mean_what_plan_auto_takes():
                        "--global-batch-size", "64", "--batch-size", "4", "--margin", "0.2",
                        "--no-offload"])  # fmt: skip
     search, budget = search_of(args)
-    assert search == Search(8, 64, 4, "32-true", None, SEARCHED_SCHEDULES, (1,), False, ranks_per_node=4)
+    assert search == Search(
+        8, 64, 4, "32-true", None, SEARCHED_SCHEDULES, (1,), ranks_per_node=4, offload=False
+    )
     assert budget == Budget(24 * 2**30, 64 * 2**30, ranks_per_node=4, margin=0.2)
     assert search.batches(ParallelPlan("pipeline", 8, 2)) == (4, 4)  # 4 replicas x 4 samples x 4 batches
     assert search.batches(ParallelPlan("pipeline", 8, 8)) == (4, 16)

@@ -4,8 +4,9 @@ techniques/ledgers.py) and the one ordered list (techniques/__init__.py), pure.
 What every composer relies on: the list's order, each plan field owned once (by the plan's core or by one
 technique), no technique importing another (or the plan, the sources, the strategies, Lightning), the
 defaults leaving everything as it is, the folds (labels in the list's order, the environment, the
-fields the search decides) and the optimizer step's sync (grads/sync.py) running the techniques'
-reductions around the tied weights' sum.
+fields the search decides, the search options each declares: techniques/offload/search_options.py's and
+sequence parallelism's, each a Search keyword and a planner flag that reach its variants) and the
+optimizer step's sync (grads/sync.py) running the techniques' reductions around the tied weights' sum.
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ from torch import nn
 
 from lightning_parallel.grads.sync import GradientSync
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.planner.search import SEARCHED_FIELDS
+from lightning_parallel.planner.__main__ import parse_args, search_of
+from lightning_parallel.planner.search import SEARCHED_FIELDS, Search
 from lightning_parallel.strategies.pipeline.autoplan import SEARCHED
-from lightning_parallel.techniques import TECHNIQUES, environment, predictions, searched_fields
-from lightning_parallel.techniques.contract import SearchOptions, Technique
+from lightning_parallel.techniques import (
+    TECHNIQUES,
+    environment,
+    predictions,
+    search_options,
+    searched_fields,
+)
+from lightning_parallel.techniques.contract import SearchOption, SearchOptions, Technique
 from lightning_parallel.techniques.job import Job, Reduction
 from lightning_parallel.techniques.ledgers import CostLedger, MemoryLedger, TimeLedger
 
@@ -153,6 +161,52 @@ def test_plan_auto_is_refused_the_fields_the_search_decides():
         "partition", "sequence_parallel_size",
     }  # fmt: skip
     assert set(searched_fields()) <= set(SEARCHED)
+
+
+def _moved(option: SearchOption) -> tuple[list[str], object]:
+    """The command line that moves ``option`` off its default, and the value the search then holds."""
+    if option.choices is not None:
+        word, value = next((w, v) for w, v in option.choices.items() if v != option.default)
+        return [option.flag, word], value
+    if isinstance(option.default, bool):
+        return [option.flag], not option.default
+    return [option.flag, "7"], option.type("7")
+
+
+def test_each_search_option_is_a_search_keyword_and_a_planner_flag_that_reaches_its_technique_s_variants(
+    monkeypatch,
+):
+    declared = search_options()
+    assert {o.name for o in declared} == {"sequence_parallel", "offload", "offload_parameters", "offload_dir"}
+    assert len({o.name for o in declared}) == len(declared)  # (one technique owns each)
+    seen: dict[str, object] = {}
+
+    def recording(technique: Technique):
+        def variants(self, plan, search):
+            seen.update({option.name: search.asks(option) for option in technique.search_options})
+            yield {}
+
+        return variants
+
+    for technique in TECHNIQUES:
+        if technique.search_options:
+            monkeypatch.setattr(type(technique), "variants", recording(technique))
+    base = ["m:M", "--devices", "2", "--memory", "1GiB", "--global-batch-size", "4"]
+    search, _ = search_of(parse_args(base))
+    search.plans(num_blocks=2)
+    assert seen == {o.name: o.default for o in declared}  # (no flag given: every default)
+    for option in declared:
+        if option.flag is None:
+            continue
+        flags, value = _moved(option)
+        seen.clear()
+        search, _ = search_of(parse_args(base + flags))
+        search.plans(num_blocks=2)
+        assert seen[option.name] == value, option.flag
+        assert search.options == Search(2, 4, ranks_per_node=2, **{option.name: value}).options
+    with pytest.raises(TypeError, match="Search got an unknown option 'ofload': did you mean 'offload'"):
+        Search(2, 4, ofload=False)
+    assert Search(2, 4, offload=False).offload is False  # (read as an attribute, as before)
 
 
 class _Shared:

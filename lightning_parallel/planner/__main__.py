@@ -51,6 +51,8 @@ from lightning_parallel.planner.ranking import (
 )
 from lightning_parallel.planner.search import SEARCHED_SCHEDULES, Search
 from lightning_parallel.planner.units import find_units
+from lightning_parallel.techniques import search_options
+from lightning_parallel.techniques.contract import SearchOption
 from lightning_parallel.techniques.offload.disk_rate import disk_bandwidth
 
 __all__ = ["main", "parse_bytes"]
@@ -157,14 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tensor-parallel-sizes", type=int, nargs="+", default=[1],
         help="tensor-parallel sizes to try (default 1: none), e.g. 1 2 4",
     )  # fmt: skip
-    p.add_argument("--no-offload", action="store_true", help="do not try offloading to the host")
-    p.add_argument(
-        "--sequence-parallel", choices=("auto", "yes", "no"), default="auto",
-        help="try splitting each sequence over k ranks (sequence_parallel_size) where the model's heads "
-        "allow: auto (default) from 2048 tokens a sample, yes at any length, no never",
-    )  # fmt: skip
-    p.add_argument("--offload-dir", help="also try the optimizer state in files under this directory "
-                   "(offload_to='disk'), chosen only where the host memory cannot hold it")  # fmt: skip
+    for option in search_options():  # (each technique's, in the list's order)
+        add_option_flag(p, option)
     p.add_argument("--disk-memory", help="disk room per node under --offload-dir, e.g. 2TB (default: the "
                    "free space there, where it exists)")  # fmt: skip
     p.add_argument("--disk-bandwidth", help="the disk's read or write rate, e.g. 3GB/s (default: measured "
@@ -177,6 +173,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "sized, not timed; the plan chosen is then the most frugal that fits")  # fmt: skip
     longest.add_arguments(p)  # (the sequence-length axis: planner/longest.py)
     return p.parse_args(argv)
+
+
+def add_option_flag(parser: argparse.ArgumentParser, option: SearchOption) -> None:
+    """``option``'s flag (none where its ``flag`` is None): its words (``choices``), a switch to ``not
+    default`` (a bool default) or one value (of ``option.type``); :func:`option_values` reads it back."""
+    if option.flag is None:
+        return
+    if option.choices is not None:
+        words = list(option.choices)
+        default = next(w for w, value in option.choices.items() if value == option.default)
+        parser.add_argument(option.flag, dest=option.name, choices=words, default=default, help=option.help)
+    elif isinstance(option.default, bool):
+        parser.add_argument(option.flag, dest=option.name, action="store_const", const=not option.default,
+                            default=option.default, help=option.help)  # fmt: skip
+    else:
+        parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default,
+                            help=option.help)  # fmt: skip
+
+
+def option_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The techniques' search options as the flags give them (``Search(options=...)``)."""
+    out = {}
+    for option in search_options():
+        if option.flag is not None:
+            given = getattr(args, option.name)
+            out[option.name] = option.choices[given] if option.choices is not None else given
+    return out
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, Any]:
@@ -214,9 +237,7 @@ def search_of(args: argparse.Namespace) -> tuple[Search, Budget]:
     search = Search(
         args.devices, args.global_batch_size, args.batch_size, args.precision,
         tuple(args.pipeline_sizes) if args.pipeline_sizes else None, tuple(args.schedules),
-        tuple(args.tensor_parallel_sizes), not args.no_offload, args.devices // args.nodes,
-        sequence_parallel={"auto": None, "yes": True, "no": False}[args.sequence_parallel],
-        offload_dir=args.offload_dir,
+        tuple(args.tensor_parallel_sizes), args.devices // args.nodes, options=option_values(args),
     )  # fmt: skip
     host = parse_bytes(args.host_memory) if args.host_memory else host_memory()
     budget = Budget(parse_bytes(args.memory), host, search.node_ranks, args.margin, _disk_room(args))

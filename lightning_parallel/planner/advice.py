@@ -16,6 +16,7 @@ from lightning_parallel.planner.facts import ModelFacts
 from lightning_parallel.planner.links import Links
 from lightning_parallel.planner.ranking import Budget, Candidate, fastest_fit, plan_search
 from lightning_parallel.planner.search import Search
+from lightning_parallel.techniques import search_options
 
 
 class NothingFits(ValueError):
@@ -78,13 +79,18 @@ def suggestions(facts: Mapping[int, ModelFacts], search: Search, budget: Budget)
         halved = replace(search, batch_size=batch // 2, global_batch_size=global_batch)
         what = f"a batch of {batch // 2} per replica (accumulating twice as many)"
         out.append(_line(what, facts, halved, budget))
-    searched = "recomputation and sharded optimizer state"
-    if not search.offload:
-        out.append(_line("offload", facts, replace(search, offload=True), budget, search))
-    else:
-        searched = "recomputation, sharded optimizer state and offload"
-    out.append(f"{searched} are in the search already; a smaller precision (bf16-mixed) is measured again "
-               f"with --precision / Trainer(precision=...)")  # fmt: skip
+    searched = ["recomputation", "sharded optimizer state"]
+    for option in search_options():  # (a technique's search option moved off its default: offload)
+        if not option.suggest:
+            continue
+        if search.options[option.name] == option.default:
+            searched.append(option.suggest)
+        else:
+            wide = replace(search, **{option.name: option.default})
+            out.append(_line(option.suggest, facts, wide, budget, search))
+    listed = f"{', '.join(searched[:-1])} and {searched[-1]}"
+    out.append(f"{listed} are in the search already; a smaller precision (bf16-mixed) is measured again "
+               "with --precision / Trainer(precision=...)")  # fmt: skip
     return out
 
 

@@ -331,8 +331,8 @@ def run(
     if args.lengths and max(args.lengths) > upper:
         raise ValueError(f"--lengths up to {max(args.lengths)} tokens: give --batch at least that long "
                          f"(it is {upper}; the model is measured at most at its length)")  # fmt: skip
-    wanted_sp = {"auto": True, "yes": True, "no": False}[args.sequence_parallel]
-    search = dataclasses.replace(search, sequence_parallel=wanted_sp)
+    # (the length axis splits sequences at any length, "auto" included; "no" keeps its plans unsplit)
+    search = dataclasses.replace(search, sequence_parallel=search.options["sequence_parallel"] is not False)
     samples = search.micro_batch_sizes(find_units(model).max_stages)[1]
 
     def batch_at(tokens: int) -> Any:

@@ -20,12 +20,13 @@ replicas' batches add up to, and plans are compared by time per sample.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lightning_parallel._options import unknown_option_error
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.techniques import TECHNIQUES, searched_fields
+from lightning_parallel.techniques import TECHNIQUES, search_options, searched_fields
 from lightning_parallel.techniques.contract import SearchOptions
 
 SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -45,7 +46,7 @@ SEARCHED_FIELDS = CORE_SEARCHED + searched_fields()
 """Every plan field the search decides: the core's and the techniques' (``Technique.searched``)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Search:
     """The planner's question: these devices, this batch; these options to try.
 
@@ -58,21 +59,26 @@ class Search:
         pipeline_sizes: pipeline sizes to try (default: every divisor of the devices).
         schedules: of :data:`SEARCHED_SCHEDULES`.
         tensor_parallel_sizes: tensor-parallel sizes to try (each measured on its own local model).
-        offload: also try offloading to the host (not with tensor parallelism, which offload refuses).
         ranks_per_node: ranks sharing one host's memory (default: all of them, one node).
-        offload_parameters: with ``offload``, also FSDP2's (its process group needs a host backend, which
-            ``plan="auto"`` cannot add on an accelerator once the group is up).
-        sequence_parallel: also split the sequence (``sequence_parallel_size``) where the measured model's
-            heads allow: ``None`` (default) where its sequence is long, ``True`` whatever its length,
-            ``False`` never (see the technique's ``variants``).
-        offload_dir: with ``offload``, the optimizer state offloaded to files under it (the disk tier),
-            not to host memory.
+        options: the techniques' search options by name (``Technique.search_options``; those not given:
+            their defaults), as ``search.options[name]`` reads them.
+        **asked: the same by keyword, e.g. ``offload=False`` (do not try offloading to the host),
+            ``offload_parameters=False`` (nor FSDP2's shards), ``offload_dir="/nvme"`` (the optimizer
+            state in files under it, the disk tier), ``sequence_parallel=True`` (split the sequence
+            wherever the model's heads allow; ``None``, the default: where it is long; ``False``: never).
+            Each is its technique's :class:`~lightning_parallel.techniques.contract.SearchOption`, read
+            as ``search.offload`` too.
+
+    Raises:
+        TypeError: a keyword that is neither the core's nor a technique's search option (the closest
+            named).
 
     Example::
 
         search = Search(devices=4, global_batch_size=64)
         search.plans(num_blocks=8)           # the plans to size and time
         search.batches(search.plans(8)[0])   # (per-replica batch, batches per optimizer step)
+        Search(devices=4, global_batch_size=64, offload=False).options["offload"]     # False
     """
 
     devices: int
@@ -82,19 +88,40 @@ class Search:
     pipeline_sizes: tuple[int, ...] | None = None
     schedules: tuple[str, ...] = SEARCHED_SCHEDULES
     tensor_parallel_sizes: tuple[int, ...] = (1,)
-    offload: bool = True
     ranks_per_node: int | None = None
-    offload_parameters: bool = True
-    sequence_parallel: bool | None = None
-    offload_dir: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        devices: int,
+        global_batch_size: int | None = None,
+        batch_size: int | None = None,
+        precision: str = "32-true",
+        pipeline_sizes: tuple[int, ...] | None = None,
+        schedules: tuple[str, ...] = SEARCHED_SCHEDULES,
+        tensor_parallel_sizes: tuple[int, ...] = (1,),
+        ranks_per_node: int | None = None,
+        options: Mapping[str, Any] | None = None,
+        **asked: Any,
+    ) -> None:
+        given = locals()
+        for name in _CORE_KEYWORDS:
+            object.__setattr__(self, name, given[name])
+        object.__setattr__(self, "options", _technique_options({**(options or {}), **asked}))
         for name in ("devices", "global_batch_size", "batch_size", "ranks_per_node"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.global_batch_size is None and self.batch_size is None:
             raise ValueError("give the global batch size, one replica's batch size, or both")
+
+    def __getattr__(self, name: str) -> Any:
+        # A technique's search option read as an attribute, as before they were the techniques' own
+        # (``search.offload``); only what is not found the ordinary way comes here.
+        options = self.__dict__.get("options", {})
+        if name in options:
+            return options[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def node_ranks(self) -> int:
@@ -133,9 +160,7 @@ class Search:
             for schedule, v in _schedules(base.pipeline_size, num_blocks, self.schedules)
             for m in _microbatches(base.pipeline_size, found[0])
         ]  # the core's: pipeline shapes x schedules x micro-batches
-        options = SearchOptions(
-            self.offload, self.offload_parameters, layout, model, self.sequence_parallel, self.offload_dir
-        )
+        options = SearchOptions(layout, model, self.options)
         for technique in TECHNIQUES:
             plans = _accepted((plan, o) for plan in plans for o in technique.variants(plan, options))
         return [plan for plan in plans if self._splits_plan(plan)]  # (a variant may change the replicas)
@@ -243,6 +268,32 @@ class Search:
         if not sizes:
             return (1, 1)
         return min(sizes), max(sizes)
+
+
+_CORE_KEYWORDS = (
+    "devices",
+    "global_batch_size",
+    "batch_size",
+    "precision",
+    "pipeline_sizes",
+    "schedules",
+    "tensor_parallel_sizes",
+    "ranks_per_node",
+)
+"""``Search``'s own keywords (besides ``options``), in its signature's order."""
+
+
+def _technique_options(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Every technique's search option by name: ``given``'s value, else its default.
+
+    Raises:
+        TypeError: a name no technique declares (the closest one named).
+    """
+    declared = {option.name: option.default for option in search_options()}
+    for name in given:
+        if name not in declared:
+            raise unknown_option_error("Search", name, (*_CORE_KEYWORDS, *declared))
+    return {**declared, **given}
 
 
 def _schedules(p: int, num_blocks: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:

@@ -20,7 +20,7 @@ import torch
 from lightning_parallel.pipeline.stage_source import UnsplitModel
 from lightning_parallel.techniques import causal_attention, overlap, recompute, replicas, user_function, zero
 from lightning_parallel.techniques import compile as compiling
-from lightning_parallel.techniques.contract import Technique
+from lightning_parallel.techniques.contract import SearchOption, Technique
 from lightning_parallel.techniques.fsdp import technique as fsdp
 from lightning_parallel.techniques.job import Environment, Job
 from lightning_parallel.techniques.offload import technique as offload
@@ -151,3 +151,15 @@ def searched_fields() -> tuple[str, ...]:
         True
     """
     return tuple(name for technique in TECHNIQUES for name in technique.searched)
+
+
+def search_options() -> tuple[SearchOption, ...]:
+    """Every technique's search options (``Technique.search_options``), in the list's order: the planner's
+    ``Search`` keywords and command-line flags beside its core's.
+
+    Example::
+
+        >>> [option.flag for option in search_options() if option.name == "offload"]
+        ['--no-offload']
+    """
+    return tuple(option for technique in TECHNIQUES for option in technique.search_options)

@@ -21,7 +21,7 @@ sources) and the unsplit module as an ``UnsplitModel``, never asking which sourc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,33 +41,77 @@ from lightning_parallel.techniques.ledgers import UnitSample as UnitSample  # (s
 
 
 @dataclass(frozen=True)
-class SearchOptions:
-    """What the planner's search lets the techniques try (``Technique.variants``).
+class SearchOption:
+    """One option of the planner's search that a technique declares (``Technique.search_options``) and its
+    ``variants`` read (:meth:`SearchOptions.asks`): a keyword of ``Search`` and, unless ``flag`` is None,
+    a flag of ``python -m lightning_parallel.planner``, both made from this declaration alone.
 
     Args:
-        offload: try offloading to the host.
-        offload_parameters: with ``offload``, FSDP2's offload of the shards too.
+        name: the keyword (``Search(name=...)``) and the flag's destination.
+        default: its value when not given.
+        help: the flag's help line.
+        flag: the flag (``""``: ``--`` and the name with dashes; None: a keyword only).
+        choices: the flag's words and the value each stands for (the default's word is the flag's
+            default); None: a bool ``default`` makes the flag a switch to ``not default``, anything else
+            a flag that takes one value (``type`` of its text).
+        type: what the flag's text becomes (``str``: as given).
+        suggest: what the planner's advice calls the search with this option at its default, offered
+            when nothing fits and the option was moved off it (``""``: never offered).
+
+    Example::
+
+        >>> SearchOption("offload", True, "do not try offloading to the host", flag="--no-offload").flag
+        '--no-offload'
+        >>> SearchOption("offload_dir", None, "...").flag
+        '--offload-dir'
+    """
+
+    name: str
+    default: Any = None
+    help: str = ""
+    flag: str | None = ""
+    choices: Mapping[str, Any] | None = None
+    type: Callable[[str], Any] = str
+    suggest: str = ""
+
+    def __post_init__(self) -> None:
+        if self.flag == "":
+            object.__setattr__(self, "flag", "--" + self.name.replace("_", "-"))
+
+
+@dataclass(frozen=True, init=False)
+class SearchOptions:
+    """What the planner's search lets the techniques try (``Technique.variants``): the measured model and
+    every technique's :class:`SearchOption` by name (``Search``'s, as it was given them).
+
+    Args:
         layout: how the measured model's units are laid out (``UnitLayout.kind``: ``"sequential"``, a
             split ``nn.Sequential``; ``"blocks"``; ``"whole"``; ``""``: not said).
         model: the measured model the plans are for (the planner's ``ModelFacts``: its units' modules,
             its batch's ``tokens``), read duck-typed; None: not given (a listing without a model).
-        sequence_parallel: try splitting the sequence (``True``: wherever the model's heads allow;
-            ``None``: where its sequence is long, too; ``False``: never).
-        offload_dir: with ``offload``, the optimizer's offload keeps the state in files under it (the
-            disk tier, ``offload_to="disk"``), not in host memory.
+        options: the techniques' search options by name (those not given: their defaults).
+        **asked: more of them by name (``SearchOptions(sequence_parallel=True)``).
 
     Example::
 
-        >>> SearchOptions(layout="sequential").offload
+        >>> SearchOptions(layout="sequential").asks(SearchOption("offload", True))
         True
     """
 
-    offload: bool = True
-    offload_parameters: bool = True
     layout: str = ""
     model: Any = field(default=None, compare=False)
-    sequence_parallel: bool | None = None
-    offload_dir: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def __init__(
+        self, layout: str = "", model: Any = None, options: Mapping[str, Any] | None = None, **asked: Any
+    ) -> None:
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "options", {**(options or {}), **asked})
+
+    def asks(self, option: SearchOption) -> Any:
+        """The value the search gives ``option`` (its default where not given)."""
+        return self.options.get(option.name, option.default)
 
 
 class Technique:
@@ -75,7 +119,9 @@ class Technique:
 
     ``name``: how the technique is called (``"offload"``). ``fields``: the ``ParallelPlan`` fields it owns
     (documented in ``ParallelPlan``); ``searched``: those of them the planner's search decides (a
-    ``plan="auto"`` is not given them).
+    ``plan="auto"`` is not given them); ``search_options``: what its ``variants`` let the user narrow or
+    widen (:class:`SearchOption`: each a ``Search`` keyword and a planner flag, read back with
+    ``search.asks(option)``).
 
     Example::
 
@@ -91,6 +137,7 @@ class Technique:
     name: str = ""
     fields: tuple[str, ...] = ()
     searched: tuple[str, ...] = ()
+    search_options: tuple[SearchOption, ...] = ()
 
     # --- the plan (plan/parallel_plan.py folds these in __post_init__, in the list's order)
     def normalized(self, plan: Any) -> dict[str, Any]:

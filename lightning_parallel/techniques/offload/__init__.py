@@ -11,7 +11,9 @@ One setting of the plan (``offload=``, :class:`~lightning_parallel.plan.parallel
 * ``memory.py`` - what it does to a stage's bytes (device -> host), for the planner;
 * ``disk_*.py``, ``scratch.py`` - the disk tier (``offload_to="disk"``): the state in files streamed
   through a bounded host buffer (``disk_optimizer.py``); for the planner its disk column and the
-  seconds of its streaming (``disk_plan.py``) at the disk's bandwidth, measured once (``disk_rate.py``).
+  seconds of its streaming (``disk_plan.py``) at the disk's bandwidth, measured once (``disk_rate.py``);
+* ``search_options.py`` - what the planner's search may try with it (``--no-offload``, ``--offload-dir``:
+  each a ``Search`` keyword and a flag, declared once).
 
 State dicts stay the user's optimizer's (same class name, keys, ids and param groups; the state tensors
 live on the host), so checkpoints load with or without offload and at another world size. On a

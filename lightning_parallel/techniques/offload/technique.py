@@ -45,6 +45,12 @@ from lightning_parallel.techniques.offload.disk_optimizer import DiskStepping, D
 from lightning_parallel.techniques.offload.disk_plan import disk_seconds, state_to_disk
 from lightning_parallel.techniques.offload.host_optimizer import host_step, use_host_kernels
 from lightning_parallel.techniques.offload.memory import memory
+from lightning_parallel.techniques.offload.search_options import (
+    OFFLOAD,
+    OFFLOAD_DIR,
+    OFFLOAD_PARAMETERS,
+    SEARCH_OPTIONS,
+)
 from lightning_parallel.techniques.offload.shard_optimizer import host_step_shards
 
 SHORT = {"optimizer": "opt", "parameters": "param", "activations": "act"}
@@ -70,6 +76,7 @@ class Offload(Technique):
 
     name, searched = "offload", ("offload",)
     fields = ("offload", "offload_pin_memory", "offload_to", "offload_dir", "offload_buffer")
+    search_options = SEARCH_OPTIONS
 
     def normalized(self, plan: Any) -> dict[str, Any]:
         if plan.offload_pin_memory is not None and not isinstance(plan.offload_pin_memory, bool):
@@ -101,12 +108,13 @@ class Offload(Technique):
 
     def variants(self, plan: Any, search: SearchOptions) -> Iterator[dict[str, Any]]:
         yield {}
-        if not search.offload or plan.offload:
+        if not search.asks(OFFLOAD) or plan.offload:
             return
         yield {"offload": ("optimizer",)}  # (replicas, ZeRO-1 and FSDP2: the state and its step)
-        if search.offload_dir:  # (the disk tier: the state in files; kept where the host cannot hold it)
-            yield {"offload": ("optimizer",), "offload_to": "disk", "offload_dir": search.offload_dir}
-        if search.offload_parameters:
+        directory = search.asks(OFFLOAD_DIR)
+        if directory:  # (the disk tier: the state in files; kept where the host cannot hold it)
+            yield {"offload": ("optimizer",), "offload_to": "disk", "offload_dir": directory}
+        if search.asks(OFFLOAD_PARAMETERS):
             yield {"offload": ("parameters",)}  # (FSDP2)
         if not plan.activation_checkpointing:  # (recomputed: little left to move)
             yield {"offload": ("activations",)}

@@ -134,15 +134,13 @@ parallelism and ``compile`` together with ``k > 1``. Attention dropout runs (its
 device's: not bit-exact, as with tensor parallelism).
 
 **Files outside this folder** the integration touches: ``techniques/__init__.py`` (the entry in
-``TECHNIQUES``), ``plan/parallel_plan.py`` (the field), ``strategies/pipeline/options.py`` (the keyword),
-``plan/layout.py`` and ``pipeline/mesh.py`` (the axis and its roles), the contract (``batch`` and
-``call_keywords``) with its two call sites (``strategies/pipeline/step.py: run_step``,
-``strategies/pipeline/call_input.py``; ``sources/traced/call_binding.py: TracedCall.captured_input``),
-``strategies/pipeline/step.py: _Step.evaluate`` and ``step_results.py: collect_predictions``
-(prediction). For the planner (``planned.py``): ``contract.SearchOptions`` (``model``,
-``sequence_parallel``), ``planner/search.py`` (``Search.sequence_parallel``, ``plans(..., model)``, the plans
-whose batches split), ``planner/ranking.py`` and ``advice.py`` (the facts passed to the search),
-``planner/facts.py`` (``ModelFacts.tokens``), ``planner/__main__.py`` (``--sequence-parallel``), and the
-role sizes read by ``fsdp/``, ``zero.py``, ``replicas.py`` and ``offload/technique.py`` (``dp x k``).
+``TECHNIQUES``), ``plan/parallel_plan.py`` (the field, and its share of the rank grid: ``layout()``,
+the devices' check), ``strategies/pipeline/strategy.py`` (the keyword; ``options.py`` maps every plan
+field onto the plan by itself), ``layout/ranks.py`` (the axis and the roles it joins; ``layout/mesh.py``
+builds every axis alike). What was new in the package for it and is now every technique's: the contract's
+``batch``, ``call_keywords`` and ``predictions`` (with their call sites), the role sizes the other
+techniques read (``dp x k``), and the planner's ``SearchOptions.model`` and ``ModelFacts.tokens``. Its
+search option (``--sequence-parallel``, ``Search(sequence_parallel=...)``) is its own
+(``planned.SPLIT_SEQUENCES``, a ``SearchOption``): the planner builds the flag and the keyword from it.
 The planner's sequence-length axis (``--longest``): ``planner/lengths.py`` and ``planner/longest.py``.
 """

@@ -26,7 +26,8 @@ within the constant terms, what ``b/k`` samples of the whole sequence save and c
   the devices a pipeline rank's replicas share (pipeline x tensor left aside) and the sequence, where the
   model declares its heads (:func:`attentions`) and the job would split every attention (:func:`splits`),
   and the sequence is at least :data:`LONG_SEQUENCE` tokens or the search asks for it
-  (``SearchOptions.sequence_parallel``).
+  (:data:`SPLIT_SEQUENCES`, the technique's search option: ``Search(sequence_parallel=...)``,
+  ``--sequence-parallel``).
 
 Not modelled: a traced Hugging Face model's ``(b, 1, t, t)`` causal mask is ``k^2`` smaller on a rank,
 not ``k`` (over-counted: on the safe side); the two tiny collectives of a ``labels=`` loss's boundary
@@ -48,6 +49,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_parallel.techniques.contract import SearchOption
 from lightning_parallel.techniques.sequence_parallel.heads import (
     KV_HEADS,
     QUERY_HEADS,
@@ -58,6 +60,17 @@ from lightning_parallel.techniques.sequence_parallel.heads import (
 LONG_SEQUENCE = 2048
 """Tokens a sample from which the search tries sequence parallelism without being asked: below it a
 sample's activations rarely outweigh the model's state, and splitting the batch is as good and cheaper."""
+
+SPLIT_SEQUENCES = SearchOption(
+    "sequence_parallel",
+    None,
+    "try splitting each sequence over k ranks (sequence_parallel_size) where the model's heads allow: auto "
+    f"(default) from {LONG_SEQUENCE} tokens a sample, yes at any length, no never",
+    choices={"auto": None, "yes": True, "no": False},
+)
+"""Whether the search splits the sequence (``sequence_parallel_size``) where the measured model's heads
+allow: ``None`` (default, ``auto``) where its sequence is long (:data:`LONG_SEQUENCE`), ``True`` whatever
+its length, ``False`` never."""
 
 _OWN_HEADS = ("heads", "num_heads", "n_head")
 

@@ -71,6 +71,7 @@ class SequenceParallel(Technique):
 
     # (searched: plan="auto" chooses k, as the search tries it, and refuses one given beside it)
     name, fields, searched = "sequence_parallel", ("sequence_parallel_size",), ("sequence_parallel_size",)
+    search_options = (planned.SPLIT_SEQUENCES,)
 
     def __init__(self) -> None:
         # Each job's check of the attentions found, by its stage view (a fit after another has its own).
@@ -119,7 +120,7 @@ class SequenceParallel(Technique):
         batch is ``k`` times theirs, so its micro-batches are theirs (the search keeps the plans whose
         batches split into their micro-batches)."""
         yield {}
-        facts, wanted = search.model, search.sequence_parallel
+        facts, wanted = search.model, search.asks(planned.SPLIT_SEQUENCES)
         if facts is None or wanted is False or plan.sequence_parallel_size != 1 or plan.devices is None:
             return
         tokens = getattr(facts, "tokens", 0)
