@@ -13,9 +13,10 @@ one sample a step; k = 1 is one process, k = 2 and 4 spawned gloo ranks (4 proce
   a multiple of k ("at least" the longest measured when every measured length fits). Goal: k = 2 fits at
   least 1.8x k = 1's length. Beside each, the memory planner's prediction of the same plan
   (``planner.estimate.predict`` of ``sequence_parallel_size=k`` on k devices, the worst rank's).
-- **Exactness.** The loss of the first 3 steps (2 optimizer steps in between) at k = 2 and 4, the mean of
-  the shards' losses (every token labelled: equal counts), against k = 1's, at 1024 tokens (same data,
-  same initial weights); byte counts and losses are measured once, they do not depend on the load.
+- **Exactness.** The loss of the first 3 steps (2 optimizer steps in between) at k = 2 and 4, the
+  shards' losses weighted by their labelled tokens (the GPT: every token, equal counts), against k =
+  1's, at 1024 tokens (same data, same initial weights); byte counts and losses are measured once, they
+  do not depend on the load.
 - **Time.** The step time per token at 1024 and 4096 tokens (rank 0's median step after 2 warm-up
   steps, the ranks lined up around each step), k = 1, 2, 4 interleaved over ``--repeats`` spawned jobs
   (each fits at both lengths), and the ratio to k = 1 within each repeat. On 2 shared cores k = 4 runs 4
@@ -27,10 +28,16 @@ Writes ``long_context.csv`` (one row per k x length: peak, fits, predicted), ``l
 ``long_context_time.csv`` (per length x k: step, per token, ratio to k = 1) and ``long_context.png``
 under ``--out-dir``.
 
+``--model llama``: the same on a Hugging Face ``LlamaForCausalLM`` (``hf_decoders``: width 64, 2 layers,
+4 query and 2 key/value heads, SDPA) fine-tuned as users do, with its own loss, ``self.model(input_ids=x,
+labels=x).loss`` (the model shifts the labels; the strategy gives each shard the next shard's first
+label), k = 1 and 2, lengths 256 .. 2048; its files are ``long_context_llama*``.
+
 Usage::
 
     python experiments/bench_long_context.py            # 1.5 minutes on 2 quiet cores, 3.5 at load 30
     python experiments/bench_long_context.py --quick    # width 32, 1 block, 32 .. 128 tokens, k = 1 and 2
+    python experiments/bench_long_context.py --model llama --repeats 2
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import _harness as h
 import _tables as t
 import torch
 from _meters import StepMeter
+from hf_decoders import HFDecoderLM
 from models import ByteWindows, SequentialCharLM
 from torch.utils.data import DataLoader
 
@@ -70,9 +78,24 @@ QUICK = dict(  # (k = 1 and 2 only: a 4-rank job on the suite's 2 cores costs mo
 )
 
 
-def model(size: dict[str, Any], max_len: int) -> SequentialCharLM:
+LLAMA = dict(FULL, lengths=(256, 512, 1024, 2048), longer=(), timed_at=(1024,), ks=(1, 2), model="llama")
+
+
+def model(size: dict[str, Any], max_len: int) -> Any:
     torch.manual_seed(0)
+    if size.get("model") == "llama":
+        return LabelsLlama("llama", dim=size["dim"], depth=size["depth"], seq_len=max_len)
     return SequentialCharLM(dim=size["dim"], depth=size["depth"], heads=HEADS, seq_len=max_len)
+
+
+class LabelsLlama(HFDecoderLM):
+    """The Llama trained on its own loss: ``labels=`` the input ids, shifted inside the model."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.log("train_loss", loss)
+        return loss
 
 
 def loader(length: int, steps: int) -> DataLoader:
@@ -140,6 +163,13 @@ def longest_fitting(points: list[tuple[int, int]], budget: int, k: int) -> tuple
     return int(n) // k * k, False
 
 
+def labelled_per_shard(size: dict[str, Any], k: int, length: int) -> list[int]:
+    """Each shard's labelled tokens: all of them with targets made in the data (the GPT); the Llama's own
+    ``labels=`` loss has no label at the sequence's last position, which the last shard holds."""
+    t = length // k
+    return [t] * k if size.get("model") != "llama" else [t] * (k - 1) + [t - 1]
+
+
 def analyse(
     peaks: list[dict[str, Any]], predicted: dict[tuple[int, int], int], size: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -149,9 +179,11 @@ def analyse(
         key = (r["k"], r["seq_len"])
         worst[key] = max(worst.get(key, r), r, key=lambda x: x["peak_bytes"])
     losses: dict[tuple[int, int], list[float]] = {}
-    for key in worst:  # the mean of the k shards' losses, step by step
-        ranks = [r["losses"] for r in peaks if (r["k"], r["seq_len"]) == key]
-        losses[key] = [sum(step) / len(step) for step in zip(*ranks)]
+    for key in worst:  # the k shards' losses, step by step, each weighted by its labelled tokens
+        ranks = sorted((r for r in peaks if (r["k"], r["seq_len"]) == key), key=lambda r: r["rank"])
+        counts = labelled_per_shard(size, *key)
+        steps = zip(*(r["losses"] for r in ranks))
+        losses[key] = [sum(c * v for c, v in zip(counts, step)) / sum(counts) for step in steps]
     budget = math.ceil(worst[(1, size["budget_at"])]["peak_bytes"] / 2**20) * 2**20
     rows = []
     for (k, n), r in sorted(worst.items()):
@@ -267,8 +299,8 @@ def long_context_fit(rows: t.Rows) -> str:
     return t.table(header, body) + (
         f"\n\nThe budget is k=1's MemTracker peak at {r0['exact_seq_len']} tokens, rounded up to a whole "
         "MiB; the longest length is interpolated between the measured lengths of the table below. Loss "
-        f"difference: the largest over the first {r0['loss_steps']} steps' losses (the mean of the k "
-        f"shards') at {r0['exact_seq_len']} tokens."
+        f"difference: the largest over the first {r0['loss_steps']} steps' losses (the k shards', weighted "
+        f"by their labelled tokens) at {r0['exact_seq_len']} tokens."
     )
 
 
@@ -316,6 +348,19 @@ def long_context(rows: t.Rows) -> str:
     )
 
 
+def long_context_llama_fit(rows: t.Rows) -> str:
+    return long_context_fit(rows)
+
+
+def long_context_llama_time(rows: t.Rows) -> str:
+    return long_context_time(rows)
+
+
+def long_context_llama(rows: t.Rows) -> str:
+    llama = "`LlamaForCausalLM` (`--model llama`) width"
+    return long_context(rows).replace("`SequentialCharLM` width", llama)
+
+
 RESULTS = t.Results(
     "long_context",
     t.Section(
@@ -324,17 +369,30 @@ RESULTS = t.Results(
         t.Table(long_context_time, ("step_ms", "us_per_token", "time_ratio"), timed=True),
         t.Table(long_context, ("peak_bytes", "predicted_peak_bytes")),
     ),
+    t.Section(
+        "Long context on a Hugging Face Llama (its own labels= loss), k = 1, 2 (--model llama)",
+        t.Table(
+            long_context_llama_fit, ("budget_bytes", "longest_seq_len", "longest_vs_k1", "max_loss_diff")
+        ),
+        t.Table(long_context_llama_time, ("step_ms", "us_per_token", "time_ratio"), timed=True),
+        t.Table(long_context_llama, ("peak_bytes", "predicted_peak_bytes")),
+    ),
 )
 """What docs/results.md shows of this experiment (experiments/run_all.py finds it here)."""
 
 
 def main(argv: list[str] | None = None) -> None:
     p = h.parser(__doc__)
+    p.add_argument("--model", choices=("gpt", "llama"), default="gpt", help="the GPT, or an HF Llama")
     args = p.parse_args(argv)
-    h.record_machine("long_context", args.out_dir)
+    name = "long_context" if args.model == "gpt" else f"long_context_{args.model}"
+    if args.model == "gpt":  # (docs/results.md names one machine line per experiment: the GPT's run)
+        h.record_machine(name, args.out_dir)
     h.quiet()
     start = time.perf_counter()
-    size = dict(QUICK if args.quick else FULL)
+    size = dict(QUICK if args.quick else FULL) if args.model == "gpt" else dict(LLAMA)
+    if args.quick and args.model == "llama":
+        size.update({k: v for k, v in QUICK.items() if k != "ks"})
     size["max_len"] = max(size["lengths"] + size["longer"])
     ks = size.get("ks", KS)
     peaks = [r for k in ks for ranks in h.spawn(memory_worker, k, size) for r in ranks]
@@ -345,10 +403,10 @@ def main(argv: list[str] | None = None) -> None:
     predicted = predicted_peaks(size, sorted({(r["k"], r["seq_len"]) for r in peaks}))
     rows, fits = analyse(peaks, predicted, size)
     times = time_rows(timing, size)
-    h.write_csv(args.out_dir / "long_context.csv", rows)
-    h.write_csv(args.out_dir / "long_context_fit.csv", fits)
-    h.write_csv(args.out_dir / "long_context_time.csv", times)
-    plot(args.out_dir / "long_context.png", rows, fits, times)
+    h.write_csv(args.out_dir / f"{name}.csv", rows)
+    h.write_csv(args.out_dir / f"{name}_fit.csv", fits)
+    h.write_csv(args.out_dir / f"{name}_time.csv", times)
+    plot(args.out_dir / f"{name}.png", rows, fits, times)
     for f in fits:
         print(f"k={f['k']}: longest {'>=' if f['at_least'] else ''}{f['longest_seq_len']} tokens "
               f"({f['longest_vs_k1']:.2f}x k=1) within {f['budget_bytes'] / 2**20:.0f} MiB; "
