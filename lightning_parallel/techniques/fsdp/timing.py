@@ -10,9 +10,9 @@ model's units, timed, with collectives over every rank of the job.
 from __future__ import annotations
 
 import copy
-import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,32 +92,38 @@ def measure_units(bench: TimeBench) -> FsdpTimes:
 
 def _sharded_step(sharded: Any, args: Any, kwargs: Any, bench: TimeBench) -> tuple[float, ...]:
     """Median seconds of: the all-gather, a forward, a forward and backward, the end of that backward
-    (gradients kept), the reduce-scatter; one micro-batch per repeat, as a schedule step runs it."""
+    (gradients kept), the reduce-scatter; one micro-batch per repeat, as a schedule step runs it.
+
+    Each piece is timed from the ranks lined up to its own end, as :meth:`TimeBench.timed` times: a
+    barrier inside a span would add the ranks' skew and a barrier's latency to every piece, per unit (the
+    real stage lines nothing up between its units), which the time model would then charge every unit on
+    every micro-batch."""
+    pieces = (
+        sharded.unshard,
+        lambda: sharded(*args, **kwargs),
+        lambda: _backward(sharded(*args, **kwargs)),
+        lambda: finish_backward(sharded, reduce=False),
+        lambda: finish_backward(sharded, reduce=True),
+    )
     runs: list[list[float]] = []
     for repeat in range(bench.repeats + 1):
-        marks: list[float] = []
-
-        def mark(marks: list[float] = marks) -> None:
-            bench.sync()
-            if bench.device.type == "cuda":
-                torch.cuda.synchronize(bench.device)
-            marks.append(time.perf_counter())
-
-        mark()
-        sharded.unshard()
-        mark()
-        sharded(*args, **kwargs)
-        mark()
-        _backward(sharded(*args, **kwargs))
-        mark()
-        finish_backward(sharded, reduce=False)
-        mark()
-        finish_backward(sharded, reduce=True)
-        mark()
+        spans = [_span(piece, bench) for piece in pieces]
         if repeat:
-            runs.append([b - a for a, b in itertools.pairwise(marks)])
+            runs.append(spans)
         sharded.reshard()
-    return tuple(statistics.median(r[i] for r in runs) for i in range(5))
+    return tuple(statistics.median(r[i] for r in runs) for i in range(len(pieces)))
+
+
+def _span(piece: Callable[[], Any], bench: TimeBench) -> float:
+    """Seconds of ``piece`` from the ranks lined up (``bench.sync``) to its end on this rank."""
+    bench.sync()
+    if bench.device.type == "cuda":
+        torch.cuda.synchronize(bench.device)
+    start = time.perf_counter()
+    piece()
+    if bench.device.type == "cuda":
+        torch.cuda.synchronize(bench.device)
+    return time.perf_counter() - start
 
 
 def _backward(out: Any) -> None:
