@@ -47,18 +47,20 @@ class FsdpTimes:
 
     def charge(self, ledger: TimeLedger, shards: int) -> None:
         """Add the rank's units' seconds to its ledger (collectives rescaled to ``shards`` as a ring moves
-        bytes: ``(k - 1) / k`` of them)."""
+        bytes: ``(k - 1) / k`` of them). Each stage's root, which holds no parameters of its own (its
+        blocks hold them), pays FSDP2's hooks on every micro-batch but has no all-gather nor
+        reduce-scatter of its own."""
         ring = (shards - 1) / shards / ((self.shards - 1) / self.shards)
         tensors, params = ledger.facts.tensors, ledger.facts.unit_params
         for c in ledger.stages:
-            sizes = [sum(tensors[k].nbytes for k in params.get(n, [])) for n in c.units] + [0]  # + the root
-            forward = sum(self.forward.at(b) for b in sizes)
-            backward = sum(self.backward.at(b) for b in sizes)
+            sizes = [sum(tensors[k].nbytes for k in params.get(n, [])) for n in c.units]
+            forward = sum(self.forward.at(b) for b in [*sizes, 0])  # (+ the root's hooks)
+            backward = sum(self.backward.at(b) for b in [*sizes, 0])
             ledger.forward[c.index] += forward
             ledger.backward[c.index] += backward
             ledger.share(c.index, "communication", forward + backward)
-            ledger.start += ring * sum(self.gather.at(b) for b in sizes)
-            ledger.tail["communication"] += ring * sum(self.reduce.at(b) for b in sizes)
+            ledger.start += ring * sum(self.gather.at(b) for b in sizes if b)
+            ledger.tail["communication"] += ring * sum(self.reduce.at(b) for b in sizes if b)
 
 
 def measure_units(bench: TimeBench) -> FsdpTimes:
