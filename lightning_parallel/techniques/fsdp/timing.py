@@ -81,7 +81,6 @@ def measure_units(bench: TimeBench) -> FsdpTimes:
         plain = copy.deepcopy(sample.module).to(bench.device)
         sharded = copy.deepcopy(sample.module).to(bench.device)
         fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
-        sharded.set_requires_gradient_sync(False)
         plain_forward = bench.timed(lambda m=plain, a=args, k=kwargs: m(*a, **k))
         plain_both = bench.timed(lambda m=plain, a=args, k=kwargs: _backward(m(*a, **k)))
         gather, forward, both, end, reduce = _sharded_step(sharded, args, kwargs, bench)
@@ -94,7 +93,8 @@ def measure_units(bench: TimeBench) -> FsdpTimes:
 
 def _sharded_step(sharded: Any, args: Any, kwargs: Any, bench: TimeBench) -> tuple[float, ...]:
     """Median seconds of: the all-gather, a forward, a forward and backward, the end of that backward
-    (gradients kept), the reduce-scatter; one micro-batch per repeat, as a schedule step runs it.
+    (gradients kept), the reduce-scatter; one micro-batch per repeat, as a schedule step runs it (the
+    backward set as a stage sets each micro-batch's: :func:`_as_a_micro_batch`).
 
     Each piece is timed from the ranks lined up to its own end, as :meth:`TimeBench.timed` times: a
     barrier inside a span would add the ranks' skew and a barrier's latency to every piece, per unit (the
@@ -109,11 +109,23 @@ def _sharded_step(sharded: Any, args: Any, kwargs: Any, bench: TimeBench) -> tup
     )
     runs: list[list[float]] = []
     for repeat in range(bench.repeats + 1):
+        _as_a_micro_batch(sharded)
         spans = [_span(piece, bench) for piece in pieces]
         if repeat:
             runs.append(spans)
         sharded.reshard()
     return tuple(statistics.median(r[i] for r in runs) for i in range(len(pieces)))
+
+
+def _as_a_micro_batch(sharded: Any) -> None:
+    """Set ``sharded`` as torch's ``PipelineStage`` sets a stage before each micro-batch's backward: not
+    the last backward, no reshard after it, no gradient sync. Left at FSDP2's defaults (the last backward,
+    reshard after it), each measured backward held the window's end (the reshard, the final callback's
+    finalisation), which a stage pays once per batch (``finish_backward``, the ``gather`` line's end)
+    and the time model charged on every micro-batch."""
+    sharded.set_is_last_backward(False)
+    sharded.set_reshard_after_backward(False)
+    sharded.set_requires_gradient_sync(False)
 
 
 def _span(piece: Callable[[], Any], bench: TimeBench) -> float:
