@@ -237,6 +237,11 @@ def test_fsdp2_s_time_reads_its_in_place_measurement_per_unit():
     nbytes = sum(t.nbytes for t in _facts("mlp").tensors.values())
     slope = step_time(_measured("mlp", fsdp=FsdpTimes(2, none, none, Line(0, 1e-9), none)), LINKS, plan, 8)
     assert slope.seconds - base.seconds == pytest.approx(2 * 1e-9 * nbytes)
+    # The optimizer on the DTensor shards beyond plain tensors: a line in the unit's bytes, once a step.
+    on_shards = FsdpTimes(2, none, none, none, none, Line(0, 1e-9))
+    stepped = step_time(_measured("mlp", fsdp=on_shards), LINKS, plan, 8)
+    assert stepped.optimizer - base.optimizer == pytest.approx(1e-9 * nbytes)
+    assert stepped.seconds - base.seconds == pytest.approx(1e-9 * nbytes)
     # Unmeasured: the links' all-gather and reduce-scatter, with every unit's latency.
     assert step_time(_facts("mlp"), LINKS, plan, 8).seconds != base.seconds
 

@@ -378,5 +378,6 @@ def _tail(ledger: TimeLedger) -> tuple[float, float, float, float]:
     step = ledger.tail.get("optimizer")
     if step is None:
         step = ledger.times.step.of(ledger.step_elements, ledger.step_tensors)
+    step += ledger.step_extra  # (wherever it steps: on FSDP2's DTensor shards)
     comm, offload = ledger.tail["communication"], ledger.tail["offload"]
     return comm + offload + step, comm, offload, step

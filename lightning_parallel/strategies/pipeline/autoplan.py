@@ -405,9 +405,10 @@ def _measured_everywhere(
             ranks_per_node=trainer.num_devices, offload_parameters=strategy.root_device.type == "cpu",
         )  # fmt: skip
         with LogRecorder().recording(module, samples), _on_device(module, strategy.root_device, budget):
-            facts = _measured(module, batch, search, optimizers_without_trainer(module), settings.repeats)
+            optimizers = optimizers_without_trainer(module)
+            facts = _measured(module, batch, search, optimizers, settings.repeats)
     search = replace(search, tensor_parallel_sizes=tuple(facts))
-    notes = measure_in_place(module, facts, strategy.root_device, settings.repeats)
+    notes = measure_in_place(module, facts, strategy.root_device, settings.repeats, optimizers)
     return facts, search, notes
 
 

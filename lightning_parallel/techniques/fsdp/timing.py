@@ -13,7 +13,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,7 +31,9 @@ class FsdpTimes:
     ``gather``: the all-gather before the unit's first forward and the end of its backward, once per batch
     (each ``schedule.step()`` reshards); ``forward``/``backward``: what FSDP2 adds to the unit's own
     forward and backward on each micro-batch (its hooks; the unsharded gradients' accumulation);
-    ``reduce``: the reduce-scatter of its gradients, once per optimizer step.
+    ``reduce``: the reduce-scatter of its gradients, once per optimizer step; ``step``: what the model's
+    optimizer pays to step the unit's shards as DTensors beyond the same step on plain tensors of their
+    size (DTensor's dispatch on every op of every tensor: 3x the plain step of the bench's CharLM here).
 
     Example::
 
@@ -44,6 +46,7 @@ class FsdpTimes:
     forward: Line
     backward: Line
     reduce: Line
+    step: Line = field(default_factory=Line)
 
     def charge(self, ledger: TimeLedger, shards: int) -> None:
         """Add the rank's units' seconds to its ledger (collectives rescaled to ``shards`` as a ring moves
@@ -61,6 +64,7 @@ class FsdpTimes:
             ledger.share(c.index, "communication", forward + backward)
             ledger.start += ring * sum(self.gather.at(b) for b in sizes if b)
             ledger.tail["communication"] += ring * sum(self.reduce.at(b) for b in sizes if b)
+            ledger.step_extra += sum(self.step.at(b) for b in sizes if b)
 
 
 def measure_units(bench: TimeBench) -> FsdpTimes:
@@ -85,10 +89,26 @@ def measure_units(bench: TimeBench) -> FsdpTimes:
         plain_both = bench.timed(lambda m=plain, a=args, k=kwargs: _backward(m(*a, **k)))
         gather, forward, both, end, reduce = _sharded_step(sharded, args, kwargs, bench)
         extra_backward = (both - forward) - (plain_both - plain_forward)
-        points.append((sample.nbytes, gather + end, forward - plain_forward, extra_backward, reduce))
+        step = _step_beyond_plain(sharded, bench)
+        points.append((sample.nbytes, gather + end, forward - plain_forward, extra_backward, reduce, step))
         for p in sharded.parameters():
             p.grad = None
-    return FsdpTimes(bench.ranks, *(Line.through((p[0], p[i]) for p in points) for i in range(1, 5)))
+    return FsdpTimes(bench.ranks, *(Line.through((p[0], p[i]) for p in points) for i in range(1, 6)))
+
+
+def _step_beyond_plain(sharded: Any, bench: TimeBench) -> float:
+    """Seconds of the model's optimizer stepping ``sharded``'s DTensor shards (their gradients reduced)
+    beyond the same optimizer on plain copies of the local shards (what the time model charges the
+    step otherwise); 0 without the optimizer or gradients."""
+    shards = [p for p in sharded.parameters() if p.grad is not None]
+    if bench.optimizer is None or not shards:
+        return 0.0
+    local = [p.to_local().detach().clone().requires_grad_() for p in shards]
+    for plain, p in zip(local, shards):
+        plain.grad = p.grad.to_local().clone()
+    on_shards, on_plain = bench.optimizer(shards), bench.optimizer(local)
+    with torch.no_grad():
+        return max(0.0, bench.timed(on_shards.step) - bench.timed(on_plain.step))
 
 
 def _sharded_step(sharded: Any, args: Any, kwargs: Any, bench: TimeBench) -> tuple[float, ...]:
