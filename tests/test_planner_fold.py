@@ -224,15 +224,24 @@ def test_fsdp2_s_time_reads_its_in_place_measurement_per_unit():
     plan, none = P("pipeline", 2, 1, 2, data_parallel="fsdp"), Line()
     zero = FsdpTimes(2, none, none, none, none)
     base = step_time(_measured("mlp", fsdp=zero), LINKS, plan, 8)
-    units = len(_facts("mlp").layout.units) + 1  # each layer, and the stage's root
+    facts = _facts("mlp")
+    units = sum(1 for u in facts.layout.units if facts.unit_params.get(u.name))  # each layer with weights
     gathered = step_time(_measured("mlp", fsdp=FsdpTimes(2, Line(1e-3), none, none, none)), LINKS, plan, 8)
     assert gathered.seconds - base.seconds == pytest.approx(units * 1e-3)  # before the first forward
     reduced = step_time(_measured("mlp", fsdp=FsdpTimes(2, none, none, none, Line(2e-4))), LINKS, plan, 8)
-    assert reduced.communication - base.communication == pytest.approx(units * 2e-4)
+    assert reduced.communication - base.communication == pytest.approx(units * 2e-4)  # (the roots: none)
+    # FSDP2's hooks: every unit and the stage's root, on each of the 2 micro-batches' forwards.
+    hooked = step_time(_measured("mlp", fsdp=FsdpTimes(2, none, Line(3e-4), none, none)), LINKS, plan, 8)
+    assert hooked.seconds - base.seconds == pytest.approx(2 * (len(facts.layout.units) + 1) * 3e-4)
     # A line in the unit's bytes, on every micro-batch's backward (2 of them): the root has none.
     nbytes = sum(t.nbytes for t in _facts("mlp").tensors.values())
     slope = step_time(_measured("mlp", fsdp=FsdpTimes(2, none, none, Line(0, 1e-9), none)), LINKS, plan, 8)
     assert slope.seconds - base.seconds == pytest.approx(2 * 1e-9 * nbytes)
+    # The optimizer on the DTensor shards beyond plain tensors: a line in the unit's bytes, once a step.
+    on_shards = FsdpTimes(2, none, none, none, none, Line(0, 1e-9))
+    stepped = step_time(_measured("mlp", fsdp=on_shards), LINKS, plan, 8)
+    assert stepped.optimizer - base.optimizer == pytest.approx(1e-9 * nbytes)
+    assert stepped.seconds - base.seconds == pytest.approx(1e-9 * nbytes)
     # Unmeasured: the links' all-gather and reduce-scatter, with every unit's latency.
     assert step_time(_facts("mlp"), LINKS, plan, 8).seconds != base.seconds
 

@@ -21,13 +21,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_parallel.distributed.agree import agree, distributed_ready, world_size
 from lightning_parallel.planner.facts import ModelFacts, planned_tensors
+from lightning_parallel.planner.time_probe import optimizer_factory
 from lightning_parallel.techniques import TECHNIQUES
 from lightning_parallel.techniques.ledgers import TimeBench
 from lightning_parallel.techniques.tensor_parallel.traced import register_missing_shardings
 
 
 def measure_in_place(
-    module: nn.Module, facts: Mapping[int, ModelFacts], device: torch.device, repeats: int = 3
+    module: nn.Module,
+    facts: Mapping[int, ModelFacts],
+    device: torch.device,
+    repeats: int = 3,
+    optimizers: list[torch.optim.Optimizer] | None = None,
 ) -> list[str]:
     """Every technique's measurement on the job, put in each of ``facts``' times (every rank calls it, after
     timing the units); lines saying what was measured and what was left out, for the log.
@@ -44,6 +49,7 @@ def measure_in_place(
         ranks=world_size(), device=device, layout=base.layout.kind, samples=base.times.samples,
         sizes=base.times.sizes, tensor_plans={tp: planned_tensors(module, tp) for tp in facts if tp > 1},
         repeats=repeats, sync=_barrier, mesh=_Meshes(device.type), dtensor_rules=register_missing_shardings,
+        optimizer=optimizer_factory(optimizers or []),
     )  # fmt: skip
     measured, notes = {}, []
     for technique in TECHNIQUES:

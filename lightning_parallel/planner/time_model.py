@@ -23,7 +23,8 @@ times from :mod:`~lightning_parallel.planner.time_probe`) and the links
    after the schedule): the techniques' reductions and copies (the replicas' all-reduce of the gradients
    in one coalesced message, or FSDP2's reduce-scatters, whose all-gathers are charged before the first
    forward; ZeRO-1's broadcast of each updated parameter from its owner; offload's copies), then the
-   optimizer step (per element and per tensor, on the device unless a technique moved it). Every
+   optimizer step (per element and per tensor, on the device unless a technique moved it; on FSDP2's
+   DTensor shards, what their step measured in place adds). Every
    collective message pays the latency.
 
 The step time is the last rank's finish, plus what every step pays whatever the plan (the links'
@@ -378,5 +379,6 @@ def _tail(ledger: TimeLedger) -> tuple[float, float, float, float]:
     step = ledger.tail.get("optimizer")
     if step is None:
         step = ledger.times.step.of(ledger.step_elements, ledger.step_tensors)
+    step += ledger.step_extra  # (wherever it steps: on FSDP2's DTensor shards)
     comm, offload = ledger.tail["communication"], ledger.tail["offload"]
     return comm + offload + step, comm, offload, step

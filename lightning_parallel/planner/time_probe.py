@@ -327,18 +327,38 @@ def optimizer_step_cost(
     """
     if not optimizers:
         return StepCost()
-    optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
-    optimizer = getattr(optimizer, "optim", optimizer)  # a ZeroRedundancyOptimizer's local one
-    cls = type(optimizer)
-    group = optimizer.param_groups[0] if optimizer.param_groups else {}
-    accepted = inspect.signature(cls).parameters
-    kwargs = {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "capturable")}
+    cls, kwargs = _optimizer_settings(optimizers)
     if on_host:
         kwargs |= host_kernel(cls, kwargs)
     one = _step_seconds(cls, kwargs, [numel], device, repeats)
     many = _step_seconds(cls, kwargs, [numel // 64] * 64, device, repeats)
     per_tensor = max(0.0, (many - one) / 63)
     return StepCost(max(0.0, (one - per_tensor) / numel), per_tensor)
+
+
+def optimizer_factory(optimizers: list[torch.optim.Optimizer]) -> Callable[[list[Any]], Any] | None:
+    """``make(params)``: the first optimizer's class with its first param group's settings, over
+    ``params`` (what a technique steps on its own tensors, e.g. FSDP2's DTensor shards); None without one.
+
+    Example::
+
+        make = optimizer_factory([torch.optim.AdamW(model.parameters(), lr=1e-3)])
+        make([torch.zeros(4, requires_grad=True)]).step()
+    """
+    if not optimizers:
+        return None
+    cls, kwargs = _optimizer_settings(optimizers)
+    return lambda params: cls(params, **kwargs)
+
+
+def _optimizer_settings(optimizers: list[torch.optim.Optimizer]) -> tuple[type, dict[str, Any]]:
+    optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
+    optimizer = getattr(optimizer, "optim", optimizer)  # a ZeroRedundancyOptimizer's local one
+    cls = type(optimizer)
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    accepted = inspect.signature(cls).parameters
+    kwargs = {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "capturable")}
+    return cls, kwargs
 
 
 def _step_seconds(

@@ -178,6 +178,8 @@ class TimeBench:
         sync: lines the ranks up before each timed call (a barrier).
         mesh: ``mesh(shape, names)``: a ``DeviceMesh`` of the job's ranks (built once per shape, cached).
         dtensor_rules: registers the sharding rules the traced stages' DTensor graphs rely on.
+        optimizer: ``make(params)``: the model's optimizer (its class and settings) over ``params``, to
+            step on a technique's own tensors (FSDP2's DTensor shards); None: not measured.
 
     Example::
 
@@ -197,6 +199,7 @@ class TimeBench:
     sync: Callable[[], None] = lambda: None
     mesh: Callable[..., Any] | None = None
     dtensor_rules: Callable[[], None] = lambda: None
+    optimizer: Callable[[list[Any]], Any] | None = None
 
     def inputs(self, sample: UnitSample, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``sample``'s recorded inputs at ``size`` samples, on the bench's device."""
@@ -275,6 +278,7 @@ class TimeLedger:
     unreduced: float = 0.0
     step_elements: float = 0.0
     step_tensors: float = 0.0
+    step_extra: float = 0.0  # the optimizer step's seconds beyond its plain tensors' (FSDP2's DTensors)
     tail: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_SHARES, 0.0))
     recomputed: set[str] = field(default_factory=set)
 

@@ -444,9 +444,10 @@ def _measured_everywhere(
             offload_dir=request.offload_dir,
         )  # fmt: skip
         with LogRecorder().recording(module, samples), _on_device(module, strategy.root_device, budget):
-            facts = _measured(module, batch, search, optimizers_without_trainer(module), settings.repeats)
+            optimizers = optimizers_without_trainer(module)
+            facts = _measured(module, batch, search, optimizers, settings.repeats)
     search = replace(search, tensor_parallel_sizes=tuple(facts))
-    notes = measure_in_place(module, facts, strategy.root_device, settings.repeats)
+    notes = measure_in_place(module, facts, strategy.root_device, settings.repeats, optimizers)
     return facts, search, notes
 
 
