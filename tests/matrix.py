@@ -210,8 +210,14 @@ NOT_SEARCHED: dict[str, tuple[dict[str, Any], ...]] = {
         {"offload": ("optimizer",), "offload_to": "disk", "offload_dir": OFFLOAD_DIR},  # (the disk tier)
     ),
     "sequence_parallel": ({"sequence_parallel_size": 2},),  # (searched where a model's heads are known)
+    "causal_attention": (),  # (no field: ALWAYS_ON)
 }
 """Per technique (every one of ``TECHNIQUES``, by name), the variants its ``variants()`` does not yield."""
+
+ALWAYS_ON = ("causal_attention",)
+"""Techniques without a plan field: nothing for a case to choose, so no case is said to run them; their
+own tests check them (tests/test_causal_attention.py; the Hugging Face tests, whose traced decoders
+hand it their causal masks: none of the matrix's models passes its attention a mask)."""
 
 EXPENSIVE = ("compile",)
 """Techniques whose variants run once, in no required pair (each compiles its stages)."""
