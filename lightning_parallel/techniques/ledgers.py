@@ -207,17 +207,19 @@ class TimeBench:
 
     def timed(self, fn: Callable[[], Any]) -> float:
         """The median seconds of ``fn`` over ``repeats`` runs after a warm-up, the ranks lined up first."""
-        samples = []
-        for _ in range(self.repeats + 1):
-            self.sync()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            fn()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            samples.append(time.perf_counter() - start)
+        samples = [self.span(fn) for _ in range(self.repeats + 1)]
         return statistics.median(samples[1:])
+
+    def span(self, fn: Callable[[], Any]) -> float:
+        """Seconds of one run of ``fn`` from the ranks lined up (:attr:`sync`) to its end on this rank."""
+        self.sync()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
 
 TIME_SHARES = ("communication", "recompute", "offload")

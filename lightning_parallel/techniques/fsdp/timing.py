@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,7 +128,7 @@ def _sharded_step(sharded: Any, args: Any, kwargs: Any, bench: TimeBench) -> tup
     runs: list[list[float]] = []
     for repeat in range(bench.repeats + 1):
         _as_a_micro_batch(sharded)
-        spans = [_span(piece, bench) for piece in pieces]
+        spans = [bench.span(piece) for piece in pieces]
         if repeat:
             runs.append(spans)
         sharded.reshard()
@@ -146,18 +144,6 @@ def _as_a_micro_batch(sharded: Any) -> None:
     sharded.set_is_last_backward(False)
     sharded.set_reshard_after_backward(False)
     sharded.set_requires_gradient_sync(False)
-
-
-def _span(piece: Callable[[], Any], bench: TimeBench) -> float:
-    """Seconds of ``piece`` from the ranks lined up (``bench.sync``) to its end on this rank."""
-    bench.sync()
-    if bench.device.type == "cuda":
-        torch.cuda.synchronize(bench.device)
-    start = time.perf_counter()
-    piece()
-    if bench.device.type == "cuda":
-        torch.cuda.synchronize(bench.device)
-    return time.perf_counter() - start
 
 
 def _backward(out: Any) -> None:
