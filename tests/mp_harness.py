@@ -301,6 +301,25 @@ def join_jobs(jobs: list[mp.ProcessContext]) -> None:
         kill_jobs(jobs)
 
 
+def run_ranks(target: Any, args: list[tuple], timeout: float) -> list[int | None]:
+    """Start one process of ``target`` per argument tuple (``START_METHOD``), wait up to ``timeout``
+    seconds for each, kill what is still alive (a hang fails its test instead of the suite), and return
+    the exit codes, by rank."""
+    context = mp.get_context(START_METHOD)
+    ranks = [context.Process(target=target, args=a) for a in args]
+    for p in ranks:
+        p.start()
+    try:
+        for p in ranks:
+            p.join(timeout)
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [p.exitcode for p in ranks]
+
+
 def spawn_gloo(fn: Any, world: int, out_dir: str | os.PathLike) -> list[Any]:
     """Run ``fn(rank, world, out_dir)`` on ``world`` ranks (forkserver, the gloo process group started:
     ``lightning_parallel._testing.spawn``) and return the ``out_dir/rank{R}.pt`` records they saved.

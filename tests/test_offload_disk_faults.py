@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from mp_harness import START_METHOD, assert_close_dicts, free_port, quiet_trainer
+from mp_harness import assert_close_dicts, free_port, quiet_trainer, run_ranks
 from tiny_models import SequentialRegressor, loader, regression_data
 
 from lightning_parallel import HangWatchdog, PipelineStrategy, Rank0Checkpoint
@@ -77,19 +76,8 @@ def _rank(rank: int, port: int, out: str, fault: str, resume: bool) -> None:
 
 
 def _run(out: Path, fault: str, resume: bool = False) -> list[int]:
-    context, port = mp.get_context(START_METHOD), free_port()
-    ranks = [context.Process(target=_rank, args=(r, port, str(out), fault, resume)) for r in range(WORLD)]
-    for p in ranks:
-        p.start()
-    try:
-        for p in ranks:
-            p.join(90)
-    finally:
-        for p in ranks:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    return [p.exitcode for p in ranks]
+    port = free_port()
+    return run_ranks(_rank, [(r, port, str(out), fault, resume) for r in range(WORLD)], timeout=90)
 
 
 @pytest.mark.multiprocess

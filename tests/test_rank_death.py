@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from mp_harness import START_METHOD, GatheredRecorder, assert_close_dicts, fit, free_port, quiet_trainer
+from mp_harness import GatheredRecorder, assert_close_dicts, fit, free_port, quiet_trainer, run_ranks
 from mp_harness import reference_loader as one_device_loader
 from tiny_models import SequentialRegressor, loader, regression_data
 
@@ -57,20 +56,9 @@ def _rank(rank: int, port: int, out: str, dies: bool) -> None:
 
 
 def _run(out: Path, dies: bool) -> tuple[list[int], float]:
-    context, port = mp.get_context(START_METHOD), free_port()
-    ranks = [context.Process(target=_rank, args=(r, port, str(out), dies)) for r in range(WORLD)]
-    start = time.monotonic()
-    for p in ranks:
-        p.start()
-    try:
-        for p in ranks:
-            p.join(120)
-    finally:
-        for p in ranks:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    return [p.exitcode for p in ranks], time.monotonic() - start
+    port, start = free_port(), time.monotonic()
+    codes = run_ranks(_rank, [(r, port, str(out), dies) for r in range(WORLD)], timeout=120)
+    return codes, time.monotonic() - start
 
 
 @pytest.mark.multiprocess
