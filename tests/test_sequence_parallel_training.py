@@ -3,11 +3,12 @@
 One spawned job of 4 gloo ranks runs each configuration in turn (the imports paid once): a Sequential
 GPT written with ``F.scaled_dot_product_attention`` at k=2 beside 2 replicas, a traced GPT at k=2 x 2
 pipeline stages, and a Hugging Face Llama with grouped-query attention (4 query heads, 2 key/value heads)
-at k=2 beside 2 replicas; the first two predict too (each token's logits, the shards' joined in token
-order). Every target carries ``-100`` prompt labels (the first shard holds more of them
-than the second, so only a token-weighted mean is exact: ``TokenWeightedLoss``). A GPT whose attention is
-a hand-written softmax is refused on every rank after its first step, naming what was looked for, with
-one pipeline rank and with two (whose stages' attentions are counted together).
+at k=2 beside 2 replicas (its own ``labels=`` loss: counted from the call, and by the user's
+``labelled_tokens(..., shift=True)``, tuple and dict batches); the first two predict too (each token's
+logits, the shards' joined in token order). Every target carries ``-100`` prompt labels (the first shard
+holds more of them than the second, so only a token-weighted mean is exact: ``TokenWeightedLoss``). A
+GPT whose attention is a hand-written softmax is refused on every rank after its first step, naming what
+was looked for, with one pipeline rank and with two (whose stages' attentions are counted together).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ CONFIGS = {
     # dict batch passed whole as keywords (self.model(**batch)); items counted from the call's labels.
     "llama-labels-pp2-sp2": ("llama-labels", dict(pipeline_size=2, sequence_parallel_size=2)),
     "llama-dict-dp2-sp2": ("llama-dict", dict(pipeline_size=1, sequence_parallel_size=2)),
+    # The same loss with the user's count, labelled_tokens(..., shift=True): each shard counts its labels
+    # shifted across the boundary (a dict batch: the shift_labels it gained; a tuple batch: gathered).
+    "llama-count-dp2-sp2": ("llama-count", dict(pipeline_size=1, sequence_parallel_size=2)),
+    "llama-dict-count-dp2-sp2": ("llama-dict-count", dict(pipeline_size=1, sequence_parallel_size=2)),
 }
 
 
@@ -81,6 +86,8 @@ def _own_labels(base: type) -> type:
         def _loss(self, batch):
             if isinstance(batch, dict):
                 return self.model(**batch).loss
+            if len(batch) == 2:  # (x, labels)
+                return self.model(input_ids=batch[0], labels=batch[1]).loss
             x, _, unlabelled = batch  # (per token, so each shard holds its own: not by position)
             return self.model(input_ids=x, labels=x.masked_fill(unlabelled.bool(), -100)).loss
 
@@ -96,11 +103,16 @@ def _prompt_labels(ids: torch.Tensor) -> torch.Tensor:
 
 def _data(kind: str) -> TensorDataset:
     """16 samples whose first ``PROMPT`` targets are ``-100`` (a prompt), and one more in every third."""
-    if kind == "llama-dict":
+    if kind in ("llama-dict", "llama-dict-count"):
         from hf_models import hf_token_data
 
         x = hf_token_data(16, t=8).tensors[0]
         return [{"input_ids": i, "labels": label} for i, label in zip(x, _prompt_labels(x))]
+    if kind == "llama-count":
+        from hf_models import hf_token_data
+
+        x = hf_token_data(16, t=8).tensors[0]
+        return TensorDataset(x, _prompt_labels(x))
     if kind == "llama-labels":
         from hf_models import hf_token_data
 
@@ -119,7 +131,10 @@ def _data(kind: str) -> TensorDataset:
 
 
 def _callbacks(kind: str) -> list:
-    """The loss computed from the logits: a token-weighted mean; the model's own: counted from its call."""
+    """The loss computed from the logits: a token-weighted mean; the model's own: counted from its call,
+    or by the user's count of the labels the model shifts."""
+    if kind.endswith("-count"):
+        return [TokenWeightedLoss(labelled_tokens("labels" if "dict" in kind else 1, shift=True))]
     return [] if kind.startswith("llama-") else [TokenWeightedLoss(labelled_tokens(1))]
 
 

@@ -63,22 +63,27 @@ def labelled_tokens(key: str | int = "labels", ignore_index: int = -100, shift: 
         >>> labelled_tokens("labels", shift=True)
         labelled_tokens('labels', ignore_index=-100, shift=True)
     """
-    return _LabelledTokens(key, ignore_index, shift)
+    return LabelledTokens(key, ignore_index, shift)
 
 
 @dataclass(frozen=True)
-class _LabelledTokens:
-    """What :func:`labelled_tokens` returns: a class, not a closure, so that it pickles."""
+class LabelledTokens:
+    """What :func:`labelled_tokens` returns: a class, not a closure, so that it pickles (and so that
+    sequence parallelism can recognise a shifted count: ``techniques/sequence_parallel/labels.py``)."""
 
     key: str | int
     ignore_index: int
     shift: bool
 
     def __call__(self, batch: Any) -> torch.Tensor:
+        return count_labelled(self.labels(batch), self.ignore_index, self.shift)
+
+    def labels(self, batch: Any) -> torch.Tensor:
+        """The batch's labels (``batch[key]``), a tensor."""
         labels = batch[self.key]
         if not torch.is_tensor(labels):
             raise TypeError(f"{self!r}: batch[{self.key!r}] is a {type(labels).__name__}, not a tensor")
-        return count_labelled(labels, self.ignore_index, self.shift)
+        return labels
 
     def __repr__(self) -> str:
         return f"labelled_tokens({self.key!r}, ignore_index={self.ignore_index}, shift={self.shift})"

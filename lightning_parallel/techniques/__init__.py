@@ -129,6 +129,18 @@ def batch_transform(plan: Any, mesh: Any, module: torch.nn.Module) -> InputTrans
     return InputTransform(batches, keywords)
 
 
+def item_count(plan: Any, mesh: Any, count: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The user's item count through every technique's :meth:`Technique.item_count`, in the list's order.
+
+    Example::
+
+        count = item_count(plan, mesh, labelled_tokens("labels", shift=True))   # then per micro-batch
+    """
+    for technique in TECHNIQUES:
+        count = technique.item_count(plan, mesh, count)
+    return count
+
+
 def predictions(output: Any, batch: Any, mesh: Any) -> Any:
     """A prediction step's output through every technique's :meth:`Technique.predictions`, in the list's
     order (every rank calls it: a technique's may be a collective of its group).

@@ -174,6 +174,14 @@ class Technique:
         parallelism: the next shard's first label)."""
         return None
 
+    def item_count(self, plan: Any, mesh: Any, count: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """The user's item count (``TokenWeightedLoss(count=...)``) as this rank's steps apply it: to each
+        micro-batch of the batch after :meth:`batch`, where it must count what that rank's loss averages
+        over (sequence parallelism: a shifted count of the shard's labels takes the next shard's first
+        label). ``count`` as it is by default; made once per job, on every rank; it may run collectives
+        of a group whose ranks all count alike."""
+        return count
+
     def environment(self, plan: Any, env: Environment) -> None:
         """What the job needs before its process group exists (``env.host_backend = ...``); refusals
         the device decides (a ValueError with the fix)."""

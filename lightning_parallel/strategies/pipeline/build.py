@@ -37,6 +37,7 @@ from lightning_parallel.sources.sequential.split import find_sequential
 from lightning_parallel.sources.traced.source import TracedSource
 from lightning_parallel.sources.twin import alias_table
 from lightning_parallel.strategies.pipeline.items import StepItems, step_items
+from lightning_parallel.techniques import item_count
 
 
 def source_for(module: nn.Module, plan: ParallelPlan) -> SequentialSource | TracedSource:
@@ -121,5 +122,6 @@ def build_pipeline(
     metrics.adapt_module(module)
     return PipelineParts(
         mesh, stages, split.runner, split.call, shared, param_names, model_keys, model_param_order,
-        split.twin, step_items(module, split.call, count), scope, metrics,
+        split.twin, step_items(module, split.call, item_count(plan, mesh, count) if count else None), scope,
+        metrics,
     )  # fmt: skip

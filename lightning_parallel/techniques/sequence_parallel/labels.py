@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,9 +24,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.distributed.agree import collective_device
+from lightning_parallel.grads.item_weights import LabelledTokens, count_labelled
 
 __all__ = [
     "IGNORE_INDEX",
+    "ShardLabelledTokens",
     "group_labels",
     "labels_unshifted",
     "pass_group_labels",
@@ -56,6 +59,34 @@ def shift_across_shards(labels: torch.Tensor, group: Any, ignore_index: int = -1
     index = dist.get_rank(group)
     following = firsts[index + 1] if index + 1 < len(firsts) else torch.full_like(labels[:, :1], ignore_index)
     return torch.cat([labels[:, 1:], following], dim=1)
+
+
+@dataclass(frozen=True)
+class ShardLabelledTokens:
+    """``labelled_tokens(..., shift=True)`` on this rank's shard of each sequence: what the shard's loss
+    averages over, the whole sequence's next-token labels at the shard's positions (the shard's own
+    ``labels[..., 1:]`` and the next shard's first label; the last shard's last position has none), as
+    a shifting Hugging Face loss given ``shift_labels`` counts them. Counting the shard's own shift
+    instead would drop one label per shard boundary: wrong weights, silently. A mapping batch that
+    carries ``shift_labels`` (:func:`with_shift_labels` gave them before the split) is counted from
+    them; otherwise the labels are shifted across the shards (one all-gather of the group, which every
+    rank of the group calls alike: they count the same micro-batches in the same order).
+
+    Example::
+
+        count = ShardLabelledTokens(labelled_tokens(1, shift=True), sp_group)
+        count((ids_shard, labels_shard))   # this shard's labelled next-token targets
+    """
+
+    count: LabelledTokens
+    group: Any
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        ignore = self.count.ignore_index
+        if isinstance(batch, Mapping) and torch.is_tensor(batch.get("shift_labels")):
+            return count_labelled(batch["shift_labels"], ignore)
+        labels = self.count.labels(batch)
+        return count_labelled(shift_across_shards(labels, self.group, ignore), ignore)
 
 
 def shifts_labels(module: nn.Module) -> bool:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.grads.item_weights import LabelledTokens
 from lightning_parallel.techniques.contract import (
     CostLedger,
     Job,
@@ -51,6 +52,7 @@ from lightning_parallel.techniques.sequence_parallel.graph import rewrite_stage
 from lightning_parallel.techniques.sequence_parallel.heads import KV_HEADS, QUERY_HEADS, check_heads, int_attr
 from lightning_parallel.techniques.sequence_parallel.labels import (
     IGNORE_INDEX,
+    ShardLabelledTokens,
     shift_across_shards,
     shifts_labels,
     with_shift_labels,
@@ -184,6 +186,14 @@ class SequenceParallel(Technique):
             return {**kwargs, "shift_labels": shift_across_shards(labels, group, ignore)}
 
         return shift
+
+    def item_count(self, plan: Any, mesh: Any, count: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``labelled_tokens(..., shift=True)`` counts each shard's next-token labels across the shard
+        boundary (:class:`~.labels.ShardLabelledTokens`), as the shard's loss averages them; any other
+        count sees the shard's micro-batches as they are."""
+        if plan.sequence_parallel_size == 1 or not (isinstance(count, LabelledTokens) and count.shift):
+            return count
+        return ShardLabelledTokens(count, mesh.group("sequence"))
 
     def stages(self, view: Any, job: Job) -> str | None:
         k = job.plan.sequence_parallel_size
