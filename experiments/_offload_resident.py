@@ -7,8 +7,9 @@ process, so no earlier fit's freed memory is reused) of the model ``bench_offloa
 (:data:`SHAPE`: its AdamW state several times the disk tier's larger buffer, so the buffer bounds a
 stream of chunks and is not a copy of the whole state). ``_meters.ResidentMeter`` reads the resident
 bytes when step 1's optimizer work starts (after its backward: the model, its gradients and the
-framework are resident; nothing the optimizer makes is yet) and each step's peak from its optimizer
-work's start to its end. What a step holds: its peak over step 1's start.
+framework are resident; nothing the optimizer makes at its first step is yet, though host offload's
+weight copies, made when it is built, are) and each step's peak from its optimizer work's start to its
+end. What a step holds: its peak over step 1's start.
 
 The variants, interleaved over the repeats, a process each:
 
@@ -185,7 +186,7 @@ def offload_resident(rows: t.Rows) -> str:
     r0 = rows[0]
     note = (
         f"\n\nThe process's resident memory, measured (`/proc/self/status`): `SequentialCharLM` width "
-        f"{r0['model_dim']}, {r0['model_depth']} blocks ({int(r0['parameters']):,} parameters), AdamW, "
+        f"{r0['model_dim']}, {r0['model_depth']} blocks ({r0['parameters']} parameters), AdamW, "
         f"batch {r0['batch']} in {r0['microbatches']} micro-batches, fits of {r0['steps']} steps, each in a "
         "fresh process with glibc returning what is freed, the variants interleaved, median (min .. max) "
         "over the repeats. What a step holds: its peak resident memory, from its optimizer work's start to "
@@ -194,7 +195,8 @@ def offload_resident(rows: t.Rows) -> str:
         "SGD`: an optimizer with no state: the gradients' and the framework's own transients); over the "
         "buffer: that over the disk tier's `offload_buffer`. Its own count: the state's tensors (no "
         "offload; on this machine the device's memory is the host's), host offload's copies and state "
-        "(`host_bytes`), the disk tier's buffers at their peak (`HostBuffers.peak`)."
+        "(`host_bytes`; its weight copies are made when the optimizer is built, before step 1's start, "
+        "so the step's figure leaves them out), the disk tier's buffers at their peak (`HostBuffers.peak`)."
     )
     return t.table(header, body) + note
 
