@@ -12,17 +12,22 @@ at a device size when some plan of that pipeline size fits it with the planner's
 rank's device peak at most 90% of the device, and the host bytes its node's 8 ranks keep at most 90% of
 the node's host memory (``HOST_MEMORY``: 1 TiB, a common 8-GPU node).
 
+The disk tier's question, on a node with less host memory (``LEAN_HOST``: 128 GiB, where the host no
+longer holds the larger states): the largest model with every plan but the disk tier's, and with the
+disk tier searched too (``offload_dir``: the optimizer state in files on the node's disk, ``DISK_MEMORY``,
+within the same margin; each rank's buffer on the host; kept only where the host cannot hold the state).
+
 The samples: 4096 tokens each, a global batch of 16 per optimizer step (accumulated where a replica's batch
 is split further), so the micro-batch is 1 to 4 samples. What the planner's memory model is worth is checked
 elsewhere (``memory_validation.py``: within 15% of MemTracker, offload rows included); on a GPU the device
 column is the prediction to check (``gpu_check.py``).
 
-Writes ``offload_capacity.csv`` (one row per model x pipeline size x offload: the smallest device peak, the
-host bytes of its node, the plan) and ``offload_capacity.png`` (the largest model that trains).
+Writes ``offload_capacity.csv`` (one row per model x pipeline size x column: the smallest device peak, the
+host and disk bytes of its node, the plan) and ``offload_capacity.png`` (the largest model that trains).
 
 Usage::
 
-    python experiments/offload_capacity.py           # about 2 minutes on 2 cores
+    python experiments/offload_capacity.py           # about 10 minutes on 2 cores
     python experiments/offload_capacity.py --quick   # two small rungs, two pipeline sizes
 """
 
@@ -47,11 +52,17 @@ HOST_MEMORY = 2**40  # one node's RAM, shared by its 8 ranks
 LEAN_HOST = 128 * 2**30  # a node with less RAM: where the host no longer holds the larger states
 DISK_MEMORY = 4 * 2**40  # the node's local NVMe for the disk tier's files
 OFFLOAD_DIR = "/local_nvme/offload"  # (named in the plans only: the planner writes nothing there)
-COLUMNS = {  # a column of the answer -> (offload: "no", "yes" to the host, "disk" too; the node's host)
+COLUMNS = {  # a column of the answer -> (its plans: OFFLOAD's keys; the node's host bytes)
     "without offload": ("no", HOST_MEMORY),
     "with offload": ("yes", HOST_MEMORY),
-    "with offload, 128 GiB host": ("yes", LEAN_HOST),
+    "with offload, 128 GiB host": ("any", LEAN_HOST),
     "with the disk tier, 128 GiB host": ("disk", LEAN_HOST),
+}
+OFFLOAD = {  # which plans a column weighs
+    "no": "no offload",
+    "yes": "the plans that offload something to the host: what offload adds to the ladder",
+    "any": "every plan, with or without offload to the host: the best the node's host allows",
+    "disk": "every plan, the disk tier's among them (kept only where the host cannot hold the state)",
 }
 
 
@@ -123,8 +134,7 @@ def smallest(candidates: list[Candidate], budget: Budget) -> Candidate:
 
 
 def offloaded(facts: Any, pipeline_size: int, offload: str) -> list[Candidate]:
-    """The candidates of one column: no offload; offload to the host (the rows that offload something:
-    what offload adds to the ladder); or with the disk tier too (every plan, the disk tier's among them)."""
+    """The candidates a column weighs (:data:`OFFLOAD`)."""
     candidates = plan_search(facts, search(pipeline_size, offload != "no", disk=offload == "disk"))
     if offload == "yes":
         candidates = [c for c in candidates if c.plan.offload] or candidates
@@ -238,9 +248,10 @@ def offload_capacity(rows: t.Rows) -> str:
         f"optimizer step. Ladder: {ladder}. With offload: the rows that put the optimizer state and its "
         "step, or the activations in flight, on the host (the `+offload` rows of the search).\n\n"
         + table(lean)
-        + f"\n\nThe same question on a node with {LEAN_HOST // 2**30} GiB of host memory: with offload to "
-        "the host, and with the disk tier searched too (`offload_dir`: the optimizer state in files on the "
-        f"node's disk, {DISK_MEMORY // 2**40} TiB, within the same margin; the host keeps each rank's 1 GiB "
+        + f"\n\nThe same question on a node with {LEAN_HOST // 2**30} GiB of host memory: every plan, "
+        "with or without offload to the host, and with the disk tier searched too (`offload_dir`: the "
+        f"optimizer state in files on the node's disk, {DISK_MEMORY // 2**40} TiB, within the same margin; "
+        "the host keeps each rank's 1 GiB "
         "buffer), which the planner keeps only where the host cannot hold the state."
     )
 
