@@ -5,12 +5,18 @@
 - :class:`StepMeter`: torch's ``MemTracker`` around one training step, this rank's peak total bytes
   (``memory_validation.py``, ``bench_fsdp_memory.py``), with the private torch 2.13 details it leans on
   (:func:`blind_to_modules`, :func:`pipeline_buffers`, :func:`fsdp_unsharded_params`).
+- :class:`ResidentMeter`: the process's resident memory (Linux ``/proc/self/status``) at each optimizer
+  step's start and its peak during the step: what a host really holds, not what a tensor count says
+  (``_offload_resident.py``); run it in a process started with :data:`MALLOC_ENV`.
 
 A helper module, not a script: nothing here runs at import time beyond definitions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 from typing import Any
 
 import lightning as L
@@ -188,3 +194,64 @@ class StepMeter(L.Callback):
 
 def _total(snapshot: dict) -> int:
     return int(sum(dev.get("Total", 0) for dev in snapshot.values()))
+
+
+# ------------------------------------------------------------------------ the process's resident memory
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10), "MALLOC_TRIM_THRESHOLD_": str(128 << 10)}
+"""glibc's settings for a process whose resident memory is measured. By default glibc keeps what a
+program frees in its heap and raises its mmap threshold as large blocks come and go, so the resident
+memory would show what was once allocated, not what is live; with a fixed threshold every block of
+64 KiB or more is its own mapping, returned to the system when freed. Set in the environment of a fresh
+process (glibc reads it at start-up)."""
+
+
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` figure (``"VmRSS:"``, ``"VmHWM:"``) in bytes; 0 where there is none."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return 1024 * int(line.split()[1])
+    return 0
+
+
+def reset_peak() -> bool:
+    """Reset the process's peak resident memory (``VmHWM``) to its current one; False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+class ResidentMeter(L.Callback):
+    """The process's resident bytes at each optimizer step's start (after backward, before the optimizer's
+    work: Lightning calls ``on_before_optimizer_step`` inside ``optimizer.step``, once the closure has run)
+    and its peak from there to the step's end (``VmHWM``, reset at the start).
+
+    Example::
+
+        meter = ResidentMeter()
+        h.quiet_trainer(max_steps=4, callbacks=[meter]).fit(model, loader)
+        [peak - meter.starts[0] for peak in meter.peaks]   # what each step held over step 1's start
+    """
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.peaks: list[int] = []
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):  # (not glibc: nothing to trim)
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        if not reset_peak():
+            raise RuntimeError("/proc/self/clear_refs cannot be written here: the peak cannot be measured")
+        self.starts.append(status_bytes("VmRSS:"))
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
+        self.peaks.append(status_bytes("VmHWM:"))

@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from lightning_parallel.techniques.offload import scratch
-from lightning_parallel.techniques.offload.disk_layout import SPLIT, StateKey, plan_group, probe_keys
+from lightning_parallel.techniques.offload.disk_layout import (
+    SPLIT,
+    StateKey,
+    plan_group,
+    probe_keys,
+    probe_start,
+)
 from lightning_parallel.techniques.offload.disk_optimizer import DiskStepping, DiskTier, disk_step
 from lightning_parallel.techniques.offload.disk_stream import SLOTS
 from lightning_parallel.techniques.offload.host_optimizer import host_step
@@ -140,6 +146,40 @@ def test_replicas_step_from_the_files_as_the_plain_and_the_host_optimizer(name, 
             torch.testing.assert_close(mine["state"][i][key], value, rtol=1e-5, atol=1e-7)
     optimizer.close()
     assert os.listdir(tmp_path) == [], "the files and the rank's directory are scratch: gone at close"
+
+
+def test_a_first_state_is_made_in_the_buffer_where_the_class_starts_from_zeros(tmp_path):
+    f32 = torch.float32
+    assert probe_start(torch.optim.AdamW, {"lr": 0.1}, {"fused": True}, f32) == {"step": torch.tensor(0.0)}
+    assert probe_start(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, {}, f32) == {}  # (no dampening)
+    assert probe_start(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1}, {}, f32) is None
+    assert probe_start(torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}, {}, f32) is None
+    cases = ((torch.optim.AdamW, {"lr": 0.05}, True), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9,
+             "dampening": 0.1}, False))  # fmt: skip
+    for cls, hyper, in_slot in cases:
+        first_states: list[list[bool]] = []
+        model = _mlp()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = disk_step(
+            _watched(cls, first_states)(trainable, **hyper), DiskTier(str(tmp_path), 9 * BUFFER, rank=0)
+        )
+        first_states.clear()  # (the probe steps')
+        _train(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1), 1)
+        # (a subclass is not known to step elementwise: whole tensors in a chunk, a larger buffer)
+        assert first_states and all(all(s) == in_slot for s in first_states), (cls, first_states)
+        optimizer.close()
+
+
+def _watched(cls: type, first_states: list[list[bool]]) -> type:
+    """``cls`` noting, at each step, whether each parameter's state was there before it (the chunks')."""
+
+    class Watched(cls):
+        def step(self, closure=None):
+            params = [p for g in self.param_groups for p in g["params"]]
+            first_states.append([bool(self.state[p]) for p in params])
+            return super().step(closure)
+
+    return Watched
 
 
 def test_the_state_dict_loads_both_ways_and_a_resume_is_the_uninterrupted_run(tmp_path):

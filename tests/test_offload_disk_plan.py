@@ -125,3 +125,10 @@ def test_plan_auto_takes_a_disk_budget_with_its_directory(tmp_path):
     with pytest.raises(ValueError, match=r"offload_dir=.* sets the disk tier, but offload_to='host'"):
         PipelineStrategy(pipeline_size=1, offload_dir=str(tmp_path))  # (by hand: still refused)
     assert autoplan._disk_room(str(tmp_path)) > 0 and autoplan._disk_room(None) is None
+    for given in ({}, {"offload": "optimizer"}):  # (one message, whatever else was given beside it)
+        with pytest.raises(
+            ValueError, match=r"plan='auto' chooses where .* drop offload_to and keep offload_dir"
+        ):
+            PipelineStrategy(
+                plan="auto", memory="1GiB", offload_to="disk", offload_dir=str(tmp_path), **given
+            )

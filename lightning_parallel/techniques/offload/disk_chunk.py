@@ -61,11 +61,7 @@ class ChunkStep:
         hyper = {k: _on_host(v) for k, v in group.items() if k not in _NOT_HYPER}
         host = self.cls([{**hyper, **self.kernel, "params": stepped}], **self.defaults)
         for tensor, piece in zip(stepped, pieces):
-            if (piece.index, piece.start) in group_file.small:
-                host.state[tensor] = {
-                    **_slices(views, piece, spec.keys),
-                    **group_file.small[(piece.index, piece.start)],
-                }
+            host.state[tensor] = _state_in_slot(group_file, piece, views)
         host.step()
         for tensor, piece in zip(stepped, pieces):
             self._keep_state(group_file, piece, host.state[tensor], views)
@@ -119,7 +115,8 @@ class ChunkStep:
         key = (piece.index, piece.start)
         if key not in group_file.small:
             for name, tensor in _slices(views, piece, group_file.spec.keys).items():
-                tensor.copy_(state[name])
+                if state[name].data_ptr() != tensor.data_ptr():  # (made by the class, not in the slot)
+                    tensor.copy_(state[name])
         group_file.small[key] = {k: v for k, v in state.items() if k not in per_element}
 
     def _parameter_out(
@@ -150,6 +147,21 @@ def _slices(
 ) -> dict[str, torch.Tensor]:
     span = slice(piece.at, piece.at + piece.numel)
     return {k.name: views[k.name][span] for k in keys if k.name != MASTER}
+
+
+def _state_in_slot(group_file: GroupFile, piece: Piece, views: dict) -> dict[str, Any]:
+    """The piece's state for the host step, its per-element tensors the slot's: as the file had it, or
+    (stepping for the first time, where the class starts from zeros: ``GroupSpec.start``) zeroed there,
+    so the class makes no chunk of state outside the buffer; else empty: the class makes its own."""
+    key, spec = (piece.index, piece.start), group_file.spec
+    if key in group_file.small:
+        return {**_slices(views, piece, spec.keys), **group_file.small[key]}
+    if spec.start is None:
+        return {}
+    slices = _slices(views, piece, spec.keys)
+    for tensor in slices.values():
+        tensor.zero_()
+    return {**slices, **{k: v.clone() for k, v in spec.start.items()}}
 
 
 def _on_host(value: Any) -> Any:

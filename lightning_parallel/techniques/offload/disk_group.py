@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_parallel.techniques.offload.disk_layout import GroupLayout, StateKey, probe_keys
+from lightning_parallel.techniques.offload.disk_layout import GroupLayout, StateKey, probe_keys, probe_start
 from lightning_parallel.techniques.offload.host_optimizer import HOST
 from lightning_parallel.techniques.offload.host_shards import host_local, local_view, placed_like, written
 from lightning_parallel.techniques.offload.scratch import StateFile
@@ -40,6 +40,7 @@ class GroupSpec:
     low: list[bool]  # bf16 / fp16: stepped as an fp32 master kept in the file
     dtype: torch.dtype  # what the host steps in (the gradients and the masters too)
     param_size: int  # the largest element size of its bf16 / fp16 parameters (the rounding), else 0
+    start: dict[str, Any] | None = None  # a first state's non-per-element part, where it starts at zeros
 
     @property
     def state_bytes(self) -> int:
@@ -80,7 +81,8 @@ def group_spec(cls: type, group: dict[str, Any], kernel: dict[str, Any]) -> Grou
         keys = (*keys, StateKey(MASTER, dtype))
     numels = [local_view(p).numel() if p.requires_grad else None for p in params]
     param_size = max((t.element_size() for t in trainable if t.dtype != dtype), default=0)
-    return GroupSpec(keys, elementwise, numels, low, dtype, param_size)
+    start = probe_start(cls, group, kernel, dtype) if keys else None
+    return GroupSpec(keys, elementwise, numels, low, dtype, param_size, start)
 
 
 @dataclass

@@ -192,5 +192,42 @@ def probe_keys(cls: type, group: dict[str, Any], kernel: dict[str, Any], dtype: 
     return tuple(keys), elementwise
 
 
+def probe_start(cls: type, group: dict[str, Any], kernel: dict[str, Any], dtype: torch.dtype) -> dict[
+    str, Any
+] | None:  # fmt: skip
+    """The state ``cls`` starts a tensor from, where its per-element part is zeros: the rest of it (a zero
+    ``step``); None where the class starts otherwise (SGD's momentum with dampening starts as the
+    gradient). Found by two steps on a small host tensor from the class's own start and from zeros,
+    compared bitwise: the disk tier then makes a first state in the buffer's slot (zeroed) instead of
+    letting the class make it elsewhere, so the first step's host memory is the buffer's too.
+
+    Example::
+
+        >>> probe_start(torch.optim.AdamW, {"lr": 0.1}, {"fused": True}, torch.float32)
+        {'step': tensor(0.)}
+    """
+    accepted = inspect.signature(cls).parameters
+    hyper = {k: v for k, v in group.items() if k != "params" and k in accepted}
+    runs: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    for _ in ("the class's start", "zeros"):
+        param = torch.linspace(-1, 1, 2 * SPLIT + 3, dtype=dtype).requires_grad_(True)  # (SIMD and tail)
+        optimizer = cls([param], **{**hyper, **kernel})
+        if runs:
+            optimizer.state[param] = {k: torch.zeros_like(v) for k, v in runs[0][1].items()}
+        for step in range(2):
+            param.grad = torch.linspace(0.5, -0.25 * (step + 1), param.numel(), dtype=dtype)
+            optimizer.step()
+        state = optimizer.state[param]
+        if not all(torch.is_tensor(v) for v in state.values()):
+            return None  # (a state value that is no tensor: no zero to start it from)
+        runs.append((param.detach(), state))
+    (ours, mine), (theirs, zeroed) = runs
+    if not torch.equal(ours, theirs) or mine.keys() != zeroed.keys():
+        return None
+    if not all(torch.equal(mine[k], zeroed[k]) for k in mine):
+        return None
+    return {k: torch.zeros_like(v) for k, v in mine.items() if v.dim() == 0}
+
+
 def _align(n: int, to: int) -> int:
     return -(-n // to) * to

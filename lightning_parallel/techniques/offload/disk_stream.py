@@ -3,11 +3,10 @@
 While the host steps chunk ``i`` in one slot, the reader thread fills the next slot with chunk ``i + 1``
 and the writer thread writes chunk ``i - 1`` back from the third: the step's time is the disk's as far
 as the two overlap. The slots and the work area are all the host memory the tier holds for the state,
-whatever its size (but for the first step, where the optimizer class makes a chunk's state before it is
-copied into the slot: one chunk's state more, for a moment); :class:`HostBuffers` counts them (the
-tests' measured peak). Measured by hand (8.4 M fp32 parameters, AdamW, a 16 MiB buffer, 64 MiB of
-files, this 2-core machine): the process's resident memory grew 22.8 MiB over the first step and 0.1 MiB
-over the next five, against 106 MiB without offload and 130 MiB with the host tier.
+whatever its size (the first step too, where the class's first state is zeros: it is made in the slot,
+``disk_chunk.py``; else the class makes a chunk's state before it is copied into the slot: one chunk's
+state more, for a moment); :class:`HostBuffers` counts them (the tests' measured peak). The process's
+resident memory over a step is measured by ``experiments/bench_offload.py`` (``_offload_resident.py``).
 """
 
 from __future__ import annotations
