@@ -229,11 +229,13 @@ def test_the_model_run_as_replicas_scales_the_stages_and_adds_the_rest_to_every_
     assert (found.per_batch, found.per_action) == (trivial.per_batch, trivial.per_action)
     assert "1.30x their units' timed sum" in found.describe()
     assert "timed sum" not in trivial.describe()  # (1: as timed, not said)
-    # The units timed beside the steps 1.1x slower than the facts say (the machine's load moved): the
-    # ratio is to them, and the step's extra does not change.
-    stages = step_time(facts, replace(links, overhead=StepOverhead()), replicas, 8).schedule
-    beside = as_run(facts, links, replicas, 8, measured, units=1.1 * stages)
-    assert beside.compute == pytest.approx(1.3 / 1.1) and beside.per_step == pytest.approx(6e-3)
+    # The ratio scales the facts' lines, so it is taken to them: the links it gives predict the steps it
+    # read back, at both windows (with the ratio taken to units timed beside the steps at 0.5x the facts'
+    # lines, as the old as_run(units=...) took it, the replicas came out 1.19x and 1.6x over).
+    for w in (1, 3):
+        assert step_time(facts, replace(links, overhead=found), replicas, 8, w).seconds == pytest.approx(
+            measured[w]
+        )
     # The ratio scales every plan's stages (not the transfers, the collectives or the optimizer step).
     pp = ParallelPlan("pipeline", 2, 2, 4)
     plain, scaled = (step_time(facts, replace(links, overhead=o), pp, 16) for o in (trivial, found))

@@ -291,7 +291,6 @@ def as_run(
     plan: ParallelPlan,
     samples: int,
     measured: Mapping[int, float],
-    units: float | None = None,
 ) -> StepOverhead:
     """What every step pays and how the stages run, from ``plan``'s real steps measured on the job.
 
@@ -299,9 +298,9 @@ def as_run(
     step, ``samples`` per replica per batch) at two accumulation windows (batches per step). The batches'
     difference is what one more batch takes as run; beyond what the model charges a batch besides the
     stages' compute (the plan's overhead per batch and per action), it is the stages' compute as run,
-    whose ratio to their units' timed sum becomes ``compute``: to ``units`` (the units' hook-timed
-    forward and backward of one batch, timed beside the steps, so that a load that changed since the
-    facts were measured slows both sides alike), else to the facts' lines. What the step pays once
+    whose ratio to the facts' lines of that compute becomes ``compute``. That ratio scales the facts'
+    lines in every plan, so it is taken to them, not to the units timed again beside the steps (under
+    another load than the facts': a pair that mapped the lines 2x over in one job). What the step pays once
     beyond the batches (the windows' line at zero batches) beyond what the model predicts there (the
     gradient sync, the optimizer step, the step's bookkeeping) is added to ``per_step`` (never below
     zero). A plan of one stage per rank (the replicas'): its batch is its units' forward and backward.
@@ -326,8 +325,7 @@ def as_run(
     p1, p2 = (step_time(facts, with_base, plan, samples, w).seconds for w in (w1, w2))
     per_batch, predicted_batch = (t2 - t1) / (w2 - w1), (p2 - p1) / (w2 - w1)
     others = predicted_batch - stages  # what the model charges a batch beside the stages' compute
-    timed = units if units is not None and units > 0 else stages
-    scale = (per_batch - others) / timed if timed > 0 else 1.0
+    scale = (per_batch - others) / stages if stages > 0 else 1.0
     if not math.isfinite(scale) or scale <= 0:
         scale = 1.0  # (a difference lost in the noise: the units as timed)
     rest = (t1 - w1 * per_batch) - (p1 - w1 * predicted_batch)  # once per step, measured - predicted

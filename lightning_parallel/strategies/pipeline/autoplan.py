@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -57,8 +57,6 @@ from lightning_parallel.planner.advice import choose
 from lightning_parallel.planner.estimate import predict
 from lightning_parallel.planner.in_place import measure_in_place
 from lightning_parallel.planner.links import Link, Links, StepOverhead, given_links, links_from
-from lightning_parallel.planner.precision import PRECISION_DTYPES
-from lightning_parallel.planner.probe import _autocast, default_step
 from lightning_parallel.planner.quantities import host_memory, parse_bytes
 from lightning_parallel.planner.ranking import (
     MARGIN,
@@ -71,8 +69,6 @@ from lightning_parallel.planner.ranking import (
 )
 from lightning_parallel.planner.search import SEARCHED_FIELDS, Search
 from lightning_parallel.planner.time_model import as_run, step_time
-from lightning_parallel.planner.time_probe import _timed_run
-from lightning_parallel.planner.units import find_units
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
 from lightning_parallel.strategies.pipeline.trials import (
@@ -354,11 +350,11 @@ def job_links(trainer: pl.Trainer, meshes: Meshes, settings: Measurement = MEASU
 def _replicas_as_run(
     strategy: Any, trainer: pl.Trainer, facts: dict[int, Any], budget: Budget, meshes: Meshes,
     settings: Measurement,
-) -> tuple[ParallelPlan, int, dict[int, float], float | None] | None:  # fmt: skip
+) -> tuple[ParallelPlan, int, dict[int, float]] | None:  # fmt: skip
     """On every rank: the job's own model run as replicas (one stage per rank, one micro-batch) by the
-    strategy's step at two accumulation windows, its units' hook-timed forward and backward in turn with
-    them, on the first training batch (or its first half, quarter, ... where the whole one's predicted
-    peak would not fit the budget); ``(plan, samples, measured, units)``, or None where it was not
+    strategy's step at two accumulation windows, on the first training batch (or its first half,
+    quarter, ... where the whole one's predicted peak would not fit the budget);
+    ``(plan, samples, measured)``, or None where it was not
     measured (``overhead_steps`` off, an untimed model, nothing fits, a failure)."""
     if settings.overhead_steps[1] < 1 or facts[1].times is None:
         return None
@@ -370,29 +366,8 @@ def _replicas_as_run(
     first = tree_map(lambda t: t[:samples] if torch.is_tensor(t) and t.dim() > 0 else t, batch)
     module, device = strategy.lightning_module, strategy.root_device
     with _on_device(module, device, budget):
-        units = _units_timed(module, first, trainer.precision, device, samples)
-        measured = measure_as_run(trainer, module, plan, first, meshes, settings.overhead_steps, units)
-    return (plan, samples, *measured) if measured is not None else None
-
-
-def _units_timed(
-    module: Any, batch: Any, precision: str, device: torch.device, samples: int
-) -> Callable[[], float] | None:
-    """Seconds of the module's units' forward and backward of ``batch`` as the time probe times them (its
-    hooks; the module left as it was), where the module computes on ``device`` in its own dtype (else
-    None: the facts' lines stand in)."""
-    param_dtype, autocast_dtype = PRECISION_DTYPES.get(precision, (None, None))
-    home = next((p.device for p in module.parameters()), device)
-    if param_dtype is not None or home.type != device.type:
-        return None
-    layout = find_units(module)
-
-    def timed() -> float:
-        with _autocast(device, autocast_dtype), LogRecorder().recording(module, samples):
-            run = _timed_run(module, layout, batch, default_step, device)
-        return sum(f + b for f, b in run.values())
-
-    return timed
+        measured = measure_as_run(trainer, module, plan, first, meshes, settings.overhead_steps)
+    return (plan, samples, measured) if measured is not None else None
 
 
 def _samples_that_fit(facts: Any, plan: ParallelPlan, samples: int, budget: Budget) -> int | None:
@@ -407,20 +382,19 @@ def _samples_that_fit(facts: Any, plan: ParallelPlan, samples: int, budget: Budg
 def _as_run(
     links: Links,
     facts: dict[int, Any],
-    replicas: tuple[ParallelPlan, int, dict[int, float], float | None] | None,
+    replicas: tuple[ParallelPlan, int, dict[int, float]] | None,
     notes: list[str],
 ) -> Links:
     """On rank 0: the links with what the replicas' run measured (:func:`as_run`), if it ran; a note."""
     if replicas is None:
         return links
-    plan, samples, measured, units = replicas
-    overhead = as_run(facts[1], links, plan, samples, measured, units)
+    plan, samples, measured = replicas
+    overhead = as_run(facts[1], links, plan, samples, measured)
     steps = ", ".join(f"{w} batches {t * 1e3:.1f} ms" for w, t in sorted(measured.items()))
     lines = step_time(facts[1], replace(links, overhead=StepOverhead()), plan, samples).schedule
-    beside = f", its units' timed sum {units * 1e3:.1f} ms beside them" if units else ""
-    beside += f", {lines * 1e3:.1f} ms by the facts' lines"
     notes.append(
-        f"the model run as replicas on {samples} samples a batch ({steps} a step{beside}): its stages as "
+        f"the model run as replicas on {samples} samples a batch ({steps} a step, its stages "
+        f"{lines * 1e3:.1f} ms by the facts' lines): its stages as "
         f"run {overhead.compute:.2f}x their units' timed sum, "
         f"{(overhead.per_step - links.overhead.per_step) * 1e3:+.1f} ms a step"
     )

@@ -315,14 +315,11 @@ def measure_as_run(
     batch: Any,
     meshes: Meshes,
     steps: tuple[int, int],
-    units: Callable[[], float] | None = None,
-) -> tuple[dict[int, float], float | None] | None:
+) -> dict[int, float] | None:
     """The job's own model run as ``plan`` (the replicas') by the strategy's own step, as a trial runs it,
-    at each window of :data:`AS_RUN_WINDOWS`, and ``units`` (seconds of the units' hook-timed forward and
-    backward of one batch) timed in turn with them: ``({batches per step: seconds per step}, units'
-    seconds)``, each the slowest rank's median, what
-    :func:`~lightning_parallel.planner.time_model.as_run` reads; ``None`` on every rank if it failed on
-    any (every rank calls it, with ``units`` or without alike).
+    at each window of :data:`AS_RUN_WINDOWS`: ``{batches per step: seconds per step}``, each the slowest
+    rank's median, what :func:`~lightning_parallel.planner.time_model.as_run` reads; ``None`` on every
+    rank if it failed on any (every rank calls it).
 
     Example::
 
@@ -332,12 +329,7 @@ def measure_as_run(
     result, error = None, None
     try:
         step = _built(trainer, module, plan, batch, meshes.of(plan.layout(), host_tensors(plan, device)))
-        sums: list[float] = []
-        runs = [lambda i, w=w: step(i, w) for w in AS_RUN_WINDOWS]
-        if units is not None:
-            runs.append(lambda i: sums.append(units()))
-        seconds = _median_steps(runs, steps, device)[: len(AS_RUN_WINDOWS)]
-        result = seconds, statistics.median(sums[steps[0] :]) if sums else None
+        result = _median_steps([lambda i, w=w: step(i, w) for w in AS_RUN_WINDOWS], steps, device)
     except Exception as err:
         error = err
     finally:
@@ -347,8 +339,7 @@ def measure_as_run(
     except Exception:
         return None
     assert result is not None
-    seconds, timed = result
-    return {w: slowest(s) for w, s in zip(AS_RUN_WINDOWS, seconds)}, slowest(timed) if timed else None
+    return {w: slowest(s) for w, s in zip(AS_RUN_WINDOWS, result)}
 
 
 def _barrier() -> None:
