@@ -12,7 +12,7 @@ from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.facts import measure_model
 from lightning_parallel.planner.links import Curve, Link, StepOverhead, fit_link, given_links, links_from
 from lightning_parallel.planner.schedule import Action, rank_actions
-from lightning_parallel.planner.time_model import as_run, simulate, step_time
+from lightning_parallel.planner.time_model import as_run, pipelined_as_run, simulate, step_time
 from lightning_parallel.planner.time_probe import TimeLine, optimizer_step_cost
 
 
@@ -251,6 +251,53 @@ def test_the_model_run_as_replicas_scales_the_stages_and_adds_the_rest_to_every_
         as_run(facts, links, replicas, 8, {1: 0.1})
     with pytest.raises(ValueError, match="one stage per rank"):
         as_run(facts, links, pp, 8, measured)
+
+
+def test_a_pipeline_run_at_two_micro_batch_counts_sets_what_pipelined_plans_pay_more(facts):
+    replicated = replace(StepOverhead(per_step=1e-3, per_batch=2e-3, per_action=1e-4), compute=1.2)
+    links = replace(given_links(bandwidth=10e9, latency=1e-5), overhead=replicated)
+    pp = ParallelPlan("pipeline", 2, 2, 2)
+    # A job whose pipelined forwards and backwards pay 0.6 ms more each and whose pipelined batch pays
+    # 3 ms more: its steps at 2 and 8 micro-batches read both back.
+    true = replace(replicated, pipelined_batch=3e-3, pipelined_action=6e-4)
+    measured = {m: step_time(facts, replace(links, overhead=true), replace(pp, num_microbatches=m), 8).seconds
+                for m in (2, 8)}  # fmt: skip
+    found = pipelined_as_run(facts, links, pp, 8, measured)
+    assert found.pipelined_action == pytest.approx(6e-4) and found.pipelined_batch == pytest.approx(3e-3)
+    assert (found.per_step, found.per_batch, found.compute) == (1e-3, 2e-3, 1.2)  # (the replicas' kept)
+    assert "+0.600 ms per forward or backward more" in found.describe()
+    # Charged to every plan of several pipeline ranks (here an interleaved one, accumulating), per action
+    # and per batch; a plan of one stage per rank pays none of it.
+    inter = ParallelPlan("pipeline", 2, 2, 4, schedule="interleaved_1f1b", stages_per_rank=2)
+    for plan, samples in ((inter, 16), (pp, 8)):
+        as_true, as_found = (
+            step_time(facts, replace(links, overhead=o), plan, samples, 2) for o in (true, found)
+        )
+        assert as_found.seconds == pytest.approx(as_true.seconds)
+    replicas = ParallelPlan("pipeline", 2, 1, 4)
+    plain, with_found = (
+        step_time(facts, replace(links, overhead=o), replicas, 8) for o in (replicated, found)
+    )
+    assert with_found.seconds == plain.seconds
+    assert (
+        step_time(facts, replace(links, overhead=found), inter, 16).overhead
+        > step_time(facts, links, inter, 16).overhead + 16 * 6e-4
+    )
+    # Steps faster than the model says (its sends over-charged): taken back, never below what the model
+    # charges beside the compute (an action's bookkeeping and one send's latency, a batch's bookkeeping).
+    faster = replace(replicated, pipelined_batch=-1e-3, pipelined_action=-5e-5)
+    measured_fast = {
+        m: step_time(facts, replace(links, overhead=faster), replace(pp, num_microbatches=m), 8).seconds
+        for m in (2, 8)
+    }
+    back = pipelined_as_run(facts, links, pp, 8, measured_fast)
+    assert back.pipelined_action == pytest.approx(-5e-5) and back.pipelined_batch == pytest.approx(-1e-3)
+    flat = pipelined_as_run(facts, links, pp, 8, {2: 1e-6, 8: 1e-6})
+    assert flat.pipelined_action == pytest.approx(-(1e-4 + links.send(1))) and flat.pipelined_batch == -2e-3
+    with pytest.raises(ValueError, match="two micro-batch counts"):
+        pipelined_as_run(facts, links, pp, 8, {2: 0.1})
+    with pytest.raises(ValueError, match="several pipeline ranks"):
+        pipelined_as_run(facts, links, replicas, 8, measured)
 
 
 def test_the_overlapped_reduction_is_charged_only_where_it_outlasts_the_last_backward(facts):

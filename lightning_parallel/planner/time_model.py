@@ -256,16 +256,17 @@ def step_time(
     stages = sorted((s for ledger in ledgers for s in _stage_times(ledger)), key=lambda s: s.index)
     actions = rank_actions(plan.schedule, p, plan.stages_per_rank, plan.num_microbatches)
     gathers = [ledger.start for ledger in ledgers]
-    overhead = links.overhead
+    overhead, piped = links.overhead, p > 1
+    action = overhead.action(piped)
     sim = simulate(
         actions,
-        lambda a: _duration(stages[a.stage], a.kind) * overhead.compute + overhead.per_action,
+        lambda a: _duration(stages[a.stage], a.kind) * overhead.compute + action,
         lambda a: links.send(stages[a.stage - 1 if a.kind == "F" else a.stage].send),
         rank_of.__getitem__,
         gathers,
     )
     tails = [_tail(ledger) for ledger in ledgers]
-    fixed = overhead.per_step + accumulate * overhead.per_batch  # (every rank pays it at the step's end)
+    fixed = overhead.per_step + accumulate * overhead.batch(piped)  # (every rank pays it at the step's end)
     ends = [accumulate * sim.finish[r] + tails[r][0] + fixed for r in range(p)]
     last = max(range(p), key=lambda r: (ends[r], sim.busy[r]))
     busiest = max(range(p), key=lambda r: sim.busy[r])
@@ -281,7 +282,7 @@ def step_time(
         recompute=m * sum(s.share("recompute") for s in mine),
         offload=m * sum(s.share("offload") for s in mine) + tails[last][2],
         optimizer=tails[last][3],
-        overhead=fixed + accumulate * len(actions[last]) * overhead.per_action,
+        overhead=fixed + accumulate * len(actions[last]) * action,
     )  # fmt: skip
 
 
@@ -330,6 +331,57 @@ def as_run(
         scale = 1.0  # (a difference lost in the noise: the units as timed)
     rest = (t1 - w1 * per_batch) - (p1 - w1 * predicted_batch)  # once per step, measured - predicted
     return replace(plain, per_step=max(0.0, plain.per_step + rest), compute=scale)
+
+
+def pipelined_as_run(
+    facts: ModelFacts,
+    links: Links,
+    plan: ParallelPlan,
+    samples: int,
+    measured: Mapping[int, float],
+) -> StepOverhead:
+    """What a plan of several pipeline ranks pays beyond the model, from ``plan``'s real steps on the job.
+
+    ``measured``: seconds of one optimizer step of ``plan`` (several pipeline ranks; the job's own model
+    run by the strategy's step, one batch of ``samples`` per replica) at two micro-batch counts,
+    ``{num_microbatches: seconds}``. Each count's step beyond the prediction (``links`` as the replicas'
+    run set them, nothing charged for being pipelined) is ``batch + action x k``, where ``k`` is how much
+    the predicted step grows per second added to every forward and backward (the actions on the critical
+    path, read from the schedule's simulation): two counts, two unknowns. ``action`` becomes
+    ``pipelined_action``, ``batch`` ``pipelined_batch``, charged to every plan of several pipeline ranks
+    per forward or backward and per batch: what the point-to-point sends and receives between the ranks
+    and their waits cost beyond what the model charges them (the link probe's send latency, noisy). Either
+    may be negative (the model over-charging them: the probe's send 2 ms on one job, less in its run),
+    never below what the model charges beside the compute (an action's bookkeeping and one send's
+    latency; a batch's bookkeeping).
+
+    Raises:
+        ValueError: fewer than two counts, or a plan of one pipeline rank.
+
+    Example::
+
+        seconds = time_runs(trainer, model, [(replace(pp, num_microbatches=m), 1) for m in (2, 8)], ...)
+        links = replace(links, overhead=pipelined_as_run(facts, links, pp, 8, dict(zip((2, 8), seconds))))
+    """
+    if len(measured) < 2:
+        raise ValueError(f"pipelined_as_run needs two micro-batch counts, got {dict(measured)}")
+    if plan.pipeline_size < 2:
+        raise ValueError(f"pipelined_as_run reads a plan of several pipeline ranks, got {plan.label()}")
+    base = replace(links.overhead, pipelined_batch=0.0, pipelined_action=0.0)
+    probe = replace(base, pipelined_action=1e-3)
+    points = []
+    for m, seconds in sorted(measured.items()):
+        run = replace(plan, num_microbatches=m)
+        plain = step_time(facts, replace(links, overhead=base), run, samples).seconds
+        critical = (step_time(facts, replace(links, overhead=probe), run, samples).seconds - plain) / 1e-3
+        points.append((critical, seconds - plain))
+    (k1, r1), (k2, r2) = points[0], points[-1]
+    # An action is never cheaper than its compute: what the model charges beside it (the runtime's
+    # bookkeeping, the point-to-point latency) is the most a pipelined action can take back.
+    least = -(base.per_action + links.send(1))
+    action = max(least, (r2 - r1) / (k2 - k1)) if k2 > k1 else 0.0
+    batch = max(-base.per_batch, r1 - action * k1)
+    return replace(base, pipelined_batch=batch, pipelined_action=action)
 
 
 def _ledger(

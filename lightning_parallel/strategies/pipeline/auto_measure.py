@@ -9,6 +9,7 @@ as replicas through the strategy's own step (:func:`replicas_as_run`) and what t
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,13 +30,13 @@ from lightning_parallel.planner.in_place import measure_in_place
 from lightning_parallel.planner.links import Links, StepOverhead, given_links, links_from
 from lightning_parallel.planner.ranking import Budget, measure_for
 from lightning_parallel.planner.search import Search
-from lightning_parallel.planner.time_model import as_run, step_time
+from lightning_parallel.planner.time_model import as_run, pipelined_as_run, step_time
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.trials import (
     Meshes,
-    measure_as_run,
     measure_overhead,
     optimizers_without_trainer,
+    time_runs,
 )
 
 
@@ -120,27 +121,76 @@ def _facts_at_each_size(
     return out
 
 
-def replicas_as_run(
+AS_RUN_WINDOWS = (1, 3)
+"""The accumulation windows (batches per optimizer step) the job's own model is run at as replicas by
+:func:`models_as_run`: their difference is what a batch takes as run."""
+
+PIPELINED_MICROBATCHES = (2, 8)
+"""The micro-batch counts (the second capped at the batch's samples) the job's own model is run at as a
+pipeline of two ranks by :func:`models_as_run`: their difference is what more forwards and backwards pay
+pipelined."""
+
+
+@dataclass(frozen=True)
+class AsRun:
+    """The job's own model run by the strategy's step (:func:`models_as_run`): as replicas at two
+    accumulation windows ``{batches per step: seconds per step}``, and as a pipeline of two ranks at two
+    micro-batch counts ``{micro-batches: seconds per step}`` (None where it could not run), on ``samples``
+    a batch; ``seconds``: what measuring it took."""
+
+    samples: int
+    replicas: ParallelPlan
+    windows: dict[int, float]
+    pipeline: ParallelPlan | None = None
+    counts: dict[int, float] | None = None
+    seconds: float = 0.0
+
+
+def models_as_run(
     strategy: Any, trainer: pl.Trainer, facts: dict[int, Any], budget: Budget, meshes: Meshes,
     settings: Measurement,
-) -> tuple[ParallelPlan, int, dict[int, float]] | None:  # fmt: skip
-    """On every rank: the job's own model run as replicas (one stage per rank, one micro-batch) by the
-    strategy's step at two accumulation windows, on the first training batch (or its first half,
-    quarter, ... where the whole one's predicted peak would not fit the budget);
-    ``(plan, samples, measured)``, or None where it was not
-    measured (``overhead_steps`` off, an untimed model, nothing fits, a failure)."""
-    if settings.overhead_steps[1] < 1 or facts[1].times is None:
+) -> AsRun | None:  # fmt: skip
+    """On every rank: the job's own model run by the strategy's step on the first training batch (or its
+    first half, quarter, ... where the replicas' predicted peak would not fit the budget), as replicas
+    (one stage per rank, one micro-batch) at each window of :data:`AS_RUN_WINDOWS` and, where the ranks
+    pair up, the batch holds both counts and the plans fit, as a pipeline of two ranks (1F1B, one stage
+    per rank) at each count of :data:`PIPELINED_MICROBATCHES`, one batch a step; all the runs taking turns
+    step by step, so that a load that drifts meets them alike. None where it was not measured
+    (``overhead_steps`` off, an untimed model, nothing fits, a failure)."""
+    mine, world = facts[1], strategy.world_size
+    if settings.overhead_steps[1] < 1 or mine.times is None:
         return None
-    plan = ParallelPlan("pipeline", strategy.world_size, 1, 1)
+    replicas = ParallelPlan("pipeline", world, 1, 1)
     batch = strategy.batch_to_device(first_batch(trainer))
-    samples = decide_on(0, lambda: _samples_that_fit(facts[1], plan, samples_in(batch) or 1, budget))
+    samples = decide_on(0, lambda: _samples_that_fit(mine, replicas, samples_in(batch) or 1, budget))
     if samples is None:
         return None
     first = tree_map(lambda t: t[:samples] if torch.is_tensor(t) and t.dim() > 0 else t, batch)
-    module, device = strategy.lightning_module, strategy.root_device
+    low, high = PIPELINED_MICROBATCHES[0], min(PIPELINED_MICROBATCHES[1], 1 << (samples.bit_length() - 1))
+    pipelines = [ParallelPlan("pipeline", world, 2, m) for m in (low, high)]
+    if (
+        world % 2
+        or high <= low
+        or samples % high
+        or not decide_on(
+            0, lambda: all(predict(mine, p, samples=samples).peak <= budget.usable for p in pipelines)
+        )
+    ):
+        pipelines = []
+    runs = [(replicas, w) for w in AS_RUN_WINDOWS] + [(p, 1) for p in pipelines]
+    module, device, start = strategy.lightning_module, strategy.root_device, time.perf_counter()
     with _on_device(module, device, budget):
-        measured = measure_as_run(trainer, module, plan, first, meshes, settings.overhead_steps)
-    return (plan, samples, measured) if measured is not None else None
+        seconds = time_runs(trainer, module, runs, first, meshes, settings.overhead_steps)
+    if seconds is None and pipelines:  # (the pipeline's split failed: the replicas alone)
+        runs, pipelines = runs[: len(AS_RUN_WINDOWS)], []
+        with _on_device(module, device, budget):
+            seconds = time_runs(trainer, module, runs, first, meshes, settings.overhead_steps)
+    if seconds is None:
+        return None
+    windows = dict(zip(AS_RUN_WINDOWS, seconds))
+    counts = dict(zip((low, high), seconds[len(AS_RUN_WINDOWS) :])) if pipelines else None
+    took = time.perf_counter() - start
+    return AsRun(samples, replicas, windows, pipelines[0] if pipelines else None, counts, took)
 
 
 def _samples_that_fit(facts: Any, plan: ParallelPlan, samples: int, budget: Budget) -> int | None:
@@ -152,16 +202,31 @@ def _samples_that_fit(facts: Any, plan: ParallelPlan, samples: int, budget: Budg
     return None
 
 
-def links_as_run(
-    links: Links,
-    facts: dict[int, Any],
-    replicas: tuple[ParallelPlan, int, dict[int, float]] | None,
-    notes: list[str],
-) -> Links:
-    """On rank 0: the links with what the replicas' run measured (:func:`as_run`), if it ran; a note."""
-    if replicas is None:
+def links_as_run(links: Links, facts: dict[int, Any], run: AsRun | None, notes: list[str]) -> Links:
+    """On rank 0: the links with what the replicas' run measured (:func:`as_run`), then what the pipeline's
+    run measured beyond that (:func:`pipelined_as_run`), each if it ran; a note each."""
+    if run is None:
         return links
-    plan, samples, measured = replicas
+    links = _replicas_links(links, facts, run, notes)
+    if run.pipeline is None or run.counts is None:
+        return links
+    plan, samples, measured = run.pipeline, run.samples, run.counts
+    overhead = pipelined_as_run(facts[1], links, plan, samples, measured)
+    predicted = [
+        step_time(facts[1], links, replace(plan, num_microbatches=m), samples).seconds for m in measured
+    ]
+    steps = ", ".join(f"m={m} {t * 1e3:.1f} ms (predicted {p * 1e3:.1f})"
+                      for (m, t), p in zip(measured.items(), predicted))  # fmt: skip
+    notes.append(
+        f"the model run as a pipeline of 2 ranks on {samples} samples ({steps}; both runs {run.seconds:.1f} "
+        f"s): {overhead.pipelined_action * 1e3:+.2f} ms per forward or backward and "
+        f"{overhead.pipelined_batch * 1e3:+.1f} ms per batch on several pipeline ranks"
+    )
+    return replace(links, overhead=overhead)
+
+
+def _replicas_links(links: Links, facts: dict[int, Any], run: AsRun, notes: list[str]) -> Links:
+    plan, samples, measured = run.replicas, run.samples, run.windows
     overhead = as_run(facts[1], links, plan, samples, measured)
     steps = ", ".join(f"{w} batches {t * 1e3:.1f} ms" for w, t in sorted(measured.items()))
     lines = step_time(facts[1], replace(links, overhead=StepOverhead()), plan, samples).schedule

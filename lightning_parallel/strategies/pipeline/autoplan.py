@@ -15,12 +15,15 @@ it measures on the job's ranks before it chooses is :mod:`.auto_measure`'s:
    :func:`~lightning_parallel.strategies.pipeline.trials.measure_overhead`); every rank measures the whole
    model on the first training batch at once (its units timed as they will run, every rank busy), and
    the techniques measure what their time needs in place (FSDP2 on a block, tensor parallelism on a
-   split block: :mod:`lightning_parallel.planner.in_place`); then the model itself runs as replicas (one
-   stage per rank, one micro-batch) through the strategy's step at two accumulation windows
-   (:func:`~lightning_parallel.strategies.pipeline.trials.measure_as_run`): what a batch and a step take
-   as run beyond the prediction (:func:`~lightning_parallel.planner.time_model.as_run`) goes into every
-   plan's time. Then global rank 0 alone searches, sizes and
-   times every plan and chooses the fastest that fits (with the safety margin);
+   split block: :mod:`lightning_parallel.planner.in_place`); then the model itself runs through the
+   strategy's step as replicas (one stage per rank, one micro-batch) at two accumulation windows and as
+   a pipeline of two ranks at two micro-batch counts, taking turns
+   (:func:`~lightning_parallel.strategies.pipeline.auto_measure.models_as_run`): what a batch and a step
+   take as run beyond the prediction (:func:`~lightning_parallel.planner.time_model.as_run`), and what
+   a pipeline's forwards, backwards and batches pay more
+   (:func:`~lightning_parallel.planner.time_model.pipelined_as_run`), go into every plan's time. Then
+   global rank 0 alone searches, sizes and times every plan and chooses the fastest that fits (with the
+   safety margin);
    :func:`~lightning_parallel.distributed.agree.decide_on` hands the choice, or the error ("nothing
    fits", with what would), to every rank. With ``trials=k`` the ``k`` fastest predicted plans that fit
    are run for a few steps each on the job's ranks (:mod:`~lightning_parallel.strategies.pipeline.trials`)
@@ -65,7 +68,7 @@ from lightning_parallel.strategies.pipeline.auto_measure import (
     job_links,
     links_as_run,
     measure_everywhere,
-    replicas_as_run,
+    models_as_run,
 )
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
@@ -281,8 +284,8 @@ def decide(strategy: Any, trainer: pl.Trainer) -> None:
         if request.offload_dir is not None:
             with failing_together():  # (a bad directory: every rank's error, before any step)
                 links = replace(links, disk=Link(0.0, disk_bandwidth(request.offload_dir)))
-        replicas = replicas_as_run(strategy, trainer, facts, budget, meshes, settings)
-        links = decide_on(0, lambda: links_as_run(links, facts, replicas, notes))
+        run = models_as_run(strategy, trainer, facts, budget, meshes, settings)
+        links = decide_on(0, lambda: links_as_run(links, facts, run, notes))
         plan, report, top = decide_on(
             0, lambda: _choose(facts, search, budget, links, request, notes, planned)
         )
