@@ -253,6 +253,26 @@ def test_the_model_run_as_replicas_scales_the_stages_and_adds_the_rest_to_every_
         as_run(facts, links, pp, 8, measured)
 
 
+def test_lightnings_loop_is_charged_to_every_plan_and_kept_through_the_fits(facts):
+    loop = StepOverhead(per_step=1e-3, loop_step=2e-3, loop_batch=5e-4)
+    links = given_links(bandwidth=10e9, latency=1e-5)
+    with_loop = replace(links, overhead=loop)
+    without = replace(links, overhead=replace(loop, loop_step=0.0, loop_batch=0.0))
+    for plan, samples in ((ParallelPlan("pipeline", 2, 1, 2), 8), (ParallelPlan("pipeline", 2, 2, 4), 16)):
+        a, b = (step_time(facts, x, plan, samples, 3) for x in (with_loop, without))
+        assert a.seconds - b.seconds == pytest.approx(2e-3 + 3 * 5e-4)
+    assert "Lightning's loop 2.00 ms per step + 0.50 ms per batch" in loop.describe()
+    # The runs the fits read are the strategy's own steps, without the loop: fitted without it, kept.
+    replicas, pp = ParallelPlan("pipeline", 2, 1, 1), ParallelPlan("pipeline", 2, 2, 2)
+    measured = {w: step_time(facts, without, replicas, 8, w).seconds for w in (1, 3)}
+    found = as_run(facts, with_loop, replicas, 8, measured)
+    assert (found.loop_step, found.loop_batch, found.per_step) == (2e-3, 5e-4, pytest.approx(1e-3))
+    counts = {m: step_time(facts, without, replace(pp, num_microbatches=m), 8).seconds for m in (2, 8)}
+    piped = pipelined_as_run(facts, with_loop, pp, 8, counts)
+    assert (piped.loop_step, piped.loop_batch) == (2e-3, 5e-4)
+    assert piped.pipelined_action == pytest.approx(0.0, abs=1e-12)
+
+
 def test_a_pipeline_run_at_two_micro_batch_counts_sets_what_pipelined_plans_pay_more(facts):
     replicated = replace(StepOverhead(per_step=1e-3, per_batch=2e-3, per_action=1e-4), compute=1.2)
     links = replace(given_links(bandwidth=10e9, latency=1e-5), overhead=replicated)

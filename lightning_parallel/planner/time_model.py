@@ -10,7 +10,7 @@ times from :mod:`~lightning_parallel.planner.time_probe`) and the links
    in backward, the forward of each recomputed unit once more; with tensor parallelism each split block
    as it measured in place (or the all-reduces of each split block); FSDP2's hooks on each unit (measured
    in place); with offloaded activations, their copy to the host in forward and back in backward. Each
-   forward or backward also pays the runtime's bookkeeping (the links' ``StepOverhead.per_action``), and
+   forward or backward also pays the runtime's bookkeeping (the links' ``StepOverhead.action``), and
    runs at the ratio the job measured between its stages as the strategy's step runs them and their
    units' timed sum (``StepOverhead.compute``, :func:`as_run`).
 2. **The schedule, simulated**: each pipeline rank runs its actions in torch's own order
@@ -29,12 +29,13 @@ times from :mod:`~lightning_parallel.planner.time_probe`) and the links
 
 The step time is the last rank's finish, plus what every step pays whatever the plan (the links'
 :class:`~lightning_parallel.planner.links.StepOverhead`, measured on the job: a trivial stage run through
-the strategy's own step, per step and per batch; then the job's own model as replicas at two accumulation
+the strategy's own step, per step and per batch; Lightning's loop around the step, timed on a one-device
+Trainer of its own, per step and per batch; then the job's own model as replicas at two accumulation
 windows, :func:`as_run`, whose steps beyond the prediction set the stages' ``compute`` ratio and add the
-rest of its step to ``per_step``). What is not modelled: Lightning's loop around the strategy's step (its
-hooks, the closure, callbacks, the logger connector, the data loader: 4-6 ms on a 53 ms step here,
-``docs/planner.md``), the overlap of communication with compute (the links carry its measured slowdown,
-``Links.overlapped``, for a technique that overlaps), other jobs on the machine.
+rest of its step to ``per_step``, and as a pipeline of two ranks at two micro-batch counts,
+:func:`pipelined_as_run`, what a pipelined forward, backward and batch pay beyond the model). What is not
+modelled: the job's own callbacks' work, the overlap of communication with compute (the links carry its
+measured slowdown, ``Links.overlapped``, for a technique that overlaps), other jobs on the machine.
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ def step_time(
         gathers,
     )
     tails = [_tail(ledger) for ledger in ledgers]
-    fixed = overhead.per_step + accumulate * overhead.batch(piped)  # (every rank pays it at the step's end)
+    fixed = overhead.step() + accumulate * overhead.batch(piped)  # (every rank pays it at the step's end)
     ends = [accumulate * sim.finish[r] + tails[r][0] + fixed for r in range(p)]
     last = max(range(p), key=lambda r: (ends[r], sim.busy[r]))
     busiest = max(range(p), key=lambda r: sim.busy[r])
@@ -319,7 +320,8 @@ def as_run(
     if plan.pipeline_size != 1:
         raise ValueError(f"as_run reads a plan of one stage per rank, got pipeline_size={plan.pipeline_size}")
     (w1, t1), (w2, t2) = sorted(measured.items())[0], sorted(measured.items())[-1]
-    plain = replace(links.overhead, compute=1.0)
+    # (the strategy's own step runs without Lightning's loop: fitted without it, kept after)
+    plain = replace(links.overhead, compute=1.0, loop_step=0.0, loop_batch=0.0)
     with_base = replace(links, overhead=plain)
     # One batch's stages: their forward and backward of every micro-batch, nothing else charged.
     stages = step_time(facts, replace(links, overhead=StepOverhead()), plan, samples).schedule
@@ -330,7 +332,8 @@ def as_run(
     if not math.isfinite(scale) or scale <= 0:
         scale = 1.0  # (a difference lost in the noise: the units as timed)
     rest = (t1 - w1 * per_batch) - (p1 - w1 * predicted_batch)  # once per step, measured - predicted
-    return replace(plain, per_step=max(0.0, plain.per_step + rest), compute=scale)
+    loop = {"loop_step": links.overhead.loop_step, "loop_batch": links.overhead.loop_batch}
+    return replace(plain, per_step=max(0.0, plain.per_step + rest), compute=scale, **loop)
 
 
 def pipelined_as_run(
@@ -367,7 +370,8 @@ def pipelined_as_run(
         raise ValueError(f"pipelined_as_run needs two micro-batch counts, got {dict(measured)}")
     if plan.pipeline_size < 2:
         raise ValueError(f"pipelined_as_run reads a plan of several pipeline ranks, got {plan.label()}")
-    base = replace(links.overhead, pipelined_batch=0.0, pipelined_action=0.0)
+    loop = {"loop_step": links.overhead.loop_step, "loop_batch": links.overhead.loop_batch}
+    base = replace(links.overhead, pipelined_batch=0.0, pipelined_action=0.0, loop_step=0.0, loop_batch=0.0)
     probe = replace(base, pipelined_action=1e-3)
     points = []
     for m, seconds in sorted(measured.items()):
@@ -381,7 +385,7 @@ def pipelined_as_run(
     least = -(base.per_action + links.send(1))
     action = max(least, (r2 - r1) / (k2 - k1)) if k2 > k1 else 0.0
     batch = max(-base.per_batch, r1 - action * k1)
-    return replace(base, pipelined_batch=batch, pipelined_action=action)
+    return replace(base, pipelined_batch=batch, pipelined_action=action, **loop)
 
 
 def _ledger(

@@ -32,10 +32,12 @@ from lightning_parallel.planner.ranking import Budget, measure_for
 from lightning_parallel.planner.search import Search
 from lightning_parallel.planner.time_model import as_run, pipelined_as_run, step_time
 from lightning_parallel.strategies.pipeline.call_input import first_batch
+from lightning_parallel.strategies.pipeline.lightning_loop import loop_seconds
 from lightning_parallel.strategies.pipeline.trials import (
     Meshes,
     measure_overhead,
     optimizers_without_trainer,
+    slowest,
     time_runs,
 )
 
@@ -67,7 +69,8 @@ class Measurement:
 
 def job_links(trainer: pl.Trainer, meshes: Meshes, settings: Measurement) -> Links:
     """The links of the job's own group (every rank calls it: each collective timed at several sizes), or
-    free ones for a job of one rank; with what every step pays, measured on a trivial stage."""
+    free ones for a job of one rank; with what every step pays, measured on a trivial stage, and what
+    Lightning's loop around the step adds (:func:`.lightning_loop.loop_seconds`, the slowest rank's)."""
     device = trainer.strategy.root_device
     timings = time_group(sizes=settings.link_sizes, repeats=settings.link_repeats, device=device)
     if timings is None:
@@ -77,7 +80,10 @@ def job_links(trainer: pl.Trainer, meshes: Meshes, settings: Measurement) -> Lin
         links = links_from(timings)
     if settings.overhead_steps[1] < 1:
         return links
-    return replace(links, overhead=measure_overhead(trainer, links, meshes, settings.overhead_steps))
+    overhead = measure_overhead(trainer, links, meshes, settings.overhead_steps)
+    warmup, timed = settings.overhead_steps
+    step, batch = (slowest(s) for s in loop_seconds((warmup + 3, 4 * timed)))
+    return replace(links, overhead=replace(overhead, loop_step=step, loop_batch=batch))
 
 
 def measure_everywhere(
