@@ -214,9 +214,9 @@ def test_plan_auto_runs_exactly_the_plan_given_by_hand(tmp_path):
     kept = min(trials, key=lambda t: t.per_sample)
     assert spawned[0]["sequential_trials_plan"].label() == kept.plan.label()
     # Measured on the job: the curves, what every step pays, FSDP2 in place (a split Sequential).
-    assert "all-reduce 1 KiB" in links and "every step pays" in links
+    assert "all-reduce 1 KiB" in links and "every step pays" in links and "Lightning's loop" in links
     assert "fsdp measured in place" in notes, notes
     # The model itself run as replicas at two windows: its stages' ratio as run and its step's extra.
-    assert any("the model run as replicas on 4 samples" in n and "beside them" in n for n in notes), notes
+    assert any("the model run as replicas on 4 samples" in n and "facts' lines" in n for n in notes), notes
     assert not spawned[0]["sequential_auto_planned"][0]  # (no trials without trials=)
     assert not any("run as replicas" in n for n in spawned[0]["sequential_auto_planned"][1])  # (off)

@@ -257,13 +257,21 @@ def test_tensor_parallelism_s_time_reads_its_split_block_measured_in_place():
     extra = sum((5e-3 - u.forward.at(4)) + (7e-3 - u.backward.at(4)) for u in own)
     assert split and timed.seconds - base.seconds == pytest.approx(2 * extra)  # 2 micro-batches of 4
     assert timed.communication - base.communication == pytest.approx(2 * extra)
-    # Recomputed, a split block's forward runs on DTensors again in backward: charged twice.
+    # Recomputed, unmeasured under checkpointing: a split block's forward runs on DTensors again in
+    # backward, charged twice.
     ac = dataclasses.replace(plan, activation_checkpointing=True)
     base_ac = step_time(_measured("tp", tensor_parallel=zero), LINKS, ac, 8)
     timed_ac = step_time(_measured("tp", tensor_parallel=measured), LINKS, ac, 8)
     again = sum(5e-3 - u.forward.at(4) for u in own)
     assert timed_ac.seconds - base_ac.seconds == pytest.approx(2 * (extra + again))
     assert timed_ac.recompute - base_ac.recompute == pytest.approx(2 * again)
+    # Measured under checkpointing (what the split block's backward takes more, its forward run again on
+    # DTensors): that, not its forward, beyond the local unit's forward that recomputation charges.
+    checkpointed = TensorParallelTimes({2: BlockTimes(Line(5e-3), Line(7e-3), Line(9e-3))})
+    timed_ck = step_time(_measured("tp", tensor_parallel=checkpointed), LINKS, ac, 8)
+    again_ck = sum(9e-3 - u.forward.at(4) for u in own)
+    assert timed_ck.seconds - base_ac.seconds == pytest.approx(2 * (extra + again_ck))
+    assert timed_ck.recompute - base_ac.recompute == pytest.approx(2 * again_ck)
     # Another tensor-parallel size than the one measured: the links' all-reduces, as unmeasured.
     other = TensorParallelTimes({4: BlockTimes(Line(5e-3), Line(7e-3))})
     unmeasured = step_time(facts, LINKS, plan, 8)

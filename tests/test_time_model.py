@@ -12,7 +12,7 @@ from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.facts import measure_model
 from lightning_parallel.planner.links import Curve, Link, StepOverhead, fit_link, given_links, links_from
 from lightning_parallel.planner.schedule import Action, rank_actions
-from lightning_parallel.planner.time_model import as_run, simulate, step_time
+from lightning_parallel.planner.time_model import as_run, pipelined_as_run, simulate, step_time
 from lightning_parallel.planner.time_probe import TimeLine, optimizer_step_cost
 
 
@@ -229,11 +229,13 @@ def test_the_model_run_as_replicas_scales_the_stages_and_adds_the_rest_to_every_
     assert (found.per_batch, found.per_action) == (trivial.per_batch, trivial.per_action)
     assert "1.30x their units' timed sum" in found.describe()
     assert "timed sum" not in trivial.describe()  # (1: as timed, not said)
-    # The units timed beside the steps 1.1x slower than the facts say (the machine's load moved): the
-    # ratio is to them, and the step's extra does not change.
-    stages = step_time(facts, replace(links, overhead=StepOverhead()), replicas, 8).schedule
-    beside = as_run(facts, links, replicas, 8, measured, units=1.1 * stages)
-    assert beside.compute == pytest.approx(1.3 / 1.1) and beside.per_step == pytest.approx(6e-3)
+    # The ratio scales the facts' lines, so it is taken to them: the links it gives predict the steps it
+    # read back, at both windows (with the ratio taken to units timed beside the steps at 0.5x the facts'
+    # lines, as the old as_run(units=...) took it, the replicas came out 1.19x and 1.6x over).
+    for w in (1, 3):
+        assert step_time(facts, replace(links, overhead=found), replicas, 8, w).seconds == pytest.approx(
+            measured[w]
+        )
     # The ratio scales every plan's stages (not the transfers, the collectives or the optimizer step).
     pp = ParallelPlan("pipeline", 2, 2, 4)
     plain, scaled = (step_time(facts, replace(links, overhead=o), pp, 16) for o in (trivial, found))
@@ -249,6 +251,73 @@ def test_the_model_run_as_replicas_scales_the_stages_and_adds_the_rest_to_every_
         as_run(facts, links, replicas, 8, {1: 0.1})
     with pytest.raises(ValueError, match="one stage per rank"):
         as_run(facts, links, pp, 8, measured)
+
+
+def test_lightnings_loop_is_charged_to_every_plan_and_kept_through_the_fits(facts):
+    loop = StepOverhead(per_step=1e-3, loop_step=2e-3, loop_batch=5e-4)
+    links = given_links(bandwidth=10e9, latency=1e-5)
+    with_loop = replace(links, overhead=loop)
+    without = replace(links, overhead=replace(loop, loop_step=0.0, loop_batch=0.0))
+    for plan, samples in ((ParallelPlan("pipeline", 2, 1, 2), 8), (ParallelPlan("pipeline", 2, 2, 4), 16)):
+        a, b = (step_time(facts, x, plan, samples, 3) for x in (with_loop, without))
+        assert a.seconds - b.seconds == pytest.approx(2e-3 + 3 * 5e-4)
+    assert "Lightning's loop 2.00 ms per step + 0.50 ms per batch" in loop.describe()
+    # The runs the fits read are the strategy's own steps, without the loop: fitted without it, kept.
+    replicas, pp = ParallelPlan("pipeline", 2, 1, 1), ParallelPlan("pipeline", 2, 2, 2)
+    measured = {w: step_time(facts, without, replicas, 8, w).seconds for w in (1, 3)}
+    found = as_run(facts, with_loop, replicas, 8, measured)
+    assert (found.loop_step, found.loop_batch, found.per_step) == (2e-3, 5e-4, pytest.approx(1e-3))
+    counts = {m: step_time(facts, without, replace(pp, num_microbatches=m), 8).seconds for m in (2, 8)}
+    piped = pipelined_as_run(facts, with_loop, pp, 8, counts)
+    assert (piped.loop_step, piped.loop_batch) == (2e-3, 5e-4)
+    assert piped.pipelined_action == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_pipeline_run_at_two_micro_batch_counts_sets_what_pipelined_plans_pay_more(facts):
+    replicated = replace(StepOverhead(per_step=1e-3, per_batch=2e-3, per_action=1e-4), compute=1.2)
+    links = replace(given_links(bandwidth=10e9, latency=1e-5), overhead=replicated)
+    pp = ParallelPlan("pipeline", 2, 2, 2)
+    # A job whose pipelined forwards and backwards pay 0.6 ms more each and whose pipelined batch pays
+    # 3 ms more: its steps at 2 and 8 micro-batches read both back.
+    true = replace(replicated, pipelined_batch=3e-3, pipelined_action=6e-4)
+    measured = {m: step_time(facts, replace(links, overhead=true), replace(pp, num_microbatches=m), 8).seconds
+                for m in (2, 8)}  # fmt: skip
+    found = pipelined_as_run(facts, links, pp, 8, measured)
+    assert found.pipelined_action == pytest.approx(6e-4) and found.pipelined_batch == pytest.approx(3e-3)
+    assert (found.per_step, found.per_batch, found.compute) == (1e-3, 2e-3, 1.2)  # (the replicas' kept)
+    assert "+0.600 ms per forward or backward more" in found.describe()
+    # Charged to every plan of several pipeline ranks (here an interleaved one, accumulating), per action
+    # and per batch; a plan of one stage per rank pays none of it.
+    inter = ParallelPlan("pipeline", 2, 2, 4, schedule="interleaved_1f1b", stages_per_rank=2)
+    for plan, samples in ((inter, 16), (pp, 8)):
+        as_true, as_found = (
+            step_time(facts, replace(links, overhead=o), plan, samples, 2) for o in (true, found)
+        )
+        assert as_found.seconds == pytest.approx(as_true.seconds)
+    replicas = ParallelPlan("pipeline", 2, 1, 4)
+    plain, with_found = (
+        step_time(facts, replace(links, overhead=o), replicas, 8) for o in (replicated, found)
+    )
+    assert with_found.seconds == plain.seconds
+    assert (
+        step_time(facts, replace(links, overhead=found), inter, 16).overhead
+        > step_time(facts, links, inter, 16).overhead + 16 * 6e-4
+    )
+    # Steps faster than the model says (its sends over-charged): taken back, never below what the model
+    # charges beside the compute (an action's bookkeeping and one send's latency, a batch's bookkeeping).
+    faster = replace(replicated, pipelined_batch=-1e-3, pipelined_action=-5e-5)
+    measured_fast = {
+        m: step_time(facts, replace(links, overhead=faster), replace(pp, num_microbatches=m), 8).seconds
+        for m in (2, 8)
+    }
+    back = pipelined_as_run(facts, links, pp, 8, measured_fast)
+    assert back.pipelined_action == pytest.approx(-5e-5) and back.pipelined_batch == pytest.approx(-1e-3)
+    flat = pipelined_as_run(facts, links, pp, 8, {2: 1e-6, 8: 1e-6})
+    assert flat.pipelined_action == pytest.approx(-(1e-4 + links.send(1))) and flat.pipelined_batch == -2e-3
+    with pytest.raises(ValueError, match="two micro-batch counts"):
+        pipelined_as_run(facts, links, pp, 8, {2: 0.1})
+    with pytest.raises(ValueError, match="several pipeline ranks"):
+        pipelined_as_run(facts, links, replicas, 8, measured)
 
 
 def test_the_overlapped_reduction_is_charged_only_where_it_outlasts_the_last_backward(facts):

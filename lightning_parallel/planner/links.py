@@ -131,27 +131,62 @@ class StepOverhead:
     the strategy's step at two accumulation windows
     (:func:`~lightning_parallel.planner.time_model.as_run`), what that plan's steps take beyond the
     prediction per batch going to ``compute`` and the rest of its step to ``per_step``.
+    ``pipelined_batch`` and ``pipelined_action``: what a plan of several pipeline ranks pays more, per
+    batch and per forward or backward (the point-to-point sends and receives between the ranks, their
+    waits, the runtime's work around them), measured on the job's own model as a pipeline of two ranks
+    at two micro-batch counts (:func:`~lightning_parallel.planner.time_model.pipelined_as_run`).
+    ``loop_step`` and ``loop_batch``: Lightning's loop around the strategy's step (its hooks, the
+    closure, the logger connector, the data loader's next batch), per optimizer step and per batch,
+    measured on a trivial module run by a one-device Trainer on each rank of the job.
 
     Example::
 
         >>> round(StepOverhead(1e-3, 2e-3, 1e-4).of(batches=2, actions=8), 6)
         0.0058
+        >>> round(StepOverhead(1e-3, 2e-3, 1e-4, pipelined_action=1e-4).of(2, 8, pipelined=True), 6)
+        0.0066
     """
 
     per_step: float = 0.0
     per_batch: float = 0.0
     per_action: float = 0.0
     compute: float = 1.0
+    pipelined_batch: float = 0.0
+    pipelined_action: float = 0.0
+    loop_step: float = 0.0
+    loop_batch: float = 0.0
 
-    def of(self, batches: int, actions: int) -> float:
+    def step(self) -> float:
+        """Seconds each optimizer step pays once."""
+        return self.per_step + self.loop_step
+
+    def batch(self, pipelined: bool = False) -> float:
+        """Seconds each batch pays (``pipelined``: the plan has several pipeline ranks)."""
+        return self.per_batch + self.loop_batch + (self.pipelined_batch if pipelined else 0.0)
+
+    def action(self, pipelined: bool = False) -> float:
+        """Seconds each forward or backward pays beside its compute."""
+        return self.per_action + (self.pipelined_action if pipelined else 0.0)
+
+    def of(self, batches: int, actions: int, pipelined: bool = False) -> float:
         """The overhead of one optimizer step of ``batches`` batches, ``actions`` actions on the rank."""
-        return self.per_step + batches * self.per_batch + actions * self.per_action
+        return self.step() + batches * self.batch(pipelined) + actions * self.action(pipelined)
 
     def describe(self) -> str:
         scaled = f", the stages' compute as run {self.compute:.2f}x their units' timed sum"
+        piped = (
+            f"; on several pipeline ranks {self.pipelined_batch * 1e3:+.2f} ms per batch and "
+            f"{self.pipelined_action * 1e3:+.3f} ms per forward or backward more"
+        )
+        loop = (
+            f"; Lightning's loop {self.loop_step * 1e3:.2f} ms per step + {self.loop_batch * 1e3:.2f} ms per "
+            "batch"
+        )
         return (
             f"{self.per_step * 1e3:.2f} ms per step + {self.per_batch * 1e3:.2f} ms per batch + "
             f"{self.per_action * 1e3:.3f} ms per forward or backward{scaled if self.compute != 1.0 else ''}"
+            f"{piped if self.pipelined_batch or self.pipelined_action else ''}"
+            f"{loop if self.loop_step or self.loop_batch else ''}"
         )
 
 

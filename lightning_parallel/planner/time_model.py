@@ -10,7 +10,7 @@ times from :mod:`~lightning_parallel.planner.time_probe`) and the links
    in backward, the forward of each recomputed unit once more; with tensor parallelism each split block
    as it measured in place (or the all-reduces of each split block); FSDP2's hooks on each unit (measured
    in place); with offloaded activations, their copy to the host in forward and back in backward. Each
-   forward or backward also pays the runtime's bookkeeping (the links' ``StepOverhead.per_action``), and
+   forward or backward also pays the runtime's bookkeeping (the links' ``StepOverhead.action``), and
    runs at the ratio the job measured between its stages as the strategy's step runs them and their
    units' timed sum (``StepOverhead.compute``, :func:`as_run`).
 2. **The schedule, simulated**: each pipeline rank runs its actions in torch's own order
@@ -29,12 +29,13 @@ times from :mod:`~lightning_parallel.planner.time_probe`) and the links
 
 The step time is the last rank's finish, plus what every step pays whatever the plan (the links'
 :class:`~lightning_parallel.planner.links.StepOverhead`, measured on the job: a trivial stage run through
-the strategy's own step, per step and per batch; then the job's own model as replicas at two accumulation
+the strategy's own step, per step and per batch; Lightning's loop around the step, timed on a one-device
+Trainer of its own, per step and per batch; then the job's own model as replicas at two accumulation
 windows, :func:`as_run`, whose steps beyond the prediction set the stages' ``compute`` ratio and add the
-rest of its step to ``per_step``). What is not modelled: Lightning's loop around the strategy's step (its
-hooks, the closure, callbacks, the logger connector, the data loader: 4-6 ms on a 53 ms step here,
-``docs/planner.md``), the overlap of communication with compute (the links carry its measured slowdown,
-``Links.overlapped``, for a technique that overlaps), other jobs on the machine.
+rest of its step to ``per_step``, and as a pipeline of two ranks at two micro-batch counts,
+:func:`pipelined_as_run`, what a pipelined forward, backward and batch pay beyond the model). What is not
+modelled: the job's own callbacks' work, the overlap of communication with compute (the links carry its
+measured slowdown, ``Links.overlapped``, for a technique that overlaps), other jobs on the machine.
 """
 
 from __future__ import annotations
@@ -256,16 +257,17 @@ def step_time(
     stages = sorted((s for ledger in ledgers for s in _stage_times(ledger)), key=lambda s: s.index)
     actions = rank_actions(plan.schedule, p, plan.stages_per_rank, plan.num_microbatches)
     gathers = [ledger.start for ledger in ledgers]
-    overhead = links.overhead
+    overhead, piped = links.overhead, p > 1
+    action = overhead.action(piped)
     sim = simulate(
         actions,
-        lambda a: _duration(stages[a.stage], a.kind) * overhead.compute + overhead.per_action,
+        lambda a: _duration(stages[a.stage], a.kind) * overhead.compute + action,
         lambda a: links.send(stages[a.stage - 1 if a.kind == "F" else a.stage].send),
         rank_of.__getitem__,
         gathers,
     )
     tails = [_tail(ledger) for ledger in ledgers]
-    fixed = overhead.per_step + accumulate * overhead.per_batch  # (every rank pays it at the step's end)
+    fixed = overhead.step() + accumulate * overhead.batch(piped)  # (every rank pays it at the step's end)
     ends = [accumulate * sim.finish[r] + tails[r][0] + fixed for r in range(p)]
     last = max(range(p), key=lambda r: (ends[r], sim.busy[r]))
     busiest = max(range(p), key=lambda r: sim.busy[r])
@@ -281,7 +283,7 @@ def step_time(
         recompute=m * sum(s.share("recompute") for s in mine),
         offload=m * sum(s.share("offload") for s in mine) + tails[last][2],
         optimizer=tails[last][3],
-        overhead=fixed + accumulate * len(actions[last]) * overhead.per_action,
+        overhead=fixed + accumulate * len(actions[last]) * action,
     )  # fmt: skip
 
 
@@ -291,7 +293,6 @@ def as_run(
     plan: ParallelPlan,
     samples: int,
     measured: Mapping[int, float],
-    units: float | None = None,
 ) -> StepOverhead:
     """What every step pays and how the stages run, from ``plan``'s real steps measured on the job.
 
@@ -299,9 +300,9 @@ def as_run(
     step, ``samples`` per replica per batch) at two accumulation windows (batches per step). The batches'
     difference is what one more batch takes as run; beyond what the model charges a batch besides the
     stages' compute (the plan's overhead per batch and per action), it is the stages' compute as run,
-    whose ratio to their units' timed sum becomes ``compute``: to ``units`` (the units' hook-timed
-    forward and backward of one batch, timed beside the steps, so that a load that changed since the
-    facts were measured slows both sides alike), else to the facts' lines. What the step pays once
+    whose ratio to the facts' lines of that compute becomes ``compute``. That ratio scales the facts'
+    lines in every plan, so it is taken to them, not to the units timed again beside the steps (under
+    another load than the facts': a pair that mapped the lines 2x over in one job). What the step pays once
     beyond the batches (the windows' line at zero batches) beyond what the model predicts there (the
     gradient sync, the optimizer step, the step's bookkeeping) is added to ``per_step`` (never below
     zero). A plan of one stage per rank (the replicas'): its batch is its units' forward and backward.
@@ -319,19 +320,72 @@ def as_run(
     if plan.pipeline_size != 1:
         raise ValueError(f"as_run reads a plan of one stage per rank, got pipeline_size={plan.pipeline_size}")
     (w1, t1), (w2, t2) = sorted(measured.items())[0], sorted(measured.items())[-1]
-    plain = replace(links.overhead, compute=1.0)
+    # (the strategy's own step runs without Lightning's loop: fitted without it, kept after)
+    plain = replace(links.overhead, compute=1.0, loop_step=0.0, loop_batch=0.0)
     with_base = replace(links, overhead=plain)
     # One batch's stages: their forward and backward of every micro-batch, nothing else charged.
     stages = step_time(facts, replace(links, overhead=StepOverhead()), plan, samples).schedule
     p1, p2 = (step_time(facts, with_base, plan, samples, w).seconds for w in (w1, w2))
     per_batch, predicted_batch = (t2 - t1) / (w2 - w1), (p2 - p1) / (w2 - w1)
     others = predicted_batch - stages  # what the model charges a batch beside the stages' compute
-    timed = units if units is not None and units > 0 else stages
-    scale = (per_batch - others) / timed if timed > 0 else 1.0
+    scale = (per_batch - others) / stages if stages > 0 else 1.0
     if not math.isfinite(scale) or scale <= 0:
         scale = 1.0  # (a difference lost in the noise: the units as timed)
     rest = (t1 - w1 * per_batch) - (p1 - w1 * predicted_batch)  # once per step, measured - predicted
-    return replace(plain, per_step=max(0.0, plain.per_step + rest), compute=scale)
+    loop = {"loop_step": links.overhead.loop_step, "loop_batch": links.overhead.loop_batch}
+    return replace(plain, per_step=max(0.0, plain.per_step + rest), compute=scale, **loop)
+
+
+def pipelined_as_run(
+    facts: ModelFacts,
+    links: Links,
+    plan: ParallelPlan,
+    samples: int,
+    measured: Mapping[int, float],
+) -> StepOverhead:
+    """What a plan of several pipeline ranks pays beyond the model, from ``plan``'s real steps on the job.
+
+    ``measured``: seconds of one optimizer step of ``plan`` (several pipeline ranks; the job's own model
+    run by the strategy's step, one batch of ``samples`` per replica) at two micro-batch counts,
+    ``{num_microbatches: seconds}``. Each count's step beyond the prediction (``links`` as the replicas'
+    run set them, nothing charged for being pipelined) is ``batch + action x k``, where ``k`` is how much
+    the predicted step grows per second added to every forward and backward (the actions on the critical
+    path, read from the schedule's simulation): two counts, two unknowns. ``action`` becomes
+    ``pipelined_action``, ``batch`` ``pipelined_batch``, charged to every plan of several pipeline ranks
+    per forward or backward and per batch: what the point-to-point sends and receives between the ranks
+    and their waits cost beyond what the model charges them (the link probe's send latency, noisy). Either
+    may be negative (the model over-charging them: the probe's send 2 ms on one job, less in its run),
+    never below what the model charges beside the compute (an action's bookkeeping and one send's
+    latency; a batch's bookkeeping).
+
+    Raises:
+        ValueError: fewer than two counts, or a plan of one pipeline rank.
+
+    Example::
+
+        seconds = time_runs(trainer, model, [(replace(pp, num_microbatches=m), 1) for m in (2, 8)], ...)
+        links = replace(links, overhead=pipelined_as_run(facts, links, pp, 8, dict(zip((2, 8), seconds))))
+    """
+    if len(measured) < 2:
+        raise ValueError(f"pipelined_as_run needs two micro-batch counts, got {dict(measured)}")
+    if plan.pipeline_size < 2:
+        raise ValueError(f"pipelined_as_run reads a plan of several pipeline ranks, got {plan.label()}")
+    loop = {"loop_step": links.overhead.loop_step, "loop_batch": links.overhead.loop_batch}
+    base = replace(links.overhead, pipelined_batch=0.0, pipelined_action=0.0, loop_step=0.0, loop_batch=0.0)
+    probe = replace(base, pipelined_action=1e-3)
+    points = []
+    for m, seconds in sorted(measured.items()):
+        run = replace(plan, num_microbatches=m)
+        plain = step_time(facts, replace(links, overhead=base), run, samples).seconds
+        critical = (step_time(facts, replace(links, overhead=probe), run, samples).seconds - plain) / 1e-3
+        points.append((critical, seconds - plain))
+    (k1, r1), (k2, r2) = points[0], points[-1]
+    # An action is never cheaper than its compute: what the model charges beside it (the runtime's
+    # bookkeeping, the point-to-point latency) is the most a pipelined action can take back.
+    least = -(base.per_action + links.send(1))
+    action = max(least, (r2 - r1) / (k2 - k1)) if k2 > k1 else 0.0
+    batch = max(-base.per_batch, r1 - action * k1)
+    return replace(base, pipelined_batch=batch, pipelined_action=action, **loop)
 
 
 def _ledger(

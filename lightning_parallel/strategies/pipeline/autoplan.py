@@ -1,6 +1,7 @@
 """``PipelineStrategy(plan="auto")``: the planner picks the plan on rank 0, every rank runs it.
 
-Lightning glue around :mod:`lightning_parallel.planner` (the search, the memory and time models):
+Lightning glue around :mod:`lightning_parallel.planner` (the search, the memory and time models); what
+it measures on the job's ranks before it chooses is :mod:`.auto_measure`'s:
 
 1. **At** ``setup_environment`` (before the callbacks' and the module's ``setup``): the budget is
    checked (``memory`` given, or read from the accelerator: a CPU has none to read) and, with a
@@ -14,12 +15,15 @@ Lightning glue around :mod:`lightning_parallel.planner` (the search, the memory 
    :func:`~lightning_parallel.strategies.pipeline.trials.measure_overhead`); every rank measures the whole
    model on the first training batch at once (its units timed as they will run, every rank busy), and
    the techniques measure what their time needs in place (FSDP2 on a block, tensor parallelism on a
-   split block: :mod:`lightning_parallel.planner.in_place`); then the model itself runs as replicas (one
-   stage per rank, one micro-batch) through the strategy's step at two accumulation windows
-   (:func:`~lightning_parallel.strategies.pipeline.trials.measure_as_run`): what a batch and a step take
-   as run beyond the prediction (:func:`~lightning_parallel.planner.time_model.as_run`) goes into every
-   plan's time. Then global rank 0 alone searches, sizes and
-   times every plan and chooses the fastest that fits (with the safety margin);
+   split block: :mod:`lightning_parallel.planner.in_place`); then the model itself runs through the
+   strategy's step as replicas (one stage per rank, one micro-batch) at two accumulation windows and as
+   a pipeline of two ranks at two micro-batch counts, taking turns
+   (:func:`~lightning_parallel.strategies.pipeline.auto_measure.models_as_run`): what a batch and a step
+   take as run beyond the prediction (:func:`~lightning_parallel.planner.time_model.as_run`), and what
+   a pipeline's forwards, backwards and batches pay more
+   (:func:`~lightning_parallel.planner.time_model.pipelined_as_run`), go into every plan's time. Then
+   global rank 0 alone searches, sizes and times every plan and chooses the fastest that fits (with the
+   safety margin);
    :func:`~lightning_parallel.distributed.agree.decide_on` hands the choice, or the error ("nothing
    fits", with what would), to every rank. With ``trials=k`` the ``k`` fastest predicted plans that fit
    are run for a few steps each on the job's ranks (:mod:`~lightning_parallel.strategies.pipeline.trials`)
@@ -33,32 +37,22 @@ run computes what the same plan given by hand computes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils._pytree import tree_map
 
 from lightning_parallel._table import format_table
-from lightning_parallel.data.batch_samples import samples_in
-from lightning_parallel.distributed.agree import decide_on, distributed_ready, failing_together
-from lightning_parallel.distributed.link_timing import REPEATS, SIZES, time_copy, time_group
+from lightning_parallel.distributed.agree import decide_on, failing_together
 from lightning_parallel.layout.mesh import PipelineMesh, build_mesh
-from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.advice import choose
-from lightning_parallel.planner.estimate import predict
-from lightning_parallel.planner.in_place import measure_in_place
-from lightning_parallel.planner.links import Link, Links, StepOverhead, given_links, links_from
-from lightning_parallel.planner.precision import PRECISION_DTYPES
-from lightning_parallel.planner.probe import _autocast, default_step
+from lightning_parallel.planner.links import Link, Links
 from lightning_parallel.planner.quantities import host_memory, parse_bytes
 from lightning_parallel.planner.ranking import (
     MARGIN,
@@ -66,22 +60,22 @@ from lightning_parallel.planner.ranking import (
     Candidate,
     format_choice,
     format_plan,
-    measure_for,
     plan_search,
 )
 from lightning_parallel.planner.search import SEARCHED_FIELDS, Search
-from lightning_parallel.planner.time_model import as_run, step_time
-from lightning_parallel.planner.time_probe import _timed_run
-from lightning_parallel.planner.units import find_units
+from lightning_parallel.strategies.pipeline.auto_measure import (
+    Measurement,
+    job_links,
+    links_as_run,
+    measure_everywhere,
+    models_as_run,
+)
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.options import PLAN_OPTIONS
 from lightning_parallel.strategies.pipeline.trials import (
     Meshes,
     Trial,
     host_tensors,
-    measure_as_run,
-    measure_overhead,
-    optimizers_without_trainer,
     run_trials,
 )
 from lightning_parallel.techniques.offload.disk_rate import disk_bandwidth
@@ -126,31 +120,6 @@ class AutoRequest:
     trials: int = 1
     disk_memory: int | None = None
     offload_dir: str | None = None
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """How much ``plan="auto"`` measures on the job before it chooses (what the tests make tiny).
-
-    Args:
-        link_sizes, link_repeats: the message sizes (bytes) each collective is timed at, and the
-            repeats of each (the median kept).
-        repeats: the timed runs of each unit and of each in-place measurement.
-        overhead_steps: (warm-up, timed) steps of each trivial-stage run that measures what every step
-            pays, and of each window of the model's own run as replicas; ``(0, 0)``: neither measured.
-        trial_steps: (warm-up, timed) optimizer steps of each plan ``trials`` runs.
-
-    Example::
-
-        autoplan.MEASURE = autoplan.Measurement(link_sizes=(1024, 65536), link_repeats=1, repeats=1,
-                                                overhead_steps=(1, 1), trial_steps=(1, 1))   # a test's
-    """
-
-    link_sizes: tuple[int, ...] = SIZES
-    link_repeats: int = REPEATS
-    repeats: int = 3
-    overhead_steps: tuple[int, int] = (2, 5)
-    trial_steps: tuple[int, int] = (2, 5)
 
 
 MEASURE = Measurement()
@@ -309,14 +278,17 @@ def decide(strategy: Any, trainer: pl.Trainer) -> None:
     planned: list[AutoPlanned] = []  # (rank 0's)
     with torch.random.fork_rng(devices=_rng_devices(device)):
         links = job_links(trainer, meshes, settings)
-        facts, search, notes = _measured_everywhere(strategy, trainer, request, budget, settings)
+        facts, search, notes = measure_everywhere(
+            strategy, trainer, budget, settings, request.global_batch_size, request.offload_dir
+        )
         if request.offload_dir is not None:
             with failing_together():  # (a bad directory: every rank's error, before any step)
                 links = replace(links, disk=Link(0.0, disk_bandwidth(request.offload_dir)))
-        replicas = _replicas_as_run(strategy, trainer, facts, budget, meshes, settings)
-        chosen = decide_on(0, lambda: _choose(facts, search, budget, _as_run(links, facts, replicas, notes),
-                                              request, notes, planned))  # fmt: skip
-        plan, report, top = chosen
+        run = models_as_run(strategy, trainer, facts, budget, meshes, settings)
+        links = decide_on(0, lambda: links_as_run(links, facts, run, notes))
+        plan, report, top = decide_on(
+            0, lambda: _choose(facts, search, budget, links, request, notes, planned)
+        )
         rank_zero_info(report)
         if len(top) > 1:
             batch = strategy.batch_to_device(first_batch(trainer))
@@ -334,121 +306,6 @@ def job_mesh(strategy: Any) -> PipelineMesh:
     tensors where the plan's techniques bring them to collectives (``Environment.host_backend``)."""
     host = host_tensors(strategy.parallel_plan, strategy.root_device)
     return build_mesh(strategy.root_device.type, strategy.layout, host)
-
-
-def job_links(trainer: pl.Trainer, meshes: Meshes, settings: Measurement = MEASURE) -> Links:
-    """The links of the job's own group (every rank calls it: each collective timed at several sizes), or
-    free ones for a job of one rank; with what every step pays, measured on a trivial stage."""
-    device = trainer.strategy.root_device
-    timings = time_group(sizes=settings.link_sizes, repeats=settings.link_repeats, device=device)
-    if timings is None:
-        copy = time_copy(1 << 24, device)
-        links = given_links(bandwidth=1e12, host_bandwidth=(1 << 24) / max(copy, 1e-9), source="one rank")
-    else:
-        links = links_from(timings)
-    if settings.overhead_steps[1] < 1:
-        return links
-    return replace(links, overhead=measure_overhead(trainer, links, meshes, settings.overhead_steps))
-
-
-def _replicas_as_run(
-    strategy: Any, trainer: pl.Trainer, facts: dict[int, Any], budget: Budget, meshes: Meshes,
-    settings: Measurement,
-) -> tuple[ParallelPlan, int, dict[int, float], float | None] | None:  # fmt: skip
-    """On every rank: the job's own model run as replicas (one stage per rank, one micro-batch) by the
-    strategy's step at two accumulation windows, its units' hook-timed forward and backward in turn with
-    them, on the first training batch (or its first half, quarter, ... where the whole one's predicted
-    peak would not fit the budget); ``(plan, samples, measured, units)``, or None where it was not
-    measured (``overhead_steps`` off, an untimed model, nothing fits, a failure)."""
-    if settings.overhead_steps[1] < 1 or facts[1].times is None:
-        return None
-    plan = ParallelPlan("pipeline", strategy.world_size, 1, 1)
-    batch = strategy.batch_to_device(first_batch(trainer))
-    samples = decide_on(0, lambda: _samples_that_fit(facts[1], plan, samples_in(batch) or 1, budget))
-    if samples is None:
-        return None
-    first = tree_map(lambda t: t[:samples] if torch.is_tensor(t) and t.dim() > 0 else t, batch)
-    module, device = strategy.lightning_module, strategy.root_device
-    with _on_device(module, device, budget):
-        units = _units_timed(module, first, trainer.precision, device, samples)
-        measured = measure_as_run(trainer, module, plan, first, meshes, settings.overhead_steps, units)
-    return (plan, samples, *measured) if measured is not None else None
-
-
-def _units_timed(
-    module: Any, batch: Any, precision: str, device: torch.device, samples: int
-) -> Callable[[], float] | None:
-    """Seconds of the module's units' forward and backward of ``batch`` as the time probe times them (its
-    hooks; the module left as it was), where the module computes on ``device`` in its own dtype (else
-    None: the facts' lines stand in)."""
-    param_dtype, autocast_dtype = PRECISION_DTYPES.get(precision, (None, None))
-    home = next((p.device for p in module.parameters()), device)
-    if param_dtype is not None or home.type != device.type:
-        return None
-    layout = find_units(module)
-
-    def timed() -> float:
-        with _autocast(device, autocast_dtype), LogRecorder().recording(module, samples):
-            run = _timed_run(module, layout, batch, default_step, device)
-        return sum(f + b for f, b in run.values())
-
-    return timed
-
-
-def _samples_that_fit(facts: Any, plan: ParallelPlan, samples: int, budget: Budget) -> int | None:
-    """The most samples, halving from ``samples``, at which ``plan``'s predicted peak fits the budget."""
-    while samples >= 1:
-        if predict(facts, plan, samples=samples).peak <= budget.usable:
-            return samples
-        samples //= 2
-    return None
-
-
-def _as_run(
-    links: Links,
-    facts: dict[int, Any],
-    replicas: tuple[ParallelPlan, int, dict[int, float], float | None] | None,
-    notes: list[str],
-) -> Links:
-    """On rank 0: the links with what the replicas' run measured (:func:`as_run`), if it ran; a note."""
-    if replicas is None:
-        return links
-    plan, samples, measured, units = replicas
-    overhead = as_run(facts[1], links, plan, samples, measured, units)
-    steps = ", ".join(f"{w} batches {t * 1e3:.1f} ms" for w, t in sorted(measured.items()))
-    lines = step_time(facts[1], replace(links, overhead=StepOverhead()), plan, samples).schedule
-    beside = f", its units' timed sum {units * 1e3:.1f} ms beside them" if units else ""
-    beside += f", {lines * 1e3:.1f} ms by the facts' lines"
-    notes.append(
-        f"the model run as replicas on {samples} samples a batch ({steps} a step{beside}): its stages as "
-        f"run {overhead.compute:.2f}x their units' timed sum, "
-        f"{(overhead.per_step - links.overhead.per_step) * 1e3:+.1f} ms a step"
-    )
-    return replace(links, overhead=overhead)
-
-
-def _measured_everywhere(
-    strategy: Any, trainer: pl.Trainer, request: AutoRequest, budget: Budget, settings: Measurement
-) -> tuple[dict[int, Any], Search, list[str]]:
-    """On every rank at once (the ranks share the machine as the steps will): the model measured on the
-    first training batch, then the techniques' measurements in place; an error on any rank is every
-    rank's."""
-    module = strategy.lightning_module
-    with failing_together():
-        batch = strategy.batch_to_device(first_batch(trainer))
-        samples = samples_in(batch) or 1
-        search = Search(
-            strategy.world_size, request.global_batch_size, samples, trainer.precision,
-            tensor_parallel_sizes=_tensor_parallel_sizes(strategy.world_size), offload=True,
-            ranks_per_node=trainer.num_devices, offload_parameters=strategy.root_device.type == "cpu",
-            offload_dir=request.offload_dir,
-        )  # fmt: skip
-        with LogRecorder().recording(module, samples), _on_device(module, strategy.root_device, budget):
-            optimizers = optimizers_without_trainer(module)
-            facts = _measured(module, batch, search, optimizers, settings.repeats)
-    search = replace(search, tensor_parallel_sizes=tuple(facts))
-    notes = measure_in_place(module, facts, strategy.root_device, settings.repeats, optimizers)
-    return facts, search, notes
 
 
 def _choose(
@@ -506,58 +363,12 @@ def _best_measured(tried: list[Trial], predicted: ParallelPlan) -> tuple[Paralle
     return best.plan, f"{head}\n{table}\nchosen: {best.plan.label()} (the fastest measured; {verdict})"
 
 
-def _measured(
-    module: Any, batch: Any, search: Search, optimizers: list[Any], repeats: int = 3
-) -> dict[int, Any]:
-    """The facts at each tensor-parallel size the model can be split at (a size it refuses is skipped),
-    the ranks lined up before each timed run."""
-    out = {}
-    for tp in search.tensor_parallel_sizes:
-        try:
-            out |= measure_for(module, batch, replace(search, tensor_parallel_sizes=(tp,)), optimizers,
-                               sync=_barrier, repeats=repeats)  # fmt: skip
-        except ValueError:
-            if tp == 1:
-                raise
-    return out
-
-
-def _barrier() -> None:
-    if distributed_ready():
-        dist.barrier()
-
-
-@contextlib.contextmanager
-def _on_device(module: Any, device: torch.device, budget: Budget) -> Iterator[None]:
-    """The model on the job's accelerator while it is timed there, if a quarter of the budget holds it
-    (parameters, gradients and twice as much state); else timed where it is (the CPU), said so."""
-    home = next((p.device for p in module.parameters()), device)
-    weights = sum(p.numel() * p.element_size() for p in module.parameters())
-    if device.type == home.type or home.type == "meta":
-        yield
-        return
-    if 4 * weights > budget.usable // 4:
-        rank_zero_info(f"PipelineStrategy(plan='auto'): the model does not fit one {device.type} device "
-                       f"to be timed: its units are timed on the {home.type}")  # fmt: skip
-        yield
-        return
-    module.to(device)
-    try:
-        yield
-    finally:
-        module.to(home)
-
-
 def _disk_room(directory: str | None) -> int | None:
     """The free bytes under ``offload_dir`` (the default disk budget), or None without one (or where it
     does not exist: its check then fails on every rank, with the fix)."""
     if directory is None or not os.path.isdir(directory):
         return None
     return shutil.disk_usage(directory).free
-
-
-def _tensor_parallel_sizes(world: int) -> tuple[int, ...]:
-    return (1, 2) if world >= 2 and world % 2 == 0 else (1,)
 
 
 def _rng_devices(device: torch.device) -> list[Any]:

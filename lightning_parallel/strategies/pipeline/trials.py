@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -303,41 +304,34 @@ def measure_overhead(
     return StepOverhead(max(0.0, one - per_batch - 2 * per_action - modelled), per_batch, per_action)
 
 
-AS_RUN_WINDOWS = (1, 3)
-"""The accumulation windows (batches per optimizer step) the job's own model is run at by
-:func:`measure_as_run`: their difference is what a batch takes as run."""
-
-
-def measure_as_run(
+def time_runs(
     trainer: pl.Trainer,
     module: pl.LightningModule,
-    plan: ParallelPlan,
+    runs: list[tuple[ParallelPlan, int]],
     batch: Any,
     meshes: Meshes,
     steps: tuple[int, int],
-    units: Callable[[], float] | None = None,
-) -> tuple[dict[int, float], float | None] | None:
-    """The job's own model run as ``plan`` (the replicas') by the strategy's own step, as a trial runs it,
-    at each window of :data:`AS_RUN_WINDOWS`, and ``units`` (seconds of the units' hook-timed forward and
-    backward of one batch) timed in turn with them: ``({batches per step: seconds per step}, units'
-    seconds)``, each the slowest rank's median, what
-    :func:`~lightning_parallel.planner.time_model.as_run` reads; ``None`` on every rank if it failed on
-    any (every rank calls it, with ``units`` or without alike).
+) -> list[float] | None:
+    """Each ``(plan, batches per step)`` of ``runs`` run by the strategy's own step, as a trial runs it
+    (each distinct plan built once), the runs taking turns step by step (a load that drifts slows them
+    alike): each one's seconds per optimizer step, the slowest rank's median; ``None`` on every rank if
+    it failed on any (every rank calls it).
 
     Example::
 
-        measured = measure_as_run(trainer, model, ParallelPlan("pipeline", 2, 1, 1), batch, meshes, (2, 5))
+        replicas, pp = ParallelPlan("pipeline", 2, 1, 1), ParallelPlan("pipeline", 2, 2, 2)
+        time_runs(trainer, model, [(replicas, 1), (replicas, 3), (pp, 1)], batch, meshes, (2, 5))
     """
     device = trainer.strategy.root_device
     result, error = None, None
     try:
-        step = _built(trainer, module, plan, batch, meshes.of(plan.layout(), host_tensors(plan, device)))
-        sums: list[float] = []
-        runs = [lambda i, w=w: step(i, w) for w in AS_RUN_WINDOWS]
-        if units is not None:
-            runs.append(lambda i: sums.append(units()))
-        seconds = _median_steps(runs, steps, device)[: len(AS_RUN_WINDOWS)]
-        result = seconds, statistics.median(sums[steps[0] :]) if sums else None
+        built: dict[str, Callable[[int, int], None]] = {}
+        for plan, _ in runs:
+            if plan.code() not in built:
+                mesh = meshes.of(plan.layout(), host_tensors(plan, device))
+                built[plan.code()] = _built(trainer, module, plan, batch, mesh)
+        steps_of = [partial(built[plan.code()], batches=w) for plan, w in runs]
+        result = _median_steps(steps_of, steps, device)
     except Exception as err:
         error = err
     finally:
@@ -347,8 +341,7 @@ def measure_as_run(
     except Exception:
         return None
     assert result is not None
-    seconds, timed = result
-    return {w: slowest(s) for w, s in zip(AS_RUN_WINDOWS, seconds)}, slowest(timed) if timed else None
+    return [slowest(s) for s in result]
 
 
 def _barrier() -> None:
@@ -361,14 +354,13 @@ def _quiet(message: str) -> None:
 
 
 __all__ = [
-    "AS_RUN_WINDOWS",
     "Meshes",
     "Trial",
     "host_tensors",
-    "measure_as_run",
     "measure_overhead",
     "optimizers_without_trainer",
     "run_trials",
     "time_plan",
+    "time_runs",
     "time_windows",
 ]

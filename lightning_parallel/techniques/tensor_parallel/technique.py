@@ -20,6 +20,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnsplitModel
 from lightning_parallel.techniques.contract import Technique
@@ -104,9 +105,9 @@ class TensorParallel(Technique):
         """Measured in place (:class:`TensorParallelTimes`, ``plan="auto"``): each split unit (a block) costs
         what the real split block measured per micro-batch, forward and backward, its all-reduces and
         DTensor's dispatch included (the difference from the local model's unit charged as
-        communication; a recomputed block's forward again in backward). Else from the links: one
-        all-reduce per row-wise split layer in forward, as many
-        in backward, each of the unit's output (activation-sized), over the tensor-parallel ranks."""
+        communication); a recomputed block's backward pays what the split block's measured more under
+        checkpointing. Else from the links: one all-reduce per row-wise split layer in forward, as many in
+        backward, each of the unit's output (activation-sized), over the tensor-parallel ranks."""
         tp, facts, mb = ledger.plan.tensor_parallel_size, ledger.facts, ledger.micro_batch
         if tp == 1:
             return
@@ -119,7 +120,9 @@ class TensorParallel(Technique):
                 more = {n: max(0.0, block.forward.at(mb) - u.forward.at(mb)) for n, u in own.items()}
                 forward = sum(more.values())
                 backward = sum(max(0.0, block.backward.at(mb) - u.backward.at(mb)) for u in own.values())
-                again = sum(more[n] for n in split if n in ledger.recomputed)  # (recomputed: on DTensors too)
+                # Recomputed: as the split block measured under checkpointing (beyond the local unit's
+                # forward, which recomputation charged).
+                again = sum(_recomputed(block, own[n], mb) for n in split if n in ledger.recomputed)
                 ledger.forward[c.index] += forward
                 ledger.backward[c.index] += backward + again
                 ledger.share(c.index, "communication", forward + backward)
@@ -146,10 +149,13 @@ class UnitTimes:
 
 @dataclass(frozen=True)
 class BlockTimes:
-    """A split block's seconds per micro-batch, forward and backward, as lines in its samples."""
+    """A split block's seconds per micro-batch, forward and backward, as lines in its samples;
+    ``recompute``: what its backward takes more under activation checkpointing (its forward run again on
+    DTensors, in backward, where the forward's dispatch caches no longer hold)."""
 
     forward: Line
     backward: Line
+    recompute: Line | None = None
 
 
 @dataclass(frozen=True)
@@ -166,8 +172,9 @@ class TensorParallelTimes:
 
 
 def measure_block(sample: UnitSample, plan: Any, mesh: DeviceMesh, bench: TimeBench) -> BlockTimes:
-    """A copy of the block ``sample`` split with ``plan``'s styles over ``mesh``, timed forward and forward +
-    backward at each of the bench's sizes, as its stage runs it: a split Sequential's stage calls the
+    """A copy of the block ``sample`` split with ``plan``'s styles over ``mesh``, timed forward, forward +
+    backward, and forward + backward under activation checkpointing at each of the bench's sizes, as its
+    stage runs it: a split Sequential's stage calls the
     modules (their styles' hooks, local tensors between them, the local head counts); a traced stage's
     graph runs every op on DTensors (its input a replicated DTensor, the styles' layouts kept between).
 
@@ -194,7 +201,7 @@ def measure_block(sample: UnitSample, plan: Any, mesh: DeviceMesh, bench: TimeBe
                 target = block.get_submodule(path[len(name) + 1 :]) if path != name else block
                 for attr, value in counts.items():
                     setattr(target, attr, value)
-    forward, backward = [], []
+    forward, backward, again = [], [], []
     for size in sorted(sample.inputs):
         args, kwargs = bench.inputs(sample, size)
         if on_dtensors:
@@ -203,9 +210,19 @@ def measure_block(sample: UnitSample, plan: Any, mesh: DeviceMesh, bench: TimeBe
         with context():
             alone = bench.timed(lambda a=args, k=kwargs: block(*a, **k))
             both = bench.timed(lambda a=args, k=kwargs: _backward(block(*a, **k)))
+            recomputed = bench.timed(
+                lambda a=args, k=kwargs: _backward(checkpoint(block, *a, use_reentrant=False, **k))
+            )
         forward.append((size, alone))
         backward.append((size, both - alone))
-    return BlockTimes(Line.through(forward), Line.through(backward))
+        again.append((size, max(0.0, recomputed - both)))
+    return BlockTimes(Line.through(forward), Line.through(backward), Line.through(again))
+
+
+def _recomputed(block: BlockTimes, own: Any, mb: float) -> float:
+    """A split block's forward run again in backward, beyond its local unit's forward."""
+    again = block.recompute.at(mb) if block.recompute is not None else block.forward.at(mb)
+    return max(0.0, again - own.forward.at(mb))
 
 
 def _dtensor_output(style: ParallelStyle) -> ParallelStyle:
