@@ -1,6 +1,7 @@
 """PipelineStrategy(plan="auto"): the arguments, the choice with its margin, nothing fits, the trials' choice,
 and one spawned job in which the auto-planned run computes exactly what the same plan given by hand computes
-(also with trials=2: strategies/pipeline/trials.py; the techniques measured in place: planner/in_place.py)."""
+(also with trials=2: strategies/pipeline/trials.py; the techniques measured in place: planner/in_place.py;
+what plan="auto" measures on the job's ranks: strategies/pipeline/auto_measure.py)."""
 
 from dataclasses import replace
 from pathlib import Path
