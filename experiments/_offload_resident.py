@@ -130,14 +130,19 @@ def in_child(variant: str, shape: tuple[int, int], steps: int, directory: str) -
     return json.loads(out.strip().splitlines()[-1])
 
 
-def resident_rows(shape: tuple[int, int], steps: int, repeats: int) -> list[dict[str, Any]]:
-    """One row per variant: what a step holds (first, later; the baseline's subtracted in each repeat)."""
+def resident_rows(
+    shape: tuple[int, int], steps: int, repeats: int, names: tuple[str, ...] = tuple(VARIANTS)
+) -> list[dict[str, Any]]:
+    """One row per variant of ``names`` (the baseline among them): what a step holds (first, later; the
+    baseline's subtracted in each repeat). Each variant is a process of its own (~5 s of imports)."""
+    if BASELINE not in names:
+        raise ValueError(f"resident_rows needs the baseline {BASELINE!r} among {names}")
     with tempfile.TemporaryDirectory(prefix="bench_offload_rss_") as directory:
-        runs = {name: (lambda name=name: in_child(name, shape, steps, directory)) for name in VARIANTS}
+        runs = {name: (lambda name=name: in_child(name, shape, steps, directory)) for name in names}
         samples = h.interleave(runs, repeats=repeats)
     base = {s["repeat"]: s for s in samples if s["variant"] == BASELINE}
     rows = []
-    for name in VARIANTS:
+    for name in names:
         mine = [s for s in samples if s["variant"] == name]
         row: dict[str, Any] = {"variant": name, "baseline": BASELINE, "repeats": len(mine)}
         for key in ("first", "later"):

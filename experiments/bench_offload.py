@@ -49,7 +49,7 @@ import _harness as h
 import _tables as t
 import lightning as L
 import torch
-from _offload_resident import RESIDENT_COLUMNS, SHAPE, STEPS, offload_resident, resident_rows
+from _offload_resident import BASELINE, RESIDENT_COLUMNS, SHAPE, STEPS, offload_resident, resident_rows
 from _offload_tiers import BATCH, LM, MICROBATCHES, SEQ_LEN, TIER_COLUMNS, WARMUP, offload_tiers, tier_rows
 from models import ByteWindows
 from torch.utils.data import DataLoader
@@ -299,7 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     kernels = kernel_rows(shape, 3 if args.quick else 20, repeats)
     steps_rows = step_rows(shape, steps, repeats)
     tiers = tier_rows(shape, steps if args.quick else 2 * steps, repeats)  # (FSDP2's steps vary more)
-    resident = resident_rows((64, 2) if args.quick else SHAPE, 3 if args.quick else STEPS, repeats)
+    # (--quick: the baseline and one disk tier, each a process of its own: checks the path, not figures)
+    quick_resident = (BASELINE, "on disk, 2 MiB buffer")
+    resident = (
+        resident_rows((64, 2), 3, repeats, quick_resident)
+        if args.quick
+        else resident_rows(SHAPE, STEPS, repeats)
+    )
     h.write_csv(args.out_dir / "offload.csv", steps_rows, STEP_COLUMNS)
     h.write_csv(args.out_dir / "offload_tiers.csv", tiers, TIER_COLUMNS)
     h.write_csv(args.out_dir / "offload_kernels.csv", kernels, KERNEL_COLUMNS)
