@@ -155,6 +155,12 @@ def plan_group(numels: Sequence[int | None], keys: Sequence[StateKey], max_eleme
     return GroupLayout(tuple(keys), tuple(chunks))
 
 
+def _hyper_parameters(cls: type, group: dict[str, Any]) -> dict[str, Any]:
+    """The param group's hyper-parameters that ``cls``'s constructor takes (a probe's optimizer's)."""
+    accepted = inspect.signature(cls).parameters
+    return {k: v for k, v in group.items() if k != "params" and k in accepted}
+
+
 def probe_keys(cls: type, group: dict[str, Any], kernel: dict[str, Any], dtype: torch.dtype) -> tuple[
     tuple[StateKey, ...], bool
 ]:  # fmt: skip
@@ -173,8 +179,7 @@ def probe_keys(cls: type, group: dict[str, Any], kernel: dict[str, Any], dtype: 
     """
     param = torch.zeros(_PROBE_SHAPE, dtype=dtype, requires_grad=True)
     param.grad = torch.full_like(param, 0.5)
-    accepted = inspect.signature(cls).parameters
-    hyper = {k: v for k, v in group.items() if k != "params" and k in accepted}
+    hyper = _hyper_parameters(cls, group)
     optimizer = cls([param], **{**hyper, **kernel})
     optimizer.step()
     keys = []
@@ -206,8 +211,7 @@ def probe_start(cls: type, group: dict[str, Any], kernel: dict[str, Any], dtype:
         >>> probe_start(torch.optim.AdamW, {"lr": 0.1}, {"fused": True}, torch.float32)
         {'step': tensor(0.)}
     """
-    accepted = inspect.signature(cls).parameters
-    hyper = {k: v for k, v in group.items() if k != "params" and k in accepted}
+    hyper = _hyper_parameters(cls, group)
     runs: list[tuple[torch.Tensor, dict[str, Any]]] = []
     for _ in ("the class's start", "zeros"):
         param = torch.linspace(-1, 1, 2 * SPLIT + 3, dtype=dtype).requires_grad_(True)  # (SIMD and tail)
