@@ -1,5 +1,5 @@
 """ZeRO-1 mechanics (optim/sharded.py, techniques/zero.py) without Lightning: exact steps, whole state on
-replica 0, reload."""
+replica 0, reload; the settings every rebuilt optimizer takes (optim/settings.py)."""
 
 import copy
 import warnings
@@ -11,10 +11,31 @@ from mp_harness import spawn_gloo
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from lightning_parallel.optim.settings import accepted_settings
 from lightning_parallel.optim.sharded import consolidate, is_sharded, local_state_bytes, shard_optimizer_state
 from lightning_parallel.techniques.zero import shard_sizes
 
 STEPS = 3
+
+
+class _FixedMomentum(torch.optim.SGD):
+    """A subclass whose constructor takes fewer settings than its ``defaults`` hold."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, lr=lr, momentum=0.9)
+
+
+def test_accepted_settings_keeps_what_the_constructor_takes():
+    """A scheduler's ``initial_lr`` in a group, a subclass's fixed ``momentum``, ``params``: never passed on."""
+    param = nn.Parameter(torch.zeros(2))
+    optimizer = _FixedMomentum([param], lr=0.5)
+    optimizer.param_groups[0]["initial_lr"] = 0.5
+    assert accepted_settings(_FixedMomentum, optimizer.defaults) == {"lr": 0.5}
+    assert accepted_settings(_FixedMomentum, optimizer.param_groups[0]) == {"lr": 0.5}
+    adam = accepted_settings(torch.optim.AdamW, {"lr": 0.1, "fused": None, "foreach": None}, drop=("fused",))
+    assert adam == {"lr": 0.1, "foreach": None}
+    rebuilt = _FixedMomentum([param], **accepted_settings(_FixedMomentum, optimizer.defaults))
+    assert rebuilt.defaults == optimizer.defaults
 
 
 def _model() -> nn.Module:

@@ -13,7 +13,6 @@ its share, so a checkpoint moves between any shapes.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_parallel.distributed.dtensors import local
+from lightning_parallel.optim.settings import accepted_settings
 
 
 def shard_optimizer_state(
@@ -64,8 +64,7 @@ def shard_optimizer_state(
             f"shard_optimizer_state got a {type(optimizer).__name__} that already holds state: shard it "
             f"right after it is built, before its first step"
         )
-    accepted = inspect.signature(type(optimizer)).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    defaults = accepted_settings(type(optimizer), optimizer.defaults)
     groups = [dict(g) for g in optimizer.param_groups]
     cls = optimizer_class or type(optimizer)
     sharded = ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=group, **defaults)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_parallel.optim.settings import accepted_settings
 from lightning_parallel.planner.optimizer import StateSize, optimizers_from, state_sizes
 from lightning_parallel.planner.precision import PRECISION_DTYPES
 from lightning_parallel.planner.probe import (
@@ -162,10 +162,7 @@ def _optimizers(module: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer
 
 def _rebuilt(optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
     """The optimizer's class over ``module``'s parameters, with the defaults its constructor accepts."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return type(optimizer)(
-        module.parameters(), **{k: v for k, v in optimizer.defaults.items() if k in accepted}
-    )
+    return type(optimizer)(module.parameters(), **accepted_settings(type(optimizer), optimizer.defaults))
 
 
 def _tensors(

@@ -9,7 +9,6 @@ state of every real parameter. AdamW in fp32: 8 bytes per element + 4 per tensor
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from lightning_parallel.optim.settings import accepted_settings
 
 _PROBE_NUMEL = 16
 
@@ -81,10 +82,8 @@ def state_sizes(
 
 
 def _probe(cls: type, hyper: dict[str, Any], dtype: torch.dtype) -> StateSize:
-    accepted = inspect.signature(cls).parameters
-    kwargs = {k: v for k, v in hyper.items() if k in accepted}
-    for flag in ("fused", "foreach", "capturable"):
-        kwargs.pop(flag, None)  # CPU stand-in: the default implementation, same state
+    # CPU stand-in: the default implementation, same state
+    kwargs = accepted_settings(cls, hyper, drop=("fused", "foreach", "capturable"))
     param = nn.Parameter(torch.zeros(_PROBE_NUMEL, dtype=dtype))
     try:
         optimizer = cls([param], **kwargs)

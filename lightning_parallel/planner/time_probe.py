@@ -19,7 +19,6 @@ where the host is another memory, on the host (what an offloaded step costs).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import statistics
 import time
 import warnings
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_parallel.optim.settings import accepted_settings
 from lightning_parallel.planner.probe import BEFORE, StepFn, _autocast, default_step
 from lightning_parallel.planner.units import UnitLayout
 from lightning_parallel.techniques.contract import UnitSample
@@ -356,9 +356,7 @@ def _optimizer_settings(optimizers: list[torch.optim.Optimizer]) -> tuple[type, 
     optimizer = getattr(optimizer, "optim", optimizer)  # a ZeroRedundancyOptimizer's local one
     cls = type(optimizer)
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
-    accepted = inspect.signature(cls).parameters
-    kwargs = {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "capturable")}
-    return cls, kwargs
+    return cls, accepted_settings(cls, group, drop=("fused", "capturable"))
 
 
 def _step_seconds(

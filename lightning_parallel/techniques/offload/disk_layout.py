@@ -15,12 +15,13 @@ fp16 parameter last) the chunk's elements in a row. Chunks start on a 4 KiB boun
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lightning_parallel.optim.settings import accepted_settings
 
 # torch.optim classes whose step is elementwise (a tensor's element range steps as the whole tensor).
 ELEMENTWISE = frozenset(
@@ -155,12 +156,6 @@ def plan_group(numels: Sequence[int | None], keys: Sequence[StateKey], max_eleme
     return GroupLayout(tuple(keys), tuple(chunks))
 
 
-def _hyper_parameters(cls: type, group: dict[str, Any]) -> dict[str, Any]:
-    """The param group's hyper-parameters that ``cls``'s constructor takes (a probe's optimizer's)."""
-    accepted = inspect.signature(cls).parameters
-    return {k: v for k, v in group.items() if k != "params" and k in accepted}
-
-
 def probe_keys(cls: type, group: dict[str, Any], kernel: dict[str, Any], dtype: torch.dtype) -> tuple[
     tuple[StateKey, ...], bool
 ]:  # fmt: skip
@@ -179,7 +174,7 @@ def probe_keys(cls: type, group: dict[str, Any], kernel: dict[str, Any], dtype: 
     """
     param = torch.zeros(_PROBE_SHAPE, dtype=dtype, requires_grad=True)
     param.grad = torch.full_like(param, 0.5)
-    hyper = _hyper_parameters(cls, group)
+    hyper = accepted_settings(cls, group)
     optimizer = cls([param], **{**hyper, **kernel})
     optimizer.step()
     keys = []
@@ -211,7 +206,7 @@ def probe_start(cls: type, group: dict[str, Any], kernel: dict[str, Any], dtype:
         >>> probe_start(torch.optim.AdamW, {"lr": 0.1}, {"fused": True}, torch.float32)
         {'step': tensor(0.)}
     """
-    hyper = _hyper_parameters(cls, group)
+    hyper = accepted_settings(cls, group)
     runs: list[tuple[torch.Tensor, dict[str, Any]]] = []
     for _ in ("the class's start", "zeros"):
         param = torch.linspace(-1, 1, 2 * SPLIT + 3, dtype=dtype).requires_grad_(True)  # (SIMD and tail)

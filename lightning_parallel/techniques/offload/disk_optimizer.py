@@ -64,11 +64,12 @@ import torch.distributed as dist
 
 from lightning_parallel.distributed.agree import agree
 from lightning_parallel.optim import sharded as zero_sharding
+from lightning_parallel.optim.settings import accepted_settings
 from lightning_parallel.techniques.offload.disk_chunk import ALIGN, WORK_REGIONS, ChunkStep
 from lightning_parallel.techniques.offload.disk_group import DiskState, GroupFile, GroupSpec, group_spec, seen
 from lightning_parallel.techniques.offload.disk_layout import SPLIT, Chunk, plan_group
 from lightning_parallel.techniques.offload.disk_stream import SLOTS, HostBuffers, Stream
-from lightning_parallel.techniques.offload.host_optimizer import accepted_defaults, host_kernel
+from lightning_parallel.techniques.offload.host_optimizer import host_kernel
 from lightning_parallel.techniques.offload.scratch import ScratchDir, check_room
 
 
@@ -116,7 +117,7 @@ class DiskStepping:
     def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
         self._user_class.__init__(self, params, *args, **kwargs)
         self._step_supports_amp_scaling = False  # the GradScaler unscales the device gradients first
-        defaults = accepted_defaults(self._user_class, self.defaults)
+        defaults = accepted_settings(self._user_class, self.defaults)
         kernel = host_kernel(self._user_class, defaults, torch.float32)
         self._chunk_step = ChunkStep(self._user_class, kernel, defaults, self._tier.pin_memory)
         self._scratch = ScratchDir.acquire(self._tier.directory, self._tier.rank_now())
@@ -387,7 +388,7 @@ def disk_step(optimizer: torch.optim.Optimizer, tier: DiskTier, group: Any = Non
         sharded = zero_sharding.shard_optimizer_state(optimizer, group, schedulers, optimizer_class=cls)
         if sharded is not optimizer:
             return sharded
-    defaults = accepted_defaults(type(optimizer), optimizer.defaults)
+    defaults = accepted_settings(type(optimizer), optimizer.defaults)
     rebuilt = cls([dict(g) for g in optimizer.param_groups], **defaults)
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is optimizer:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.optim.settings import accepted_settings
 from lightning_parallel.optim.sharded import is_sharded, retarget_scheduler, shard_optimizer_state
 
 HOST = torch.device("cpu")
@@ -28,12 +29,6 @@ HOST = torch.device("cpu")
 # 3.6 ms, foreach 16.8 ms, the loop 34.6 ms; SGD with momentum 2.5 / 5.4 / 6.1 ms.
 HOST_KERNELS: tuple[dict[str, bool], ...] = ({"fused": True}, {"foreach": True}, {})
 _KERNEL_KEYS = ("fused", "foreach", "capturable")  # the host's own choice, never the user's groups'
-
-
-def accepted_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer's defaults its class takes as keywords (what rebuilding it from groups needs)."""
-    accepted = inspect.signature(cls).parameters
-    return {k: v for k, v in defaults.items() if k in accepted}
 
 
 def host_kernel(
@@ -156,7 +151,7 @@ class HostStepping:
         self._user_class.__init__(self, params, *args, **kwargs)
         # The GradScaler unscales the device gradients before step (where the ranks agree on overflow).
         self._step_supports_amp_scaling = False
-        defaults = accepted_defaults(self._user_class, self.defaults)
+        defaults = accepted_settings(self._user_class, self.defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         self._kernel = host_kernel(
             self._user_class, defaults, first.dtype if first is not None else torch.float32
@@ -319,7 +314,7 @@ def host_step(optimizer: torch.optim.Optimizer, group: Any, shard: bool, pin_mem
         sharded = shard_optimizer_state(optimizer, group, schedulers, optimizer_class=cls)
         if sharded is not optimizer:
             return sharded
-    defaults = accepted_defaults(type(optimizer), optimizer.defaults)
+    defaults = accepted_settings(type(optimizer), optimizer.defaults)
     rebuilt = cls([dict(g) for g in optimizer.param_groups], **defaults)
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is optimizer:
@@ -335,7 +330,7 @@ def use_host_kernels(optimizer: torch.optim.Optimizer) -> None:
 
         use_host_kernels(torch.optim.AdamW(fsdp_stage.parameters()))   # the fused CPU AdamW
     """
-    defaults = accepted_defaults(type(optimizer), optimizer.defaults)
+    defaults = accepted_settings(type(optimizer), optimizer.defaults)
     first = next((p for g in optimizer.param_groups for p in g["params"]), None)
     like = first if isinstance(first, DTensor) else None
     kernel = host_kernel(type(optimizer), defaults, first.dtype if first is not None else torch.float32, like)

@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from lightning_parallel.optim import sharded as zero_sharding
+from lightning_parallel.optim.settings import accepted_settings
 from lightning_parallel.techniques.offload.host_optimizer import (
     _KERNEL_KEYS,
     HOST,
     HostStepping,
-    accepted_defaults,
 )
 from lightning_parallel.techniques.offload.host_shards import host_local, local_view, placed_like, written
 
@@ -289,7 +289,7 @@ def host_step_shards(
             f"right after it is built, before its first step"
         )
     cls = shard_host_stepping(type(optimizer), pin_memory)
-    defaults = accepted_defaults(type(optimizer), optimizer.defaults)
+    defaults = accepted_settings(type(optimizer), optimizer.defaults)
     rebuilt = cls([dict(g) for g in optimizer.param_groups], **defaults)
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is optimizer:
