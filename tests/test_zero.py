@@ -26,7 +26,7 @@ class _FixedMomentum(torch.optim.SGD):
 
 
 def test_accepted_settings_keeps_what_the_constructor_takes():
-    """A scheduler's ``initial_lr`` in a group, a subclass's fixed ``momentum``, ``params``: never passed on."""
+    """A scheduler's ``initial_lr`` in a group, a subclass's fixed ``momentum``, ``params``: not passed on."""
     param = nn.Parameter(torch.zeros(2))
     optimizer = _FixedMomentum([param], lr=0.5)
     optimizer.param_groups[0]["initial_lr"] = 0.5

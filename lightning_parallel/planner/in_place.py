@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_parallel.distributed.agree import agree, distributed_ready, world_size
 from lightning_parallel.planner.facts import ModelFacts, planned_tensors
-from lightning_parallel.planner.time_probe import optimizer_factory
+from lightning_parallel.planner.optimizer_time import optimizer_factory
 from lightning_parallel.techniques import TECHNIQUES
 from lightning_parallel.techniques.ledgers import TimeBench
 from lightning_parallel.techniques.tensor_parallel.traced import register_missing_shardings
