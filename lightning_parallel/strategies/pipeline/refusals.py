@@ -50,3 +50,19 @@ def refuse_unsupported_callbacks(trainer: pl.Trainer) -> None:
                 f"device only): find it with Tuner(L.Trainer(devices=1)).scale_batch_size(model), then "
                 f"give each data-parallel replica that batch size (a multiple of num_microbatches)"
             )
+
+
+def refuse_disk_beside_auto(plan: Any, offload_to: str) -> None:
+    """``offload_to="disk"`` is a choice ``plan="auto"`` makes itself: one message with the fix, before the
+    plan's own checks (which, with ``offload_dir`` taken for the search, would name another problem).
+
+    Raises:
+        ValueError: both are given.
+    """
+    if plan == "auto" and offload_to == "disk":
+        raise ValueError(
+            "plan='auto' chooses where the optimizer state goes, but offload_to='disk' was given: drop "
+            "offload_to and keep offload_dir= (the search offers the disk tier there, and takes it only "
+            "where the host memory cannot hold the state), or choose the plan yourself (no plan='auto') with "
+            "offload='optimizer', offload_to='disk', offload_dir=..."
+        )

@@ -49,6 +49,7 @@ from lightning_parallel.strategies.pipeline.options import (
 )
 from lightning_parallel.strategies.pipeline.refusals import (
     check_fit_supported,
+    refuse_disk_beside_auto,
     refuse_unsupported_callbacks,
 )
 from lightning_parallel.strategies.pipeline.release import ReleaseAtExit
@@ -179,7 +180,7 @@ class PipelineStrategy(
         # The plan's options, by name, as this call received them: mapped onto the plan in one place.
         arguments = locals()
         options = {name: arguments[name] for name in (*PLAN_OPTIONS, *OLDER_NAMES)}
-        _refuse_disk_beside_auto(plan, offload_to)
+        refuse_disk_beside_auto(plan, offload_to)
         searched_dir = autoplan.searched_dir(plan, options)  # (plan="auto": the disk tier is searched there)
         self.parallel_plan = plan_from_options(options)
         auto = (memory, host_memory, global_batch_size, self.parallel_plan, trials, disk_memory, searched_dir)
@@ -423,19 +424,3 @@ class PipelineStrategy(
 PipelineStrategy.__doc__ = (PipelineStrategy.__doc__ or "").replace(
     "        {plan_arguments}", plan_argument_docs() + "\n" + autoplan.AUTO_ARGUMENT_DOCS
 )
-
-
-def _refuse_disk_beside_auto(plan: Any, offload_to: str) -> None:
-    """``offload_to="disk"`` is a choice ``plan="auto"`` makes itself: one message with the fix, before the
-    plan's own checks (which, with ``offload_dir`` taken for the search, would name another problem).
-
-    Raises:
-        ValueError: both are given.
-    """
-    if plan == autoplan.AUTO and offload_to == "disk":
-        raise ValueError(
-            "plan='auto' chooses where the optimizer state goes, but offload_to='disk' was given: drop "
-            "offload_to and keep offload_dir= (the search offers the disk tier there, and takes it only "
-            "where the host memory cannot hold the state), or choose the plan yourself (no plan='auto') with "
-            "offload='optimizer', offload_to='disk', offload_dir=..."
-        )
