@@ -1,5 +1,5 @@
-"""Offload (techniques/offload/, the technique in techniques/offload/technique.py): the optimizer step,
-FSDP2's shards and the activations on the host.
+"""Offload (techniques/offload/, the technique in techniques/offload/technique.py, its checks in
+techniques/offload/checks.py): the optimizer step, FSDP2's shards and the activations on the host.
 
 What only offload has: the host-stepping optimizer against the plain one, the host kernel, the
 activation hooks, the memory arithmetic, the refusals, and one device (pipeline_size=1) under fp32 and

@@ -3,8 +3,10 @@
 One setting of the plan (``offload=``, :class:`~lightning_parallel.plan.parallel_plan.ParallelPlan`):
 
 * ``technique.py`` - the technique (:data:`~lightning_parallel.techniques.offload.technique.TECHNIQUE`):
-  its settings and refusals, what the job needs (a host backend beside the device's, FSDP2's parameters
+  its label, variants, what the job needs (a host backend beside the device's, FSDP2's parameters
   left on the host), its transform of the optimizers and its context around each training step;
+* ``checks.py`` - its settings checked (what beside which data parallelism, the disk tier's directory and
+  buffer), each refusal with its fix;
 * ``host_optimizer.py`` - the user's optimizer class made host-stepping (plain replicas and ZeRO-1), and
   the fastest host kernel of a step;
 * ``activations.py`` - saved-tensor hooks that keep the micro-batches' activations on the host;
