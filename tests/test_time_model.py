@@ -9,11 +9,12 @@ from tiny_models import SequentialRegressor
 
 from lightning_parallel.distributed.link_timing import LinkTimings, OverlapTiming, Timed
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.calibration import as_run, pipelined_as_run
 from lightning_parallel.planner.facts import measure_model
 from lightning_parallel.planner.links import Curve, Link, StepOverhead, fit_link, given_links, links_from
 from lightning_parallel.planner.optimizer_time import optimizer_step_cost
 from lightning_parallel.planner.schedule import Action, rank_actions
-from lightning_parallel.planner.time_model import as_run, pipelined_as_run, simulate, step_time
+from lightning_parallel.planner.time_model import simulate, step_time
 from lightning_parallel.planner.time_probe import TimeLine
 
 

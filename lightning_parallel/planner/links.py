@@ -129,12 +129,12 @@ class StepOverhead:
     stage's forward or backward as the strategy's step runs it, over the seconds its units' timed lines
     add up to (1: as timed). The last two are measured on the job's own model: its replicas' plan run by
     the strategy's step at two accumulation windows
-    (:func:`~lightning_parallel.planner.time_model.as_run`), what that plan's steps take beyond the
+    (:func:`~lightning_parallel.planner.calibration.as_run`), what that plan's steps take beyond the
     prediction per batch going to ``compute`` and the rest of its step to ``per_step``.
     ``pipelined_batch`` and ``pipelined_action``: what a plan of several pipeline ranks pays more, per
     batch and per forward or backward (the point-to-point sends and receives between the ranks, their
     waits, the runtime's work around them), measured on the job's own model as a pipeline of two ranks
-    at two micro-batch counts (:func:`~lightning_parallel.planner.time_model.pipelined_as_run`).
+    at two micro-batch counts (:func:`~lightning_parallel.planner.calibration.pipelined_as_run`).
     ``loop_step`` and ``loop_batch``: Lightning's loop around the strategy's step (its hooks, the
     closure, the logger connector, the data loader's next batch), per optimizer step and per batch,
     measured on a trivial module run by a one-device Trainer on each rank of the job.

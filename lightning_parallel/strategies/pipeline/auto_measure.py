@@ -25,12 +25,13 @@ from lightning_parallel.distributed.agree import decide_on, distributed_ready, f
 from lightning_parallel.distributed.link_timing import REPEATS, SIZES, time_copy, time_group
 from lightning_parallel.pipeline.step_logs import LogRecorder
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.calibration import as_run, pipelined_as_run
 from lightning_parallel.planner.estimate import predict
 from lightning_parallel.planner.in_place import measure_in_place
 from lightning_parallel.planner.links import Links, StepOverhead, given_links, links_from
 from lightning_parallel.planner.ranking import Budget, measure_for
 from lightning_parallel.planner.search import Search
-from lightning_parallel.planner.time_model import as_run, pipelined_as_run, step_time
+from lightning_parallel.planner.time_model import step_time
 from lightning_parallel.strategies.pipeline.call_input import first_batch
 from lightning_parallel.strategies.pipeline.lightning_loop import loop_seconds
 from lightning_parallel.strategies.pipeline.trials import (

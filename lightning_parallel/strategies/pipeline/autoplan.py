@@ -19,9 +19,9 @@ it measures on the job's ranks before it chooses is :mod:`.auto_measure`'s:
    strategy's step as replicas (one stage per rank, one micro-batch) at two accumulation windows and as
    a pipeline of two ranks at two micro-batch counts, taking turns
    (:func:`~lightning_parallel.strategies.pipeline.auto_measure.models_as_run`): what a batch and a step
-   take as run beyond the prediction (:func:`~lightning_parallel.planner.time_model.as_run`), and what
+   take as run beyond the prediction (:func:`~lightning_parallel.planner.calibration.as_run`), and what
    a pipeline's forwards, backwards and batches pay more
-   (:func:`~lightning_parallel.planner.time_model.pipelined_as_run`), go into every plan's time. Then
+   (:func:`~lightning_parallel.planner.calibration.pipelined_as_run`), go into every plan's time. Then
    global rank 0 alone searches, sizes and times every plan and chooses the fastest that fits (with the
    safety margin);
    :func:`~lightning_parallel.distributed.agree.decide_on` hands the choice, or the error ("nothing
