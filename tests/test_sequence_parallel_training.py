@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from collections import UserDict
 
 import hf_env
@@ -284,7 +285,12 @@ def test_labels_passed_to_a_shifting_call_get_the_next_shards_first_label_and_ot
     assert out["shift_labels"].tolist() == (labels + 1).tolist() and gathered == [("sequence-group", -100)]
     given = {"labels": labels, "shift_labels": labels}
     assert keywords("model", given) is given  # (shifted already)
-    assert "shift_labels" not in keywords("", {"labels": labels})  # (the holder does not shift)
+    # labels= to the holder of a shifting model: left alone (it may shift them itself), said once.
+    with pytest.warns(UserWarning, match=r"labels= is passed to the model, .*model \(_ShiftingLM\)"):
+        assert "shift_labels" not in keywords("", {"labels": labels})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "shift_labels" not in keywords("", {"labels": labels})  # (once)
     assert keywords("model", {"input_ids": labels}) == {"input_ids": labels}  # (no labels)
     assert TECHNIQUE.call_keywords(ParallelPlan(), _Group(), holder) is None
     assert TECHNIQUE.call_keywords(plan, _Group(), TinyGPT(depth=1)) is None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -173,14 +174,20 @@ class SequenceParallel(Technique):
         which the strategy's item count reads (each shard's mean weighted by its labelled tokens)."""
         if plan.sequence_parallel_size == 1:
             return None
-        shifting = {path for path, sub in module.named_modules() if shifts_labels(sub)}
+        shifting = {path: type(sub).__name__ for path, sub in module.named_modules() if shifts_labels(sub)}
         if not shifting:
             return None
         group = mesh.group("sequence")
+        warned: list[str] = []
 
         def shift(path: str, kwargs: dict) -> dict:
             labels = kwargs.get("labels")
-            if path not in shifting or not torch.is_tensor(labels) or kwargs.get("shift_labels") is not None:
+            if not torch.is_tensor(labels) or kwargs.get("shift_labels") is not None:
+                return kwargs
+            if path not in shifting:
+                if not warned:
+                    warned.extend(_shifting_inside(path, shifting))
+                    _warn_labels_to_a_holder(path, warned)
                 return kwargs
             ignore = kwargs.get("ignore_index", IGNORE_INDEX)
             return {**kwargs, "shift_labels": shift_across_shards(labels, group, ignore)}
@@ -397,3 +404,27 @@ def give_position_ids(target: nn.Module, index: int) -> None:
         return args, {**kwargs, "position_ids": positions}
 
     hooks["positions"] = target.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _shifting_inside(path: str, shifting: dict[str, str]) -> list[str]:
+    """The shifting models held inside the module at ``path`` (``""``: the whole module), as
+    ``"path (Class)"``."""
+    return [f"{p} ({name})" for p, name in shifting.items() if not path or p.startswith(f"{path}.")]
+
+
+def _warn_labels_to_a_holder(path: str, inside: list[str]) -> None:
+    """``labels=`` given to a module of the user's that holds a shifting Hugging Face model: if it passes
+    them on, that model's loss shifts each shard's labels on its own and drops the label across each
+    shard boundary (one per shard and sample): training differs from one device's, silently. Said once."""
+    if not inside:
+        return
+    called = f"`{path}`" if path else "the model"
+    warnings.warn(
+        f"sequence parallelism: labels= is passed to {called}, which holds a Hugging Face causal LM whose "
+        f"loss shifts its labels ({', '.join(inside)}). If {called} passes them on, each shard's loss "
+        f"shifts its own labels and loses the next shard's first one: the loss and gradients differ from "
+        f"one device's. Call the Hugging Face model with labels= from training_step (the strategy then "
+        f"gives each shard the labels across its boundary as shift_labels), or use a dict batch with "
+        f"'labels' and pass shift_labels on (the strategy adds them to the batch before the split)",
+        stacklevel=2,
+    )
