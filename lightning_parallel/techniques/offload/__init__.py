@@ -10,7 +10,8 @@ One setting of the plan (``offload=``, :class:`~lightning_parallel.plan.parallel
 * ``host_optimizer.py`` - the user's optimizer class made host-stepping (plain replicas and ZeRO-1), and
   the fastest host kernel of a step;
 * ``activations.py`` - saved-tensor hooks that keep the micro-batches' activations on the host;
-* ``memory.py`` - what it does to a stage's bytes (device -> host), for the planner;
+* ``memory.py`` - what it does to a stage's bytes (device -> host), for the planner; ``timing.py`` - the
+  activations' hooks timed in place on a block (``plan="auto"``), what its time charges per byte;
 * ``disk_*.py``, ``scratch.py`` - the disk tier (``offload_to="disk"``): the state in files streamed
   through a bounded host buffer (``disk_optimizer.py``); for the planner its disk column and the
   seconds of its streaming (``disk_plan.py``) at the disk's bandwidth, measured once (``disk_rate.py``);

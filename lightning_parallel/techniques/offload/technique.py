@@ -36,6 +36,7 @@ from lightning_parallel.techniques.contract import (
     MemoryLedger,
     SearchOptions,
     Technique,
+    TimeBench,
     TimeLedger,
 )
 from lightning_parallel.techniques.offload.activations import ActivationOffload
@@ -56,6 +57,7 @@ from lightning_parallel.techniques.offload.search_options import (
     SEARCH_OPTIONS,
 )
 from lightning_parallel.techniques.offload.shard_optimizer import host_step_shards
+from lightning_parallel.techniques.offload.timing import ActivationTimes, measure_activations
 
 SHORT = {"optimizer": "opt", "parameters": "param", "activations": "act"}
 """Each target's name in a plan's label."""
@@ -187,19 +189,30 @@ class Offload(Technique):
                 for c in stages
             ]
 
+    def measure(self, bench: TimeBench) -> ActivationTimes | None:
+        """Offloaded activations in place: the bench's block under the saved-tensor hooks against the same
+        block without them (:func:`~.timing.measure_activations`)."""
+        return measure_activations(bench) if bench.samples else None
+
     def time(self, ledger: TimeLedger) -> None:
-        """Offloaded activations: their copy to the host in forward and back in backward. FSDP2's shards:
-        their copy up before the all-gather, the gradients' down after the reduce-scatter. The optimizer
-        state: the gradients to the host and the parameters back. Either way the optimizer steps on the
-        host (its extra over the device's step charged to offload); ``offload_to="disk"``: its files read
-        and written at the links' disk bandwidth beside it (``disk_plan.py``)."""
+        """Offloaded activations: their copy to the host in forward and back in backward (measured in
+        place under ``plan="auto"``, :class:`~.timing.ActivationTimes`: the hooks' cost per tensor too).
+        FSDP2's shards: their copy up before the all-gather, the gradients' down after the
+        reduce-scatter. The optimizer state: the gradients to the host and the parameters back. Either way
+        the optimizer steps on the host (its extra over the device's step charged to offload);
+        ``offload_to="disk"``: its files read and written at the links' disk bandwidth beside it
+        (``disk_plan.py``)."""
         offload, links = ledger.plan.offload, ledger.links
         if "activations" in offload:
+            measured = ledger.times.measured.get(self.name) if ledger.times is not None else None
             for c in ledger.stages:
-                copies = links.copy(c.per_microbatch)
-                ledger.forward[c.index] += copies
-                ledger.backward[c.index] += copies
-                ledger.share(c.index, "offload", 2 * copies)
+                if isinstance(measured, ActivationTimes):  # (the hooks' own cost per tensor included)
+                    out, back = measured.seconds(c.per_microbatch, ledger.micro_batch)
+                else:
+                    out = back = links.copy(c.per_microbatch)
+                ledger.forward[c.index] += out
+                ledger.backward[c.index] += back
+                ledger.share(c.index, "offload", out + back)
         trainable = [ledger.facts.tensors[k] for k in ledger.keys if ledger.facts.tensors[k].grad]
         grads = ledger.gradients
         if "parameters" in offload:
