@@ -113,7 +113,8 @@ class ParallelPlan:
             per rank in chunks, the next read while the current one steps).
         offload_dir: the disk tier's directory (required with ``offload_to="disk"``); each rank uses
             ``<offload_dir>/rank<R>``, scratch removed when the run ends (checkpoints hold the state).
-        offload_buffer: the disk tier's host buffer per rank, bytes or ``"512MiB"`` (default 1 GiB).
+        offload_buffer: the most the disk tier's host buffer holds per rank, bytes or ``"512MiB"`` (default
+            1 GiB; less where the largest param group's chunk takes less: it grows as groups are added).
         precision: the Trainer's precision the plan is sized for (``None``: the Trainer's own).
         accumulate_grad_batches: batches per optimizer step, as the Trainer's (sized by the planner;
             the strategy runs the Trainer's).

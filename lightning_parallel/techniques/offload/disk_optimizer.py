@@ -155,7 +155,16 @@ class DiskStepping:
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._user_class.add_param_group(self, param_group)
         if "_disk" in self.__dict__:  # (a group added after construction: BackboneFinetuning's)
-            self._lay_out([group_spec(self._user_class, self.param_groups[-1], self._chunk_step.kernel)])
+            spec = group_spec(self._user_class, self.param_groups[-1], self._chunk_step.kernel)
+            slot, work = _buffer_split([*(f.spec for f in self._disk), spec], self._tier.buffer_bytes)
+            if slot > self._slot_bytes or work > self._work_bytes:
+                # The buffer was sized to the groups it had (a head, before the backbone joins): it grows,
+                # up to the tier's, and the next step allocates it anew (the laid-out chunks still fit).
+                for stream in self._stream:
+                    stream.close()
+                self._stream.clear()
+                self._slot_bytes, self._work_bytes = max(slot, self._slot_bytes), max(work, self._work_bytes)
+            self._lay_out([spec])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -319,7 +328,9 @@ def _close(files: list[GroupFile], stream: list[Stream], scratch: ScratchDir, wa
 
 
 def _buffer_split(specs: list[GroupSpec], buffer_bytes: int) -> tuple[int, int]:
-    """(a slot's bytes, the work area's bytes): ``SLOTS`` slots and the work area fill the buffer.
+    """(a slot's bytes, the work area's bytes): ``SLOTS`` slots and the work area fill the buffer, or hold
+    the largest group whole where that takes less (a chunk never holds more than one group: a small
+    model's tier holds what it needs, not the whole default buffer; never fewer than ``SPLIT`` elements).
 
     Raises:
         ValueError: the buffer holds fewer than ``SPLIT`` elements per chunk, with the size it needs.
@@ -336,6 +347,8 @@ def _buffer_split(specs: list[GroupSpec], buffer_bytes: int) -> tuple[int, int]:
             f"{SPLIT}: use a buffer of at least {slack + SPLIT * (SLOTS * state + work)} bytes (a few "
             f"hundred MiB keeps the disk busy)"
         )
+    largest = max((sum(n for n in s.numels if n) for s in specs), default=0)
+    elements = min(elements, max(largest, SPLIT))
     return elements * state + ALIGN * keys, elements * work + WORK_REGIONS * ALIGN
 
 
