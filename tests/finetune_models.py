@@ -83,16 +83,19 @@ class FineTune(L.LightningModule):
       token mean over the shifted labels;
     * ``loss="step"``: ``F.cross_entropy(logits[:, :-1], labels[:, 1:], ignore_index=-100)`` in the step.
 
-    ``adapters=True``: the model is wrapped by peft (LoRA; its base weights frozen).
+    ``adapters=True``: the model is wrapped by peft (LoRA; its base weights frozen). Two blocks: one a
+    stage at pipeline size 2 (a traced fit's export and cut into stages cost per block).
     """
 
-    def __init__(self, loss: str = "model", adapters: bool = False, lr: float = 1e-2, seed: int = 0) -> None:
+    def __init__(
+        self, loss: str = "model", adapters: bool = False, lr: float = 1e-2, seed: int = 0, layers: int = 2
+    ) -> None:
         super().__init__()
         import transformers as tf
 
         self.save_hyperparameters()
         torch.manual_seed(seed)
-        model = tf.LlamaForCausalLM(hf_config("llama", tied=False))
+        model = tf.LlamaForCausalLM(hf_config("llama", tied=False, layers=layers))
         self.model = lora(model) if adapters else model
         self.loss_style, self.lr = loss, lr
 

@@ -1,7 +1,8 @@
 """Hugging Face decoders built from a config (no download), wrapped in LightningModules as users write them.
 
-Every family the pipeline is tested on, at a tiny size: 4 blocks, width 32, vocabulary 64. Dropout is
-off (the one-device comparison needs the same numbers), and every ``*_init_range`` is left as is.
+Every family the pipeline is tested on, at a tiny size: 4 blocks (``layers``), width 32, vocabulary 64.
+Dropout is off (the one-device comparison needs the same numbers), and every ``*_init_range`` is left as
+is.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ hf_env.require("transformers")  # .hf_packages is on the path now; a test module
 VOCAB = 64
 
 
-def hf_config(family: str, tied: bool | None = None):
-    """A tiny config of ``family``: gpt2, llama, qwen2, mistral, gemma or neox."""
+def hf_config(family: str, tied: bool | None = None, layers: int = 4):
+    """A tiny config of ``family``: gpt2, llama, qwen2, mistral, gemma or neox, of ``layers`` blocks."""
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4)  # fmt: skip
     if family == "gpt2":
         no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=64,
                             bos_token_id=0, eos_token_id=0, **no_dropout)  # fmt: skip
     elif family == "llama":
         cfg = tf.LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=bool(tied))
@@ -46,10 +47,10 @@ def hf_config(family: str, tied: bool | None = None):
     return cfg
 
 
-def hf_model(family: str, tied: bool | None = None):
+def hf_model(family: str, tied: bool | None = None, layers: int = 4):
     import transformers as tf
 
-    return tf.AutoModelForCausalLM.from_config(hf_config(family, tied))
+    return tf.AutoModelForCausalLM.from_config(hf_config(family, tied, layers))
 
 
 class HFCausalLM(L.LightningModule):
@@ -68,10 +69,11 @@ class HFCausalLM(L.LightningModule):
         call: str = "forward",
         lr: float = 1e-2,
         build: bool = True,
+        layers: int = 4,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = hf_model(family, tied) if build else None
+        self.model = hf_model(family, tied, layers) if build else None
         self.call, self.lr = call, lr
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -117,10 +119,16 @@ class PretrainedCausalLM(HFCausalLM):
     under PipelineStrategy, so each rank reads only its stage's tensors from the files)."""
 
     def __init__(
-        self, family: str = "llama", tied: bool | None = True, weights: str = "", lr: float = 1e-3, **_: Any
+        self,
+        family: str = "llama",
+        tied: bool | None = True,
+        weights: str = "",
+        lr: float = 1e-3,
+        layers: int = 4,
+        **_: Any,
     ) -> None:  # (**_: the base class's hyperparameters, saved beside these in checkpoints)
-        super().__init__(family, tied, "logits", lr, build=False)
-        self.family, self.tied, self.weights = family, tied, weights
+        super().__init__(family, tied, "logits", lr, build=False, layers=layers)
+        self.family, self.tied, self.weights, self.layers = family, tied, weights, layers
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -129,19 +137,19 @@ class PretrainedCausalLM(HFCausalLM):
 
         from lightning_parallel import load_pretrained
 
-        self.model = tf.AutoModelForCausalLM.from_config(hf_config(self.family, self.tied))
+        self.model = tf.AutoModelForCausalLM.from_config(hf_config(self.family, self.tied, self.layers))
         load_pretrained(self.model, self.weights)
 
 
 class LitGPTLM(HFCausalLM):
     """litgpt's ``GPT`` from a named ``Config`` (tiny), called as ``self.model(idx)`` in the step."""
 
-    def __init__(self, name: str = "pythia-14m", lr: float = 1e-3) -> None:
+    def __init__(self, name: str = "pythia-14m", lr: float = 1e-3, layers: int = 4) -> None:
         super().__init__("litgpt", None, "litgpt", lr, build=False)
         from litgpt.config import Config
         from litgpt.model import GPT
 
-        size = dict(n_layer=4, n_embd=32, n_head=4, n_query_groups=2, head_size=8, intermediate_size=64)
+        size = dict(n_layer=layers, n_embd=32, n_head=4, n_query_groups=2, head_size=8, intermediate_size=64)
         config = Config.from_name(name, **size, padded_vocab_size=VOCAB, vocab_size=VOCAB, block_size=32)
         self.model, self.call, self.lr = GPT(config), "litgpt", lr
 

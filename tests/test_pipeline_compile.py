@@ -87,14 +87,17 @@ CASES_2 = {  # pp 2 on 2 ranks
     # aot_eager: what this case checks is the compiled stages under bf16-mixed's autocast (traced by
     # dynamo into the stage's graph); nothing of the package depends on the backend's kernels, and a
     # third inductor program would be a minute of C++ builds on 2 cores.
+    # (3 blocks, not 4: dynamo compiles each block instance; the uniform split of the 6 children
+    # (embedding, 3 blocks, norm, head) still gives each stage a block to compile)
     "sequential-bf16": Case("sgd", trainer=dict(precision="bf16-mixed"), compile={"backend": "aot_eager"}),
 }
 CASES_4 = {  # pp 2 x dp 2 on 4 ranks
     # aot_eager (dynamo and AOTAutograd, eager kernels): FSDP2's hooks break the blocks' graphs, so these
     # are new programs, which inductor would compile cold again on 4 ranks sharing 2 cores. First: it
-    # needs nothing of the 2-rank job, which compiles meanwhile.
+    # needs nothing of the 2-rank job, which compiles meanwhile. 3 blocks, not 4 (a block still on each
+    # stage): FSDP2's hooks break each block's graph in several, each compiled on each of 4 ranks.
     "sequential-fsdp-dp2": Case(
-        "sequential", dict(data_parallel="fsdp"), compile={"backend": "aot_eager"}, samples=32
+        "sequential-3", dict(data_parallel="fsdp"), compile={"backend": "aot_eager"}, samples=32
     ),
     "sequential-dp2": Case("sequential", samples=32, after="sequential"),
 }
@@ -119,7 +122,9 @@ class SGDSequentialGPT(SequentialGPT):
 
 
 def _model(kind: str) -> L.LightningModule:
-    """The tiny models of the other tests; the traced ones with one block per stage (less to compile)."""
+    """The tiny models of the other tests, with fewer blocks (less to compile) but the inductor-compiled
+    Sequential GPT's (whose programs the 4-rank job's replicas find in the cache): the traced ones one a
+    stage, the other Sequential GPTs 2 and 1."""
     torch.manual_seed(0)
     if kind == "llama":
         import transformers as tf
@@ -130,7 +135,12 @@ def _model(kind: str) -> L.LightningModule:
         config.num_hidden_layers = 2
         model.model = tf.AutoModelForCausalLM.from_config(config)
         return model
-    return {"sequential": SequentialGPT, "sgd": SGDSequentialGPT}.get(kind, lambda: TinyGPT(depth=2))()
+    kinds = {
+        "sequential": SequentialGPT,
+        "sequential-3": lambda: SequentialGPT(depth=3),
+        "sgd": lambda: SGDSequentialGPT(depth=3),
+    }
+    return kinds.get(kind, lambda: TinyGPT(depth=2))()
 
 
 def _data(case: Case):

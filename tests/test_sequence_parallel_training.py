@@ -74,9 +74,10 @@ def _model(kind: str) -> nn.Module:
         return TinyGPT(depth=2)  # (its attention: softmax(q @ k^T), no SDPA)
     from hf_models import HFCausalLM  # (skips where transformers is missing, outside CI)
 
+    # 2 blocks: one a stage at pp 2 (the export and the cut into stages cost per block traced)
     if kind.startswith("llama-"):
-        return _own_labels(HFCausalLM)("llama", call="labels", lr=1e-3)
-    return HFCausalLM("llama", call="logits", lr=1e-3)
+        return _own_labels(HFCausalLM)("llama", call="labels", lr=1e-3, layers=2)
+    return HFCausalLM("llama", call="logits", lr=1e-3, layers=2)
 
 
 def _own_labels(base: type) -> type:
