@@ -66,7 +66,8 @@ def measure_in_place(
             continue
         if result is not None:
             measured[technique.name] = result
-            notes.append(f"{technique.name} measured in place")
+            said = getattr(result, "note", "")  # how it ran, where not as the run will (TensorParallelTimes)
+            notes.append(f"{technique.name} measured in place" + (f" ({said})" if said else ""))
     for f in facts.values():
         if f.times is not None:
             f.times.measured.update(measured)

@@ -7,31 +7,27 @@ measures one tensor-parallel rank's local model (``memory.py``), whose bytes are
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import parallelize_module
-from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource, UnsplitModel
 from lightning_parallel.techniques.contract import Technique
 from lightning_parallel.techniques.job import Job
-from lightning_parallel.techniques.ledgers import Line, TimeBench, TimeLedger, UnitSample
+from lightning_parallel.techniques.ledgers import Line, TimeBench, TimeLedger
 from lightning_parallel.techniques.tensor_parallel.apply import apply_plan
 from lightning_parallel.techniques.tensor_parallel.plan import (
     TensorPlan,
     default_plan,
     traced_plan,
     user_plan,
+)
+from lightning_parallel.techniques.tensor_parallel.timing import (
+    BlockTimes,
+    TensorParallelTimes,
+    measure_block,
 )
 from lightning_parallel.techniques.tensor_parallel.traced import (
     TensorParallelStep,
@@ -147,103 +143,10 @@ class UnitTimes:
     backward: Line = field(default_factory=Line)
 
 
-@dataclass(frozen=True)
-class BlockTimes:
-    """A split block's seconds per micro-batch, forward and backward, as lines in its samples;
-    ``recompute``: what its backward takes more under activation checkpointing (its forward run again on
-    DTensors, in backward, where the forward's dispatch caches no longer hold)."""
-
-    forward: Line
-    backward: Line
-    recompute: Line | None = None
-
-
-@dataclass(frozen=True)
-class TensorParallelTimes:
-    """Tensor parallelism measured in place: per tensor-parallel size, one split block's times.
-
-    Example::
-
-        times = TECHNIQUE.measure(bench)      # on every rank of the job
-        times.blocks[2].forward.at(8)         # seconds of a block's forward on 8 samples over 2 ranks
-    """
-
-    blocks: dict[int, BlockTimes] = field(default_factory=dict)
-
-
-def measure_block(sample: UnitSample, plan: Any, mesh: DeviceMesh, bench: TimeBench) -> BlockTimes:
-    """A copy of the block ``sample`` split with ``plan``'s styles over ``mesh``, timed forward, forward +
-    backward, and forward + backward under activation checkpointing at each of the bench's sizes, as its
-    stage runs it: a split Sequential's stage calls the
-    modules (their styles' hooks, local tensors between them, the local head counts); a traced stage's
-    graph runs every op on DTensors (its input a replicated DTensor, the styles' layouts kept between).
-
-    Raises:
-        ValueError: the plan splits nothing in the block.
-
-    Example::
-
-        measure_block(bench.samples[0], default_plan(model.layers, "layers", 2), mesh["tp"], bench)
-    """
-    name = sample.name
-    styles = {p[len(name) + 1 :]: s for p, s in plan.styles.items() if p.startswith(f"{name}.")}
-    if not styles:
-        raise ValueError(f"the tensor-parallel plan splits nothing in {name}")
-    block = copy.deepcopy(sample.module).to(bench.device)
-    on_dtensors = bench.layout != "sequential"
-    if on_dtensors:
-        bench.dtensor_rules()
-        styles = {p: _dtensor_output(s) for p, s in styles.items()}
-    parallelize_module(block, mesh, styles)
-    if not on_dtensors:
-        for path, counts in plan.head_counts.items():
-            if path == name or path.startswith(f"{name}."):
-                target = block.get_submodule(path[len(name) + 1 :]) if path != name else block
-                for attr, value in counts.items():
-                    setattr(target, attr, value)
-    forward, backward, again = [], [], []
-    for size in sorted(sample.inputs):
-        args, kwargs = bench.inputs(sample, size)
-        if on_dtensors:
-            args, kwargs = tree_map(lambda t: _replicated(t, mesh), (args, kwargs))
-        context = implicit_replication if on_dtensors else contextlib.nullcontext
-        with context():
-            alone = bench.timed(lambda a=args, k=kwargs: block(*a, **k))
-            both = bench.timed(lambda a=args, k=kwargs: _backward(block(*a, **k)))
-            recomputed = bench.timed(
-                lambda a=args, k=kwargs: _backward(checkpoint(block, *a, use_reentrant=False, **k))
-            )
-        forward.append((size, alone))
-        backward.append((size, both - alone))
-        again.append((size, max(0.0, recomputed - both)))
-    return BlockTimes(Line.through(forward), Line.through(backward), Line.through(again))
-
-
 def _recomputed(block: BlockTimes, own: Any, mb: float) -> float:
     """A split block's forward run again in backward, beyond its local unit's forward."""
     again = block.recompute.at(mb) if block.recompute is not None else block.forward.at(mb)
     return max(0.0, again - own.forward.at(mb))
-
-
-def _dtensor_output(style: ParallelStyle) -> ParallelStyle:
-    """``style`` leaving its output a DTensor (the traced graphs' ops run on DTensors between the splits)."""
-    style = copy.copy(style)
-    if hasattr(style, "use_local_output"):
-        style.use_local_output = False
-    return style
-
-
-def _replicated(t: Any, mesh: DeviceMesh) -> Any:
-    if not torch.is_tensor(t) or not t.is_floating_point() or isinstance(t, DTensor):
-        return t
-    whole = DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
-    return whole.requires_grad_(t.requires_grad)
-
-
-def _backward(out: Any) -> None:
-    floats = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in floats]
-    sum(t.float().sum() for t in local).backward()
 
 
 def resolve(plan: Any, model: UnsplitModel) -> TensorPlan | None:
