@@ -302,10 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     kernels = kernel_rows(shape, 3 if args.quick else 20, repeats, warmup)
     steps_rows = step_rows(shape, steps, repeats, warmup)
     tiers = tier_rows(shape, steps if args.quick else 2 * steps, repeats, warmup)  # (FSDP2's vary more)
-    # (--quick: the baseline and one disk tier, each a process of its own: checks the path, not figures)
+    # (--quick: the baseline and one disk tier, in one process: checks the path, not figures)
     quick_resident = (BASELINE, "on disk, 2 MiB buffer")
     resident = (
-        resident_rows((64, 2), 3, repeats, quick_resident)
+        resident_rows((64, 2), 3, repeats, quick_resident, one_process=True)
         if args.quick
         else resident_rows(SHAPE, STEPS, repeats)
     )
