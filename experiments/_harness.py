@@ -379,15 +379,18 @@ class StepClock(L.Callback):
         return sorted(cycles)[min(len(cycles) - 1, int(q * len(cycles)))]
 
 
-def seconds_by_length(timed: Callable[[int], float], seq_len: int, repeats: int) -> list[dict[str, Any]]:
+def seconds_by_length(
+    timed: Callable[[int], float], seq_len: int, repeats: int, quick: bool = False
+) -> list[dict[str, Any]]:
     """``timed(n)`` at a quarter, half and all of ``seq_len``, interleaved over the lengths: one row each
-    with the median and range of its seconds (``trace_s``), as the tracing benchmarks report them.
+    with the median and range of its seconds (``trace_s``), as the tracing benchmarks report them;
+    ``quick`` (a script's ``--quick``): at ``seq_len`` alone, the same code once.
 
     Example::
 
         rows = seconds_by_length(lambda n: time_one_trace(n), 64, repeats=5)
     """
-    lengths = [seq_len // 4, seq_len // 2, seq_len]
+    lengths = [seq_len] if quick else [seq_len // 4, seq_len // 2, seq_len]
     samples = interleave({str(n): (lambda n=n: timed(n)) for n in lengths}, repeats=repeats)
     rows = []
     for n in lengths:

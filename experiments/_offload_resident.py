@@ -120,9 +120,10 @@ def measure(variant: str, shape: tuple[int, int], steps: int, directory: str) ->
             "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
 
 
-def in_child(variant: str, shape: tuple[int, int], steps: int, directory: str) -> dict[str, Any]:
-    """:func:`measure` in a fresh process with glibc's settings for measuring (``MALLOC_ENV``)."""
-    request = json.dumps({"variant": variant, "shape": shape, "steps": steps, "directory": directory})
+def in_child(variants: list[str], shape: tuple[int, int], steps: int, directory: str) -> list[dict[str, Any]]:
+    """:func:`measure` of each of ``variants``, one after the other, in a fresh process with glibc's
+    settings for measuring (``MALLOC_ENV``)."""
+    request = json.dumps({"variants": variants, "shape": shape, "steps": steps, "directory": directory})
     # (not this process's rendezvous: its earlier fits left their port and ranks in the environment)
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     env |= {**MALLOC_ENV, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(h.free_port())}
@@ -131,15 +132,24 @@ def in_child(variant: str, shape: tuple[int, int], steps: int, directory: str) -
 
 
 def resident_rows(
-    shape: tuple[int, int], steps: int, repeats: int, names: tuple[str, ...] = tuple(VARIANTS)
-) -> list[dict[str, Any]]:
+    shape: tuple[int, int], steps: int, repeats: int, names: tuple[str, ...] = tuple(VARIANTS),
+    one_process: bool = False,
+) -> list[dict[str, Any]]:  # fmt: skip
     """One row per variant of ``names`` (the baseline among them): what a step holds (first, later; the
-    baseline's subtracted in each repeat). Each variant is a process of its own (~5 s of imports)."""
+    baseline's subtracted in each repeat). Each variant is a process of its own (~5 s of imports); with
+    ``one_process`` (``--quick``'s smoke run), one process fits them all, one after the other, once: an
+    earlier fit's freed memory is then a later one's, so its figures only show that the path runs."""
     if BASELINE not in names:
         raise ValueError(f"resident_rows needs the baseline {BASELINE!r} among {names}")
     with tempfile.TemporaryDirectory(prefix="bench_offload_rss_") as directory:
-        runs = {name: (lambda name=name: in_child(name, shape, steps, directory)) for name in names}
-        samples = h.interleave(runs, repeats=repeats)
+        if one_process:
+            found = in_child(list(names), shape, steps, directory)
+            samples = [
+                dict(repeat=0, variant=n, position=i, **f) for i, (n, f) in enumerate(zip(names, found))
+            ]
+        else:
+            runs = {name: (lambda name=name: in_child([name], shape, steps, directory)[0]) for name in names}
+            samples = h.interleave(runs, repeats=repeats)
     base = {s["repeat"]: s for s in samples if s["variant"] == BASELINE}
     rows = []
     for name in names:
@@ -207,11 +217,11 @@ def offload_resident(rows: t.Rows) -> str:
 
 
 def _main() -> None:
-    """A child's entry: one measurement, printed as JSON on the last line."""
+    """A child's entry: the measurements, printed as a JSON list on the last line."""
     h.quiet()
     request = json.loads(sys.argv[1])
-    print(json.dumps(measure(request["variant"], tuple(request["shape"]), request["steps"],
-                             request["directory"])))  # fmt: skip
+    print(json.dumps([measure(v, tuple(request["shape"]), request["steps"], request["directory"])
+                      for v in request["variants"]]))  # fmt: skip
 
 
 if __name__ == "__main__":

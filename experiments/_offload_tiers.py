@@ -131,13 +131,13 @@ def planned(variant: str, shape: tuple[int, int], directory: str) -> dict[str, i
             "planned_disk_bytes": est.disk}  # fmt: skip
 
 
-def tier_rows(shape: tuple[int, int], steps: int, repeats: int) -> list[dict[str, Any]]:
+def tier_rows(shape: tuple[int, int], steps: int, repeats: int, warmup: bool = True) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_offload_") as directory:
         for comparison in dict.fromkeys(c for c, _ in TIERS.values()):
             names = [n for n, (c, _) in TIERS.items() if c == comparison]
             variants = {n: (lambda n=n: timed_tier(n, shape, steps, directory)) for n in names}
-            samples = h.interleave(variants, repeats=repeats, warmup=True)
+            samples = h.interleave(variants, repeats=repeats, warmup=warmup)
             for row in h.compare(samples, "step_ms", baseline=names[0]):
                 mine = [s for s in samples if s["variant"] == row["variant"]]
                 row |= h.spread(s["disk_wait_share"] for s in mine).cells("disk_wait_share", 4)

@@ -40,7 +40,8 @@ the auto choice within 1.05x of the best measured.
 Usage::
 
     python experiments/bench_autoplan.py            # ~7 minutes on 2 cores
-    python experiments/bench_autoplan.py --quick    # one model, one budget, its first two plans, once each
+    python experiments/bench_autoplan.py --quick    # one model, one budget, its first two plans, once each,
+                                                    # a step of each kind; trials=2 (a smoke run)
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.ranking import Budget
-from lightning_parallel.strategies.pipeline import autoplan
+from lightning_parallel.strategies.pipeline import autoplan as planning  # (`autoplan`: the table below)
 from lightning_parallel.techniques.offload.host_optimizer import is_host_stepping
 
 MODELS = ("Sequential CharLM (split qkv)", "GPT (traced)", "HF Llama")
@@ -69,10 +70,13 @@ DIM, DEPTH, SEQ_LEN, GLOBAL_BATCH, DEVICES = 128, 4, 64, 16, 2
 LOADER_BATCH = GLOBAL_BATCH // DEVICES  # one replica's batch, as a user's loader yields it
 WARMUP, TRACKED, TIMED = 2, 1, 6  # optimizer steps: warm-up, the one MemTracker measures, the timed ones
 TOP, TRIALS = 6, 3
+# --quick: a smoke run of every phase, its numbers unread: each run's steps one of each kind, the
+# measurements of plan="auto" one step (no warm-up) and two link sizes, trials=2 (the fewest that run).
+QUICK_STEPS, QUICK_TRIALS = (1, 1, 1), 2
 FAMILIES = ("replicas", "ZeRO-1", "FSDP2", "tensor parallel", "offload", "interleaved", "pipeline")
 GOALS = {"error_goal": 0.20, "family_goal": 1.5, "spearman_goal": 0.9, "time_goal": 1.05}
-QUICK = autoplan.Measurement(link_sizes=(1 << 10, 1 << 16, 1 << 20), link_repeats=2, repeats=1,
-                             overhead_steps=(1, 2), trial_steps=(1, 1))  # fmt: skip
+QUICK = planning.Measurement(link_sizes=(1 << 10, 1 << 16), link_repeats=1, repeats=1,
+                             overhead_steps=(0, 1), trial_steps=(0, 1))  # fmt: skip
 
 
 def build(model: str) -> Any:
@@ -127,10 +131,11 @@ def plan_worker(rank: int, world: int, model: str, quick: bool, budgets: dict[st
     its trials kept and their measurements; else once, every plan it sized and timed (rank 0's)."""
     h.quiet()
     if quick:
-        autoplan.MEASURE = QUICK
+        planning.MEASURE = QUICK
     if budgets is None:
         return _planned(world, model, "4GiB", None)
-    return {name: _planned(world, model, device, TRIALS) for name, device in budgets.items()}
+    trials = QUICK_TRIALS if quick else TRIALS
+    return {name: _planned(world, model, device, trials) for name, device in budgets.items()}
 
 
 def _planned(world: int, model: str, memory: Any, trials: int | None) -> Any:
@@ -199,8 +204,9 @@ def model_worker(rank: int, world: int, model: str, quick: bool) -> dict[str, An
         budgets = dict(list(budgets.items())[:1])
     picks = {name: picks_for(found["candidates"], b, quick) for name, b in budgets.items()}
     plans = {c["label"]: c for mine in picks.values() for c in mine}
-    jobs = [{"key": f"{model}|{label}", "model": model, "plan": c["plan"], "accumulate": c["accumulate"]}
-            for label, c in plans.items()]  # fmt: skip
+    steps = QUICK_STEPS if quick else (WARMUP, TRACKED, TIMED)
+    jobs = [{"key": f"{model}|{label}", "model": model, "plan": c["plan"], "accumulate": c["accumulate"],
+             "steps": steps} for label, c in plans.items()]  # fmt: skip
     runs = []
     for pass_, order in enumerate((jobs, list(reversed(jobs)))[: 1 if quick else 2]):
         for job in order:
@@ -213,8 +219,9 @@ def model_worker(rank: int, world: int, model: str, quick: bool) -> dict[str, An
 def one_run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     plan: ParallelPlan = job["plan"]
     accumulate = job["accumulate"]
-    clock, meter = h.StepClock(), StepMeter(step=WARMUP * accumulate)
-    steps = WARMUP + TRACKED + TIMED
+    warmup, tracked, timed = job["steps"]
+    clock, meter = h.StepClock(), StepMeter(step=warmup * accumulate)
+    steps = warmup + tracked + timed
     trainer = h.quiet_trainer(devices=world, strategy=PipelineStrategy.from_plan(plan), max_steps=steps,
                               accumulate_grad_batches=accumulate, callbacks=[meter, clock])  # fmt: skip
     # Every replica reads its own batches (Lightning's sampler): the global batch is GLOBAL_BATCH.
@@ -225,7 +232,7 @@ def one_run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     optimizer = getattr(trainer.optimizers[0], "optim", trainer.optimizers[0])
     host = sum(optimizer.host_bytes().values()) if is_host_stepping(optimizer) else 0
     return {"key": job["key"], "rank": rank, "peak": meter.peak - host, "host": host,
-            "times": step_seconds(clock, accumulate, WARMUP + TRACKED)}  # fmt: skip
+            "times": step_seconds(clock, accumulate, warmup + tracked)}  # fmt: skip
 
 
 def step_seconds(clock: h.StepClock, accumulate: int, skip: int) -> list[float]:

@@ -135,7 +135,7 @@ def tracing_times(args: dict[str, Any]) -> list[dict[str, Any]]:
         trace(twin, example, points, train=True)
         return time.perf_counter() - start
 
-    return h.seconds_by_length(timed, args["seq_len"], args["repeats"])
+    return h.seconds_by_length(timed, args["seq_len"], args["repeats"], args["quick"])
 
 
 # ------------------------------------------------------------------- its tables in docs/results.md

@@ -132,7 +132,7 @@ def tracing_times(args: dict[str, Any]) -> list[dict[str, Any]]:
         trace(twin, example, points, True, binding)
         return time.perf_counter() - start
 
-    return h.seconds_by_length(timed, args["seq_len"], args["repeats"])
+    return h.seconds_by_length(timed, args["seq_len"], args["repeats"], args["quick"])
 
 
 def plot(rows: list[dict[str, Any]], tracing: list[dict[str, Any]], args: Any) -> None:

@@ -122,9 +122,9 @@ def timed_kernel(name: str, kernel: dict[str, bool], params: list[torch.Tensor],
     return 1e3 * (time.perf_counter() - start) / steps
 
 
-def step_rows(shape: tuple[int, int], steps: int, repeats: int) -> list[dict[str, Any]]:
+def step_rows(shape: tuple[int, int], steps: int, repeats: int, warmup: bool = True) -> list[dict[str, Any]]:
     variants = {name: (lambda name=name: timed_fit(name, shape, steps)) for name in VARIANTS}
-    samples = h.interleave(variants, repeats=repeats, warmup=True)
+    samples = h.interleave(variants, repeats=repeats, warmup=warmup)
     rows = h.compare(samples, "step_ms", baseline="device")
     for row in rows:
         mine = [s for s in samples if s["variant"] == row["variant"]]
@@ -136,7 +136,9 @@ def step_rows(shape: tuple[int, int], steps: int, repeats: int) -> list[dict[str
     return rows
 
 
-def kernel_rows(shape: tuple[int, int], steps: int, repeats: int) -> list[dict[str, Any]]:
+def kernel_rows(
+    shape: tuple[int, int], steps: int, repeats: int, warmup: bool = True
+) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model = LM(*shape, fused=False)
     params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
@@ -147,7 +149,7 @@ def kernel_rows(shape: tuple[int, int], steps: int, repeats: int) -> list[dict[s
         variants = {
             k: (lambda k=k, name=name: timed_kernel(name, KERNELS[k], params, steps)) for k in KERNELS
         }
-        samples = h.interleave(variants, repeats=repeats, warmup=True)
+        samples = h.interleave(variants, repeats=repeats, warmup=warmup)
         for row in h.compare([{**s, "step_ms": s["value"]} for s in samples], "step_ms", baseline="fused"):
             rows.append({"optimizer": name, "kernel": row.pop("variant"), **row,
                          "parameters": sum(p.numel() for p in params), "tensors": len(params)})  # fmt: skip
@@ -296,13 +298,14 @@ def main(argv: list[str] | None = None) -> None:
     h.quiet()
     start = time.perf_counter()
     shape, steps, repeats = ((64, 2), 5, 1) if args.quick else ((128, 4), 10, args.repeats)
-    kernels = kernel_rows(shape, 3 if args.quick else 20, repeats)
-    steps_rows = step_rows(shape, steps, repeats)
-    tiers = tier_rows(shape, steps if args.quick else 2 * steps, repeats)  # (FSDP2's steps vary more)
-    # (--quick: the baseline and one disk tier, each a process of its own: checks the path, not figures)
+    warmup = not args.quick  # (--quick: each fit once, a smoke run; its numbers are not read)
+    kernels = kernel_rows(shape, 3 if args.quick else 20, repeats, warmup)
+    steps_rows = step_rows(shape, steps, repeats, warmup)
+    tiers = tier_rows(shape, steps if args.quick else 2 * steps, repeats, warmup)  # (FSDP2's vary more)
+    # (--quick: the baseline and one disk tier, in one process: checks the path, not figures)
     quick_resident = (BASELINE, "on disk, 2 MiB buffer")
     resident = (
-        resident_rows((64, 2), 3, repeats, quick_resident)
+        resident_rows((64, 2), 3, repeats, quick_resident, one_process=True)
         if args.quick
         else resident_rows(SHAPE, STEPS, repeats)
     )
