@@ -405,44 +405,41 @@ def test_a_parameter_unfrozen_after_the_layout_is_refused_a_new_group_is_laid_ou
     optimizer.close()
     # BackboneFinetuning's way: the backbone out of the optimizer, then added as a group of its own
     # (laid out when it is added).
+    optimizer, _ = _backbone_joins(tmp_path, BUFFER, head=2, backbone=lambda m: [m[0].weight])
+    assert len(optimizer._disk) == 2 and optimizer._disk[1].has_state(0)
+    optimizer.close()
+
+
+def _backbone_joins(tmp_path, buffer: int, head: int, backbone) -> tuple:
+    """The disk tier and a plain AdamW over ``model[head:]``, one step; then ``backbone(model)`` (the first
+    layer unfrozen) added as a group of its own and two more steps, the disk tier's parameters checked
+    against the plain one's. Returns the disk tier's optimizer and its buffers' peak before the group."""
     model, plain_model = _mlp(), _mlp()
-    optimizer = disk_step(torch.optim.AdamW(model[2:].parameters(), lr=0.05), DiskTier(str(tmp_path), BUFFER))
-    plain = torch.optim.AdamW(plain_model[2:].parameters(), lr=0.05)
+    optimizer = disk_step(
+        torch.optim.AdamW(model[head:].parameters(), lr=0.05), DiskTier(str(tmp_path), buffer)
+    )
+    plain = torch.optim.AdamW(plain_model[head:].parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     plain_scheduler = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.7)
     _train(model, optimizer, scheduler, 1)
     _train(plain_model, plain, plain_scheduler, 1)
+    before = optimizer.buffers.peak
     for m, o in ((model, optimizer), (plain_model, plain)):
         m[0].requires_grad_(True)
-        o.add_param_group({"params": [m[0].weight], "lr": 0.01})
+        o.add_param_group({"params": backbone(m), "lr": 0.01})
     _train(model, optimizer, scheduler, 2, start=1)
     _train(plain_model, plain, plain_scheduler, 2, start=1)
     for got, want in zip(model.parameters(), plain_model.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert len(optimizer._disk) == 2 and optimizer._disk[1].has_state(0)
-    optimizer.close()
+    return optimizer, before
 
 
 def test_the_buffer_holds_what_the_groups_need_and_grows_when_a_larger_group_joins(tmp_path):
     """A 64 MiB buffer for a head of 102 trainable elements: the tier holds the head's chunk, not 64 MiB;
     the backbone added as a group (BackboneFinetuning's way) grows it, and the steps stay exact."""
-    big = 64 * 2**20
-    model, plain_model = _mlp(), _mlp()
-    optimizer = disk_step(torch.optim.AdamW(model[4:].parameters(), lr=0.05), DiskTier(str(tmp_path), big))
-    plain = torch.optim.AdamW(plain_model[4:].parameters(), lr=0.05)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-    plain_scheduler = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.7)
-    _train(model, optimizer, scheduler, 1)
-    _train(plain_model, plain, plain_scheduler, 1)
-    head = optimizer.buffers.peak
+    backbone = lambda m: [*m[0].parameters(), *m[2].parameters()]  # noqa: E731
+    optimizer, head = _backbone_joins(tmp_path, 64 * 2**20, head=4, backbone=backbone)
     assert 0 < head < 64 * 1024, head  # (3 slots of 64 elements x 8 bytes of AdamW state, a work area)
-    for m, o in ((model, optimizer), (plain_model, plain)):
-        m[0].requires_grad_(True)
-        o.add_param_group({"params": [*m[0].parameters(), *m[2].parameters()], "lr": 0.01})
-    _train(model, optimizer, scheduler, 2, start=1)
-    _train(plain_model, plain, plain_scheduler, 2, start=1)
-    for got, want in zip(model.parameters(), plain_model.parameters()):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert head < optimizer.buffers.peak < 256 * 1024  # (the backbone's 2,320 elements in one chunk)
     assert [len(d.layout.chunks) for d in optimizer._disk] == [1, 1]
     optimizer.close()

@@ -10,6 +10,7 @@ paid per byte its hooks packed, at the stage's bytes per micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,7 @@ def measure_activations(bench: TimeBench) -> ActivationTimes | None:
         args, kwargs = bench.inputs(sample, size)
 
         def run(hooks: ActivationOffload | None, back: bool, a: Any = args, k: Any = kwargs) -> None:
-            with hooks if hooks is not None else _nothing():
+            with hooks if hooks is not None else contextlib.nullcontext():
                 out = block(*a, **k)
             if back:
                 _backward(out)
@@ -81,14 +82,6 @@ def measure_activations(bench: TimeBench) -> ActivationTimes | None:
         forward.append((size, max(0.0, hooked_forward - plain_forward)))
         backward.append((size, max(0.0, (hooked_both - hooked_forward) - (plain_both - plain_forward))))
     return ActivationTimes(Line.through(packed), Line.through(forward), Line.through(backward))
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _backward(out: Any) -> None:
