@@ -462,6 +462,9 @@ def _run_page(_rank: int, workdir: str, environ: dict[str, str]) -> None:
     with open("printed.txt", "w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
+        # Whole lines, one write each: the other ranks write to the same file, and a forked process's
+        # stdout may write a print's text and its newline apart (another rank's line then lands between).
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
         try:
             runpy.run_path("program.py", run_name="__main__")
         finally:
@@ -493,6 +496,7 @@ def test_each_page_runs_as_pasted(page, tmp_path):
     # argument the page gives wins): the CPU, one epoch; a port from this worker's range for a job.
     environ = dict(os.environ, PL_TRAINER_ACCELERATOR="cpu", PL_TRAINER_MAX_EPOCHS="1")
     environ.update(PL_TRAINER_ENABLE_PROGRESS_BAR="False")
+    environ.pop("PYTHONUNBUFFERED", None)  # each rank's lines written whole (see _run_page)
     environ.update(MASTER_PORT=str(free_port()))
     try:
         mp.start_processes(_run_page, args=(str(tmp_path), environ), nprocs=1, start_method=START_METHOD)
