@@ -464,7 +464,7 @@ def _run_page(_rank: int, workdir: str, environ: dict[str, str]) -> None:
         os.dup2(out.fileno(), 2)
         # Whole lines, one write each: the other ranks write to the same file, and a forked process's
         # stdout may write a print's text and its newline apart (another rank's line then lands between).
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the rank's stdout to its end)
         try:
             runpy.run_path("program.py", run_name="__main__")
         finally:
