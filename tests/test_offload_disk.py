@@ -1,6 +1,7 @@
-"""The disk tier (techniques/offload/disk_optimizer.py, with techniques/offload/disk_layout.py,
-techniques/offload/disk_group.py, techniques/offload/disk_chunk.py, techniques/offload/disk_stream.py and
-techniques/offload/scratch.py): the optimizer state in files, streamed through a bounded host buffer.
+"""The disk tier (techniques/offload/disk_optimizer.py, with techniques/offload/disk_tier.py (its settings
+and its buffer's split), techniques/offload/disk_layout.py, techniques/offload/disk_group.py,
+techniques/offload/disk_chunk.py, techniques/offload/disk_stream.py and techniques/offload/scratch.py):
+the optimizer state in files, streamed through a bounded host buffer.
 
 In one process, no process group (the FSDP2 and ZeRO-1 runs are in test_offload_shards.py's spawned
 job): the chunk plan; replicas stepping from the files against the plain optimizer (1e-5) and against

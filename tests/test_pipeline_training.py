@@ -4,7 +4,8 @@ Here what the configuration matrix does not do (tests/matrix.py: every schedule,
 run by tests/test_matrix.py): ranks started by Lightning's own launcher, a CSV log, changing sequence
 lengths with a validation batch size of their own.
 
-Covers strategies/pipeline/strategy.py, strategies/pipeline/setup.py (the set-up's order) and
+Covers strategies/pipeline/strategy.py, strategies/pipeline/setup.py (the set-up's order),
+strategies/pipeline/step_hooks.py (Lightning's step, backward and optimizer_step hooks),
 strategies/pipeline/step.py (a training step through the schedule) and strategies/pipeline/step_results.py
 (the last stage's loss and logs on every rank).
 """

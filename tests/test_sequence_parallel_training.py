@@ -8,7 +8,9 @@ at k=2 beside 2 replicas (its own ``labels=`` loss: counted from the call, and b
 logits, the shards' joined in token order). Every target carries ``-100`` prompt labels (the first shard
 holds more of them than the second, so only a token-weighted mean is exact: ``TokenWeightedLoss``). A
 GPT whose attention is a hand-written softmax is refused on every rank after its first step, naming what
-was looked for, with one pipeline rank and with two (whose stages' attentions are counted together).
+was looked for, with one pipeline rank and with two (whose stages' attentions are counted together): that
+check, the declared heads and the warning about ``labels=`` handed to a module holding a shifting model
+are techniques/sequence_parallel/model_checks.py's.
 """
 
 from __future__ import annotations
@@ -37,11 +39,8 @@ from torch.utils.data import TensorDataset
 from lightning_parallel import PipelineStrategy, TokenWeightedLoss, labelled_tokens
 from lightning_parallel.pipeline.stage_source import UnsplitModel
 from lightning_parallel.plan.parallel_plan import ParallelPlan
-from lightning_parallel.techniques.sequence_parallel.technique import (
-    TECHNIQUE,
-    FoundAttention,
-    declared_heads,
-)
+from lightning_parallel.techniques.sequence_parallel.model_checks import FoundAttention, declared_heads
+from lightning_parallel.techniques.sequence_parallel.technique import TECHNIQUE
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")]
 

@@ -4,9 +4,10 @@ Lightning glue only: the order of set-up, and Lightning's hooks mapped onto the 
 nothing of Lightning: the plan (:mod:`lightning_parallel.plan`), the split and the schedules
 (:mod:`lightning_parallel.pipeline` and the stage sources), the techniques
 (:mod:`lightning_parallel.techniques`), the gradient synchronisation (:mod:`lightning_parallel.grads`).
-Its other Lightning hooks are mixins, one concern each: the stop path (``stop.py``), collectives in a step
-(``collectives.py``), the data a replica reads (``same_data.py``), checkpoints (``checkpointing.py``) and
-the release at exit (``release.py``).
+Its other Lightning hooks are mixins, one concern each: the steps, ``backward`` and ``optimizer_step``
+(``step_hooks.py``), the stop path (``stop.py``), collectives in a step (``collectives.py``), the data a
+replica reads (``same_data.py``), checkpoints (``checkpointing.py``) and the release at exit
+(``release.py``).
 """
 
 from __future__ import annotations
@@ -55,18 +56,23 @@ from lightning_parallel.strategies.pipeline.refusals import (
 from lightning_parallel.strategies.pipeline.release import ReleaseAtExit
 from lightning_parallel.strategies.pipeline.same_data import SameData
 from lightning_parallel.strategies.pipeline.script_launcher import StoppingScriptLauncher
-from lightning_parallel.strategies.pipeline.step import run_step
-from lightning_parallel.strategies.pipeline.step_results import count_predict_batches
+from lightning_parallel.strategies.pipeline.step_hooks import PipelinedSteps
 from lightning_parallel.strategies.pipeline.step_state import StepState
 from lightning_parallel.strategies.pipeline.stop import StopAgreement, StopHooks, start_rank_guard
 from lightning_parallel.techniques.compile import CompileWatch
 from lightning_parallel.techniques.contract import Job, buffers_to
 from lightning_parallel.techniques.recompute import Selection
-from lightning_parallel.timeline.recorder import Timeline, span_of
 
 
 class PipelineStrategy(
-    StopHooks, StepCollectives, SameData, MetaInit, ReleaseAtExit, PipelineCheckpointHooks, DDPStrategy
+    PipelinedSteps,
+    StopHooks,
+    StepCollectives,
+    SameData,
+    MetaInit,
+    ReleaseAtExit,
+    PipelineCheckpointHooks,
+    DDPStrategy,
 ):
     """Pipeline (x data) parallel training of an ordinary LightningModule on ``torch.distributed.pipelining``.
 
@@ -337,74 +343,6 @@ class PipelineStrategy(
     def weights_items(self) -> bool:
         """Whether training losses are item-weighted (token-exact) rather than sample-weighted."""
         return self.parts is not None and self.parts.items is not None
-
-    # ------------------------------------------------------------------------------------ steps
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._stop_agreement.at_batch(self.lightning_module.trainer)  # a stop signal to any rank stops all
-        with self.precision_plugin.train_step_context():
-            return self._pipelined_step("training_step", args, train=True)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._pipelined_step("validation_step", args, train=False)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._pipelined_step("test_step", args, train=False)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._pipelined_step("predict_step", args, train=False)
-
-    def _pipelined_step(self, step_name: str, args: tuple[Any, ...], train: bool) -> Any:
-        assert self.parts is not None
-        if train:
-            self._check_training_batch(args)  # the first ones: the same on a replica's ranks, micro-batches
-        if self._batch_transform is not None:  # (before anything reads the batch: its micro-batches, items)
-            args = (self._batch_transform(args[0]), *args[1:])
-        if self._compile_watch is None:
-            return run_step(self.parts, self.step_state, self.lightning_module, step_name, args, train)
-        with self._compile_watch.reporting(f"this {step_name} (batch {args[1] if len(args) > 1 else '?'})"):
-            return run_step(self.parts, self.step_state, self.lightning_module, step_name, args, train)
-
-    @override
-    def on_predict_start(self) -> None:
-        super().on_predict_start()
-        if self.parts is not None:
-            count_predict_batches(self.parts, self.step_state, self.lightning_module.trainer)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # The schedule already ran backward for every micro-batch inside training_step: add the
-        # gradients it held aside, between Lightning's before/after-backward hooks.
-        assert self.lightning_module is not None and self.parts is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.step_state.held.add_to_grads()
-        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        assert self.parts is not None and self._sync is not None
-        timeline = self.step_state.observer
-        synced: list[int] = []
-
-        def closure_then_sync() -> Any:
-            result = closure()
-            with span_of(timeline, "gradient sync", "collective"):
-                self._sync()  # once per optimizer step, before clipping and the step itself
-            synced.append(Timeline.now())
-            return result
-
-        out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-        if timeline is not None and synced:  # clipping (a pipeline all-reduce of the norm) and the step
-            timeline.add("optimizer step", "optimizer", synced[-1], Timeline.now())
-            for name, start, end in self._sync.background_spans():  # (beside the backward: overlapped)
-                timeline.add(name, "background", start, end)
-        return out
 
     @classmethod
     @override

@@ -4,7 +4,8 @@ When the host cannot hold the optimizer state either (several ranks of a node sh
 state (and the fp32 master of bf16 / fp16 parameters) lives in files under a directory the user names,
 one directory per rank (``scratch.py``). Once per optimizer step, after backward, clipping and unscaling
 on the device, the chunks of the state (``disk_layout.py``) stream through the host buffer
-(``disk_stream.py``): one is read while the one before steps and the one before that is written back.
+(``disk_stream.py``, its slots and work area sized by ``disk_tier.py``): one is read while the one
+before steps and the one before that is written back.
 For each chunk (``disk_chunk.py``) the gradients come down (pinned and non-blocking on an accelerator),
 the user's class steps it with its fastest host kernel, the updated parameters go up. The numbers are
 the whole step's: torch's fused host kernels step a chunk bitwise as the whole tensors (fp32 parameters:
@@ -56,50 +57,22 @@ import functools
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_parallel.distributed.agree import agree
 from lightning_parallel.optim import sharded as zero_sharding
 from lightning_parallel.optim.settings import accepted_settings
-from lightning_parallel.techniques.offload.disk_chunk import ALIGN, WORK_REGIONS, ChunkStep
+from lightning_parallel.techniques.offload.disk_chunk import ChunkStep
 from lightning_parallel.techniques.offload.disk_group import DiskState, GroupFile, GroupSpec, group_spec, seen
-from lightning_parallel.techniques.offload.disk_layout import SPLIT, Chunk, plan_group
-from lightning_parallel.techniques.offload.disk_stream import SLOTS, HostBuffers, Stream
+from lightning_parallel.techniques.offload.disk_layout import Chunk, plan_group
+from lightning_parallel.techniques.offload.disk_stream import HostBuffers, Stream
+
+# (DiskTier is also imported from here, beside disk_step, by the technique, the tests and experiments)
+from lightning_parallel.techniques.offload.disk_tier import DiskTier, buffer_split, max_elements
 from lightning_parallel.techniques.offload.host_optimizer import host_kernel
 from lightning_parallel.techniques.offload.scratch import ScratchDir, check_room
-
-
-@dataclass(frozen=True)
-class DiskTier:
-    """Where and how the disk tier keeps an optimizer's state.
-
-    Args:
-        directory: the user's directory (``offload_dir``); each rank uses ``<directory>/rank<R>``.
-        buffer_bytes: the host buffer's size: all the host memory the tier holds for the state.
-        rank: the directory's rank (default: the global rank, or 0 without a process group).
-        pin_memory: page-lock the work area (the device copies then run asynchronously).
-        unnamed: unnamed files (``O_TMPFILE``): None where the filesystem has them, False never.
-
-    Example::
-
-        tier = DiskTier("/local_nvme/offload", buffer_bytes=2**30, pin_memory=True)
-    """
-
-    directory: str
-    buffer_bytes: int = 2**30
-    rank: int | None = None
-    pin_memory: bool = False
-    unnamed: bool | None = None
-
-    def rank_now(self) -> int:
-        """The rank whose directory this process uses."""
-        if self.rank is not None:
-            return self.rank
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class DiskStepping:
@@ -125,7 +98,7 @@ class DiskStepping:
         self._stream: list[Stream] = []  # (made at the first step: a list, so the finalizer shares it)
         try:
             specs = [group_spec(self._user_class, g, kernel) for g in self.param_groups]
-            self._slot_bytes, self._work_bytes = _buffer_split(specs, self._tier.buffer_bytes)
+            self._slot_bytes, self._work_bytes = buffer_split(specs, self._tier.buffer_bytes)
             self._lay_out(specs)
         except BaseException:
             _close(self._disk, self._stream, self._scratch)
@@ -139,24 +112,19 @@ class DiskStepping:
         self._closer = weakref.finalize(self, _close, self._disk, self._stream, self._scratch)
 
     def _lay_out(self, specs: list[GroupSpec]) -> None:
-        layouts = [plan_group(s.numels, s.keys, self._max_elements(s), s.elementwise) for s in specs]
+        slot, work = self._slot_bytes, self._work_bytes
+        layouts = [plan_group(s.numels, s.keys, max_elements(s, slot, work), s.elementwise) for s in specs]
         check_room(self._scratch.path, sum(layout.file_bytes for layout in layouts))
         for spec, layout in zip(specs, layouts):
             self._disk.append(
                 GroupFile(spec, layout, self._scratch.new_file(layout.file_bytes, self._tier.unnamed))
             )
 
-    def _max_elements(self, spec: GroupSpec) -> int:
-        by_work = (self._work_bytes - WORK_REGIONS * ALIGN) // spec.work_bytes
-        if not spec.state_bytes:  # (no per-element state: only the work area bounds a chunk)
-            return by_work
-        return min((self._slot_bytes - ALIGN * len(spec.keys)) // spec.state_bytes, by_work)
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._user_class.add_param_group(self, param_group)
         if "_disk" in self.__dict__:  # (a group added after construction: BackboneFinetuning's)
             spec = group_spec(self._user_class, self.param_groups[-1], self._chunk_step.kernel)
-            slot, work = _buffer_split([*(f.spec for f in self._disk), spec], self._tier.buffer_bytes)
+            slot, work = buffer_split([*(f.spec for f in self._disk), spec], self._tier.buffer_bytes)
             if slot > self._slot_bytes or work > self._work_bytes:
                 # The buffer was sized to the groups it had (a head, before the backbone joins): it grows,
                 # up to the tier's, and the next step allocates it anew (the laid-out chunks still fit).
@@ -325,31 +293,6 @@ def _close(files: list[GroupFile], stream: list[Stream], scratch: ScratchDir, wa
         group_file.file.close()
     if scratch._users > 0:
         scratch.release()
-
-
-def _buffer_split(specs: list[GroupSpec], buffer_bytes: int) -> tuple[int, int]:
-    """(a slot's bytes, the work area's bytes): ``SLOTS`` slots and the work area fill the buffer, or hold
-    the largest group whole where that takes less (a chunk never holds more than one group: a small
-    model's tier holds what it needs, not the whole default buffer; never fewer than ``SPLIT`` elements).
-
-    Raises:
-        ValueError: the buffer holds fewer than ``SPLIT`` elements per chunk, with the size it needs.
-    """
-    state = max((s.state_bytes for s in specs), default=0)
-    work = max((s.work_bytes for s in specs), default=8)
-    keys = max((len(s.keys) for s in specs), default=0)
-    slack = SLOTS * ALIGN * keys + WORK_REGIONS * ALIGN
-    elements = (buffer_bytes - slack) // (SLOTS * state + work)
-    if elements < SPLIT:
-        raise ValueError(
-            f"the disk tier's host buffer of {buffer_bytes} bytes holds {max(elements, 0)} elements per "
-            f"chunk ({SLOTS} slots of {state} bytes and a work area of {work} bytes per element), fewer than "
-            f"{SPLIT}: use a buffer of at least {slack + SPLIT * (SLOTS * state + work)} bytes (a few "
-            f"hundred MiB keeps the disk busy)"
-        )
-    largest = max((sum(n for n in s.numels if n) for s in specs), default=0)
-    elements = min(elements, max(largest, SPLIT))
-    return elements * state + ALIGN * keys, elements * work + WORK_REGIONS * ALIGN
 
 
 @functools.cache

@@ -6,25 +6,28 @@ and back (DeepSpeed's Ulysses, ALST; Megatron's ``cp_comm_type="a2a"``). Pure to
 
 The mechanics, one concern a module (phase 1 of issue 53), and the technique that wires them (phase 2):
 
-==============  =====================================================================================
-``exchange``    the all-to-alls with autograd (``tokens_to_heads`` / ``heads_to_tokens``, each the
-                other's backward; a verdict column rides on the query's), ``gather_tokens``
-``heads``       ``k`` must divide the query and the key/value heads: ``check_heads`` names the sizes
-``masks``       causal attention carries over to every token; any other mask is refused; sliding
-                windows shorter than the sequence refused from the model's config
-``attention``   ``ulysses_attention``: SDPA's arguments and result, on a shard, over the whole sequence
-``eager``       ``SequenceParallelMode`` (a ``TorchFunctionMode``: SDPA -> Ulysses, the shard's
-                ``arange(t)`` -> its positions) and ``run_forwards_in`` (each forward enters it, so a
-                block recomputed in backward does too)
-``graph``       ``rewrite_stage``: a traced stage's SDPA nodes and position ``arange`` nodes rewritten
-``positions``   ``position_ids`` for a model that takes them, the ``arange`` offset for one that makes
-                its own (the choice, and what was weighed, in its docstring)
-``labels``      ``shift_across_shards`` / ``group_labels``: a ``labels=`` loss's boundary labels
-``shards``      ``shard_batch``: the batch transform (contiguous shards, right-padding masks, refusals)
-``loss``        ``token_weight``: a shard's mean weighted by its share of the group's labelled tokens
-``technique``   ``TECHNIQUE``: the plan field, the batch transform, the stages, the checks (the contract)
-``planned``     the planner's model: per-token bytes and compute ``/ k``, the all-to-alls, the search's ``k``
-==============  =====================================================================================
+================  =====================================================================================
+``exchange``      the all-to-alls with autograd (``tokens_to_heads`` / ``heads_to_tokens``, each the
+                  other's backward; a verdict column rides on the query's), ``gather_tokens``
+``heads``         ``k`` must divide the query and the key/value heads: ``check_heads`` names the sizes
+``masks``         causal attention carries over to every token; any other mask is refused; sliding
+                  windows shorter than the sequence refused from the model's config
+``attention``     ``ulysses_attention``: SDPA's arguments and result, on a shard, over the whole sequence
+``eager``         ``SequenceParallelMode`` (a ``TorchFunctionMode``: SDPA -> Ulysses, the shard's
+                  ``arange(t)`` -> its positions) and ``run_forwards_in`` (each forward enters it, so a
+                  block recomputed in backward does too)
+``graph``         ``rewrite_stage``: a traced stage's SDPA nodes and position ``arange`` nodes rewritten
+``positions``     ``position_ids`` for a model that takes them, the ``arange`` offset for one that makes
+                  its own (the choice, and what was weighed, in its docstring)
+``labels``        ``shift_across_shards`` / ``group_labels``: a ``labels=`` loss's boundary labels
+``shards``        ``shard_batch``: the batch transform (contiguous shards, right-padding masks, refusals)
+``loss``          ``token_weight``: a shard's mean weighted by its share of the group's labelled tokens
+``technique``     ``TECHNIQUE``: the plan field, the batch transform, the stages, the checks (the contract)
+``model_checks``  what it checks in the model: the heads it declares, an attention split, ``labels=``
+                  handed to a module that would shift them
+``planned``       the planner's model: per-token bytes and compute ``/ k``, the all-to-alls, the
+                  search's ``k``
+================  =====================================================================================
 
 Checked against one device (tests/test_sequence_parallel_exact.py, gloo): Ulysses attention bit for bit
 on 2 and 4 ranks (causal, full, GQA with ``enable_gqa`` and with repeated heads); a tiny GPT eager, as a
