@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch.distributed.fsdp import fully_shard
-from torch.utils._pytree import tree_leaves
 
 from lightning_parallel.techniques.fsdp._internals import finish_backward
 from lightning_parallel.techniques.ledgers import Line, TimeBench, TimeLedger
@@ -84,7 +83,7 @@ def measure_units(bench: TimeBench) -> FsdpTimes:
         sharded = copy.deepcopy(sample.module).to(bench.device)
         fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
         plain_forward = bench.timed(lambda m=plain, a=args, k=kwargs: m(*a, **k))
-        plain_both = bench.timed(lambda m=plain, a=args, k=kwargs: _backward(m(*a, **k)))
+        plain_both = bench.timed(lambda m=plain, a=args, k=kwargs: TimeBench.backward(m(*a, **k)))
         gather, forward, both, end, reduce = _sharded_step(sharded, args, kwargs, bench)
         extra_backward = (both - forward) - (plain_both - plain_forward)
         step = _step_beyond_plain(sharded, bench)
@@ -121,7 +120,7 @@ def _sharded_step(sharded: Any, args: Any, kwargs: Any, bench: TimeBench) -> tup
     pieces = (
         sharded.unshard,
         lambda: sharded(*args, **kwargs),
-        lambda: _backward(sharded(*args, **kwargs)),
+        lambda: TimeBench.backward(sharded(*args, **kwargs)),
         lambda: finish_backward(sharded, reduce=False),
         lambda: finish_backward(sharded, reduce=True),
     )
@@ -144,8 +143,3 @@ def _as_a_micro_batch(sharded: Any) -> None:
     sharded.set_is_last_backward(False)
     sharded.set_reshard_after_backward(False)
     sharded.set_requires_gradient_sync(False)
-
-
-def _backward(out: Any) -> None:
-    floats = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
-    sum(t.float().sum() for t in floats).backward()

@@ -15,9 +15,6 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch.utils._pytree import tree_leaves
-
 from lightning_parallel.techniques.ledgers import Line, TimeBench
 from lightning_parallel.techniques.offload.activations import ActivationOffload
 
@@ -68,7 +65,7 @@ def measure_activations(bench: TimeBench) -> ActivationTimes | None:
             with hooks if hooks is not None else contextlib.nullcontext():
                 out = block(*a, **k)
             if back:
-                _backward(out)
+                TimeBench.backward(out)
 
         probe = ActivationOffload(pin_memory=pin)
         run(probe, back=True)
@@ -82,9 +79,3 @@ def measure_activations(bench: TimeBench) -> ActivationTimes | None:
         forward.append((size, max(0.0, hooked_forward - plain_forward)))
         backward.append((size, max(0.0, (hooked_both - hooked_forward) - (plain_both - plain_forward))))
     return ActivationTimes(Line.through(packed), Line.through(forward), Line.through(backward))
-
-
-def _backward(out: Any) -> None:
-    floats = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
-    if floats:
-        sum(t.float().sum() for t in floats).backward()

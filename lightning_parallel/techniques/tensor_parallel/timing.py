@@ -102,8 +102,8 @@ def measure_block(sample: UnitSample, plan: Any, mesh: DeviceMesh, bench: TimeBe
     for size, call in calls.items():
         with TensorParallelStep() if bench.layout != "sequential" else contextlib.nullcontext():
             alone = bench.timed(lambda c=call: c(False))
-            both = bench.timed(lambda c=call: _backward(c(False)))
-            recomputed = bench.timed(lambda c=call: _backward(c(True)))
+            both = bench.timed(lambda c=call: TimeBench.backward(c(False)))
+            recomputed = bench.timed(lambda c=call: TimeBench.backward(c(True)))
         forward.append((size, alone))
         backward.append((size, both - alone))
         again.append((size, max(0.0, recomputed - both)))
@@ -236,9 +236,3 @@ def _replicated(t: Any, mesh: DeviceMesh) -> Any:
         return t
     whole = DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
     return whole.requires_grad_(t.requires_grad)
-
-
-def _backward(out: Any) -> None:
-    floats = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in floats]
-    sum(t.float().sum() for t in local).backward()
