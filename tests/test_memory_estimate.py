@@ -432,7 +432,9 @@ def test_offload_moves_state_or_activations_to_the_host_and_the_node_counts_its_
 
 def test_the_disk_tier_moves_the_state_to_the_disk_the_host_holds_its_buffer():
     """``offload_to="disk"``: the state (its ZeRO-1 share; bf16 parameters' fp32 masters with it) in the
-    disk column, the host holding the buffer only, per rank and per node; the table shows both."""
+    disk column, the host holding the buffer only (the slots and work area the tier sizes for the rank's
+    share: 3 slots of a chunk's state and a work area of its gradients, parameters and their rounding,
+    under the 64 MiB bound), per rank and per node; the table shows both."""
     disk = dict(offload="optimizer", offload_to="disk", offload_dir="/nvme", offload_buffer="64MiB")
     # (replicas: the whole state on every rank; ZeRO-1: each replica's share)
     for precision, data_parallel in (
@@ -445,13 +447,15 @@ def test_the_disk_tier_moves_the_state_to_the_disk_the_host_holds_its_buffer():
         plain = predict(facts, ParallelPlan(**shape))
         on_disk = predict(facts, ParallelPlan(**shape, **disk))
         for p, d in zip(plain.ranks, on_disk.ranks):
-            assert d.optimizer == 0 and d.peak == p.peak - p.optimizer and d.host == 64 * 2**20
+            state, work = (8, 8) if precision == "32-true" else (12, 10)  # bytes an element: slot, work
+            assert d.optimizer == 0 and d.peak == p.peak - p.optimizer and d.host < 64 * 2**20
+            assert d.host == pytest.approx(d.disk * (3 * state + work) / state, rel=0.01)
             if precision == "32-true":
                 assert d.disk == pytest.approx(p.optimizer, abs=1), data_parallel
             else:  # AdamW's bf16 state (2 + 2 bytes an element) in fp32 in the files, an fp32 master beside
                 elements = p.parameters // 2
                 assert d.disk == pytest.approx(p.optimizer + (8 - 4 + 4) * elements, rel=0.01)
-        assert host_per_node(on_disk, 4) == 4 * 64 * 2**20  # (the buffer, not the state, per rank)
+        assert host_per_node(on_disk, 4) == 2 * sum(d.host for d in on_disk.ranks)  # (2 replicas a node)
         header = on_disk.format_table().splitlines()[1]
         assert "peak (device)" in header and "host" in header and "disk" in header
 

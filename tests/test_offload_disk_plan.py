@@ -1,6 +1,7 @@
 """The disk tier in the planner (techniques/offload/disk_plan.py, disk_rate.py): its streaming charged at
-the disk's bandwidth, the disk chosen only where the host cannot hold the state, its budget, the
-bandwidth measured once in the directory; and plan="auto"'s arguments for it."""
+the disk's bandwidth, its host buffer as the tier sizes it, the disk chosen only where the host cannot
+hold the state, its budget, the bandwidth measured once in the directory; and plan="auto"'s arguments
+for it."""
 
 import time
 from dataclasses import replace
@@ -11,12 +12,14 @@ from tiny_models import SequentialRegressor
 
 from lightning_parallel import PipelineStrategy
 from lightning_parallel.plan.parallel_plan import ParallelPlan
+from lightning_parallel.planner.estimate import predict
 from lightning_parallel.planner.facts import measure_model
 from lightning_parallel.planner.links import Link, given_links
 from lightning_parallel.planner.ranking import Budget, fastest_fit, plan_search
 from lightning_parallel.planner.search import Search
 from lightning_parallel.planner.time_model import step_time
 from lightning_parallel.strategies.pipeline import autoplan
+from lightning_parallel.techniques.offload.disk_optimizer import DiskTier, disk_step
 from lightning_parallel.techniques.offload.disk_plan import file_bytes
 from lightning_parallel.techniques.offload.disk_rate import disk_bandwidth
 from lightning_parallel.techniques.offload.disk_stream import SLOTS
@@ -132,3 +135,32 @@ def test_plan_auto_takes_a_disk_budget_with_its_directory(tmp_path):
             PipelineStrategy(
                 plan="auto", memory="1GiB", offload_to="disk", offload_dir=str(tmp_path), **given
             )
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_the_host_column_holds_the_buffer_the_tier_allocates_not_its_bound(tmp_path, precision):
+    """A small model under the default 1 GiB bound: the planner's host bytes for its disk tier are the
+    slots and work area the real tier allocates for the same parameters (its buffers' peak after a step),
+    not the bound; under a bound of half that, what the tier allocates then (fp32 and bf16 parameters,
+    the latter with fp32 masters in the files and a rounding in the work area)."""
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    torch.manual_seed(0)
+    model = SequentialRegressor(d_in=16, hidden=64, depth=3, adam=True).to(dtype)
+    facts = measure_model(
+        model, (torch.randn(16, 16, dtype=dtype), torch.randn(16, 4, dtype=dtype)), precision
+    )
+
+    def allocated(bound: int) -> int:
+        tier = disk_step(torch.optim.AdamW(model.parameters(), lr=1e-3), DiskTier(str(tmp_path), bound))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        tier.step()
+        tier.close()
+        return tier.buffers.peak
+
+    whole = allocated(GiB)
+    for bound, held in ((GiB, whole), (whole // 2, allocated(whole // 2))):
+        plan = ParallelPlan("pipeline", 1, 1, 1, offload="optimizer", offload_to="disk",
+                            offload_dir=str(tmp_path), offload_buffer=bound)  # fmt: skip
+        assert predict(facts, plan).host == held, (precision, bound, held)
+    assert whole < GiB // 1000 and held <= whole // 2

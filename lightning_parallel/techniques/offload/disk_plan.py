@@ -1,7 +1,7 @@
 """The disk tier for the planner: the bytes it keeps in files, and the seconds its streaming adds.
 
 * :func:`state_to_disk` - a rank's optimizer state off the device into its disk column (the host keeps
-  the buffer the state streams through);
+  the buffer the state streams through, :func:`host_buffer`: as the tier sizes it, at most the bound);
 * :func:`disk_seconds` - per optimizer step the files are read once and written once at the disk's
   bandwidth (``links.disk``, measured once in ``offload_dir``: ``disk_rate.py``), overlapped with the host
   step chunk by chunk (``disk_stream.py``): what outlasts the host step, and one chunk's read and write
@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_parallel.techniques.contract import MemoryLedger, TimeLedger
 from lightning_parallel.techniques.offload.disk_stream import SLOTS
+from lightning_parallel.techniques.offload.disk_tier import split_bytes
 
 
 def file_bytes(trainable: Iterable[Any]) -> int:
@@ -25,30 +26,57 @@ def file_bytes(trainable: Iterable[Any]) -> int:
 
         in_files = file_bytes(t for t in facts.tensors.values() if t.grad)
     """
-    total = 0
-    for t in trainable:
-        low = t.nbytes < 4 * t.numel  # (bf16 / fp16: 2 bytes an element, stepped in fp32)
-        scale = 4 * t.numel // t.nbytes if low else 1
-        per_element = t.state.per_element if t.state else 0
-        total += per_element * t.numel * scale + (t.state.per_tensor if t.state else 0)
-        total += 4 * t.numel if low else 0
-    return total
+    return sum(
+        _file_bytes_per_element(t) * t.numel + (t.state.per_tensor if t.state else 0) for t in trainable
+    )
+
+
+def _file_bytes_per_element(t: Any) -> int:
+    """A tensor's bytes per element in the files: its state in fp32 (bf16 / fp16 parameters are stepped in
+    fp32) and, for those, the fp32 master."""
+    low = t.nbytes < 4 * t.numel
+    scale = 4 * t.numel // t.nbytes if low else 1
+    return (t.state.per_element if t.state else 0) * scale + (4 if low else 0)
 
 
 def state_to_disk(ledger: MemoryLedger, trainable: list[Any], buffer: int) -> None:
     """The rank's optimizer state (its ZeRO-1 or FSDP2 share) off the device into its files; the host
-    holds only the buffer the state streams through (``buffer``, the plan's ``offload_buffer``), whatever
-    the state's size (the chunks' gradients and parameters pass through its work area)."""
+    holds only the buffer the state streams through (:func:`host_buffer`: at most ``buffer``, the plan's
+    ``offload_buffer``), whatever the state's size (the chunks' gradients and parameters pass through its
+    work area)."""
     device, whole = ledger.device, ledger.whole["optimizer"]
     share = device["optimizer"] / whole if whole else 1.0  # (ZeRO-1 and FSDP2 step their share)
     device["optimizer"] = 0
     ledger.disk["optimizer"] = ledger.disk.get("optimizer", 0) + round(file_bytes(trainable) * share)
-    ledger.add_host("optimizer", buffer)
+    ledger.add_host("optimizer", host_buffer(trainable, share, buffer))
     ledger.notes.append(
         "offload_to='disk': the files are read and written once per optimizer step at the links' disk "
         "bandwidth (measured in offload_dir, or --disk-bandwidth), overlapped with the host step chunk by "
         "chunk; without one, the step time is host offload's"
     )
+
+
+def host_buffer(trainable: list[Any], share: float, buffer: int) -> int:
+    """Bytes of host buffer the tier allocates for these tensors' state (``share`` of it: the rank's
+    ZeRO-1 or FSDP2 share) under a bound of ``buffer``: its slots and work area sized as the optimizer
+    sizes them (``disk_tier.split_bytes``), taking the tensors as one param group (the most it holds: a
+    chunk never spans two groups), so a small model's tier counts what it holds, not the whole bound.
+
+    Example::
+
+        ledger.add_host("optimizer", host_buffer(trainable, 1.0, 2**30))
+    """
+    elements = sum(t.numel for t in trainable)
+    if not elements:
+        return 0
+    low = [t for t in trainable if t.nbytes < 4 * t.numel]  # (bf16 / fp16: an fp32 master in the file)
+    state = max(_file_bytes_per_element(t) for t in trainable)
+    work = 8 + max((t.nbytes // t.numel for t in low), default=0)  # (gradient, parameter, rounding)
+    try:
+        slot, area = split_bytes(state, work, state // 4, round(elements * share), buffer)
+    except ValueError:  # (a buffer too small for the tier: refused when it is built, with the fix)
+        return buffer
+    return min(buffer, SLOTS * slot + area)
 
 
 def disk_seconds(ledger: TimeLedger, host_step: float, buffer: int) -> float:

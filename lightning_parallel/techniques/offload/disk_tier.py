@@ -62,6 +62,19 @@ def buffer_split(specs: list[GroupSpec], buffer_bytes: int) -> tuple[int, int]:
     state = max((s.state_bytes for s in specs), default=0)
     work = max((s.work_bytes for s in specs), default=8)
     keys = max((len(s.keys) for s in specs), default=0)
+    largest = max((sum(n for n in s.numels if n) for s in specs), default=0)
+    return split_bytes(state, work, keys, largest, buffer_bytes)
+
+
+def split_bytes(state: int, work: int, keys: int, largest: int, buffer_bytes: int) -> tuple[int, int]:
+    """:func:`buffer_split` on the groups' numbers: ``state`` and ``work`` bytes per element in a slot and
+    in the work area, ``keys`` state tensors per element, ``largest`` elements in the largest group (the
+    planner sizes the tier's host buffer with it, from the model's facts, before any optimizer exists).
+
+    Example::
+
+        slot, work = split_bytes(8, 8, 2, 1_000, 2**30)   # AdamW, 1,000 elements: 3 x 8,128 + 8,192 bytes
+    """
     slack = SLOTS * ALIGN * keys + WORK_REGIONS * ALIGN
     elements = (buffer_bytes - slack) // (SLOTS * state + work)
     if elements < SPLIT:
@@ -71,7 +84,6 @@ def buffer_split(specs: list[GroupSpec], buffer_bytes: int) -> tuple[int, int]:
             f"{SPLIT}: use a buffer of at least {slack + SPLIT * (SLOTS * state + work)} bytes (a few "
             f"hundred MiB keeps the disk busy)"
         )
-    largest = max((sum(n for n in s.numels if n) for s in specs), default=0)
     elements = min(elements, max(largest, SPLIT))
     return elements * state + ALIGN * keys, elements * work + WORK_REGIONS * ALIGN
 
