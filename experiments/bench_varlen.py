@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", type=int, default=10, help="new lengths timed on the deep model")
     args = p.parse_args(argv)
     if args.quick:
-        args.repeats, args.batches, args.deep, args.lengths = 1, 3, 4, 2
+        args.repeats, args.batches, args.deep, args.lengths = 1, 3, 2, 2
         args.dim, args.depth, args.warmup, args.microbatches = 32, 2, 1, 2
     h.quiet()
     h.record_machine("varlen", args.out_dir)
