@@ -1,6 +1,7 @@
 """Suite-wide settings: one thread per process, no process outlives its test, no patch outlives it."""
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 
 # Set before torch is imported anywhere, so spawned ranks inherit it: on 2 cores, N ranks with
@@ -17,9 +18,10 @@ from global_state import changes, snapshot
 torch.set_num_threads(1)
 
 # The suite starts its ranks with forkserver (mp_harness.START_METHOD): the server, started at the
-# first launch with this environment, imports these once and every rank is forked from it.
+# first launch with this environment, imports these once and every rank is forked from it (hf_preload:
+# transformers, peft and litgpt, which the Hugging Face tests' ranks would each import).
 multiprocessing.set_forkserver_preload(
-    ["lightning_parallel", "lightning.pytorch", "mp_harness", "tiny_models"]
+    ["lightning_parallel", "lightning.pytorch", "mp_harness", "tiny_models", "hf_preload"]
 )
 
 # Lightning's launchers take a free port with bind(0), from the kernel's ephemeral range, where gloo's
@@ -60,6 +62,29 @@ def pytest_collection_modifyitems(config, items):
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     spawning = {item.path for item in items if item.get_closest_marker("multiprocess")}
     items.sort(key=lambda item: 0 if item.path in slow else 1 if item.path in spawning else 2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forkserver_finds_the_tests_modules():
+    """Start this worker's forkserver with the tests' folder on its ``PYTHONPATH``.
+
+    The server is a fresh interpreter started with this process's environment, and Python 3.11's
+    ``forkserver.main`` drops the ``sys.path`` it is handed: started lazily, it found ``lightning_parallel``
+    and Lightning but not the tests' modules, and skipped their preload without a word (an ImportError
+    there is ignored), so every rank imported them, and the Hugging Face tests' ranks transformers, again.
+    Started here, at the first test (a worker's, not the xdist controller's), it preloads them all.
+    """
+    tests = os.path.dirname(os.path.abspath(__file__))
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests, before) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    yield
 
 
 @pytest.fixture(autouse=True)
