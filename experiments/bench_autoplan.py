@@ -154,7 +154,7 @@ def _planned(world: int, model: str, memory: Any, trials: int | None) -> Any:
              bubble=c.time.bubble, communication_s=c.time.communication, overhead_s=c.time.overhead)
         for c in planned.candidates
     ]  # fmt: skip
-    return {"candidates": rows, "links": planned.links.describe()}
+    return {"candidates": rows, "links": planned.links.describe(), "notes": planned.notes}
 
 
 def budgets_for(candidates: list[dict[str, Any]]) -> dict[str, Budget]:
@@ -478,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         done = per_rank[0]
         loads = f"load average {done['load']:.1f} -> {done['load_end']:.1f}"
         print(f"{model} ({loads}): {done['found']['links']}", flush=True)
+        print(f"  {model}, what plan='auto' noted: {'; '.join(done['found']['notes'])}", flush=True)
         measured = {}
         for c in {c["label"]: c for mine in done["picks"].values() for c in mine}.values():
             key = f"{model}|{c['label']}"

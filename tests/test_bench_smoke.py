@@ -425,6 +425,19 @@ def test_gpu_check_quick_matches_one_device(quick):
     assert len(diffs) == 5 and all(float(d) < 1e-4 for d in diffs), diffs
 
 
+def test_autoplan_quick_times_fsdp2_and_tensor_parallelism_in_place_on_two_ranks(quick):
+    """plan="auto" on the split-qkv CharLM's 2 ranks: FSDP2's units and tensor parallelism's block timed
+    in place (techniques/tensor_parallel/timing.py on the job's mesh), not the links' formula it falls
+    back to where a measurement fails."""
+    out, summary = quick
+    assert summary["bench_autoplan"]["error"] is None, summary["bench_autoplan"]["error"]
+    printed = (out / "bench_autoplan" / "stdout.txt").read_text()
+    noted = re.search(r"what plan='auto' noted: (.*)", printed)
+    assert noted, printed[-2000:]
+    for technique in ("fsdp", "tensor_parallel"):
+        assert f"{technique} measured in place" in noted.group(1), noted.group(1)
+
+
 def test_hf_pretrained_memory_quick_holds_half_the_model_per_stage(quick):
     out, _ = quick
     rows = {
