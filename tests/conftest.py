@@ -65,15 +65,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _forkserver_finds_the_tests_modules():
+def _forkserver_finds_the_tests_modules(request):
     """Start this worker's forkserver with the tests' folder on its ``PYTHONPATH``.
 
     The server is a fresh interpreter started with this process's environment, and Python 3.11's
     ``forkserver.main`` drops the ``sys.path`` it is handed: started lazily, it found ``lightning_parallel``
     and Lightning but not the tests' modules, and skipped their preload without a word (an ImportError
     there is ignored), so every rank imported them, and the Hugging Face tests' ranks transformers, again.
-    Started here, at the first test (a worker's, not the xdist controller's), it preloads them all.
+    Started here, at the first test (a worker's, not the xdist controller's), it preloads them all; a
+    session without a ``multiprocess`` test starts no server (its preloads cost seconds of CPU).
     """
+    if not any(item.get_closest_marker("multiprocess") for item in request.session.items):
+        yield
+        return
     tests = os.path.dirname(os.path.abspath(__file__))
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests, before) if p)
