@@ -203,8 +203,19 @@ class TimeBench:
     optimizer: Callable[[list[Any]], Any] | None = None
 
     def inputs(self, sample: UnitSample, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``sample``'s recorded inputs at ``size`` samples, on the bench's device."""
-        return tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, sample.inputs[size])
+        """``sample``'s recorded inputs at ``size`` samples, on the bench's device, with ``None`` for an
+        object among its keyword inputs (a Hugging Face layer's key-value cache): the recorded one is
+        shared and filled by every call (each timed call would attend to the last one's keys, or backward
+        through its freed graph); a stage holds none."""
+        args, kwargs = tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, sample.inputs[size])
+
+        def plain(value: Any) -> bool:
+            leaves = tree_leaves(value)
+            return all(
+                torch.is_tensor(t) or t is None or isinstance(t, (bool, int, float, str)) for t in leaves
+            )
+
+        return args, {key: value if plain(value) else None for key, value in kwargs.items()}
 
     def timed(self, fn: Callable[[], Any]) -> float:
         """The median seconds of ``fn`` over ``repeats`` runs after a warm-up, the ranks lined up first."""

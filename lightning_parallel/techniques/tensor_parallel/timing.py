@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel.techniques.ledgers import Line, TimeBench, UnitSample
@@ -91,7 +91,7 @@ def measure_block(sample: UnitSample, plan: Any, mesh: DeviceMesh, bench: TimeBe
     if not styles:
         raise ValueError(f"the tensor-parallel plan splits nothing in {name}")
     block = copy.deepcopy(sample.module).to(bench.device)
-    inputs = {size: _without_objects(bench.inputs(sample, size)) for size in sorted(sample.inputs)}
+    inputs = {size: bench.inputs(sample, size) for size in sorted(sample.inputs)}
     if bench.layout == "sequential":
         heads = {p[len(name) + 1 :]: c for p, c in plan.head_counts.items() if f"{p}.".startswith(f"{name}.")}
         calls, note = module_calls(block, styles, heads, mesh, inputs), ""
@@ -197,21 +197,6 @@ def _eager_dtensor_calls(
     parallelize_module(block, mesh, {p: _dtensor_output(s) for p, s in styles.items()})
     entered = {size: tree_map(lambda t: _replicated(t, mesh), given) for size, given in inputs.items()}
     return {size: _called(block, args, kwargs) for size, (args, kwargs) in entered.items()}
-
-
-def _without_objects(given: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The recorded inputs without the objects among them (a Hugging Face layer's key-value cache): ``None``
-    instead. The recorded one is shared, and filled by every call (each call would attend to the last
-    one's keys, or backward through its freed graph); export refuses it; a traced stage holds none."""
-    args, kwargs = given
-
-    def plain(value: Any) -> bool:
-        return all(
-            torch.is_tensor(t) or t is None or isinstance(t, (bool, int, float, str))
-            for t in tree_leaves(value)
-        )
-
-    return args, {key: value if plain(value) else None for key, value in kwargs.items()}
 
 
 def _called(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BlockCall:
