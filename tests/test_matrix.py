@@ -11,7 +11,7 @@ checkpoint is compared with the reference's second epoch; after the 4-rank job, 
 are resumed on one device.
 
 Covers techniques/fsdp/_internals.py (finish_backward, spied on), techniques/fsdp/ (technique, sharding),
-techniques/zero.py, techniques/recompute.py, techniques/replicas.py, techniques/user_function.py,
+techniques/zero.py, techniques/recompute/technique.py, techniques/replicas.py, techniques/user_function.py,
 techniques/compile.py, techniques/offload/technique.py and techniques/tensor_parallel/technique.py through
 every case they run in, and strategies/pipeline/step.py's evaluation between training batches.
 """

@@ -6,7 +6,7 @@ them it runs grads/loss_scale.py's agreement alone, without Lightning (from test
 The 16-mixed run saves a distributed checkpoint after its scale changed; two more runs resume from it
 and from its consolidated file.
 
-Covers techniques/recompute.py's ZeRO-1 optimizers (shard_optimizer_state=True).
+Covers techniques/recompute/technique.py's ZeRO-1 optimizers (shard_optimizer_state=True).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Recomputation timed in place (``techniques/recompute_timing.py``): what torch's checkpoint adds to a
+"""Recomputation timed in place (``techniques/recompute/timing.py``): what torch's checkpoint adds to a
 block's forward and backward, and what a recomputed unit is charged from it."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from lightning_parallel.plan.parallel_plan import ParallelPlan
 from lightning_parallel.planner.facts import measure_model
 from lightning_parallel.planner.links import given_links
 from lightning_parallel.planner.time_model import step_time
-from lightning_parallel.techniques import recompute_timing
 from lightning_parallel.techniques.ledgers import Line, TimeBench, UnitSample
 from lightning_parallel.techniques.recompute import TECHNIQUE
+from lightning_parallel.techniques.recompute import timing as recompute_timing
 
 CLOCK = [0.0]  # (module-level: the measurement times a deep copy of the block, not the block)
 

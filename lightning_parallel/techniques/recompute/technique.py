@@ -4,7 +4,7 @@ The technique (:data:`TECHNIQUE`, ``activation_checkpointing=``): its setting ch
 variant in the search, and its transform of this rank's stages (:func:`apply`, now or as each is
 prepared); for the planner, what a stage keeps per micro-batch with the selected units recomputed
 (:func:`memory`, :meth:`Recompute.stage_costs`) and the forwards run again in backward
-(:meth:`Recompute.time`, measured in place under ``plan="auto"``: ``recompute_timing.py``).
+(:meth:`Recompute.time`, measured in place under ``plan="auto"``: ``timing.py``).
 
 A *unit* is a named submodule a stage calls: a layer of the split ``nn.Sequential`` (``"layers.3"``)
 or a block the traced stage graph calls (``"h.2"``). Wrapping replaces the unit's ``forward`` on
@@ -30,7 +30,7 @@ from lightning_parallel.pipeline.stage_source import PreparedStage, StageSource,
 from lightning_parallel.techniques.contract import SearchOptions, Technique
 from lightning_parallel.techniques.job import Job
 from lightning_parallel.techniques.ledgers import CostLedger, TimeBench, TimeLedger
-from lightning_parallel.techniques.recompute_timing import RecomputeTimes, measure_recompute
+from lightning_parallel.techniques.recompute.timing import RecomputeTimes, measure_recompute
 
 Units = Sequence[tuple[str, nn.Module]]
 
@@ -78,12 +78,12 @@ class Recompute(Technique):
 
     def measure(self, bench: TimeBench) -> RecomputeTimes | None:
         """Checkpointing in place: the bench's block under torch's checkpoint against the same block
-        without it (:func:`~.recompute_timing.measure_recompute`)."""
+        without it (:func:`~.timing.measure_recompute`)."""
         return measure_recompute(bench) if bench.samples else None
 
     def time(self, ledger: TimeLedger) -> None:
         """In backward, the forward of each recomputed unit once more; measured in place under
-        ``plan="auto"`` (:class:`~.recompute_timing.RecomputeTimes`), what checkpointing adds to a forward
+        ``plan="auto"`` (:class:`~.timing.RecomputeTimes`), what checkpointing adds to a forward
         and to a backward per second of plain forward instead (its hooks included)."""
         chosen = set(recomputed_units(ledger.facts, ledger.plan.activation_checkpointing))
         if not chosen:
