@@ -77,9 +77,9 @@ class Recompute(Technique):
         ledger.stages = [_recomputed(c, ledger.facts, chosen, ledger.micro_batch) for c in ledger.stages]
 
     def measure(self, bench: TimeBench) -> RecomputeTimes | None:
-        """Checkpointing in place: the bench's block under torch's checkpoint against the same block
-        without it (:func:`~.timing.measure_recompute`)."""
-        return measure_recompute(bench) if bench.samples else None
+        """Checkpointing in place: the bench's block wrapped as a unit is (torch's checkpoint) against the
+        same block without it (:func:`~.timing.measure_recompute`)."""
+        return measure_recompute(bench, _wrap) if bench.samples else None
 
     def time(self, ledger: TimeLedger) -> None:
         """In backward, the forward of each recomputed unit once more; measured in place under

@@ -13,10 +13,11 @@ paid, as a multiple of its plain forward, at the unit's own forward.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.checkpoint import checkpoint
+from torch import nn
 
 from lightning_parallel.techniques.ledgers import Line, TimeBench
 
@@ -29,7 +30,7 @@ class RecomputeTimes:
 
     Example::
 
-        times = measure_recompute(bench)          # on every rank of the job
+        times = measure_recompute(bench, wrap)    # on every rank of the job
         times.factors(8)                          # (forward, backward) extra per second of plain forward
     """
 
@@ -46,33 +47,35 @@ class RecomputeTimes:
         return self.forward.at(samples) / plain, self.backward.at(samples) / plain
 
 
-def measure_recompute(bench: TimeBench) -> RecomputeTimes | None:
+def measure_recompute(bench: TimeBench, recompute: Callable[[nn.Module], None]) -> RecomputeTimes | None:
     """The bench's block (its first sample) at each recorded size: forward, and forward with backward,
-    with and without torch's non-reentrant checkpoint (as the strategy wraps a unit); None where the
-    block has no parameter that needs a gradient (nothing to recompute for).
+    plain and with its forward recomputed as the strategy recomputes a unit (``recompute``: the
+    technique's wrapping of a module in place, torch's non-reentrant checkpoint); None where the block has
+    no parameter that needs a gradient (nothing to recompute for).
 
     Example::
 
-        measure_recompute(bench).backward.at(4)   # seconds checkpointing adds to the block's backward at 4
+        measure_recompute(bench, wrap).backward.at(4)   # seconds recomputation adds to a backward at 4
     """
     sample = bench.samples[0]
-    block = copy.deepcopy(sample.module).to(bench.device)
-    if not any(p.requires_grad for p in block.parameters()):
+    plain_block = copy.deepcopy(sample.module).to(bench.device)
+    if not any(p.requires_grad for p in plain_block.parameters()):
         return None
+    recomputed_block = copy.deepcopy(plain_block)
+    recompute(recomputed_block)
     plain, forward, backward = [], [], []
     for size in sorted(sample.inputs):
         args, kwargs = bench.inputs(sample, size)
 
-        def run(recompute: bool, back: bool, a: Any = args, k: Any = kwargs) -> None:
-            out = checkpoint(block, *a, use_reentrant=False, **k) if recompute else block(*a, **k)
+        def run(block: nn.Module, back: bool, a: Any = args, k: Any = kwargs) -> None:
+            out = block(*a, **k)
             if back:
                 TimeBench.backward(out)
 
-        plain_forward = bench.timed(lambda: run(False, back=False))
-        plain_both = bench.timed(lambda: run(False, back=True))
-        recomputed_forward = bench.timed(lambda: run(True, back=False))
-        recomputed_both = bench.timed(lambda: run(True, back=True))
-        block.zero_grad(set_to_none=True)
+        plain_forward = bench.timed(lambda: run(plain_block, back=False))
+        plain_both = bench.timed(lambda: run(plain_block, back=True))
+        recomputed_forward = bench.timed(lambda: run(recomputed_block, back=False))
+        recomputed_both = bench.timed(lambda: run(recomputed_block, back=True))
         plain.append((size, plain_forward))
         forward.append((size, max(0.0, recomputed_forward - plain_forward)))
         extra = (recomputed_both - recomputed_forward) - (plain_both - plain_forward)
